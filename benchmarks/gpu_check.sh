@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The one command for a GPU run: build + install jaxdnn, run the test suite on the GPU, run every
+# benchmark. Logs (build.log, tests.log, bench.log) and the results JSON go to RESULTS_DIR.
+#   usage: benchmarks/gpu_check.sh RESULTS_DIR
+# Keeps going after a failure so the benchmarks still run; exits non-zero if any step failed.
+set -uo pipefail
+mkdir -p "${1:?usage: $0 RESULTS_DIR}" && out=$(cd "$1" && pwd) || exit 2
+cd "$(dirname "$0")/.." || exit 2
+failed=()
+
+# Pure-Python wheels carried to the machine (nvidia-cutlass headers, dm-haiku), if any.
+if compgen -G '.whl/*.whl' >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || failed+=(wheels)
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+python3 -m pip install --no-build-isolation --no-deps -v . 2>&1 | tee "$out/build.log" || failed+=(build)
+nvidia-smi
+python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
+# -P: do not put the cwd (the source folder jaxdnn/) ahead of the installed package on sys.path.
+python3 -P -c 'import jaxdnn; print("jaxdnn from", jaxdnn.__file__); assert jaxdnn.has_cuda_kernels()' \
+  || failed+=(cuda-kernels)
+python3 -P -m pytest tests -x -q -p no:cacheprovider 2>&1 | tee "$out/tests.log" || failed+=(tests)
+python3 benchmarks/run.py --family all --out "$out" 2>&1 | tee "$out/bench.log" || failed+=(benchmarks)
+
+if ((${#failed[@]})); then echo "gpu_check: FAILED: ${failed[*]}" >&2; exit 1; fi
+echo "gpu_check: all passed; results in $out"

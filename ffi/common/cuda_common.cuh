@@ -1,0 +1,78 @@
+// Shared by every family's CUDA kernels: error checks, dtype conversion, vector packs, reductions.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "common/ffi_common.h"
+
+namespace jaxdnn {
+
+inline ffi::Error CudaError(cudaError_t status, const char* where) {
+  if (status == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("jaxdnn: CUDA error in ") + where + ": " + cudaGetErrorString(status));
+}
+
+// After a kernel launch: reports a bad launch configuration (or an earlier asynchronous error).
+inline ffi::Error LaunchError(const char* kernel) { return CudaError(cudaGetLastError(), kernel); }
+
+// Blocks of `kernel` (with `block` threads and `smem` bytes) that fit on the device at once.
+template <typename Kernel>
+inline int ResidentBlocks(Kernel kernel, int block, size_t smem) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, smem);
+  return per_sm > 0 && sms > 0 ? per_sm * sms : 1;
+}
+
+__device__ __forceinline__ float ToFloat(float v) { return v; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T FromFloat(float v);
+template <> __device__ __forceinline__ float FromFloat<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half FromFloat<__half>(float v) { return __float2half_rn(v); }
+
+// N elements moved as one aligned access (16 bytes when N * sizeof(T) == 16).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// Elements of T in one 16-byte access.
+template <typename T>
+constexpr int kVec16 = 16 / sizeof(T);
+
+template <typename... F>
+__device__ __forceinline__ void WarpSum(F&... v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    ((v += __shfl_xor_sync(0xffffffffu, v, offset)), ...);
+  }
+}
+
+}  // namespace jaxdnn
+
+namespace jaxdnn {
+
+// Asynchronous 16-byte global -> shared copies (sm_80+): loads in flight without holding registers.
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most `kPending` of this thread's committed copy groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+}  // namespace jaxdnn

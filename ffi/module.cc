@@ -1,0 +1,52 @@
+// The _jaxdnn extension: hands every FFI handler to Python, which registers them with XLA.
+#include <nanobind/nanobind.h>
+
+#include "norm/norm.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+// One row per FFI target: its versioned name and its handler per platform (nullptr if not built).
+struct Target {
+  const char* name;
+  XLA_FFI_Handler* cpu;
+  XLA_FFI_Handler* cuda;
+};
+
+#ifdef JAXDNN_WITH_CUDA
+#define JAXDNN_CUDA_HANDLER(symbol) symbol
+#else
+#define JAXDNN_CUDA_HANDLER(symbol) nullptr
+#endif
+
+const Target kTargets[] = {
+    {"jaxdnn_layer_norm_fwd_v1", LayerNormFwdCpu, JAXDNN_CUDA_HANDLER(LayerNormFwdCuda)},
+    {"jaxdnn_layer_norm_bwd_v1", LayerNormBwdCpu, JAXDNN_CUDA_HANDLER(LayerNormBwdCuda)},
+    {"jaxdnn_rms_norm_fwd_v1", RmsNormFwdCpu, JAXDNN_CUDA_HANDLER(RmsNormFwdCuda)},
+    {"jaxdnn_rms_norm_bwd_v1", RmsNormBwdCpu, JAXDNN_CUDA_HANDLER(RmsNormBwdCuda)},
+};
+
+nb::capsule Capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }
+
+}  // namespace
+
+NB_MODULE(_jaxdnn, m) {
+  m.def("registrations", []() {
+    nb::dict targets;
+    for (const Target& target : kTargets) {
+      nb::dict platforms;
+      platforms["cpu"] = Capsule(target.cpu);
+      if (target.cuda != nullptr) platforms["CUDA"] = Capsule(target.cuda);
+      targets[target.name] = platforms;
+    }
+    return targets;
+  }, "{target name: {platform: FFI handler capsule}} for every kernel built.");
+  m.def("has_cuda_kernels", []() {
+#ifdef JAXDNN_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  }, "Whether the CUDA kernels were compiled into this build.");
+}

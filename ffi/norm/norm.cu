@@ -1,0 +1,620 @@
+// CUDA LayerNorm / RMSNorm.
+//
+// Forward: one group of `group` threads per row (a warp for short rows, a whole block for long
+// ones). The fast path keeps the row in registers (16-byte loads, up to kIters vectors a thread) and
+// computes mean and variance in two passes over those registers; rows that are not a multiple of a
+// 16-byte vector, or longer than the registers hold, take the streaming path, which re-reads the row
+// (from L1/L2) for each pass.
+//
+// Backward: a persistent grid of G blocks (as many as are resident at once, capped by the
+// workspace's P). Block b owns a contiguous chunk of rows; besides dx it accumulates dscale/dbias
+// for its rows in registers and writes them to workspace[b]. A second kernel sums workspace[0..G)
+// in a fixed order, so the result has the same bits on every run on a given device.
+#include <algorithm>
+
+#include "common/cuda_common.cuh"
+#include "norm/norm.h"
+#include "norm/norm_common.h"
+
+namespace jaxdnn {
+namespace {
+
+constexpr int kIters = 4;          // 16-byte vectors per thread in the register-cached path
+constexpr int kMaxGroup = 1024;    // threads per row at most
+constexpr int kWarpRowsBlock = 256;  // block size when a warp handles a row
+constexpr int kMaxBwdGroup = 512;  // the cached backward holds two rows of registers a thread
+
+// Sums `v...` over the `group` threads of a row. Groups wider than a warp span the whole block
+// (one row per block), so the block barrier is uniform.
+template <int kN>
+__device__ __forceinline__ void GroupSum(float (&v)[kN], int group) {
+  __shared__ float partial[kN][kMaxGroup / 32];
+#pragma unroll
+  for (int i = 0; i < kN; ++i) WarpSum(v[i]);
+  if (group <= 32) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = group / 32;
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) partial[i][warp] = v[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    float s = 0.f;
+    for (int w = 0; w < warps; ++w) s += partial[i][w];
+    v[i] = s;
+  }
+  __syncthreads();  // `partial` is reused by the next reduction
+}
+
+// Row statistics as (count, mean, sum of squared deviations). Combining two partial results
+// (Chan et al.) is exact in the sense of a two-pass variance, so one reduction gives mean and variance.
+struct Moments {
+  float count, mean, m2;
+};
+
+__device__ __forceinline__ Moments Combine(Moments a, Moments b) {
+  const float count = a.count + b.count;
+  if (count == 0.f) return a;
+  const float delta = b.mean - a.mean;
+  const float weight = b.count / count;
+  return {count, a.mean + delta * weight, a.m2 + b.m2 + delta * delta * a.count * weight};
+}
+
+// Combines the moments of the `group` threads of a row; every thread gets the row's moments.
+__device__ __forceinline__ Moments GroupMoments(Moments m, int group) {
+  __shared__ Moments partial[kMaxGroup / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    Moments other;
+    other.count = __shfl_xor_sync(0xffffffffu, m.count, offset);
+    other.mean = __shfl_xor_sync(0xffffffffu, m.mean, offset);
+    other.m2 = __shfl_xor_sync(0xffffffffu, m.m2, offset);
+    m = Combine(m, other);
+  }
+  if (group <= 32) return m;
+  const int warp = threadIdx.x / 32, warps = group / 32;
+  if (threadIdx.x % 32 == 0) partial[warp] = m;
+  __syncthreads();
+  m = partial[0];
+  for (int w = 1; w < warps; ++w) m = Combine(m, partial[w]);
+  __syncthreads();
+  return m;
+}
+
+struct RowGroup {
+  int64_t row;  // this group's row (forward) or first row (backward)
+  int lane;     // thread index within the group
+  int index;    // group index within the block
+  int count;    // groups per block
+};
+
+__device__ __forceinline__ RowGroup MakeRowGroup(int group) {
+  RowGroup g;
+  g.lane = threadIdx.x % group;
+  g.index = threadIdx.x / group;
+  g.count = blockDim.x / group;
+  g.row = int64_t(blockIdx.x) * g.count + g.index;
+  return g;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+template <typename T, bool kRms>
+__global__ void __launch_bounds__(kMaxGroup) NormFwdCached(const T* __restrict__ x, const float* __restrict__ scale,
+                             const float* __restrict__ bias, T* __restrict__ y,
+                             float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows,
+                             int features, int group, float epsilon) {
+  constexpr int kVec = kVec16<T>;
+  using Vec = Pack<T, kVec>;
+  const RowGroup g = MakeRowGroup(group);
+  if (group <= 32 && g.row >= rows) return;  // wider groups: the grid has exactly `rows` blocks
+  const T* xr = x + g.row * features;
+  float v[kIters][kVec];
+  int valid = 0;  // vectors this thread holds
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int col = (i * group + g.lane) * kVec;
+    if (col < features) {
+      const Vec packed = *reinterpret_cast<const Vec*>(xr + col);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) v[i][k] = ToFloat(packed.v[k]);
+      ++valid;
+    }
+  }
+  // This thread's moments, two-pass over its registers, then one reduction over the row.
+  Moments m = {float(valid * kVec), 0.f, 0.f};
+  float mean = 0.f, rstd;
+  if (kRms) {
+    float sq[1] = {0.f};
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      if (i < valid) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) sq[0] += v[i][k] * v[i][k];
+      }
+    }
+    GroupSum(sq, group);
+    rstd = rsqrtf(sq[0] / features + epsilon);
+  } else {
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      if (i < valid) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) sum += v[i][k];
+      }
+    }
+    m.mean = valid > 0 ? sum / m.count : 0.f;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      if (i < valid) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) m.m2 += (v[i][k] - m.mean) * (v[i][k] - m.mean);
+      }
+    }
+    m = GroupMoments(m, group);
+    mean = m.mean;
+    rstd = rsqrtf(m.m2 / features + epsilon);
+  }
+  T* yr = y + g.row * features;
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int col = (i * group + g.lane) * kVec;
+    if (col < features) {
+      const Pack<float, kVec> s = *reinterpret_cast<const Pack<float, kVec>*>(scale + col);
+      Pack<float, kVec> b;
+      if (!kRms) b = *reinterpret_cast<const Pack<float, kVec>*>(bias + col);
+      Vec out;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        out.v[k] = FromFloat<T>((v[i][k] - mean) * rstd * s.v[k] + (kRms ? 0.f : b.v[k]));
+      }
+      *reinterpret_cast<Vec*>(yr + col) = out;
+    }
+  }
+  if (g.lane == 0) {
+    if (!kRms) mean_out[g.row] = mean;
+    rstd_out[g.row] = rstd;
+  }
+}
+
+// One row per block, any feature count.
+template <typename T, bool kRms>
+__global__ void NormFwdStreaming(const T* __restrict__ x, const float* __restrict__ scale,
+                                 const float* __restrict__ bias, T* __restrict__ y,
+                                 float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                                 int features, float epsilon) {
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * features;
+  float mean = 0.f;
+  if (!kRms) {
+    float sum[1] = {0.f};
+    for (int j = threadIdx.x; j < features; j += blockDim.x) sum[0] += ToFloat(xr[j]);
+    GroupSum(sum, blockDim.x);
+    mean = sum[0] / features;
+  }
+  float sq[1] = {0.f};
+  for (int j = threadIdx.x; j < features; j += blockDim.x) {
+    const float c = ToFloat(xr[j]) - mean;
+    sq[0] += c * c;
+  }
+  GroupSum(sq, blockDim.x);
+  const float rstd = rsqrtf(sq[0] / features + epsilon);
+  T* yr = y + row * features;
+  for (int j = threadIdx.x; j < features; j += blockDim.x) {
+    yr[j] = FromFloat<T>((ToFloat(xr[j]) - mean) * rstd * scale[j] + (kRms ? 0.f : bias[j]));
+  }
+  if (threadIdx.x == 0) {
+    if (!kRms) mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward. With xhat = (x - mean) * rstd and g = scale * dy:
+//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm drops mean(g))
+//   dscale = sum_rows(dy * xhat), dbias = sum_rows(dy)
+
+// Rows [begin, end) of block `block` when `rows` rows are split over `blocks` blocks.
+__device__ __forceinline__ void BlockRows(int64_t rows, int blocks, int block, int64_t* begin,
+                                          int64_t* end) {
+  *begin = rows * block / blocks;
+  *end = rows * (block + 1) / blocks;
+}
+
+// Each thread stages its own columns of the next row (x and dy) in shared memory with cp.async
+// while it works on the current one, so a row's loads are always in flight; dscale/dbias for the
+// thread's columns accumulate in registers.
+template <typename T, bool kRms>
+__global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
+    const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ scale,
+    const float* __restrict__ mean_in, const float* __restrict__ rstd_in, T* __restrict__ dx,
+    float* __restrict__ workspace, int64_t rows, int features, int group) {
+  constexpr int kVec = kVec16<T>;
+  constexpr int kSums = kRms ? 1 : 2;
+  using Vec = Pack<T, kVec>;
+  const RowGroup g = MakeRowGroup(group);
+  int64_t begin, end;
+  BlockRows(rows, gridDim.x, blockIdx.x, &begin, &end);
+
+  // [groups][2 stages][x, dy][kIters][group] vectors: lane-consecutive, so conflict-free. Each thread
+  // only reads the slots it filled itself, so the pipeline needs no barrier.
+  extern __shared__ uint4 shared[];
+  Vec* stages = reinterpret_cast<Vec*>(shared) + g.index * 4 * kIters * group + g.lane;
+  auto slot = [&](int stage, int tensor, int i) {
+    return stages + ((stage * 2 + tensor) * kIters + i) * group;
+  };
+  auto stage_row = [&](int64_t row, int stage) {
+    if (row < end) {
+#pragma unroll
+      for (int i = 0; i < kIters; ++i) {
+        const int col = (i * group + g.lane) * kVec;
+        if (col < features) {
+          CpAsync16(slot(stage, 0, i), x + row * features + col);
+          CpAsync16(slot(stage, 1, i), dy + row * features + col);
+        }
+      }
+    }
+    CpAsyncCommit();  // an empty group past the end keeps the wait count uniform
+  };
+
+  float acc_scale[kIters][kVec] = {};
+  float acc_bias[kIters][kVec] = {};
+  int64_t row = begin + g.index;
+  stage_row(row, 0);
+  for (int stage = 0; row < end; row += g.count, stage ^= 1) {
+    stage_row(row + g.count, stage ^ 1);
+    const float mean = kRms ? 0.f : mean_in[row];
+    const float rstd = rstd_in[row];
+    CpAsyncWait<1>();  // this row's copies have landed
+    float sums[2] = {0.f, 0.f};  // sum(g), sum(g * xhat)
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int col = (i * group + g.lane) * kVec;
+      if (col < features) {
+        const Vec xs = *slot(stage, 0, i), dys = *slot(stage, 1, i);
+        const Pack<float, kVec> s = *reinterpret_cast<const Pack<float, kVec>*>(scale + col);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          const float xhat = (ToFloat(xs.v[k]) - mean) * rstd;
+          const float gk = s.v[k] * ToFloat(dys.v[k]);
+          sums[0] += gk;
+          sums[1] += gk * xhat;
+        }
+      }
+    }
+    GroupSum(sums, group);
+    const float mean_g = kRms ? 0.f : sums[0] / features;
+    const float mean_g_xhat = sums[1] / features;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int col = (i * group + g.lane) * kVec;
+      if (col < features) {
+        const Vec xs = *slot(stage, 0, i), dys = *slot(stage, 1, i);
+        const Pack<float, kVec> s = *reinterpret_cast<const Pack<float, kVec>*>(scale + col);
+        Vec out;
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          const float xhat = (ToFloat(xs.v[k]) - mean) * rstd;
+          const float dyk = ToFloat(dys.v[k]);
+          out.v[k] = FromFloat<T>(rstd * (s.v[k] * dyk - mean_g - xhat * mean_g_xhat));
+          acc_scale[i][k] += dyk * xhat;
+          if (!kRms) acc_bias[i][k] += dyk;
+        }
+        *reinterpret_cast<Vec*>(dx + row * features + col) = out;
+      }
+    }
+  }
+  CpAsyncWait<0>();
+
+  // workspace[block] = the sum of the groups' accumulators, in group order (deterministic).
+  float* out = workspace + int64_t(blockIdx.x) * kSums * features;
+  if (g.count == 1) {
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int col = (i * group + g.lane) * kVec;
+      if (col < features) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          out[col + k] = acc_scale[i][k];
+          if (!kRms) out[features + col + k] = acc_bias[i][k];
+        }
+      }
+    }
+    return;
+  }
+  // Several groups: through shared memory (the stages, no longer needed), laid out
+  // [groups][kSums][kIters * kVec][group] so that the writes are conflict-free.
+  __syncthreads();
+  float* combined = reinterpret_cast<float*>(shared);
+  const int slots = kIters * kVec * group;
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      float* dst = combined + g.index * kSums * slots + (i * kVec + k) * group + g.lane;
+      dst[0] = acc_scale[i][k];
+      if (!kRms) dst[slots] = acc_bias[i][k];
+    }
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < kSums * slots; j += blockDim.x) {
+    const int sum = j / slots, slot_index = j % slots;
+    const int lane = slot_index % group, ik = slot_index / group;
+    const int col = ((ik / kVec) * group + lane) * kVec + ik % kVec;
+    if (col < features) {
+      float total = 0.f;
+      for (int c = 0; c < g.count; ++c) total += combined[(c * kSums + sum) * slots + slot_index];
+      out[sum * features + col] = total;
+    }
+  }
+}
+
+// One row group = the whole block; accumulates straight into workspace[block] (its own row of it).
+template <typename T, bool kRms>
+__global__ void NormBwdStreaming(const T* __restrict__ dy, const T* __restrict__ x,
+                                 const float* __restrict__ scale, const float* __restrict__ mean_in,
+                                 const float* __restrict__ rstd_in, T* __restrict__ dx,
+                                 float* __restrict__ workspace, int64_t rows, int features) {
+  constexpr int kSums = kRms ? 1 : 2;
+  int64_t begin, end;
+  BlockRows(rows, gridDim.x, blockIdx.x, &begin, &end);
+  float* out = workspace + int64_t(blockIdx.x) * kSums * features;
+  for (int j = threadIdx.x; j < features; j += blockDim.x) {
+    out[j] = 0.f;
+    if (!kRms) out[features + j] = 0.f;
+  }
+  for (int64_t row = begin; row < end; ++row) {
+    const T* xr = x + row * features;
+    const T* dyr = dy + row * features;
+    const float mean = kRms ? 0.f : mean_in[row];
+    const float rstd = rstd_in[row];
+    float sums[2] = {0.f, 0.f};
+    for (int j = threadIdx.x; j < features; j += blockDim.x) {
+      const float gj = scale[j] * ToFloat(dyr[j]);
+      sums[0] += gj;
+      sums[1] += gj * (ToFloat(xr[j]) - mean) * rstd;
+    }
+    GroupSum(sums, blockDim.x);
+    const float mean_g = kRms ? 0.f : sums[0] / features;
+    const float mean_g_xhat = sums[1] / features;
+    for (int j = threadIdx.x; j < features; j += blockDim.x) {
+      const float xhat = (ToFloat(xr[j]) - mean) * rstd;
+      const float dyj = ToFloat(dyr[j]);
+      dx[row * features + j] = FromFloat<T>(rstd * (scale[j] * dyj - mean_g - xhat * mean_g_xhat));
+      out[j] += dyj * xhat;
+      if (!kRms) out[features + j] += dyj;
+    }
+  }
+}
+
+// dscale[j] (and dbias[j]) = sum over p < partials of workspace[p][s][j], in a fixed order.
+// Threads (x, y): x is the column within a 32-wide tile, y strides over the partial rows.
+__global__ void SumPartials(const float* __restrict__ workspace, int partials, int64_t sums_features,
+                            int features, float* __restrict__ dscale, float* __restrict__ dbias) {
+  __shared__ float tile[32][33];
+  const int64_t col = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  float s = 0.f;
+  if (col < sums_features) {
+    for (int p = threadIdx.y; p < partials; p += 32) s += workspace[p * sums_features + col];
+  }
+  tile[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < sums_features) {
+    float total = 0.f;
+    for (int k = 0; k < 32; ++k) total += tile[k][threadIdx.x];
+    if (col < features) {
+      dscale[col] = total;
+    } else {
+      dbias[col - features] = total;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch plans and handlers
+
+constexpr size_t kMaxBwdSmem = 200 * 1024;  // backward stages, below Hopper's 227 KB
+constexpr int kWarpRowsBwdBlock = 128;        // backward block size when a warp handles a row
+
+struct Plan {
+  bool cached;  // register-cached kernel (else streaming)
+  int group;    // threads per row
+  int block;    // threads per block
+  size_t smem;  // backward: dynamic shared memory of the cached kernel
+};
+
+template <typename T>
+Plan MakePlan(int64_t features, int sums) {
+  constexpr int kVec = kVec16<T>;
+  Plan plan;
+  plan.cached = features % kVec == 0 && features <= int64_t(kMaxGroup) * kVec * kIters;
+  if (plan.cached) {
+    plan.group = 32;
+    while (int64_t(plan.group) * kVec * kIters < features) plan.group *= 2;
+    plan.block = plan.group > 32 ? plan.group : kWarpRowsBlock;
+  } else {
+    plan.group = plan.block = int(std::min<int64_t>(kMaxGroup, (features + 31) / 32 * 32));
+  }
+  // Backward: two stages of x and dy, kIters 16-byte vectors a thread each, which also hold the
+  // combined accumulators (kSums * kIters * kVec floats a thread) at the end.
+  if (sums > 0 && plan.cached && plan.group == 32) plan.block = kWarpRowsBwdBlock;
+  plan.smem = size_t(plan.block) * 4 * kIters * 16;
+  if (plan.cached && sums > 0 && (plan.smem > kMaxBwdSmem || plan.group > kMaxBwdGroup)) {
+    plan.cached = false;
+    plan.group = plan.block = kMaxGroup;
+  }
+  return plan;
+}
+
+template <bool kRms>
+ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
+                       ffi::Buffer<ffi::F32>* bias, ffi::Result<ffi::AnyBuffer> y,
+                       ffi::Result<ffi::Buffer<ffi::F32>>* mean, ffi::Result<ffi::Buffer<ffi::F32>> rstd,
+                       float epsilon) {
+  RowsFeatures shape;
+  JAXDNN_RETURN_IF_ERROR(CheckNormFwd(x, scale, bias, *y, mean, *rstd, &shape));
+  if (shape.rows == 0) return ffi::Error::Success();
+  return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const Plan plan = MakePlan<T>(shape.features, 0);
+    const int64_t grid = plan.group > 32 || !plan.cached
+                             ? shape.rows
+                             : (shape.rows + plan.block / 32 - 1) / (plan.block / 32);
+    if (grid > 0x7fffffff) return InvalidArgument("norm: too many rows for one launch");
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    const float* bp = kRms ? nullptr : bias->typed_data();
+    T* yp = static_cast<T*>(y->untyped_data());
+    float* mp = kRms ? nullptr : (*mean)->typed_data();
+    const int features = int(shape.features);
+    if (plan.cached) {
+      NormFwdCached<T, kRms><<<grid, plan.block, 0, stream>>>(
+          xp, scale.typed_data(), bp, yp, mp, rstd->typed_data(), shape.rows, features, plan.group,
+          epsilon);
+    } else {
+      NormFwdStreaming<T, kRms><<<grid, plan.block, 0, stream>>>(
+          xp, scale.typed_data(), bp, yp, mp, rstd->typed_data(), features, epsilon);
+    }
+    return LaunchError("norm forward");
+  });
+}
+
+template <bool kRms>
+ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32>* mean,
+                       ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx,
+                       ffi::Result<ffi::Buffer<ffi::F32>> dscale,
+                       ffi::Result<ffi::Buffer<ffi::F32>>* dbias,
+                       ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
+  constexpr int kSums = kRms ? 1 : 2;
+  RowsFeatures shape;
+  int64_t max_partials = 0;
+  JAXDNN_RETURN_IF_ERROR(
+      CheckNormBwd(dy, x, scale, mean, rstd, *dx, *dscale, dbias, *workspace, &shape, &max_partials));
+  float* dscale_p = dscale->typed_data();
+  float* dbias_p = kRms ? nullptr : (*dbias)->typed_data();
+  if (shape.rows == 0) {  // sums over no rows
+    JAXDNN_RETURN_IF_ERROR(CudaError(
+        cudaMemsetAsync(dscale_p, 0, shape.features * sizeof(float), stream), "memset"));
+    if (!kRms) {
+      JAXDNN_RETURN_IF_ERROR(CudaError(
+          cudaMemsetAsync(dbias_p, 0, shape.features * sizeof(float), stream), "memset"));
+    }
+    return ffi::Error::Success();
+  }
+  return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const Plan plan = MakePlan<T>(shape.features, kSums);
+    const int features = int(shape.features);
+    const T* dyp = static_cast<const T*>(dy.untyped_data());
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    const float* mp = kRms ? nullptr : mean->typed_data();
+    T* dxp = static_cast<T*>(dx->untyped_data());
+    float* ws = workspace->typed_data();
+    int64_t blocks = std::min(max_partials, shape.rows);
+    if (plan.cached) {
+      auto kernel = NormBwdCached<T, kRms>;
+      JAXDNN_RETURN_IF_ERROR(CudaError(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem)),
+          "norm backward shared memory"));
+      blocks = std::min<int64_t>(blocks, ResidentBlocks(kernel, plan.block, plan.smem));
+      kernel<<<blocks, plan.block, plan.smem, stream>>>(dyp, xp, scale.typed_data(), mp, rstd.typed_data(),
+                                                   dxp, ws, shape.rows, features, plan.group);
+    } else {
+      auto kernel = NormBwdStreaming<T, kRms>;
+      blocks = std::min<int64_t>(blocks, ResidentBlocks(kernel, plan.block, 0));
+      kernel<<<blocks, plan.block, 0, stream>>>(dyp, xp, scale.typed_data(), mp, rstd.typed_data(),
+                                                dxp, ws, shape.rows, features);
+    }
+    JAXDNN_RETURN_IF_ERROR(LaunchError("norm backward"));
+    const int64_t sums_features = int64_t(kSums) * features;
+    SumPartials<<<(sums_features + 31) / 32, dim3(32, 32), 0, stream>>>(
+        ws, int(blocks), sums_features, features, dscale_p, dbias_p);
+    return LaunchError("norm backward partial sums");
+  });
+}
+
+ffi::Error LayerNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
+                            ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y,
+                            ffi::Result<ffi::Buffer<ffi::F32>> mean,
+                            ffi::Result<ffi::Buffer<ffi::F32>> rstd, float epsilon) {
+  return NormFwdCuda<false>(stream, x, scale, &bias, y, &mean, rstd, epsilon);
+}
+
+ffi::Error RmsNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> rstd,
+                          float epsilon) {
+  return NormFwdCuda<true>(stream, x, scale, nullptr, y, nullptr, rstd, epsilon);
+}
+
+ffi::Error LayerNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mean,
+                            ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::Result<ffi::Buffer<ffi::F32>> dscale,
+                            ffi::Result<ffi::Buffer<ffi::F32>> dbias,
+                            ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
+  return NormBwdCuda<false>(stream, dy, x, scale, &mean, rstd, dx, dscale, &dbias, workspace);
+}
+
+ffi::Error RmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> rstd,
+                          ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> dscale,
+                          ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
+  return NormBwdCuda<true>(stream, dy, x, scale, nullptr, rstd, dx, dscale, nullptr, workspace);
+}
+
+}  // namespace
+}  // namespace jaxdnn
+
+namespace ffi = xla::ffi;
+using CudaStream = ffi::PlatformStream<cudaStream_t>;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormFwdCuda, jaxdnn::LayerNormFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<CudaStream>()
+                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // bias [D]
+                                  .Ret<ffi::AnyBuffer>()          // y, x's shape and dtype
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // mean [...]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // rstd [...]
+                                  .Attr<float>("epsilon"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFwdCuda, jaxdnn::RmsNormFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<CudaStream>()
+                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
+                                  .Ret<ffi::AnyBuffer>()          // y
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // rstd [...]
+                                  .Attr<float>("epsilon"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormBwdCuda, jaxdnn::LayerNormBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<CudaStream>()
+                                  .Arg<ffi::AnyBuffer>()          // dy [..., D]
+                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // mean [...]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // rstd [...]
+                                  .Ret<ffi::AnyBuffer>()          // dx
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dscale [D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dbias [D]
+                                  .Ret<ffi::Buffer<ffi::F32>>(),  // workspace [P, 2, D]
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBwdCuda, jaxdnn::RmsNormBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<CudaStream>()
+                                  .Arg<ffi::AnyBuffer>()          // dy [..., D]
+                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // rstd [...]
+                                  .Ret<ffi::AnyBuffer>()          // dx
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dscale [D]
+                                  .Ret<ffi::Buffer<ffi::F32>>(),  // workspace [P, 1, D]
+                              {ffi::Traits::kCmdBufferCompatible});

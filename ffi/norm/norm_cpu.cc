@@ -1,0 +1,183 @@
+// CPU LayerNorm / RMSNorm: one row at a time, statistics accumulated in double (the oracle-checked
+// path CI runs; contiguous inner loops so it stays reasonably fast).
+#include <cmath>
+#include <vector>
+
+#include "common/half_cpu.h"
+#include "norm/norm.h"
+#include "norm/norm_common.h"
+
+namespace jaxdnn {
+namespace {
+
+// kRms: y = x * rstd * scale, rstd = 1/sqrt(mean(x^2) + eps); otherwise
+// y = (x - mean) * rstd * scale + bias, rstd = 1/sqrt(var(x) + eps).
+template <typename T, bool kRms>
+void NormFwd(const T* x, const float* scale, const float* bias, T* y, float* mean_out,
+             float* rstd_out, RowsFeatures shape, float epsilon) {
+  const int64_t d = shape.features;
+  std::vector<float> row(d);
+  for (int64_t r = 0; r < shape.rows; ++r) {
+    const T* xr = x + r * d;
+    double sum = 0.0;
+    for (int64_t j = 0; j < d; ++j) {
+      row[j] = ToFloat(xr[j]);
+      sum += row[j];
+    }
+    const float mean = kRms ? 0.0f : float(sum / d);
+    double sum_sq = 0.0;
+    for (int64_t j = 0; j < d; ++j) {
+      const double c = double(row[j]) - mean;
+      sum_sq += c * c;
+    }
+    const float rstd = float(1.0 / std::sqrt(sum_sq / d + double(epsilon)));
+    T* yr = y + r * d;
+    for (int64_t j = 0; j < d; ++j) {
+      float v = (row[j] - mean) * rstd * scale[j];
+      if (!kRms) v += bias[j];
+      yr[j] = FromFloat<T>(v);
+    }
+    if (!kRms) mean_out[r] = mean;
+    rstd_out[r] = rstd;
+  }
+}
+
+// With xhat = (x - mean) * rstd and g = scale * dy:
+//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm drops the mean(g) term)
+//   dscale = sum_rows(dy * xhat), dbias = sum_rows(dy).
+template <typename T, bool kRms>
+void NormBwd(const T* dy, const T* x, const float* scale, const float* mean_in, const float* rstd_in,
+             T* dx, float* dscale, float* dbias, RowsFeatures shape) {
+  const int64_t d = shape.features;
+  std::vector<float> xhat(d), g(d);
+  std::vector<double> dscale_acc(d, 0.0), dbias_acc(kRms ? 0 : d, 0.0);
+  for (int64_t r = 0; r < shape.rows; ++r) {
+    const float mean = kRms ? 0.0f : mean_in[r];
+    const float rstd = rstd_in[r];
+    double sum_g = 0.0, sum_g_xhat = 0.0;
+    for (int64_t j = 0; j < d; ++j) {
+      const float dyj = ToFloat(dy[r * d + j]);
+      xhat[j] = (ToFloat(x[r * d + j]) - mean) * rstd;
+      g[j] = scale[j] * dyj;
+      sum_g += g[j];
+      sum_g_xhat += double(g[j]) * xhat[j];
+      dscale_acc[j] += double(dyj) * xhat[j];
+      if (!kRms) dbias_acc[j] += dyj;
+    }
+    const float mean_g = kRms ? 0.0f : float(sum_g / d);
+    const float mean_g_xhat = float(sum_g_xhat / d);
+    for (int64_t j = 0; j < d; ++j) {
+      dx[r * d + j] = FromFloat<T>(rstd * (g[j] - mean_g - xhat[j] * mean_g_xhat));
+    }
+  }
+  for (int64_t j = 0; j < d; ++j) {
+    dscale[j] = float(dscale_acc[j]);
+    if (!kRms) dbias[j] = float(dbias_acc[j]);
+  }
+}
+
+template <bool kRms>
+ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32>* bias,
+                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>>* mean,
+                      ffi::Result<ffi::Buffer<ffi::F32>> rstd, float epsilon) {
+  RowsFeatures shape;
+  JAXDNN_RETURN_IF_ERROR(CheckNormFwd(x, scale, bias, *y, mean, *rstd, &shape));
+  return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    NormFwd<T, kRms>(static_cast<const T*>(x.untyped_data()), scale.typed_data(),
+                     kRms ? nullptr : bias->typed_data(), static_cast<T*>(y->untyped_data()),
+                     kRms ? nullptr : (*mean)->typed_data(), rstd->typed_data(), shape, epsilon);
+    return ffi::Error::Success();
+  });
+}
+
+template <bool kRms>
+ffi::Error NormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
+                      ffi::Buffer<ffi::F32>* mean, ffi::Buffer<ffi::F32> rstd,
+                      ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> dscale,
+                      ffi::Result<ffi::Buffer<ffi::F32>>* dbias,
+                      ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
+  RowsFeatures shape;
+  int64_t partials = 0;  // the CPU kernel accumulates in place and needs no workspace
+  JAXDNN_RETURN_IF_ERROR(
+      CheckNormBwd(dy, x, scale, mean, rstd, *dx, *dscale, dbias, *workspace, &shape, &partials));
+  return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    NormBwd<T, kRms>(static_cast<const T*>(dy.untyped_data()), static_cast<const T*>(x.untyped_data()),
+                     scale.typed_data(), kRms ? nullptr : mean->typed_data(), rstd.typed_data(),
+                     static_cast<T*>(dx->untyped_data()), dscale->typed_data(),
+                     kRms ? nullptr : (*dbias)->typed_data(), shape);
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error LayerNormFwdImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
+                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> mean,
+                            ffi::Result<ffi::Buffer<ffi::F32>> rstd, float epsilon) {
+  return NormFwdCpu<false>(x, scale, &bias, y, &mean, rstd, epsilon);
+}
+
+ffi::Error RmsNormFwdImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> y,
+                          ffi::Result<ffi::Buffer<ffi::F32>> rstd, float epsilon) {
+  return NormFwdCpu<true>(x, scale, nullptr, y, nullptr, rstd, epsilon);
+}
+
+ffi::Error LayerNormBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
+                            ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
+                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> dscale,
+                            ffi::Result<ffi::Buffer<ffi::F32>> dbias,
+                            ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
+  return NormBwdCpu<false>(dy, x, scale, &mean, rstd, dx, dscale, &dbias, workspace);
+}
+
+ffi::Error RmsNormBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
+                          ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx,
+                          ffi::Result<ffi::Buffer<ffi::F32>> dscale,
+                          ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
+  return NormBwdCpu<true>(dy, x, scale, nullptr, rstd, dx, dscale, nullptr, workspace);
+}
+
+}  // namespace
+}  // namespace jaxdnn
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormFwdCpu, jaxdnn::LayerNormFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // bias [D]
+                                  .Ret<ffi::AnyBuffer>()          // y, x's shape and dtype
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // mean [...]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // rstd [...]
+                                  .Attr<float>("epsilon"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFwdCpu, jaxdnn::RmsNormFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
+                                  .Ret<ffi::AnyBuffer>()          // y
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // rstd [...]
+                                  .Attr<float>("epsilon"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormBwdCpu, jaxdnn::LayerNormBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // dy [..., D]
+                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // mean [...]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // rstd [...]
+                                  .Ret<ffi::AnyBuffer>()          // dx
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dscale [D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dbias [D]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // workspace [P, 2, D] f32
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBwdCpu, jaxdnn::RmsNormBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // dy [..., D]
+                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // rstd [...]
+                                  .Ret<ffi::AnyBuffer>()          // dx
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dscale [D]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // workspace [P, 1, D] f32

@@ -1,0 +1,171 @@
+"""The one helper that turns an FFI target into a JAX primitive.
+
+`ffi_primitive` declares, for one kernel stage (e.g. `layer_norm_fwd`):
+- abstract evaluation from a shape function shared with the lowering;
+- lowering to the FFI target through `jax.ffi.ffi_call`, identical for CPU and CUDA (the target is
+  registered for both under one name, see `_ffi.py`), so the HLO holds one custom call per stage;
+- a batching rule supplied by the family (it folds the vmapped axis into an axis the kernel already
+  loops over);
+- sharding: the call is wrapped in `custom_partitioning` with a Shardy rule in which `...` stands for
+  the row (batch) axes. Row-sharded operands stay sharded and each device runs the kernel on its own
+  rows (no all-gather); per-feature operands are replicated; results listed in `reduced_results`
+  (sums over rows, like dscale) are summed across the devices that hold the rows.
+
+Workspace buffers are extra FFI results sized at trace time from the (per-shard) shapes, so no
+handler allocates memory; they are dropped before the primitive returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
+
+# jax keeps these in a private module: eager dispatch of a primitive, and the set of primitives
+# whose lowering needs the device assignment (custom_partitioning's does; it is inside ours).
+from jax._src import dispatch as _dispatch
+
+# (attrs as a sorted tuple of (name, value)) -> None; attributes must be numpy scalars so their FFI
+# type is explicit (np.float32 -> f32, np.int64 -> i64).
+Attrs = tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowLayout:
+    """Which operands/results carry the row axes (`...` in the sharding rule) and how many trailing
+    per-row axes they have; the others are per-feature and replicated."""
+    operand_trailing: tuple[int | None, ...]  # None: no row axes (replicated)
+    result_trailing: tuple[int | None, ...]
+
+    @classmethod
+    def parse(cls, rule: str) -> "_RowLayout":
+        def roles(side: str):
+            out = []
+            for spec in side.split(","):
+                dims = spec.split()
+                out.append(len(dims) - 1 if dims and dims[0] == "..." else None)
+            return tuple(out)
+        operands, results = rule.split("->")
+        return cls(roles(operands), roles(results))
+
+
+def _row_spec(layout: _RowLayout, arg_shapes) -> tuple:
+    """The partition spec of the row axes, read off the first operand (it always has row axes)."""
+    x = arg_shapes[0]
+    row_ndim = x.ndim - layout.operand_trailing[0]
+    spec = tuple(x.sharding.spec) if isinstance(x.sharding, NamedSharding) else ()
+    spec = (spec + (None,) * x.ndim)[:row_ndim]
+    return spec
+
+
+def _shardings(mesh, row_spec, trailing_roles):
+    return tuple(
+        NamedSharding(mesh, PartitionSpec()) if trailing is None
+        else NamedSharding(mesh, PartitionSpec(*row_spec, *([None] * trailing)))
+        for trailing in trailing_roles)
+
+
+def _mesh_axes(row_spec) -> tuple[str, ...]:
+    axes = []
+    for entry in row_spec:
+        if entry is None:
+            continue
+        axes.extend(entry if isinstance(entry, tuple) else (entry,))
+    return tuple(axes)
+
+
+def _spans_devices(ctx) -> bool:
+    """Whether the computation being lowered runs on several devices (then it is partitioned)."""
+    axis_context = ctx.module_context.axis_context
+    if getattr(axis_context, "mesh", None) is not None:  # inside shard_map
+        return axis_context.mesh.size > 1
+    return getattr(axis_context, "num_devices", 1) > 1
+
+
+def ffi_primitive(
+    name: str,
+    target: str,
+    *,
+    result_avals: Callable[..., Sequence[jax.core.ShapedArray]],
+    sharding_rule: str,
+    batch_rule: Callable,
+    scratch_results: int = 0,
+    reduced_results: Sequence[int] = (),
+) -> Primitive:
+    """Declares the primitive `name`, computed by the FFI target `target`.
+
+    Args:
+      name: the primitive's name as it shows in jaxprs, e.g. "jaxdnn_layer_norm_fwd".
+      target: the versioned FFI target, e.g. "jaxdnn_layer_norm_fwd_v1".
+      result_avals: `(*operand_avals, **attrs) -> [ShapedArray, ...]`, every FFI result including
+        trailing workspace results.
+      sharding_rule: Shardy rule over the operands and the public results, `...` for the row axes,
+        e.g. "... d, d, d -> ... d, ..., ...".
+      batch_rule: `(primitive, args, dims, **attrs) -> (outs, out_dims)`.
+      scratch_results: how many trailing FFI results are workspace (not returned).
+      reduced_results: indices of public results that are sums over rows.
+
+    The primitive is bound as `prim.bind(*operands, **attrs)` and returns a list of public results.
+    """
+    layout = _RowLayout.parse(sharding_rule)
+    prim = Primitive(name)
+    prim.multiple_results = True
+
+    def public_avals(*avals, **attrs):
+        avals = result_avals(*avals, **attrs)
+        return avals[:len(avals) - scratch_results]
+
+    def call_kernel(attrs: Attrs, *operands):
+        avals = result_avals(*(jax.core.ShapedArray(o.shape, o.dtype) for o in operands),
+                             **dict(attrs))
+        results = jax.ffi.ffi_call(
+            target, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])(*operands, **dict(attrs))
+        return tuple(results[:len(results) - scratch_results])
+
+    partitioned = custom_partitioning(call_kernel, static_argnums=(0,))
+
+    def infer_sharding(attrs, mesh, arg_shapes, result_shape):
+        return _shardings(mesh, _row_spec(layout, arg_shapes), layout.result_trailing)
+
+    def partition(attrs, mesh, arg_shapes, result_shape):
+        row_spec = _row_spec(layout, arg_shapes)
+        axes = _mesh_axes(row_spec)
+
+        def per_shard(*operands):
+            results = list(call_kernel(attrs, *operands))
+            for i in reduced_results:
+                if axes:
+                    results[i] = jax.lax.psum(results[i], axes)
+            return tuple(results)
+
+        return (mesh, per_shard, _shardings(mesh, row_spec, layout.result_trailing),
+                _shardings(mesh, row_spec, layout.operand_trailing))
+
+    partitioned.def_partition(
+        partition=partition, infer_sharding_from_operands=infer_sharding,
+        sharding_rule=sharding_rule)
+
+    def lowering(ctx, *operands, **attrs):
+        call = partitioned if _spans_devices(ctx) else call_kernel
+        key = tuple(sorted(attrs.items()))
+        return mlir.lower_fun(lambda *ops: call(key, *ops), multiple_results=True)(ctx, *operands)
+
+    prim.def_abstract_eval(public_avals)
+    prim.def_impl(functools.partial(_dispatch.apply_primitive, prim))
+    _dispatch.prim_requires_devices_during_lowering.add(prim)
+    mlir.register_lowering(prim, lowering)
+    batching.primitive_batchers[prim] = functools.partial(batch_rule, prim)
+    return prim
+
+
+def move_to_front(x, dim, size):
+    """Returns `x` with its vmapped axis `dim` first, broadcasting an unbatched `x` to `size`."""
+    if dim is None:
+        return jax.numpy.broadcast_to(x, (size,) + x.shape)
+    return jax.numpy.moveaxis(x, dim, 0)

@@ -1,0 +1,25 @@
+"""Flax modules over jaxdnn's functional API (Flax is an optional dependency).
+
+``import jaxdnn`` never imports Flax; ``import jaxdnn.flax`` does. The linen
+modules are re-exported here; the NNX ones live in ``jaxdnn.flax.nnx`` (imported
+on first use, since ``flax.nnx`` is a sizeable import of its own)::
+
+    from jaxdnn.flax import LayerNorm, RMSNorm      # flax.linen modules
+    from jaxdnn.flax import nnx as jnnx             # jnnx.LayerNorm, jnnx.RMSNorm
+
+Both mirror the stock Flax modules' attributes and parameter names (``scale``,
+``bias``), so params made with stock Flax load unchanged and vice versa.
+"""
+
+import importlib as _importlib
+
+from jaxdnn.flax import linen
+from jaxdnn.flax.linen import LayerNorm, RMSNorm
+
+__all__ = ["LayerNorm", "RMSNorm", "linen", "nnx"]
+
+
+def __getattr__(name):
+    if name == "nnx":
+        return _importlib.import_module(f"{__name__}.nnx")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,290 @@
+"""Flax linen modules over jaxdnn's fused normalization kernels.
+
+Drop-in replacements for ``flax.linen.LayerNorm`` and ``flax.linen.RMSNorm``:
+same attributes, same parameter names (``scale``, ``bias``), shapes ``(D,)`` and
+dtypes, and the same output dtype for every ``dtype`` / ``param_dtype`` setting,
+so a params tree made with stock Flax loads unchanged and vice versa.
+
+Shapes: ``x`` is ``(..., D)``; statistics are taken over the last axis ``D``.
+
+What differs from stock Flax is only what jaxdnn's kernels cannot serve, and each
+of those raises a ``ValueError`` rather than quietly computing something else:
+normalizing over axes other than the last one (``reduction_axes``/``feature_axes``),
+cross-device statistics (``axis_name``/``axis_index_groups``), ``mask``, and
+``force_float32_reductions=False`` (the kernels always reduce in float32).
+``use_fast_variance`` is accepted with either value: it is a speed hint, and the
+kernels compute the variance in float32 from the centred values, which is at least
+as accurate as either of Flax's formulas.
+
+Mixed precision: with bfloat16 inputs and float32 params, stock Flax returns
+float32, and so do these modules (the input is widened to float32 before the
+kernel). Set ``dtype=jnp.bfloat16`` (or ``param_dtype=jnp.bfloat16``) to keep the
+kernel's input and output in bfloat16, which moves half the bytes.
+
+Like the functional API these modules are built on, they support reverse-mode
+autodiff (``grad``, ``vjp``) but not forward-mode ``jvp``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+try:
+    import flax.linen as nn
+    from flax.linen import initializers
+except ImportError as e:  # flax is an optional dependency of jaxdnn
+    raise ImportError(
+        "jaxdnn.flax needs Flax; install it with `pip install 'jaxdnn[flax]'`."
+    ) from e
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxdnn
+
+__all__ = ["LayerNorm", "RMSNorm"]
+
+Dtype = Any
+Initializer = Any
+Axes = Any
+
+
+# --- helpers shared with jaxdnn.flax.nnx ---------------------------------------
+
+
+def _as_axis_tuple(axes: Axes) -> tuple[Any, ...] | None:
+    """``axes`` as a tuple, or None if it is neither an int nor an iterable."""
+    if isinstance(axes, (int, np.integer)) and not isinstance(axes, bool):
+        return (axes,)
+    try:
+        return tuple(axes)
+    except TypeError:
+        return None
+
+
+def _is_last_axis(axes: Axes, ndim: int | None) -> bool:
+    """Whether ``axes`` names only the last axis (``-1``, ``(-1,)``, ``ndim - 1``)."""
+    axes = _as_axis_tuple(axes)
+    if axes is None or len(axes) != 1:
+        return False
+    try:
+        axis = operator.index(axes[0])
+    except TypeError:
+        return False
+    if isinstance(axes[0], bool):
+        return False
+    return axis == -1 or (ndim is not None and axis == ndim - 1)
+
+
+def _check_options(
+    module: str,
+    *,
+    ndim: int | None = None,
+    reduction_axes: Axes = -1,
+    feature_axes: Axes = -1,
+    axis_name: str | None = None,
+    axis_index_groups: Any = None,
+    force_float32_reductions: bool = True,
+) -> None:
+    """Raises a ValueError naming each option jaxdnn's kernels cannot serve.
+
+    With ``ndim=None`` (rank not known yet, e.g. at NNX construction) ``-1`` and
+    single non-negative axes pass, as they may be the last axis; callers check
+    again once the input's rank is known.
+    """
+    for name, axes in (("reduction_axes", reduction_axes),
+                       ("feature_axes", feature_axes)):
+        ok = _is_last_axis(axes, ndim)
+        if not ok and ndim is None:
+            # A non-negative axis may still turn out to be the last one.
+            t = _as_axis_tuple(axes)
+            ok = (t is not None and len(t) == 1
+                  and isinstance(t[0], (int, np.integer)) and not isinstance(t[0], bool)
+                  and int(t[0]) >= 0)
+        if not ok:
+            where = "" if ndim is None else f" (input rank {ndim})"
+            raise ValueError(
+                f"jaxdnn {module}: {name} must be the last axis (-1), got "
+                f"{axes!r}{where}. jaxdnn's kernels normalize over the last axis "
+                f"only; use flax's own {module.split('.')[-1]} for other axes.")
+    if axis_name is not None or axis_index_groups is not None:
+        raise ValueError(
+            f"jaxdnn {module}: axis_name/axis_index_groups (statistics pooled across "
+            f"devices) are not supported, got axis_name={axis_name!r}, "
+            f"axis_index_groups={axis_index_groups!r}. Under jit with sharded "
+            "inputs no axis_name is needed: each row is normalized on its own.")
+    if not force_float32_reductions:
+        raise ValueError(
+            f"jaxdnn {module}: force_float32_reductions=False is not supported: "
+            "jaxdnn's kernels always compute statistics in float32.")
+
+
+def _check_mask(module: str, mask: Any) -> None:
+    if mask is not None:
+        raise ValueError(
+            f"jaxdnn {module}: `mask` is not supported (got an array of shape "
+            f"{jnp.shape(mask)}); jaxdnn's kernels normalize over every element "
+            "of the last axis.")
+
+
+def _fit_param(p: jax.Array | None, x_dtype: Dtype) -> jax.Array | None:
+    """Casts a scale/bias to a dtype the kernel accepts (float32 or x's dtype).
+
+    Any other floating dtype narrower than float32 (e.g. float16 params with
+    bfloat16 inputs) converts to float32 exactly, so nothing is lost.
+    """
+    if p is None:
+        return None
+    p = jnp.asarray(p)
+    if p.dtype == jnp.float32 or p.dtype == x_dtype:
+        return p
+    return p.astype(jnp.float32)
+
+
+def _norm_in_float32_then_cast(fn, x, params, out_dtype, **kw):
+    """Runs ``fn(x, *params, **kw)`` and returns the result in ``out_dtype``.
+
+    Stock Flax computes a norm entirely in (at least) float32 and rounds once, to
+    the output dtype. The kernels also compute in float32 and round once, to the
+    dtype of their input. So the input goes to the kernel in the wider of its own
+    dtype and ``out_dtype`` (widening is exact), and a narrower ``out_dtype`` is
+    reached by one final cast of the float32 result: the same single rounding.
+    """
+    x = jnp.asarray(x)
+    in_dtype = jnp.promote_types(x.dtype, out_dtype)
+    if not jnp.issubdtype(in_dtype, jnp.floating):
+        in_dtype = jnp.promote_types(in_dtype, jnp.float32)
+    x = x.astype(in_dtype)
+    y = fn(x, *(_fit_param(p, in_dtype) for p in params), **kw)
+    return y.astype(out_dtype)
+
+
+def _output_dtype(x, *params, dtype: Dtype | None) -> Dtype:
+    """Flax's rule: ``dtype`` if given, else the promoted type of x and params."""
+    if dtype is None:
+        dtype = jnp.result_type(*(jnp.asarray(a) for a in (x, *params) if a is not None))
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            dtype = jnp.promote_types(jnp.float32, dtype)
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"jaxdnn: the output dtype must be a real floating type, got {dtype}.")
+    return dtype
+
+
+# --- modules -------------------------------------------------------------------
+
+
+class LayerNorm(nn.Module):
+    """Layer normalization over the last axis, on jaxdnn's fused kernel.
+
+    Mirrors ``flax.linen.LayerNorm``: ``y = (x - mean) / sqrt(var + epsilon) * scale
+    + bias`` per row of ``x`` with shape ``(..., D)``; ``scale`` and ``bias`` are
+    params of shape ``(D,)``. Statistics are computed in float32.
+
+    Attributes:
+      epsilon: added to the variance to avoid dividing by zero.
+      dtype: the dtype of the result (default: promoted from input and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      use_bias: if True, ``bias`` is added.
+      use_scale: if True, the output is multiplied by ``scale``.
+      bias_init: initializer for ``bias`` (default: zeros).
+      scale_init: initializer for ``scale`` (default: ones).
+      reduction_axes: must be the last axis (``-1``).
+      feature_axes: must be the last axis (``-1``).
+      axis_name: must be None (no cross-device statistics).
+      axis_index_groups: must be None.
+      use_fast_variance: accepted, either value (see the module docstring).
+      force_float32_reductions: must be True.
+    """
+
+    epsilon: float = 1e-6
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    use_bias: bool = True
+    use_scale: bool = True
+    bias_init: Initializer = initializers.zeros
+    scale_init: Initializer = initializers.ones
+    reduction_axes: Axes = -1
+    feature_axes: Axes = -1
+    axis_name: str | None = None
+    axis_index_groups: Any = None
+    use_fast_variance: bool = True
+    force_float32_reductions: bool = True
+
+    @nn.compact
+    def __call__(self, x, *, mask: jax.Array | None = None):
+        """Normalizes ``x`` of shape ``(..., D)`` over ``D``; returns the same shape."""
+        x = jnp.asarray(x)
+        _check_mask("flax.linen.LayerNorm", mask)
+        _check_options(
+            "flax.linen.LayerNorm", ndim=x.ndim,
+            reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
+            axis_name=self.axis_name, axis_index_groups=self.axis_index_groups,
+            force_float32_reductions=self.force_float32_reductions)
+        if x.ndim == 0:
+            raise ValueError("jaxdnn flax.linen.LayerNorm: x must have at least one "
+                             "axis (the feature axis D), got a scalar.")
+        features = (x.shape[-1],)
+        scale = (self.param("scale", self.scale_init, features, self.param_dtype)
+                 if self.use_scale else None)
+        bias = (self.param("bias", self.bias_init, features, self.param_dtype)
+                if self.use_bias else None)
+        out_dtype = _output_dtype(x, scale, bias, dtype=self.dtype)
+        return _norm_in_float32_then_cast(
+            jaxdnn.layer_norm, x, (scale, bias), out_dtype, epsilon=self.epsilon)
+
+
+class RMSNorm(nn.Module):
+    """RMS normalization over the last axis, on jaxdnn's fused kernel.
+
+    Mirrors ``flax.linen.RMSNorm``: ``y = x / sqrt(mean(x**2) + epsilon) * scale``
+    per row of ``x`` with shape ``(..., D)``; ``scale`` is a param of shape ``(D,)``.
+    Statistics are computed in float32.
+
+    Attributes:
+      epsilon: added to the mean square to avoid dividing by zero.
+      dtype: the dtype of the result (default: promoted from input and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      use_scale: if True, the output is multiplied by ``scale``.
+      scale_init: initializer for ``scale`` (default: ones).
+      reduction_axes: must be the last axis (``-1``).
+      feature_axes: must be the last axis (``-1``).
+      axis_name: must be None (no cross-device statistics).
+      axis_index_groups: must be None.
+      use_fast_variance: accepted, either value (RMSNorm takes no mean anyway).
+      force_float32_reductions: must be True.
+    """
+
+    epsilon: float = 1e-6
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    use_scale: bool = True
+    scale_init: Initializer = initializers.ones
+    reduction_axes: Axes = -1
+    feature_axes: Axes = -1
+    axis_name: str | None = None
+    axis_index_groups: Any = None
+    use_fast_variance: bool = True
+    force_float32_reductions: bool = True
+
+    @nn.compact
+    def __call__(self, x, *, mask: jax.Array | None = None):
+        """Normalizes ``x`` of shape ``(..., D)`` over ``D``; returns the same shape."""
+        x = jnp.asarray(x)
+        _check_mask("flax.linen.RMSNorm", mask)
+        _check_options(
+            "flax.linen.RMSNorm", ndim=x.ndim,
+            reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
+            axis_name=self.axis_name, axis_index_groups=self.axis_index_groups,
+            force_float32_reductions=self.force_float32_reductions)
+        if x.ndim == 0:
+            raise ValueError("jaxdnn flax.linen.RMSNorm: x must have at least one "
+                             "axis (the feature axis D), got a scalar.")
+        features = (x.shape[-1],)
+        scale = (self.param("scale", self.scale_init, features, self.param_dtype)
+                 if self.use_scale else None)
+        out_dtype = _output_dtype(x, scale, dtype=self.dtype)
+        return _norm_in_float32_then_cast(
+            jaxdnn.rms_norm, x, (scale,), out_dtype, epsilon=self.epsilon)

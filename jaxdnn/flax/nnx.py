@@ -1,0 +1,224 @@
+"""Flax NNX modules over jaxdnn's fused normalization kernels.
+
+Drop-in replacements for ``flax.nnx.LayerNorm`` and ``flax.nnx.RMSNorm``: same
+constructor arguments, same ``nnx.Param`` attributes (``scale``, ``bias``, shapes
+``(D,)``), and the same dtype rule: input and params are first promoted together
+with ``promote_dtype`` (to ``dtype`` when given), statistics are taken in float32,
+and the result has the promoted dtype. ``nnx.update(jaxdnn_module,
+nnx.state(stock_module))`` therefore loads stock weights unchanged.
+
+Shapes: ``x`` is ``(..., D)`` with ``D = num_features``.
+
+Options the kernels cannot serve raise a ``ValueError`` (at construction where
+possible): axes other than the last, ``axis_name``/``axis_index_groups``, and
+``mask``. ``use_fast_variance`` is accepted with either value (see
+``jaxdnn.flax.linen``). Reverse-mode autodiff works; forward-mode ``jvp`` does not.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Mapping
+
+try:
+    from flax import nnx
+    from flax.nnx.nn import dtypes as _nnx_dtypes
+except ImportError as e:  # flax is an optional dependency of jaxdnn
+    raise ImportError(
+        "jaxdnn.flax.nnx needs Flax; install it with `pip install 'jaxdnn[flax]'`."
+    ) from e
+
+import jax
+import jax.numpy as jnp
+
+import jaxdnn
+from jaxdnn.flax.linen import _check_mask, _check_options, _fit_param
+
+__all__ = ["LayerNorm", "RMSNorm"]
+
+Dtype = Any
+Initializer = Any
+Axes = Any
+
+
+def _normalize(fn, module: str, x, params, *, reduction_axes, feature_axes,
+               epsilon, mask):
+    """Runs kernel ``fn`` on ``x`` and ``params``, already promoted by promote_dtype."""
+    x = jnp.asarray(x)
+    _check_mask(module, mask)
+    # Non-negative axes can only be checked against the rank now.
+    _check_options(module, ndim=x.ndim, reduction_axes=reduction_axes,
+                   feature_axes=feature_axes)
+    if x.ndim == 0:
+        raise ValueError(f"jaxdnn {module}: x must have at least one axis (the "
+                         "feature axis D), got a scalar.")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"jaxdnn {module}: the input promotes to {x.dtype}; a real "
+                         "floating dtype is needed.")
+    # After Flax's promotion every param has x's dtype, which the kernel takes as
+    # is; _fit_param only matters for a custom promote_dtype that leaves them apart.
+    return fn(x, *(_fit_param(p, x.dtype) for p in params), epsilon=epsilon)
+
+
+class LayerNorm(nnx.Module):
+    """Layer normalization over the last axis, on jaxdnn's fused kernel.
+
+    Mirrors ``flax.nnx.LayerNorm``: ``y = (x - mean) / sqrt(var + epsilon) * scale
+    + bias`` per row of ``x`` with shape ``(..., D)``, ``D = num_features``.
+
+    Args:
+      num_features: D, the size of the last axis.
+      epsilon: added to the variance to avoid dividing by zero.
+      dtype: the dtype of the computation's inputs and result (default: promoted
+        from input and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      use_bias: if True, ``bias`` is added.
+      use_scale: if True, the output is multiplied by ``scale``.
+      bias_init: initializer for ``bias`` (default: zeros).
+      scale_init: initializer for ``scale`` (default: ones).
+      reduction_axes: must be the last axis (``-1``).
+      feature_axes: must be the last axis (``-1``).
+      axis_name: must be None (no cross-device statistics).
+      axis_index_groups: must be None.
+      use_fast_variance: accepted, either value.
+      promote_dtype: promotes ``(x, scale, bias)`` to a common dtype, as in Flax.
+      rngs: an ``nnx.Rngs`` supplying the ``params`` stream.
+      bias_metadata: metadata for the ``bias`` Param.
+      scale_metadata: metadata for the ``scale`` Param.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        epsilon: float = 1e-6,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        use_bias: bool = True,
+        use_scale: bool = True,
+        bias_init: Initializer = nnx.initializers.zeros_init(),
+        scale_init: Initializer = nnx.initializers.ones_init(),
+        reduction_axes: Axes = -1,
+        feature_axes: Axes = -1,
+        axis_name: str | None = None,
+        axis_index_groups: Any = None,
+        use_fast_variance: bool = True,
+        promote_dtype: Any = _nnx_dtypes.promote_dtype,
+        rngs: nnx.Rngs,
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+    ):
+        _check_options("flax.nnx.LayerNorm", reduction_axes=reduction_axes,
+                       feature_axes=feature_axes, axis_name=axis_name,
+                       axis_index_groups=axis_index_groups)
+        feature_shape = (num_features,)
+        self.scale: nnx.Param[jax.Array] | None
+        if use_scale:
+            self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype),
+                                   **scale_metadata)
+        else:
+            self.scale = nnx.data(None)
+        self.bias: nnx.Param[jax.Array] | None
+        if use_bias:
+            self.bias = nnx.Param(bias_init(rngs.params(), feature_shape, param_dtype),
+                                  **bias_metadata)
+        else:
+            self.bias = nnx.data(None)
+
+        self.num_features = num_features
+        self.epsilon = epsilon
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.use_bias = use_bias
+        self.use_scale = use_scale
+        self.reduction_axes = reduction_axes
+        self.feature_axes = feature_axes
+        self.axis_name = axis_name
+        self.axis_index_groups = axis_index_groups
+        self.use_fast_variance = use_fast_variance
+        self.promote_dtype = promote_dtype
+
+    def __call__(self, x, *, mask: jax.Array | None = None):
+        """Normalizes ``x`` of shape ``(..., D)`` over ``D``; returns the same shape."""
+        scale = self.scale[...] if self.scale is not None else None
+        bias = self.bias[...] if self.bias is not None else None
+        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+        return _normalize(jaxdnn.layer_norm, "flax.nnx.LayerNorm", x, (scale, bias),
+                          reduction_axes=self.reduction_axes,
+                          feature_axes=self.feature_axes, epsilon=self.epsilon,
+                          mask=mask)
+
+
+class RMSNorm(nnx.Module):
+    """RMS normalization over the last axis, on jaxdnn's fused kernel.
+
+    Mirrors ``flax.nnx.RMSNorm``: ``y = x / sqrt(mean(x**2) + epsilon) * scale`` per
+    row of ``x`` with shape ``(..., D)``, ``D = num_features``.
+
+    Args:
+      num_features: D, the size of the last axis.
+      epsilon: added to the mean square to avoid dividing by zero.
+      dtype: the dtype of the computation's inputs and result (default: promoted
+        from input and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      use_scale: if True, the output is multiplied by ``scale``.
+      scale_init: initializer for ``scale`` (default: ones).
+      reduction_axes: must be the last axis (``-1``).
+      feature_axes: must be the last axis (``-1``).
+      axis_name: must be None (no cross-device statistics).
+      axis_index_groups: must be None.
+      use_fast_variance: accepted, either value.
+      promote_dtype: promotes ``(x, scale)`` to a common dtype, as in Flax.
+      rngs: an ``nnx.Rngs`` supplying the ``params`` stream.
+      scale_metadata: metadata for the ``scale`` Param.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        epsilon: float = 1e-6,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        use_scale: bool = True,
+        scale_init: Initializer = nnx.initializers.ones,
+        reduction_axes: Axes = -1,
+        feature_axes: Axes = -1,
+        axis_name: str | None = None,
+        axis_index_groups: Any = None,
+        use_fast_variance: bool = True,
+        promote_dtype: Any = _nnx_dtypes.promote_dtype,
+        rngs: nnx.Rngs,
+        scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+    ):
+        _check_options("flax.nnx.RMSNorm", reduction_axes=reduction_axes,
+                       feature_axes=feature_axes, axis_name=axis_name,
+                       axis_index_groups=axis_index_groups)
+        feature_shape = (num_features,)
+        self.scale: nnx.Param[jax.Array] | None
+        if use_scale:
+            self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype),
+                                   **scale_metadata)
+        else:
+            self.scale = nnx.data(None)
+
+        self.num_features = num_features
+        self.epsilon = epsilon
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.use_scale = use_scale
+        self.reduction_axes = reduction_axes
+        self.feature_axes = feature_axes
+        self.axis_name = axis_name
+        self.axis_index_groups = axis_index_groups
+        self.use_fast_variance = use_fast_variance
+        self.promote_dtype = promote_dtype
+
+    def __call__(self, x, mask: jax.Array | None = None):
+        """Normalizes ``x`` of shape ``(..., D)`` over ``D``; returns the same shape."""
+        scale = self.scale[...] if self.scale is not None else None
+        x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
+        return _normalize(jaxdnn.rms_norm, "flax.nnx.RMSNorm", x, (scale,),
+                          reduction_axes=self.reduction_axes,
+                          feature_axes=self.feature_axes, epsilon=self.epsilon,
+                          mask=mask)

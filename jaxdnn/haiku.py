@@ -1,0 +1,248 @@
+"""Haiku modules over jaxdnn's fused normalization kernels.
+
+Drop-in replacements for ``hk.LayerNorm`` and ``hk.RMSNorm`` normalizing over the
+last axis: same constructor arguments, same module names (``layer_norm``,
+``rms_norm``) and parameter names (``scale``, ``offset``, shape ``(D,)``, created
+in the input's dtype), so a params dict made with stock Haiku loads unchanged.
+As the Haiku style has it, each module is partial application of the functional
+op (``jaxdnn.layer_norm`` / ``jaxdnn.rms_norm``) to its parameters.
+
+Shapes: ``x`` is ``(..., D)``; statistics are taken over ``D`` in float32 (stock
+Haiku computes them in the input's dtype, so half-precision results agree to
+half-precision rounding, and are the more accurate of the two).
+
+Only ``axis=-1`` (or ``ndim - 1``, or ``slice(-1, None)``) and
+``param_axis=None``/``-1`` are supported; anything else raises ``ValueError``.
+``use_fast_variance`` is accepted with either value: the kernels compute the
+variance from centred values in float32. Reverse-mode autodiff works; forward-mode
+``jvp`` does not.
+
+Haiku is an optional dependency: only ``import jaxdnn.haiku`` imports it.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+try:
+    import haiku as hk
+except ImportError as e:
+    raise ImportError(
+        "jaxdnn.haiku needs Haiku; install it with `pip install 'jaxdnn[haiku]'`."
+    ) from e
+
+import jax
+import jax.numpy as jnp
+
+import jaxdnn
+
+__all__ = ["LayerNorm", "RMSNorm"]
+
+Initializer = Callable[..., Any]
+
+
+def _last_axis_only(module: str, arg: str, axis: Any, ndim: int | None) -> None:
+    """Raises ValueError unless ``axis`` names only the last axis.
+
+    ``axis`` may be an int, a sequence of ints or a slice, as in Haiku. With
+    ``ndim=None`` (at construction) only what is wrong for every rank is rejected;
+    the rest is checked again at call time.
+    """
+    if isinstance(axis, slice):
+        if ndim is None:
+            ok = axis.step in (None, 1)
+        else:
+            ok = tuple(range(ndim)[axis]) == (ndim - 1,)
+    else:
+        axes = None
+        if not isinstance(axis, bool):
+            try:
+                axes = (operator.index(axis),)
+            except TypeError:
+                try:
+                    axes = tuple(operator.index(a) for a in axis)
+                except TypeError:
+                    pass
+        ok = (axes is not None and len(axes) == 1 and
+              (axes[0] == -1 or (axes[0] >= 0 if ndim is None else axes[0] == ndim - 1)))
+    if not ok:
+        where = "" if ndim is None else f" for an input of rank {ndim}"
+        raise ValueError(
+            f"jaxdnn {module}: {arg} must be the last axis (-1), got {axis!r}{where}. "
+            f"jaxdnn's kernels normalize over the last axis only; use Haiku's own "
+            f"{module.split('.')[-1]} for other axes.")
+
+
+def _as_feature_vector(module: str, name: str, p: Any, d: int) -> jax.Array:
+    """A call-time scale/offset (Haiku allows anything broadcastable) as shape (D,).
+
+    Per-feature values (shapes like ``(D,)``, ``(1, 1, D)``) or a single value are
+    served; values that vary along other axes are not, and raise.
+    """
+    p = jnp.asarray(p)
+    if p.size == 1:
+        return jnp.broadcast_to(p.reshape(()), (d,))
+    if p.shape[-1:] == (d,) and all(s == 1 for s in p.shape[:-1]):
+        return p.reshape(d)
+    raise ValueError(
+        f"jaxdnn {module}: a call-time `{name}` must hold one value per feature "
+        f"(shape (D,) = ({d},), or broadcastable as (1, ..., 1, D)) or be a single "
+        f"value; got shape {p.shape}.")
+
+
+def _run(fn, x, params, **kw):
+    """Calls kernel ``fn``, in the dtype Haiku's arithmetic would give.
+
+    Haiku's result dtype is ``result_type(x, *params)`` (params may have been
+    loaded in another dtype than x). x is widened to that type (exactly) if needed,
+    and params outside {float32, x.dtype} are widened to float32 (exactly).
+    """
+    present = [p for p in params if p is not None]
+    out_dtype = jnp.result_type(x, *present) if present else x.dtype
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        out_dtype = jnp.promote_types(out_dtype, jnp.float32)
+    x = x.astype(out_dtype)
+    fitted = []
+    for p in params:
+        if p is not None and p.dtype != jnp.float32 and p.dtype != x.dtype:
+            p = p.astype(jnp.float32)
+        fitted.append(p)
+    return fn(x, *fitted, **kw)
+
+
+class LayerNorm(hk.Module):
+    """Layer normalization over the last axis, on jaxdnn's fused kernel.
+
+    Mirrors ``hk.LayerNorm``: ``y = (x - mean) / sqrt(var + eps) * scale + offset``
+    per row of ``x`` with shape ``(..., D)``.
+    """
+
+    def __init__(
+        self,
+        axis: int | tuple[int, ...] | slice = -1,
+        create_scale: bool = True,
+        create_offset: bool = True,
+        eps: float = 1e-5,
+        scale_init: Initializer | None = None,
+        offset_init: Initializer | None = None,
+        use_fast_variance: bool = False,
+        name: str | None = None,
+        *,
+        param_axis: int | tuple[int, ...] | slice | None = None,
+    ):
+        """Constructs a LayerNorm module.
+
+        Args:
+          axis: the axis to normalize over; must be the last one (``-1``).
+          create_scale: whether to create a trainable ``scale`` of shape (D,).
+          create_offset: whether to create a trainable ``offset`` of shape (D,).
+          eps: added to the variance to avoid dividing by zero.
+          scale_init: initializer for ``scale`` (default: ones).
+          offset_init: initializer for ``offset`` (default: zeros).
+          use_fast_variance: accepted for compatibility, either value.
+          name: the module name.
+          param_axis: the parameters' axis; must be None or the last axis.
+        """
+        super().__init__(name=name)
+        if not create_scale and scale_init is not None:
+            raise ValueError("Cannot set `scale_init` if `create_scale=False`.")
+        if not create_offset and offset_init is not None:
+            raise ValueError("Cannot set `offset_init` if `create_offset=False`.")
+        _last_axis_only("hk.LayerNorm", "axis", axis, None)
+        if param_axis is not None:
+            _last_axis_only("hk.LayerNorm", "param_axis", param_axis, None)
+        self.axis = axis
+        self.param_axis = -1 if param_axis is None else param_axis
+        self.create_scale = create_scale
+        self.create_offset = create_offset
+        self.eps = eps
+        self.scale_init = scale_init or jnp.ones
+        self.offset_init = offset_init or jnp.zeros
+        self.use_fast_variance = use_fast_variance
+
+    def __call__(self, inputs: jax.Array, scale: jax.Array | None = None,
+                 offset: jax.Array | None = None) -> jax.Array:
+        """Normalizes ``inputs`` of shape ``(..., D)`` over ``D``.
+
+        Args:
+          inputs: an array of shape ``(..., D)``.
+          scale: a per-feature scale, only if ``create_scale=False``.
+          offset: a per-feature offset, only if ``create_offset=False``.
+
+        Returns:
+          The normalized array, shape ``(..., D)``.
+        """
+        x = jnp.asarray(inputs)
+        if self.create_scale and scale is not None:
+            raise ValueError("Cannot pass `scale` at call time if `create_scale=True`.")
+        if self.create_offset and offset is not None:
+            raise ValueError("Cannot pass `offset` at call time if `create_offset=True`.")
+        if x.ndim == 0:
+            raise ValueError("jaxdnn hk.LayerNorm: inputs must have at least one axis "
+                             "(the feature axis D), got a scalar.")
+        _last_axis_only("hk.LayerNorm", "axis", self.axis, x.ndim)
+        _last_axis_only("hk.LayerNorm", "param_axis", self.param_axis, x.ndim)
+        d = x.shape[-1]
+        if self.create_scale:
+            scale = hk.get_parameter("scale", (d,), x.dtype, init=self.scale_init)
+        elif scale is not None:
+            scale = _as_feature_vector("hk.LayerNorm", "scale", scale, d)
+        if self.create_offset:
+            offset = hk.get_parameter("offset", (d,), x.dtype, init=self.offset_init)
+        elif offset is not None:
+            offset = _as_feature_vector("hk.LayerNorm", "offset", offset, d)
+        return _run(jaxdnn.layer_norm, x, (scale, offset), epsilon=self.eps)
+
+
+class RMSNorm(hk.Module):
+    """RMS normalization over the last axis, on jaxdnn's fused kernel.
+
+    Mirrors ``hk.RMSNorm``: ``y = x / sqrt(mean(x**2) + eps) * scale`` per row of
+    ``x`` with shape ``(..., D)``.
+    """
+
+    def __init__(
+        self,
+        axis: int | tuple[int, ...] | slice = -1,
+        eps: float = 1e-5,
+        scale_init: Initializer | None = None,
+        name: str | None = None,
+        create_scale: bool = True,
+        *,
+        param_axis: int | tuple[int, ...] | slice | None = None,
+    ):
+        """Constructs an RMSNorm module.
+
+        Args:
+          axis: the axis to normalize over; must be the last one (``-1``).
+          eps: added to the mean square to avoid dividing by zero.
+          scale_init: initializer for ``scale`` (default: ones).
+          name: the module name.
+          create_scale: whether to create a trainable ``scale`` of shape (D,).
+          param_axis: the parameter's axis; must be None or the last axis.
+        """
+        super().__init__(name=name)
+        if not create_scale and scale_init is not None:
+            raise ValueError("Cannot set `scale_init` if `create_scale=False`.")
+        _last_axis_only("hk.RMSNorm", "axis", axis, None)
+        if param_axis is not None:
+            _last_axis_only("hk.RMSNorm", "param_axis", param_axis, None)
+        self.axis = axis
+        self.param_axis = -1 if param_axis is None else param_axis
+        self.eps = eps
+        self.create_scale = create_scale
+        self.scale_init = scale_init or jnp.ones
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """Normalizes ``inputs`` of shape ``(..., D)`` over ``D``; same shape out."""
+        x = jnp.asarray(inputs)
+        if x.ndim == 0:
+            raise ValueError("jaxdnn hk.RMSNorm: inputs must have at least one axis "
+                             "(the feature axis D), got a scalar.")
+        _last_axis_only("hk.RMSNorm", "axis", self.axis, x.ndim)
+        _last_axis_only("hk.RMSNorm", "param_axis", self.param_axis, x.ndim)
+        scale = None
+        if self.create_scale:
+            scale = hk.get_parameter("scale", (x.shape[-1],), x.dtype, init=self.scale_init)
+        return _run(jaxdnn.rms_norm, x, (scale,), epsilon=self.eps)

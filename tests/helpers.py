@@ -1,0 +1,143 @@
+"""Shared test helpers: random inputs, the float64 oracle, and relative-error checks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxdnn
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def on_gpu() -> bool:
+    """Whether the tests run on a GPU (JAX's default backend); `gpu`-marked tests need one."""
+    return jax.default_backend() == "gpu"
+
+
+# Relative error ||out - ref|| / ||ref|| allowed against the float64 oracle; gradients get 10x.
+TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2,
+             jnp.dtype(jnp.float16): 5e-3}
+GRAD_FACTOR = 10
+
+
+def tolerance(dtype, grad: bool = False) -> float:
+    return TOLERANCE[jnp.dtype(dtype)] * (GRAD_FACTOR if grad else 1)
+
+
+def dtype_id(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+def rel_err(actual, expected) -> float:
+    """||actual - expected|| / ||expected|| in float64; ||actual - expected|| when expected is all
+    zeros (e.g. dscale of an empty batch), so such results must be exactly zero."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    diff = np.linalg.norm(actual - expected)
+    norm = np.linalg.norm(expected)
+    return float(diff / norm) if norm > 0 else float(diff)
+
+
+def assert_close(actual, expected, tol: float, what: str = "") -> None:
+    """rel_err(actual, expected) <= tol, and every element finite."""
+    assert np.shape(actual) == np.shape(expected), (what, np.shape(actual), np.shape(expected))
+    if np.size(expected) == 0:
+        return
+    assert np.all(np.isfinite(np.asarray(actual, np.float64))), f"{what}: non-finite values"
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
+
+
+def normal(rng, shape, dtype=jnp.float32, loc=0.0, scale=1.0):
+    """Random normal values (loc + scale * N(0, 1)) as a jax array of `dtype`."""
+    return jnp.asarray(rng.normal(loc, scale, size=shape), dtype=dtype)
+
+
+def f64(a):
+    return None if a is None else jnp.asarray(a, jnp.float64)
+
+
+def bit_equal(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint8),
+                                                                        b.view(np.uint8))
+
+
+class NormOp:
+    """One of jaxdnn's norms, called uniformly as op(x, scale, bias, epsilon=...); `bias` must be
+    None for rms_norm."""
+
+    def __init__(self, name: str, has_bias: bool):
+        self.name = name
+        self.has_bias = has_bias
+        self.fwd_target = f"jaxdnn_{name}_fwd_v1"
+        self.bwd_target = f"jaxdnn_{name}_bwd_v1"
+        self._fn = getattr(jaxdnn, name)
+        self._reference = getattr(jaxdnn.reference, name)
+
+    def __repr__(self):
+        return self.name
+
+    @staticmethod
+    def _apply(fn, has_bias, x, scale, bias, epsilon):
+        if has_bias:
+            return fn(x, scale, bias, epsilon=epsilon)
+        assert bias is None, "rms_norm has no bias"
+        return fn(x, scale, epsilon=epsilon)
+
+    def __call__(self, x, scale=None, bias=None, *, epsilon=1e-6):
+        return self._apply(self._fn, self.has_bias, x, scale, bias, epsilon)
+
+    def reference(self, x, scale=None, bias=None, *, epsilon=1e-6):
+        return self._apply(self._reference, self.has_bias, x, scale, bias, epsilon)
+
+    def oracle(self, x, scale=None, bias=None, *, epsilon=1e-6):
+        """The reference on the inputs upcast to float64."""
+        return _jit_reference(self, f64(x), f64(scale), f64(bias), epsilon=epsilon)
+
+    def params(self, rng, features, dtype=jnp.float32):
+        """Random (scale, bias) of shape (D,); bias is None for rms_norm."""
+        scale = normal(rng, (features,), dtype, loc=1.0, scale=0.5)
+        bias = normal(rng, (features,), dtype, loc=0.5, scale=1.0) if self.has_bias else None
+        return scale, bias
+
+
+OPS = (NormOp("layer_norm", has_bias=True), NormOp("rms_norm", has_bias=False))
+
+
+# One compiled program per case is much faster than the reference's op-by-op dispatch.
+_jit_reference = jax.jit(lambda op, *args, epsilon: op.reference(*args, epsilon=epsilon),
+                         static_argnums=0, static_argnames="epsilon")
+
+
+def vjp(fn, args, cotangent):
+    """The VJP of fn(*args) for `cotangent`, w.r.t. every argument that is not None (in order),
+    computed under jit (one compiled program instead of op-by-op dispatch)."""
+    return jax.jit(lambda args, cotangent: _vjp(fn, args, cotangent))(list(args), cotangent)
+
+
+def _vjp(fn, args, cotangent):
+    live = [i for i, a in enumerate(args) if a is not None]
+
+    def of_live(*values):
+        full = list(args)
+        for i, v in zip(live, values):
+            full[i] = v
+        return fn(*full)
+
+    _, pullback = jax.vjp(of_live, *[args[i] for i in live])
+    return pullback(cotangent)
+
+
+def oracle_vjp(op: NormOp, args, cotangent, *, epsilon=1e-6):
+    """The float64 reference VJP of op at args (x, scale, bias)."""
+    return _jit_oracle_vjp(op, [f64(a) for a in args], f64(cotangent), epsilon=epsilon)
+
+
+_jit_oracle_vjp = jax.jit(
+    lambda op, args, cotangent, epsilon: _vjp(lambda *a: op.reference(*a, epsilon=epsilon), args,
+                                             cotangent),
+    static_argnums=0, static_argnames="epsilon")
