@@ -45,27 +45,29 @@ import jaxdnn
 # Timing
 
 
-def time_fn(fn: Callable, *args, repeats: int = 20, warmup: int = 3, target_ms: float = 5.0) -> float:
-  """Median per-call time of `fn(*args)` in ms.
+def time_fn(
+    fn: Callable, *args, repeats: int = 20, warmup: int = 3, target_ms: float = 5.0
+) -> float:
+    """Median per-call time of `fn(*args)` in ms.
 
-  Compiles and runs `warmup` calls first; each of the `repeats` repeats then runs enough calls back to
-  back to last about `target_ms` (at least 1, at most 100) and waits for the last result.
-  """
-  jax.block_until_ready(fn(*args))  # compile
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  start = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  single_ms = (time.perf_counter() - start) * 1e3
-  calls = max(1, min(100, math.ceil(target_ms / max(single_ms, 1e-3))))
-  per_call_ms = []
-  for _ in range(repeats):
+    Compiles and runs `warmup` calls first; each of the `repeats` repeats then runs enough calls back to
+    back to last about `target_ms` (at least 1, at most 100) and waits for the last result.
+    """
+    jax.block_until_ready(fn(*args))  # compile
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
     start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)  # one stream: the last result done means every call is done
-    per_call_ms.append((time.perf_counter() - start) * 1e3 / calls)
-  return statistics.median(per_call_ms)
+    jax.block_until_ready(fn(*args))
+    single_ms = (time.perf_counter() - start) * 1e3
+    calls = max(1, min(100, math.ceil(target_ms / max(single_ms, 1e-3))))
+    per_call_ms = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)  # one stream: the last result done means every call is done
+        per_call_ms.append((time.perf_counter() - start) * 1e3 / calls)
+    return statistics.median(per_call_ms)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -74,85 +76,133 @@ def time_fn(fn: Callable, *args, repeats: int = 20, warmup: int = 3, target_ms: 
 
 @dataclasses.dataclass
 class Case:
-  family: str
-  name: str  # the shape in full, e.g. "layer_norm R32768 D1024 fwd+bwd"
-  fn: Callable  # jaxdnn, jitted
-  peer: str
-  peer_fn: Callable  # same signature and inputs as fn, jitted
-  args: tuple
-  work: float  # bytes (metric GB/s) or FLOPs (metric TFLOP/s) per call
-  metric: str  # "GB/s" or "TFLOP/s"
+    family: str
+    name: str  # the shape in full, e.g. "layer_norm R32768 D1024 fwd+bwd"
+    fn: Callable  # jaxdnn, jitted
+    peer: str
+    peer_fn: Callable  # same signature and inputs as fn, jitted
+    args: tuple
+    work: float  # bytes (metric GB/s) or FLOPs (metric TFLOP/s) per call
+    metric: str  # "GB/s" or "TFLOP/s"
+    peer_args: tuple | None = None  # the peer's inputs when they differ from `args`
 
 
 def _normal(key, shape, dtype, mean=0.0, std=1.0):
-  return (mean + std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return (mean + std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 def _fwd_bwd(f):
-  """(*primals, dy) -> (y, grads of every primal), jitted: the fwd+bwd of a training step."""
+    """(*primals, dy) -> (y, grads of every primal), jitted: the fwd+bwd of a training step."""
 
-  def run(*args):
-    *primals, dy = args
-    y, vjp = jax.vjp(f, *primals)
-    return y, vjp(dy)
+    def run(*args):
+        *primals, dy = args
+        y, vjp = jax.vjp(f, *primals)
+        return y, vjp(dy)
 
-  return jax.jit(run)
+    return jax.jit(run)
+
+
+def _bwd_case(family, name, fn, peer_fn, primals, dy, work):
+    """The backward pass alone: each side's VJP closure (holding its own saved residuals) applied to dy."""
+    apply = jax.jit(lambda dy, vjp_fn: vjp_fn(dy))
+    return Case(
+        family,
+        name,
+        apply,
+        "xla",
+        apply,
+        (dy, jax.vjp(fn, *primals)[1]),
+        work,
+        "GB/s",
+        peer_args=(dy, jax.vjp(peer_fn, *primals)[1]),
+    )
 
 
 # --- norm -------------------------------------------------------------------------------------------
 
 
 def _layer_norm_xla(x, scale, bias, epsilon=1e-6):
-  """Layer norm over the last axis the way Flax's LayerNorm computes it (fast variance, fp32 stats)."""
-  x32 = x.astype(jnp.float32)
-  mean = jnp.mean(x32, axis=-1, keepdims=True)
-  var = jnp.maximum(0.0, jnp.mean(jnp.square(x32), axis=-1, keepdims=True) - jnp.square(mean))
-  mul = jax.lax.rsqrt(var + epsilon) * scale.astype(jnp.float32)
-  return ((x32 - mean) * mul + bias.astype(jnp.float32)).astype(x.dtype)
+    """Layer norm over the last axis the way Flax's LayerNorm computes it (fast variance, fp32 stats)."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.maximum(0.0, jnp.mean(jnp.square(x32), axis=-1, keepdims=True) - jnp.square(mean))
+    mul = jax.lax.rsqrt(var + epsilon) * scale.astype(jnp.float32)
+    return ((x32 - mean) * mul + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 def _rms_norm_xla(x, scale, epsilon=1e-6):
-  """RMS norm over the last axis the way Flax's RMSNorm computes it (fp32 stats)."""
-  x32 = x.astype(jnp.float32)
-  var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-  return (x32 * (jax.lax.rsqrt(var + epsilon) * scale.astype(jnp.float32))).astype(x.dtype)
+    """RMS norm over the last axis the way Flax's RMSNorm computes it (fp32 stats)."""
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    return (x32 * (jax.lax.rsqrt(var + epsilon) * scale.astype(jnp.float32))).astype(x.dtype)
 
 
 def norm_cases(quick: bool) -> list[Case]:
-  """layer_norm and rms_norm, bf16, rows R x features D, fwd and fwd+bwd.
+    """layer_norm and rms_norm, bf16, rows R x features D, fwd and fwd+bwd.
 
-  Bytes (compulsory traffic; the convention of the issue that set the targets, so GB/s compare with
-  the XLA numbers quoted there):
-    fwd     = read x + write y + read the params (scale, bias)
-    fwd+bwd = read x + read dy + write dx + the params and their grads
-  The fwd+bwd case also computes and returns y (as a training step does), which this count leaves out:
-  the time covers both passes, the bytes only three R*D arrays.
-  """
-  shapes = [(256, 1024), (64, 4096)] if quick else [(32768, 1024), (16384, 4096), (8192, 8192),
-                                                    (4096, 16384)]
-  dtype = jnp.bfloat16
-  ops = {  # name: (jaxdnn function, XLA peer, number of (D,) params)
-      "layer_norm": (jaxdnn.layer_norm, _layer_norm_xla, 2),
-      "rms_norm": (jaxdnn.rms_norm, _rms_norm_xla, 1),
-  }
-  cases = []
-  key = jax.random.key(0)
-  for rows, features in shapes:
-    key, kx, kdy, ks, kb = jax.random.split(key, 5)
-    x = _normal(kx, (rows, features), dtype)
-    dy = _normal(kdy, (rows, features), dtype)
-    params = (_normal(ks, (features,), dtype, mean=1.0, std=0.1), _normal(kb, (features,), dtype, std=0.1))
-    array_bytes = rows * features * x.dtype.itemsize
-    param_bytes = features * params[0].dtype.itemsize
-    for op, (fn, peer_fn, num_params) in ops.items():
-      primals = (x, *params[:num_params])
-      name = f"{op} R{rows} D{features}"
-      fwd_bytes = 2 * array_bytes + num_params * param_bytes
-      cases.append(Case("norm", f"{name} fwd", jax.jit(fn), "xla", jax.jit(peer_fn), primals,
-                        fwd_bytes, "GB/s"))
-      cases.append(Case("norm", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn), (*primals, dy),
-                        3 * array_bytes + 2 * num_params * param_bytes, "GB/s"))
-  return cases
+    Bytes (compulsory traffic; the convention of the issue that set the targets, so GB/s compare with
+    the XLA numbers quoted there):
+      fwd     = read x + write y + read the params (scale, bias)
+      fwd+bwd = read x + read dy + write dx + the params and their grads
+      bwd     = the same bytes as fwd+bwd, for the backward pass alone (from each side's saved residuals)
+    The fwd+bwd case also computes and returns y (as a training step does), which this count leaves out:
+    the time covers both passes, the bytes only three R*D arrays. Because dy is an input of the fwd+bwd
+    program, XLA may fuse its forward and backward into one pass over x and dy, which a real training
+    step (where dy comes from later layers) does not allow; the bwd case measures the backward alone.
+    """
+    shapes = (
+        [(256, 1024), (64, 4096)]
+        if quick
+        else [(32768, 1024), (16384, 4096), (8192, 8192), (4096, 16384)]
+    )
+    dtype = jnp.bfloat16
+    ops = {  # name: (jaxdnn function, XLA peer, number of (D,) params)
+        "layer_norm": (jaxdnn.layer_norm, _layer_norm_xla, 2),
+        "rms_norm": (jaxdnn.rms_norm, _rms_norm_xla, 1),
+    }
+    cases = []
+    key = jax.random.key(0)
+    for rows, features in shapes:
+        key, kx, kdy, ks, kb = jax.random.split(key, 5)
+        x = _normal(kx, (rows, features), dtype)
+        dy = _normal(kdy, (rows, features), dtype)
+        params = (
+            _normal(ks, (features,), dtype, mean=1.0, std=0.1),
+            _normal(kb, (features,), dtype, std=0.1),
+        )
+        array_bytes = rows * features * x.dtype.itemsize
+        param_bytes = features * params[0].dtype.itemsize
+        for op, (fn, peer_fn, num_params) in ops.items():
+            primals = (x, *params[:num_params])
+            name = f"{op} R{rows} D{features}"
+            fwd_bytes = 2 * array_bytes + num_params * param_bytes
+            cases.append(
+                Case(
+                    "norm",
+                    f"{name} fwd",
+                    jax.jit(fn),
+                    "xla",
+                    jax.jit(peer_fn),
+                    primals,
+                    fwd_bytes,
+                    "GB/s",
+                )
+            )
+            bwd_bytes = 3 * array_bytes + 2 * num_params * param_bytes
+            cases.append(
+                Case(
+                    "norm",
+                    f"{name} fwd+bwd",
+                    _fwd_bwd(fn),
+                    "xla",
+                    _fwd_bwd(peer_fn),
+                    (*primals, dy),
+                    bwd_bytes,
+                    "GB/s",
+                )
+            )
+            cases.append(_bwd_case("norm", f"{name} bwd", fn, peer_fn, primals, dy, bwd_bytes))
+    return cases
 
 
 FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
@@ -165,21 +215,21 @@ FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
 
 
 def measure_ceilings(quick: bool, repeats: int) -> dict[str, tuple[str, float, float]]:
-  """{metric: (case, ms, value)}: copy bandwidth (GB/s, read + write) and bf16 matmul (TFLOP/s)."""
-  kx, ka, kb = jax.random.split(jax.random.key(1), 3)
-  copy_mib = 16 if quick else 1024
-  x = _normal(kx, (copy_mib * 2**19,), jnp.bfloat16)  # 2 bytes per element
-  copy_ms = time_fn(jax.jit(jnp.negative), x, repeats=repeats)
-  copy_name = "copy 1GiB" if copy_mib == 1024 else f"copy {copy_mib}MiB"
-  del x
-  n = 512 if quick else 8192
-  a = _normal(ka, (n, n), jnp.bfloat16)
-  b = _normal(kb, (n, n), jnp.bfloat16)
-  matmul_ms = time_fn(jax.jit(jnp.matmul), a, b, repeats=repeats)
-  return {
-      "GB/s": (copy_name, copy_ms, 2 * copy_mib * 2**20 / copy_ms / 1e6),
-      "TFLOP/s": (f"matmul {n}^3", matmul_ms, 2 * n**3 / matmul_ms / 1e9),
-  }
+    """{metric: (case, ms, value)}: copy bandwidth (GB/s, read + write) and bf16 matmul (TFLOP/s)."""
+    kx, ka, kb = jax.random.split(jax.random.key(1), 3)
+    copy_mib = 16 if quick else 1024
+    x = _normal(kx, (copy_mib * 2**19,), jnp.bfloat16)  # 2 bytes per element
+    copy_ms = time_fn(jax.jit(jnp.negative), x, repeats=repeats)
+    copy_name = "copy 1GiB" if copy_mib == 1024 else f"copy {copy_mib}MiB"
+    del x
+    n = 512 if quick else 8192
+    a = _normal(ka, (n, n), jnp.bfloat16)
+    b = _normal(kb, (n, n), jnp.bfloat16)
+    matmul_ms = time_fn(jax.jit(jnp.matmul), a, b, repeats=repeats)
+    return {
+        "GB/s": (copy_name, copy_ms, 2 * copy_mib * 2**20 / copy_ms / 1e6),
+        "TFLOP/s": (f"matmul {n}^3", matmul_ms, 2 * n**3 / matmul_ms / 1e9),
+    }
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -187,80 +237,119 @@ def measure_ceilings(quick: bool, repeats: int) -> dict[str, tuple[str, float, f
 
 
 def device_name() -> str:
-  """'h100', 'h200', 'a100', ... from the device kind; 'cpu' on CPU."""
-  kind = jax.devices()[0].device_kind.lower()
-  model = re.search(r"\b(gb\d{3}|[a-z]\d{2,3}[a-z]?)\b", kind.replace("nvidia", ""))
-  return model.group(1) if model else re.sub(r"[^a-z0-9]+", "-", kind).strip("-")
+    """'h100', 'h200', 'a100', ... from the device kind; 'cpu' on CPU."""
+    kind = jax.devices()[0].device_kind.lower()
+    model = re.search(r"\b(gb\d{3}|[a-z]\d{2,3}[a-z]?)\b", kind.replace("nvidia", ""))
+    return model.group(1) if model else re.sub(r"[^a-z0-9]+", "-", kind).strip("-")
 
 
 def uses_jaxdnn(fn: Callable, args: tuple) -> bool:
-  """Whether the lowered program calls a jaxdnn kernel (guards against timing a silent fallback)."""
-  return "jaxdnn" in fn.lower(*args).as_text()
+    """Whether the lowered program calls a jaxdnn kernel (guards against timing a silent fallback)."""
+    return "jaxdnn" in fn.lower(*args).as_text()
 
 
 def print_table(records: list[dict[str, Any]]) -> None:
-  def fmt(value, width, digits):
-    return f"{'-':>{width}}" if value is None else f"{value:{width}.{digits}f}"
+    def fmt(value, width, digits):
+        return f"{'-':>{width}}" if value is None else f"{value:{width}.{digits}f}"
 
-  width = max(len(r["case"]) for r in records)
-  print(f"\n{'case':<{width}}  {'jaxdnn ms':>9}  {'peer ms':>9}  {'speedup':>7}  {'value':>15}  "
-        f"{'% ceiling':>9}")
-  for r in records:
-    print(f"{r['case']:<{width}}  {fmt(r['jaxdnn_ms'], 9, 4)}  {fmt(r['peer_ms'], 9, 4)}  "
-          f"{fmt(r['speedup'], 7, 2)}  {r['value']:7.1f} {r['metric']:<7}  "
-          f"{fmt(100 * r['ceiling_fraction'], 8, 1)}%")
+    width = max(len(r["case"]) for r in records)
+    print(
+        f"\n{'case':<{width}}  {'jaxdnn ms':>9}  {'peer ms':>9}  {'speedup':>7}  {'value':>15}  "
+        f"{'% ceiling':>9}"
+    )
+    for r in records:
+        print(
+            f"{r['case']:<{width}}  {fmt(r['jaxdnn_ms'], 9, 4)}  {fmt(r['peer_ms'], 9, 4)}  "
+            f"{fmt(r['speedup'], 7, 2)}  {r['value']:7.1f} {r['metric']:<7}  "
+            f"{fmt(100 * r['ceiling_fraction'], 8, 1)}%"
+        )
 
 
 def main() -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--family", required=True, choices=[*FAMILIES, "all"])
-  parser.add_argument("--out", required=True, help="results folder")
-  parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 20, --quick 3)")
-  parser.add_argument("--quick", action="store_true", help="small shapes, few repeats: a CPU smoke test")
-  args = parser.parse_args()
-  repeats = args.repeats or (3 if args.quick else 20)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", required=True, choices=[*FAMILIES, "all"])
+    parser.add_argument("--out", required=True, help="results folder")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed repeats (default 20, --quick 3)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small shapes, few repeats: a CPU smoke test"
+    )
+    args = parser.parse_args()
+    repeats = args.repeats or (3 if args.quick else 20)
 
-  device, date = device_name(), datetime.date.today().isoformat()
-  common = {"jax": jax.__version__, "device": device, "date": date}
-  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind!r}; "
-        f"jaxdnn CUDA kernels: {jaxdnn.has_cuda_kernels()}", flush=True)
+    device, date = device_name(), datetime.date.today().isoformat()
+    common = {"jax": jax.__version__, "device": device, "date": date}
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind!r}; "
+        f"jaxdnn CUDA kernels: {jaxdnn.has_cuda_kernels()}",
+        flush=True,
+    )
 
-  ceilings = measure_ceilings(args.quick, repeats)
-  records = [dict(family="ceiling", case=case, dtype="bfloat16", jaxdnn_ms=None, peer=None, peer_ms=None,
-                  speedup=None, metric=metric, value=value, ceiling_fraction=1.0, **common)
-             for metric, (case, ms, value) in ceilings.items()]
-  for r in records:
-    print(f"{r['case']}: {r['value']:.1f} {r['metric']}", flush=True)
+    ceilings = measure_ceilings(args.quick, repeats)
+    records = [
+        dict(
+            family="ceiling",
+            case=case,
+            dtype="bfloat16",
+            jaxdnn_ms=None,
+            peer=None,
+            peer_ms=None,
+            speedup=None,
+            metric=metric,
+            value=value,
+            ceiling_fraction=1.0,
+            **common,
+        )
+        for metric, (case, ms, value) in ceilings.items()
+    ]
+    for r in records:
+        print(f"{r['case']}: {r['value']:.1f} {r['metric']}", flush=True)
 
-  failures = 0
-  for family in FAMILIES if args.family == "all" else [args.family]:
-    for case in FAMILIES[family](args.quick):
-      try:
-        if not uses_jaxdnn(case.fn, case.args):
-          print(f"WARNING: {case.name}: no jaxdnn custom call in the lowered program", file=sys.stderr)
-        ms = time_fn(case.fn, *case.args, repeats=repeats)
-        peer_ms = time_fn(case.peer_fn, *case.args, repeats=repeats)
-      except Exception:  # keep going: one broken case must not cost the rest of a GPU run
-        traceback.print_exc()
-        print(f"FAILED: {case.name}", file=sys.stderr, flush=True)
-        failures += 1
-        continue
-      scale = 1e6 if case.metric == "GB/s" else 1e9  # work per ms -> GB/s or TFLOP/s
-      value = case.work / ms / scale
-      records.append(dict(family=case.family, case=case.name, dtype=str(case.args[0].dtype), jaxdnn_ms=ms,
-                          peer=case.peer, peer_ms=peer_ms, speedup=peer_ms / ms, metric=case.metric,
-                          value=value, ceiling_fraction=value / ceilings[case.metric][2], **common))
-      print(f"{case.name}: {ms:.4f} ms (peer {peer_ms:.4f} ms)", flush=True)
+    failures = 0
+    for family in FAMILIES if args.family == "all" else [args.family]:
+        for case in FAMILIES[family](args.quick):
+            try:
+                if not uses_jaxdnn(case.fn, case.args):
+                    print(
+                        f"WARNING: {case.name}: no jaxdnn custom call in the lowered program",
+                        file=sys.stderr,
+                    )
+                ms = time_fn(case.fn, *case.args, repeats=repeats)
+                peer_ms = time_fn(case.peer_fn, *(case.peer_args or case.args), repeats=repeats)
+            except Exception:  # keep going: one broken case must not cost the rest of a GPU run
+                traceback.print_exc()
+                print(f"FAILED: {case.name}", file=sys.stderr, flush=True)
+                failures += 1
+                continue
+            scale = 1e6 if case.metric == "GB/s" else 1e9  # work per ms -> GB/s or TFLOP/s
+            value = case.work / ms / scale
+            records.append(
+                dict(
+                    family=case.family,
+                    case=case.name,
+                    dtype=str(case.args[0].dtype),
+                    jaxdnn_ms=ms,
+                    peer=case.peer,
+                    peer_ms=peer_ms,
+                    speedup=peer_ms / ms,
+                    metric=case.metric,
+                    value=value,
+                    ceiling_fraction=value / ceilings[case.metric][2],
+                    **common,
+                )
+            )
+            print(f"{case.name}: {ms:.4f} ms (peer {peer_ms:.4f} ms)", flush=True)
 
-  os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f"{device}-{date}{'-quick' if args.quick else ''}.json")
-  with open(path, "w") as f:
-    json.dump(records, f, indent=1)
-    f.write("\n")
-  print_table(records)
-  print(f"\nwrote {path}" + (f"; {failures} case(s) FAILED" if failures else ""))
-  return 1 if failures else 0
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{device}-{date}{'-quick' if args.quick else ''}.json")
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+        f.write("\n")
+    print_table(records)
+    print(f"\nwrote {path}" + (f"; {failures} case(s) FAILED" if failures else ""))
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+    sys.exit(main())

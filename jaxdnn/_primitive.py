@@ -80,6 +80,43 @@ def _mesh_axes(row_spec) -> tuple[str, ...]:
     return tuple(axes)
 
 
+def _varying_axes(aval) -> frozenset:
+    """The manual mesh axes (inside `shard_map`) over which a value varies; empty outside."""
+    mat = getattr(aval, "mat", None)  # jax >= 0.10: the manual axis type
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _like_operand(result, operand):
+    """`result` typed to vary over the same manual mesh axes as `operand`."""
+    mat = getattr(operand, "mat", None)
+    if mat is not None:  # jax >= 0.10: the type carries a sharding on the (manual) mesh
+        if not mat.varying:
+            return result
+        return jax.core.ShapedArray(
+            result.shape, result.dtype,
+            sharding=NamedSharding(operand.sharding.mesh, PartitionSpec()), manual_axis_type=mat)
+    if getattr(operand, "vma", None):
+        return result.update(vma=operand.vma)
+    return result
+
+
+def match_varying(x, *params):
+    """Inside `shard_map`, marks per-feature `params` as varying over the mesh axes `x` varies
+    over, as JAX's own ops do when they broadcast: every kernel operand then has one type, and the
+    transpose of that cast sums the params' gradients over those axes. Outside, returns `params`."""
+    axes = _varying_axes(jax.typeof(x))
+    out = []
+    for p in params:
+        missing = tuple(sorted(axes - _varying_axes(jax.typeof(p)))) if p is not None else ()
+        if missing:
+            p = (jax.lax.pcast(p, missing, to="varying") if hasattr(jax.lax, "pcast")
+                 else jax.lax.pvary(p, missing))
+        out.append(p)
+    return out
+
+
 def _spans_devices(ctx) -> bool:
     """Whether the computation being lowered runs on several devices (then it is partitioned)."""
     axis_context = ctx.module_context.axis_context
@@ -117,9 +154,9 @@ def ffi_primitive(
     prim = Primitive(name)
     prim.multiple_results = True
 
-    def public_avals(*avals, **attrs):
-        avals = result_avals(*avals, **attrs)
-        return avals[:len(avals) - scratch_results]
+    def public_avals(*operands, **attrs):
+        avals = result_avals(*operands, **attrs)
+        return [_like_operand(a, operands[0]) for a in avals[:len(avals) - scratch_results]]
 
     def call_kernel(attrs: Attrs, *operands):
         avals = result_avals(*(jax.core.ShapedArray(o.shape, o.dtype) for o in operands),

@@ -11,6 +11,7 @@ grad works; forward-mode `jax.jvp` is not provided (custom_vjp).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,16 +19,18 @@ import numpy as np
 
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
 from jaxdnn import reference
-from jaxdnn._primitive import ffi_primitive, move_to_front
+from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front
 
 _FLOAT_TYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _F32 = jnp.float32
 
 
-def _num_partials(rows: int, features: int, sums: int) -> int:
+def _num_partials(rows, features: int, sums: int) -> int:
     """Rows of the backward workspace: the CUDA kernel's blocks each write one partial sum of
-    dscale/dbias, reduced in a fixed order afterwards. Bounded by the rows and by 128 MiB."""
-    return max(1, min(rows, 1024, (1 << 27) // (4 * sums * features)))
+    dscale/dbias, reduced in a fixed order afterwards. At most 1024 and 128 MiB, and at most the
+    rows when their number is known (under `jax.export` it may be symbolic)."""
+    bound = max(1, min(1024, (1 << 27) // (4 * sums * features)))
+    return min(rows, bound) if isinstance(rows, int) and rows > 0 else bound
 
 
 # --- the four kernel stages -------------------------------------------------------------------
@@ -39,7 +42,7 @@ def _fwd_avals(x, scale, *bias, epsilon, rms):
 
 
 def _bwd_avals(dy, x, scale, *stats, rms):
-    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    rows = math.prod(x.shape[:-1])
     features = x.shape[-1]
     sums = 1 if rms else 2
     per_feature = jax.core.ShapedArray((features,), _F32)
@@ -228,8 +231,9 @@ def layer_norm(x, scale=None, bias=None, *, epsilon=1e-6):
     bias = _check_param("layer_norm", "bias", bias, x)
     epsilon = _check_epsilon("layer_norm", epsilon)
     ones = jnp.ones(x.shape[-1:], _F32)
-    return _norm(x, ones if scale is None else scale, jnp.zeros_like(ones) if bias is None else bias,
-                 epsilon, False)
+    scale, bias = match_varying(x, ones if scale is None else scale,
+                                jnp.zeros_like(ones) if bias is None else bias)
+    return _norm(x, scale, bias, epsilon, False)
 
 
 def rms_norm(x, scale=None, *, epsilon=1e-6):
@@ -248,4 +252,5 @@ def rms_norm(x, scale=None, *, epsilon=1e-6):
     x = _check_x("rms_norm", x)
     scale = _check_param("rms_norm", "scale", scale, x)
     epsilon = _check_epsilon("rms_norm", epsilon)
-    return _norm(x, jnp.ones(x.shape[-1:], _F32) if scale is None else scale, None, epsilon, True)
+    (scale,) = match_varying(x, jnp.ones(x.shape[-1:], _F32) if scale is None else scale)
+    return _norm(x, scale, None, epsilon, True)

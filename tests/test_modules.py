@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxdnn
 
 nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")

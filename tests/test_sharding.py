@@ -140,17 +140,12 @@ def test_shard_map_forward(op, devices, rng):
     assert_close(out, op.oracle(x, scale, bias), tolerance(jnp.float32), f"{op} shard_map")
 
 
-_VMA_BUG = ("jaxdnn primitives' abstract eval drops the operands' varying manual axes (vma) "
-            "inside jax.shard_map, so results are typed as replicated")
-
-
 def _varying_axes(aval):
     """The mesh axes a value inside shard_map varies over (`vma`; renamed in newer jax)."""
     mat = getattr(aval, "manual_axis_type", None)
     return frozenset(mat.varying if mat is not None else aval.vma)
 
 
-@pytest.mark.xfail(strict=True, reason=_VMA_BUG)
 @op_param
 def test_shard_map_output_varies_over_the_mesh_axis(op, devices, rng):
     mesh, x, scale, bias = _shard_map_setup(op, devices, rng)
@@ -167,7 +162,6 @@ def test_shard_map_output_varies_over_the_mesh_axis(op, devices, rng):
     assert varying["y"] == {"b"}, f"{op}'s output inside shard_map varies over {varying['y']}"
 
 
-@pytest.mark.xfail(strict=True, reason=_VMA_BUG + ": custom_vjp rejects the bwd's dx type")
 @op_param
 def test_shard_map_grad(op, devices, rng):
     mesh, x, scale, bias = _shard_map_setup(op, devices, rng)

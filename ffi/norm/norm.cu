@@ -111,20 +111,19 @@ __global__ void __launch_bounds__(kMaxGroup) NormFwdCached(const T* __restrict__
   const RowGroup g = MakeRowGroup(group);
   if (group <= 32 && g.row >= rows) return;  // wider groups: the grid has exactly `rows` blocks
   const T* xr = x + g.row * features;
-  float v[kIters][kVec];
+  // The row stays in registers as loaded (16-byte packs, half the registers of floats for 16-bit
+  // types, so more rows fit on an SM); each pass converts again, which costs next to nothing.
+  Vec raw[kIters];
   int valid = 0;  // vectors this thread holds
 #pragma unroll
   for (int i = 0; i < kIters; ++i) {
     const int col = (i * group + g.lane) * kVec;
     if (col < features) {
-      const Vec packed = *reinterpret_cast<const Vec*>(xr + col);
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) v[i][k] = ToFloat(packed.v[k]);
+      raw[i] = *reinterpret_cast<const Vec*>(xr + col);
       ++valid;
     }
   }
   // This thread's moments, two-pass over its registers, then one reduction over the row.
-  Moments m = {float(valid * kVec), 0.f, 0.f};
   float mean = 0.f, rstd;
   if (kRms) {
     float sq[1] = {0.f};
@@ -132,18 +131,19 @@ __global__ void __launch_bounds__(kMaxGroup) NormFwdCached(const T* __restrict__
     for (int i = 0; i < kIters; ++i) {
       if (i < valid) {
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) sq[0] += v[i][k] * v[i][k];
+        for (int k = 0; k < kVec; ++k) sq[0] += ToFloat(raw[i].v[k]) * ToFloat(raw[i].v[k]);
       }
     }
     GroupSum(sq, group);
     rstd = rsqrtf(sq[0] / features + epsilon);
   } else {
+    Moments m = {float(valid * kVec), 0.f, 0.f};
     float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < kIters; ++i) {
       if (i < valid) {
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) sum += v[i][k];
+        for (int k = 0; k < kVec; ++k) sum += ToFloat(raw[i].v[k]);
       }
     }
     m.mean = valid > 0 ? sum / m.count : 0.f;
@@ -151,7 +151,10 @@ __global__ void __launch_bounds__(kMaxGroup) NormFwdCached(const T* __restrict__
     for (int i = 0; i < kIters; ++i) {
       if (i < valid) {
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) m.m2 += (v[i][k] - m.mean) * (v[i][k] - m.mean);
+        for (int k = 0; k < kVec; ++k) {
+          const float c = ToFloat(raw[i].v[k]) - m.mean;
+          m.m2 += c * c;
+        }
       }
     }
     m = GroupMoments(m, group);
@@ -162,14 +165,15 @@ __global__ void __launch_bounds__(kMaxGroup) NormFwdCached(const T* __restrict__
 #pragma unroll
   for (int i = 0; i < kIters; ++i) {
     const int col = (i * group + g.lane) * kVec;
-    if (col < features) {
+    if (i < valid) {
       const Pack<float, kVec> s = *reinterpret_cast<const Pack<float, kVec>*>(scale + col);
       Pack<float, kVec> b;
       if (!kRms) b = *reinterpret_cast<const Pack<float, kVec>*>(bias + col);
       Vec out;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        out.v[k] = FromFloat<T>((v[i][k] - mean) * rstd * s.v[k] + (kRms ? 0.f : b.v[k]));
+        const float xhat = (ToFloat(raw[i].v[k]) - mean) * rstd;
+        out.v[k] = FromFloat<T>(xhat * s.v[k] + (kRms ? 0.f : b.v[k]));
       }
       *reinterpret_cast<Vec*>(yr + col) = out;
     }
