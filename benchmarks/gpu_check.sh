@@ -20,7 +20,7 @@ python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
 # -P: do not put the cwd (the source folder jaxdnn/) ahead of the installed package on sys.path.
 python3 -P -c 'import jaxdnn; print("jaxdnn from", jaxdnn.__file__); assert jaxdnn.has_cuda_kernels()' \
   || failed+=(cuda-kernels)
-python3 -P -m pytest tests -x -q -p no:cacheprovider 2>&1 | tee "$out/tests.log" || failed+=(tests)
+python3 -P -m pytest tests -q -p no:cacheprovider 2>&1 | tee "$out/tests.log" || failed+=(tests)
 python3 benchmarks/run.py --family all --out "$out" 2>&1 | tee "$out/bench.log" || failed+=(benchmarks)
 
 if ((${#failed[@]})); then echo "gpu_check: FAILED: ${failed[*]}" >&2; exit 1; fi

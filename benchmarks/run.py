@@ -4,7 +4,7 @@
     python benchmarks/run.py --family all  --out RESULTS_DIR
 
 Conventions (see ARCHITECTURE.md, "Benchmarks"):
-- Timing (`time_fn`): compile + 3 warm-up calls, then `repeats` (default 20) repeats of a few calls run
+- Timing (`time_fn`): compile + 3 warm-up calls, then `repeats` (default 20) repeats of ~20 ms of calls run
   back to back (to amortize dispatch), each ended by `jax.block_until_ready`; the reported time is the
   median per-call time in ms. Inputs are random normal, never constants.
 - fwd+bwd cases run `jax.vjp` of the function w.r.t. every array argument under one `jax.jit` and
@@ -46,12 +46,12 @@ import jaxdnn
 
 
 def time_fn(
-    fn: Callable, *args, repeats: int = 20, warmup: int = 3, target_ms: float = 5.0
+    fn: Callable, *args, repeats: int = 20, warmup: int = 3, target_ms: float = 20.0
 ) -> float:
     """Median per-call time of `fn(*args)` in ms.
 
     Compiles and runs `warmup` calls first; each of the `repeats` repeats then runs enough calls back to
-    back to last about `target_ms` (at least 1, at most 100) and waits for the last result.
+    back to last about `target_ms` (at least 1, at most 500) and waits for the last result.
     """
     jax.block_until_ready(fn(*args))  # compile
     for _ in range(warmup):
@@ -59,7 +59,7 @@ def time_fn(
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     single_ms = (time.perf_counter() - start) * 1e3
-    calls = max(1, min(100, math.ceil(target_ms / max(single_ms, 1e-3))))
+    calls = max(1, min(500, math.ceil(target_ms / max(single_ms, 1e-3))))
     per_call_ms = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
 from jaxdnn import reference
-from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front
+from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front, per_row_shard
 
 _FLOAT_TYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _F32 = jnp.float32
@@ -231,9 +231,9 @@ def layer_norm(x, scale=None, bias=None, *, epsilon=1e-6):
     bias = _check_param("layer_norm", "bias", bias, x)
     epsilon = _check_epsilon("layer_norm", epsilon)
     ones = jnp.ones(x.shape[-1:], _F32)
-    scale, bias = match_varying(x, ones if scale is None else scale,
-                                jnp.zeros_like(ones) if bias is None else bias)
-    return _norm(x, scale, bias, epsilon, False)
+    return per_row_shard(lambda x, scale, bias: _norm(x, *match_varying(x, scale, bias), epsilon, False),
+                         x, ones if scale is None else scale,
+                         jnp.zeros_like(ones) if bias is None else bias)
 
 
 def rms_norm(x, scale=None, *, epsilon=1e-6):
@@ -252,5 +252,5 @@ def rms_norm(x, scale=None, *, epsilon=1e-6):
     x = _check_x("rms_norm", x)
     scale = _check_param("rms_norm", "scale", scale, x)
     epsilon = _check_epsilon("rms_norm", epsilon)
-    (scale,) = match_varying(x, jnp.ones(x.shape[-1:], _F32) if scale is None else scale)
-    return _norm(x, scale, None, epsilon, True)
+    return per_row_shard(lambda x, scale: _norm(x, *match_varying(x, scale), None, epsilon, True),
+                         x, jnp.ones(x.shape[-1:], _F32) if scale is None else scale)
