@@ -61,9 +61,7 @@ __device__ __forceinline__ Moments Combine(Moments a, Moments b) {
   return {count, a.mean + delta * weight, a.m2 + b.m2 + delta * delta * a.count * weight};
 }
 
-// Combines the moments of the `group` threads of a row; every thread gets the row's moments.
-__device__ __forceinline__ Moments GroupMoments(Moments m, int group) {
-  __shared__ Moments partial[kMaxGroup / 32];
+__device__ __forceinline__ Moments WarpMoments(Moments m) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
     Moments other;
@@ -72,13 +70,25 @@ __device__ __forceinline__ Moments GroupMoments(Moments m, int group) {
     other.m2 = __shfl_xor_sync(0xffffffffu, m.m2, offset);
     m = Combine(m, other);
   }
+  return m;
+}
+
+// Combines the moments of the `group` threads of a row; every thread gets the row's moments.
+// Wider groups combine the warps' results in a tree in warp 0 and share it through shared memory.
+__device__ __forceinline__ Moments GroupMoments(Moments m, int group) {
+  __shared__ Moments partial[kMaxGroup / 32];
+  m = WarpMoments(m);
   if (group <= 32) return m;
-  const int warp = threadIdx.x / 32, warps = group / 32;
-  if (threadIdx.x % 32 == 0) partial[warp] = m;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) partial[warp] = m;
+  __syncthreads();
+  if (warp == 0) {
+    m = WarpMoments(lane < group / 32 ? partial[lane] : Moments{0.f, 0.f, 0.f});
+    if (lane == 0) partial[0] = m;
+  }
   __syncthreads();
   m = partial[0];
-  for (int w = 1; w < warps; ++w) m = Combine(m, partial[w]);
-  __syncthreads();
+  __syncthreads();  // `partial` is reused by the next row
   return m;
 }
 
