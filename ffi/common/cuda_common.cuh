@@ -59,10 +59,6 @@ __device__ __forceinline__ void WarpSum(F&... v) {
   }
 }
 
-}  // namespace jaxdnn
-
-namespace jaxdnn {
-
 // Asynchronous 16-byte global -> shared copies (sm_80+): loads in flight without holding registers.
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));

@@ -1,15 +1,16 @@
 // CUDA LayerNorm / RMSNorm.
 //
 // Forward: one group of `group` threads per row (a warp for short rows, a whole block for long
-// ones). The fast path keeps the row in registers (16-byte loads, up to kIters vectors a thread) and
-// computes mean and variance in two passes over those registers; rows that are not a multiple of a
-// 16-byte vector, or longer than the registers hold, take the streaming path, which re-reads the row
-// (from L1/L2) for each pass.
+// ones). The fast path keeps the row in registers as loaded (16-byte packs, up to kIters a thread)
+// and reduces mean and variance in one pass by combining per-thread (count, mean, M2) moments;
+// rows that are not a multiple of a 16-byte vector, or longer than the registers hold, take the
+// streaming path, which re-reads the row (from L1/L2) for each pass.
 //
 // Backward: a persistent grid of G blocks (as many as are resident at once, capped by the
-// workspace's P). Block b owns a contiguous chunk of rows; besides dx it accumulates dscale/dbias
-// for its rows in registers and writes them to workspace[b]. A second kernel sums workspace[0..G)
-// in a fixed order, so the result has the same bits on every run on a given device.
+// workspace's P). Block b owns a contiguous chunk of rows; each thread stages its columns of the
+// next row in shared memory with cp.async while it computes dx for the current one, and accumulates
+// dscale/dbias for its columns in registers; the block writes them to workspace[b]. A second kernel
+// sums workspace[0..G) in a fixed order, so the result has the same bits on every run on a device.
 #include <algorithm>
 
 #include "common/cuda_common.cuh"
