@@ -11,6 +11,10 @@
   rows (no all-gather); per-feature operands are replicated; results listed in `reduced_results`
   (sums over rows, like dscale) are summed across the devices that hold the rows.
 
+With Explicit mesh axes the sharding is part of the types, and the public functions run the kernels
+per row shard through `jax.shard_map` instead (`per_row_shard`). Inside `shard_map` the results vary
+over the same mesh axes as the operands (`match_varying` makes per-feature params agree first).
+
 Workspace buffers are extra FFI results sized at trace time from the (per-shard) shapes, so no
 handler allocates memory; they are dropped before the primitive returns.
 """
@@ -31,8 +35,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 # whose lowering needs the device assignment (custom_partitioning's does; it is inside ours).
 from jax._src import dispatch as _dispatch
 
-# (attrs as a sorted tuple of (name, value)) -> None; attributes must be numpy scalars so their FFI
-# type is explicit (np.float32 -> f32, np.int64 -> i64).
+# A kernel's attributes as a sorted tuple of (name, value) pairs: hashable, as custom_partitioning's
+# static arguments must be. Values are numpy scalars so their FFI type is explicit (np.float32 ->
+# f32, np.int64 -> i64): a Python float would become f64 and fail to bind.
 Attrs = tuple
 
 
