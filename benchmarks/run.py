@@ -4,9 +4,11 @@
     python benchmarks/run.py --family all  --out RESULTS_DIR
 
 Conventions (see ARCHITECTURE.md, "Benchmarks"):
-- Timing (`time_fn`): compile + 3 warm-up calls, then `repeats` (default 20) repeats of ~20 ms of calls run
-  back to back (to amortize dispatch), each ended by `jax.block_until_ready`; the reported time is the
-  median per-call time in ms. Inputs are random normal, never constants.
+- Timing (`time_fn`): each case has several sets of distinct inputs (8; 2 with --quick), and one jitted
+  program runs the call on every set in turn, each call behind an optimization barrier on the one before
+  (no fusion or overlap between them, no L2 reuse, one host dispatch for all). After compiling and 3
+  warm-up runs, `repeats` (default 20) repeats of ~20 ms of runs back to back, each ended by
+  `jax.block_until_ready`; the reported time is the median per call in ms. Inputs are random normal.
 - fwd+bwd cases run `jax.vjp` of the function w.r.t. every array argument under one `jax.jit` and
   apply it to a random cotangent passed in as an argument; they return the primal output too, so the
   forward output is really written, as in a training step.
@@ -45,28 +47,42 @@ import jaxdnn
 # Timing
 
 
-def time_fn(
-    fn: Callable, *args, repeats: int = 20, warmup: int = 3, target_ms: float = 20.0
-) -> float:
-    """Median per-call time of `fn(*args)` in ms.
+def _chain(fn: Callable, arg_sets: list[tuple]) -> list:
+    """`fn` applied to each argument set in turn, in one program. Each call waits for the previous one
+    (an optimization barrier), so XLA neither fuses nor overlaps them, and one dispatch covers them all."""
+    outs = []
+    for args in arg_sets:
+        if outs:
+            args, _ = jax.lax.optimization_barrier((args, outs[-1]))
+        outs.append(fn(*args))
+    return outs
 
-    Compiles and runs `warmup` calls first; each of the `repeats` repeats then runs enough calls back to
-    back to last about `target_ms` (at least 1, at most 500) and waits for the last result.
+
+def time_fn(
+    fn: Callable, arg_sets: list[tuple], repeats: int = 20, warmup: int = 3, target_ms: float = 20.0
+) -> float:
+    """Median time in ms of one call `fn(*args)`, over the argument sets in `arg_sets`.
+
+    The calls on all the sets run as one jitted program (`_chain`): on distinct inputs, so no set is
+    served from the L2 of the one before, and with the host's dispatch cost spread over all of them
+    (a single ~50 us kernel per dispatch would time the host, not the GPU). The program is compiled
+    and run `warmup` times; each of the `repeats` repeats then runs it back to back for about
+    `target_ms` (1 to 500 times) and waits for the last result.
     """
-    jax.block_until_ready(fn(*args))  # compile
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
+    program = jax.jit(lambda sets: _chain(fn, sets))
+    for _ in range(1 + warmup):  # compile, then warm up
+        jax.block_until_ready(program(arg_sets))
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(program(arg_sets))
     single_ms = (time.perf_counter() - start) * 1e3
-    calls = max(1, min(500, math.ceil(target_ms / max(single_ms, 1e-3))))
+    runs = max(1, min(500, math.ceil(target_ms / max(single_ms, 1e-3))))
     per_call_ms = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)  # one stream: the last result done means every call is done
-        per_call_ms.append((time.perf_counter() - start) * 1e3 / calls)
+        for _ in range(runs):
+            out = program(arg_sets)
+        jax.block_until_ready(out)  # one stream: the last result done means every run is done
+        per_call_ms.append((time.perf_counter() - start) * 1e3 / (runs * len(arg_sets)))
     return statistics.median(per_call_ms)
 
 
@@ -78,13 +94,13 @@ def time_fn(
 class Case:
     family: str
     name: str  # the shape in full, e.g. "layer_norm R32768 D1024 fwd+bwd"
-    fn: Callable  # jaxdnn, jitted
+    fn: Callable  # jaxdnn
     peer: str
-    peer_fn: Callable  # same signature and inputs as fn, jitted
-    args: tuple
+    peer_fn: Callable  # same signature and inputs as fn
+    arg_sets: list[tuple]  # several sets of distinct inputs of one call (see time_fn)
     work: float  # bytes (metric GB/s) or FLOPs (metric TFLOP/s) per call
     metric: str  # "GB/s" or "TFLOP/s"
-    peer_args: tuple | None = None  # the peer's inputs when they differ from `args`
+    peer_arg_sets: list[tuple] | None = None  # the peer's inputs when they differ from `arg_sets`
 
 
 def _normal(key, shape, dtype, mean=0.0, std=1.0):
@@ -92,7 +108,7 @@ def _normal(key, shape, dtype, mean=0.0, std=1.0):
 
 
 def _fwd_bwd(f, *, separate=True):
-    """(*primals, dy) -> (y, grads of every primal), jitted: the fwd+bwd of a training step.
+    """(*primals, dy) -> (y, grads of every primal): the fwd+bwd of a training step.
 
     separate=True puts an optimization barrier between the passes, as a real network does (dy comes
     from the layers after this one, so nothing of the backward can start before the forward is done).
@@ -107,22 +123,26 @@ def _fwd_bwd(f, *, separate=True):
             y, vjp = jax.lax.optimization_barrier((y, vjp))
         return y, vjp(dy)
 
-    return jax.jit(run)
+    return run
 
 
-def _bwd_case(family, name, fn, peer_fn, primals, dy, work):
+def _bwd_case(family, name, fn, peer_fn, primal_sets, dy_sets, work):
     """The backward pass alone: each side's VJP closure (holding its own saved residuals) applied to dy."""
-    apply = jax.jit(lambda dy, vjp_fn: vjp_fn(dy))
+    apply = lambda dy, vjp_fn: vjp_fn(dy)
+
+    def arg_sets(f):
+        return [(dy, jax.vjp(f, *primals)[1]) for primals, dy in zip(primal_sets, dy_sets)]
+
     return Case(
         family,
         name,
         apply,
         "xla",
         apply,
-        (dy, jax.vjp(fn, *primals)[1]),
+        arg_sets(fn),
         work,
         "GB/s",
-        peer_args=(dy, jax.vjp(peer_fn, *primals)[1]),
+        peer_arg_sets=arg_sets(peer_fn),
     )
 
 
@@ -169,35 +189,32 @@ def norm_cases(quick: bool) -> list[Case]:
         "layer_norm": (jaxdnn.layer_norm, _layer_norm_xla, 2),
         "rms_norm": (jaxdnn.rms_norm, _rms_norm_xla, 1),
     }
+    sets = 2 if quick else 8  # distinct input sets per timed program (see time_fn)
     cases = []
     key = jax.random.key(0)
     for rows, features in shapes:
-        key, kx, kdy, ks, kb = jax.random.split(key, 5)
-        x = _normal(kx, (rows, features), dtype)
-        dy = _normal(kdy, (rows, features), dtype)
-        params = (
-            _normal(ks, (features,), dtype, mean=1.0, std=0.1),
-            _normal(kb, (features,), dtype, std=0.1),
-        )
-        array_bytes = rows * features * x.dtype.itemsize
-        param_bytes = features * params[0].dtype.itemsize
+        xs, dys, param_sets = [], [], []
+        for _ in range(sets):
+            key, kx, kdy, ks, kb = jax.random.split(key, 5)
+            xs.append(_normal(kx, (rows, features), dtype))
+            dys.append(_normal(kdy, (rows, features), dtype))
+            param_sets.append(
+                (
+                    _normal(ks, (features,), dtype, mean=1.0, std=0.1),
+                    _normal(kb, (features,), dtype, std=0.1),
+                )
+            )
+        array_bytes = rows * features * jnp.dtype(dtype).itemsize
+        param_bytes = features * jnp.dtype(dtype).itemsize
         for op, (fn, peer_fn, num_params) in ops.items():
-            primals = (x, *params[:num_params])
+            primal_sets = [(x, *params[:num_params]) for x, params in zip(xs, param_sets)]
             name = f"{op} R{rows} D{features}"
             fwd_bytes = 2 * array_bytes + num_params * param_bytes
             cases.append(
-                Case(
-                    "norm",
-                    f"{name} fwd",
-                    jax.jit(fn),
-                    "xla",
-                    jax.jit(peer_fn),
-                    primals,
-                    fwd_bytes,
-                    "GB/s",
-                )
+                Case("norm", f"{name} fwd", fn, "xla", peer_fn, primal_sets, fwd_bytes, "GB/s")
             )
             bwd_bytes = 3 * array_bytes + 2 * num_params * param_bytes
+            fwd_bwd_sets = [(*primals, dy) for primals, dy in zip(primal_sets, dys)]
             for suffix, separate in (("fwd+bwd", True), ("fwd+bwd dy-in-fwd", False)):
                 cases.append(
                     Case(
@@ -206,12 +223,12 @@ def norm_cases(quick: bool) -> list[Case]:
                         _fwd_bwd(fn, separate=separate),
                         "xla",
                         _fwd_bwd(peer_fn, separate=separate),
-                        (*primals, dy),
+                        fwd_bwd_sets,
                         bwd_bytes,
                         "GB/s",
                     )
                 )
-            cases.append(_bwd_case("norm", f"{name} bwd", fn, peer_fn, primals, dy, bwd_bytes))
+            cases.append(_bwd_case("norm", f"{name} bwd", fn, peer_fn, primal_sets, dys, bwd_bytes))
     return cases
 
 
@@ -229,13 +246,13 @@ def measure_ceilings(quick: bool, repeats: int) -> dict[str, tuple[str, float, f
     kx, ka, kb = jax.random.split(jax.random.key(1), 3)
     copy_mib = 16 if quick else 1024
     x = _normal(kx, (copy_mib * 2**19,), jnp.bfloat16)  # 2 bytes per element
-    copy_ms = time_fn(jax.jit(jnp.negative), x, repeats=repeats)
+    copy_ms = time_fn(jnp.negative, [(x,)], repeats=repeats)
     copy_name = "copy 1GiB" if copy_mib == 1024 else f"copy {copy_mib}MiB"
     del x
     n = 512 if quick else 8192
     a = _normal(ka, (n, n), jnp.bfloat16)
     b = _normal(kb, (n, n), jnp.bfloat16)
-    matmul_ms = time_fn(jax.jit(jnp.matmul), a, b, repeats=repeats)
+    matmul_ms = time_fn(jnp.matmul, [(a, b)], repeats=repeats)
     return {
         "GB/s": (copy_name, copy_ms, 2 * copy_mib * 2**20 / copy_ms / 1e6),
         "TFLOP/s": (f"matmul {n}^3", matmul_ms, 2 * n**3 / matmul_ms / 1e9),
@@ -255,7 +272,7 @@ def device_name() -> str:
 
 def uses_jaxdnn(fn: Callable, args: tuple) -> bool:
     """Whether the lowered program calls a jaxdnn kernel (guards against timing a silent fallback)."""
-    return "jaxdnn" in fn.lower(*args).as_text()
+    return "jaxdnn" in jax.jit(fn).lower(*args).as_text()
 
 
 def print_table(records: list[dict[str, Any]]) -> None:
@@ -320,13 +337,15 @@ def main() -> int:
     for family in FAMILIES if args.family == "all" else [args.family]:
         for case in FAMILIES[family](args.quick):
             try:
-                if not uses_jaxdnn(case.fn, case.args):
+                if not uses_jaxdnn(case.fn, case.arg_sets[0]):
                     print(
                         f"WARNING: {case.name}: no jaxdnn custom call in the lowered program",
                         file=sys.stderr,
                     )
-                ms = time_fn(case.fn, *case.args, repeats=repeats)
-                peer_ms = time_fn(case.peer_fn, *(case.peer_args or case.args), repeats=repeats)
+                ms = time_fn(case.fn, case.arg_sets, repeats=repeats)
+                peer_ms = time_fn(
+                    case.peer_fn, case.peer_arg_sets or case.arg_sets, repeats=repeats
+                )
             except Exception:  # keep going: one broken case must not cost the rest of a GPU run
                 traceback.print_exc()
                 print(f"FAILED: {case.name}", file=sys.stderr, flush=True)
@@ -338,7 +357,7 @@ def main() -> int:
                 dict(
                     family=case.family,
                     case=case.name,
-                    dtype=str(case.args[0].dtype),
+                    dtype=str(case.arg_sets[0][0].dtype),
                     jaxdnn_ms=ms,
                     peer=case.peer,
                     peer_ms=peer_ms,
