@@ -584,52 +584,20 @@ ffi::Error RmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
 }  // namespace jaxdnn
 
 namespace ffi = xla::ffi;
-using CudaStream = ffi::PlatformStream<cudaStream_t>;
+
+namespace {
+auto CudaBind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+}  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormFwdCuda, jaxdnn::LayerNormFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<CudaStream>()
-                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // bias [D]
-                                  .Ret<ffi::AnyBuffer>()          // y, x's shape and dtype
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // mean [...]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // rstd [...]
-                                  .Attr<float>("epsilon"),
+                              jaxdnn::BindLayerNormFwd(CudaBind()),
                               {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFwdCuda, jaxdnn::RmsNormFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<CudaStream>()
-                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
-                                  .Ret<ffi::AnyBuffer>()          // y
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // rstd [...]
-                                  .Attr<float>("epsilon"),
+                              jaxdnn::BindRmsNormFwd(CudaBind()),
                               {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormBwdCuda, jaxdnn::LayerNormBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<CudaStream>()
-                                  .Arg<ffi::AnyBuffer>()          // dy [..., D]
-                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // mean [...]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // rstd [...]
-                                  .Ret<ffi::AnyBuffer>()          // dx
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // dscale [D]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // dbias [D]
-                                  .Ret<ffi::Buffer<ffi::F32>>(),  // workspace [P, 2, D]
+                              jaxdnn::BindLayerNormBwd(CudaBind()),
                               {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBwdCuda, jaxdnn::RmsNormBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<CudaStream>()
-                                  .Arg<ffi::AnyBuffer>()          // dy [..., D]
-                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // rstd [...]
-                                  .Ret<ffi::AnyBuffer>()          // dx
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // dscale [D]
-                                  .Ret<ffi::Buffer<ffi::F32>>(),  // workspace [P, 1, D]
+                              jaxdnn::BindRmsNormBwd(CudaBind()),
                               {ffi::Traits::kCmdBufferCompatible});

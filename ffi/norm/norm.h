@@ -8,7 +8,67 @@
 // at trace time (jaxdnn/norm.py) and the CPU kernels ignore it.
 #pragma once
 
+#include <utility>
+
 #include "xla/ffi/api/ffi.h"
+
+namespace jaxdnn {
+
+// The operands, results and attributes of each target, shared by its CPU and CUDA handlers (the
+// CUDA binding starts with the stream context): `binding` is `ffi::Ffi::Bind()` or that plus Ctx.
+template <typename Binding>
+auto BindLayerNormFwd(Binding binding) {
+  namespace ffi = xla::ffi;
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // x [..., D]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // bias [D]
+      .template Ret<ffi::AnyBuffer>()          // y, x's shape and dtype
+      .template Ret<ffi::Buffer<ffi::F32>>()   // mean [...]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // rstd [...]
+      .template Attr<float>("epsilon");
+}
+
+template <typename Binding>
+auto BindRmsNormFwd(Binding binding) {
+  namespace ffi = xla::ffi;
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // x [..., D]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
+      .template Ret<ffi::AnyBuffer>()          // y
+      .template Ret<ffi::Buffer<ffi::F32>>()   // rstd [...]
+      .template Attr<float>("epsilon");
+}
+
+template <typename Binding>
+auto BindLayerNormBwd(Binding binding) {
+  namespace ffi = xla::ffi;
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // dy [..., D]
+      .template Arg<ffi::AnyBuffer>()          // x [..., D]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // mean [...]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // rstd [...]
+      .template Ret<ffi::AnyBuffer>()          // dx
+      .template Ret<ffi::Buffer<ffi::F32>>()   // dscale [D]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // dbias [D]
+      .template Ret<ffi::Buffer<ffi::F32>>();  // workspace [P, 2, D]
+}
+
+template <typename Binding>
+auto BindRmsNormBwd(Binding binding) {
+  namespace ffi = xla::ffi;
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // dy [..., D]
+      .template Arg<ffi::AnyBuffer>()          // x [..., D]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // rstd [...]
+      .template Ret<ffi::AnyBuffer>()          // dx
+      .template Ret<ffi::Buffer<ffi::F32>>()   // dscale [D]
+      .template Ret<ffi::Buffer<ffi::F32>>();  // workspace [P, 1, D]
+}
+
+}  // namespace jaxdnn
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LayerNormFwdCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LayerNormBwdCpu);

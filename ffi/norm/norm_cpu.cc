@@ -155,41 +155,10 @@ ffi::Error RmsNormBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::
 namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormFwdCpu, jaxdnn::LayerNormFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // bias [D]
-                                  .Ret<ffi::AnyBuffer>()          // y, x's shape and dtype
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // mean [...]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // rstd [...]
-                                  .Attr<float>("epsilon"));
-
+                              jaxdnn::BindLayerNormFwd(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFwdCpu, jaxdnn::RmsNormFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
-                                  .Ret<ffi::AnyBuffer>()          // y
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // rstd [...]
-                                  .Attr<float>("epsilon"));
-
+                              jaxdnn::BindRmsNormFwd(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormBwdCpu, jaxdnn::LayerNormBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()          // dy [..., D]
-                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // mean [...]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // rstd [...]
-                                  .Ret<ffi::AnyBuffer>()          // dx
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // dscale [D]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // dbias [D]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // workspace [P, 2, D] f32
-
+                              jaxdnn::BindLayerNormBwd(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBwdCpu, jaxdnn::RmsNormBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()          // dy [..., D]
-                                  .Arg<ffi::AnyBuffer>()          // x [..., D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // rstd [...]
-                                  .Ret<ffi::AnyBuffer>()          // dx
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // dscale [D]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // workspace [P, 1, D] f32
+                              jaxdnn::BindRmsNormBwd(ffi::Ffi::Bind()));
