@@ -19,7 +19,11 @@ SHAPES = [
     (1, 1), (7, 1), (33,), (3, 5, 37), (2, 0, 16), (0, 8), (4, 1000), (2, 4096), (1, 65536),
     (6, 130), (3, 1023), (2, 4100), (2, 3, 2, 33),
 ]
-GRAD_SHAPES = [(1, 1), (7, 1), (33,), (3, 5, 37), (2, 0, 16), (4, 1000), (2, 4100)]
+# Feature sizes cover every CUDA backward path: warp per row, block per row (up to 512 threads), and
+# the streaming kernel (unaligned or long rows).
+GRAD_SHAPES = [(1, 1), (7, 1), (33,), (3, 5, 37), (2, 0, 16), (4, 1000), (2, 4100), (37, 1024), (5, 8192),
+               (2048, 256), (700, 2048), (1200, 100),  # more rows than resident blocks
+               (3, 16384), (2, 65536)]
 
 
 def _check_grads(op, dtype, args, cotangent, got, *, epsilon=1e-6, tol=None):
