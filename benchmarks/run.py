@@ -165,30 +165,22 @@ def _rms_norm_xla(x, scale, epsilon=1e-6):
     return (x32 * (jax.lax.rsqrt(var + epsilon) * scale.astype(jnp.float32))).astype(x.dtype)
 
 
-def norm_cases(quick: bool) -> list[Case]:
-    """layer_norm and rms_norm, bf16, rows R x features D: fwd, fwd+bwd (two ways) and bwd.
+def _row_cases(family: str, ops: dict, shapes: list, quick: bool) -> list[Case]:
+    """Cases of row-wise ops (normalized over the last axis), bf16, rows R x features D: fwd,
+    fwd+bwd (two ways) and bwd, for each op {name: (jaxdnn function, XLA peer, number of (D,) params)}.
 
-    Bytes (compulsory traffic; the convention of the issue that set the targets, so GB/s compare with
-    the XLA numbers quoted there):
-      fwd     = read x + write y + read the params (scale, bias)
-      fwd+bwd = read x + read dy + write dx + the params and their grads
-      bwd     = the same bytes as fwd+bwd, for the backward pass alone (from each side's saved residuals)
+    Bytes (compulsory traffic; the convention of the issues that set the targets, so GB/s compare
+    with the XLA numbers quoted there):
+      fwd     = read x + write y + read the params
+      fwd+bwd = read x (or y) + read dy + write dx + the params and their grads
+      bwd     = the same bytes as fwd+bwd, for the backward pass alone (from each side's residuals)
     The fwd+bwd cases also compute and return y (as a training step does), which this count leaves out:
     the time covers both passes, the bytes only three R*D arrays. "fwd+bwd" separates the passes by an
     optimization barrier, as the layers in between do in a network; "fwd+bwd dy-in-fwd" lets XLA fuse
     both passes into one pass over x and dy (dy is an input of the program), which no training step
     allows, so jaxdnn's two kernels cannot match it there. "bwd" is the backward pass alone.
     """
-    shapes = (
-        [(256, 1024), (64, 4096)]
-        if quick
-        else [(32768, 1024), (16384, 4096), (8192, 8192), (4096, 16384)]
-    )
     dtype = jnp.bfloat16
-    ops = {  # name: (jaxdnn function, XLA peer, number of (D,) params)
-        "layer_norm": (jaxdnn.layer_norm, _layer_norm_xla, 2),
-        "rms_norm": (jaxdnn.rms_norm, _rms_norm_xla, 1),
-    }
     sets = 2 if quick else 8  # distinct input sets per timed program (see time_fn)
     cases = []
     key = jax.random.key(0)
@@ -211,14 +203,14 @@ def norm_cases(quick: bool) -> list[Case]:
             name = f"{op} R{rows} D{features}"
             fwd_bytes = 2 * array_bytes + num_params * param_bytes
             cases.append(
-                Case("norm", f"{name} fwd", fn, "xla", peer_fn, primal_sets, fwd_bytes, "GB/s")
+                Case(family, f"{name} fwd", fn, "xla", peer_fn, primal_sets, fwd_bytes, "GB/s")
             )
             bwd_bytes = 3 * array_bytes + 2 * num_params * param_bytes
             fwd_bwd_sets = [(*primals, dy) for primals, dy in zip(primal_sets, dys)]
             for suffix, separate in (("fwd+bwd", True), ("fwd+bwd dy-in-fwd", False)):
                 cases.append(
                     Case(
-                        "norm",
+                        family,
                         f"{name} {suffix}",
                         _fwd_bwd(fn, separate=separate),
                         "xla",
@@ -228,12 +220,37 @@ def norm_cases(quick: bool) -> list[Case]:
                         "GB/s",
                     )
                 )
-            cases.append(_bwd_case("norm", f"{name} bwd", fn, peer_fn, primal_sets, dys, bwd_bytes))
+            cases.append(_bwd_case(family, f"{name} bwd", fn, peer_fn, primal_sets, dys, bwd_bytes))
     return cases
+
+
+def norm_cases(quick: bool) -> list[Case]:
+    """layer_norm and rms_norm against Flax's formulas in XLA."""
+    shapes = (
+        [(256, 1024), (64, 4096)]
+        if quick
+        else [(32768, 1024), (16384, 4096), (8192, 8192), (4096, 16384)]
+    )
+    ops = {
+        "layer_norm": (jaxdnn.layer_norm, _layer_norm_xla, 2),
+        "rms_norm": (jaxdnn.rms_norm, _rms_norm_xla, 1),
+    }
+    return _row_cases("norm", ops, shapes, quick)
+
+
+def softmax_cases(quick: bool) -> list[Case]:
+    """softmax and log_softmax against jax.nn's (XLA); rows up to 64k."""
+    shapes = [(256, 1024), (8, 65536)] if quick else [(32768, 1024), (16384, 4096), (4096, 65536)]
+    ops = {
+        "softmax": (jaxdnn.softmax, jax.nn.softmax, 0),
+        "log_softmax": (jaxdnn.log_softmax, jax.nn.log_softmax, 0),
+    }
+    return _row_cases("softmax", ops, shapes, quick)
 
 
 FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
     "norm": norm_cases,
+    "softmax": softmax_cases,
 }
 
 

@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 
 #include "norm/norm.h"
+#include "softmax/softmax.h"
 
 namespace nb = nanobind;
 
@@ -25,6 +26,10 @@ const Target kTargets[] = {
     {"jaxdnn_layer_norm_bwd_v1", LayerNormBwdCpu, JAXDNN_CUDA_HANDLER(LayerNormBwdCuda)},
     {"jaxdnn_rms_norm_fwd_v1", RmsNormFwdCpu, JAXDNN_CUDA_HANDLER(RmsNormFwdCuda)},
     {"jaxdnn_rms_norm_bwd_v1", RmsNormBwdCpu, JAXDNN_CUDA_HANDLER(RmsNormBwdCuda)},
+    {"jaxdnn_softmax_fwd_v1", SoftmaxFwdCpu, JAXDNN_CUDA_HANDLER(SoftmaxFwdCuda)},
+    {"jaxdnn_softmax_bwd_v1", SoftmaxBwdCpu, JAXDNN_CUDA_HANDLER(SoftmaxBwdCuda)},
+    {"jaxdnn_log_softmax_fwd_v1", LogSoftmaxFwdCpu, JAXDNN_CUDA_HANDLER(LogSoftmaxFwdCuda)},
+    {"jaxdnn_log_softmax_bwd_v1", LogSoftmaxBwdCpu, JAXDNN_CUDA_HANDLER(LogSoftmaxBwdCuda)},
 };
 
 nb::capsule Capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }

@@ -233,3 +233,11 @@ def move_to_front(x, dim, size):
     if dim is None:
         return jax.numpy.broadcast_to(x, (size,) + x.shape)
     return jax.numpy.moveaxis(x, dim, 0)
+
+
+def rows_batch_rule(prim, args, dims, **attrs):
+    """Batching rule of an op whose operands all share the row axes (no per-feature operands): the
+    vmapped axis becomes one more leading row axis (unbatched operands are broadcast to it)."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    outs = prim.bind(*(move_to_front(a, d, size) for a, d in zip(args, dims)), **attrs)
+    return outs, [0] * len(outs)

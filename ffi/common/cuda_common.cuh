@@ -51,14 +51,6 @@ struct alignas(sizeof(T) * N) Pack {
 template <typename T>
 constexpr int kVec16 = 16 / sizeof(T);
 
-template <typename... F>
-__device__ __forceinline__ void WarpSum(F&... v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    ((v += __shfl_xor_sync(0xffffffffu, v, offset)), ...);
-  }
-}
-
 // Asynchronous 16-byte global -> shared copies (sm_80+): loads in flight without holding registers.
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));

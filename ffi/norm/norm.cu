@@ -14,39 +14,16 @@
 #include <algorithm>
 
 #include "common/cuda_common.cuh"
+#include "common/row_reduce.cuh"
 #include "norm/norm.h"
 #include "norm/norm_common.h"
 
 namespace jaxdnn {
 namespace {
 
-constexpr int kIters = 4;          // 16-byte vectors per thread in the register-cached path
-constexpr int kMaxGroup = 1024;    // threads per row at most
+constexpr int kIters = kRowIters;
 constexpr int kWarpRowsBlock = 256;  // block size when a warp handles a row
 constexpr int kMaxBwdGroup = 512;  // the cached backward holds two rows of registers a thread
-
-// Sums `v...` over the `group` threads of a row. Groups wider than a warp span the whole block
-// (one row per block), so the block barrier is uniform.
-template <int kN>
-__device__ __forceinline__ void GroupSum(float (&v)[kN], int group) {
-  __shared__ float partial[kN][kMaxGroup / 32];
-#pragma unroll
-  for (int i = 0; i < kN; ++i) WarpSum(v[i]);
-  if (group <= 32) return;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = group / 32;
-  if (lane == 0) {
-#pragma unroll
-    for (int i = 0; i < kN; ++i) partial[i][warp] = v[i];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < kN; ++i) {
-    float s = 0.f;
-    for (int w = 0; w < warps; ++w) s += partial[i][w];
-    v[i] = s;
-  }
-  __syncthreads();  // `partial` is reused by the next reduction
-}
 
 // Row statistics as (count, mean, sum of squared deviations). Combining two partial results
 // (Chan et al.) is exact in the sense of a two-pass variance, so one reduction gives mean and variance.
@@ -62,51 +39,9 @@ __device__ __forceinline__ Moments Combine(Moments a, Moments b) {
   return {count, a.mean + delta * weight, a.m2 + b.m2 + delta * delta * a.count * weight};
 }
 
-__device__ __forceinline__ Moments WarpMoments(Moments m) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    Moments other;
-    other.count = __shfl_xor_sync(0xffffffffu, m.count, offset);
-    other.mean = __shfl_xor_sync(0xffffffffu, m.mean, offset);
-    other.m2 = __shfl_xor_sync(0xffffffffu, m.m2, offset);
-    m = Combine(m, other);
-  }
-  return m;
-}
-
-// Combines the moments of the `group` threads of a row; every thread gets the row's moments.
-// Wider groups combine the warps' results in a tree in warp 0 and share it through shared memory.
+// The row's moments, combined over its group.
 __device__ __forceinline__ Moments GroupMoments(Moments m, int group) {
-  __shared__ Moments partial[kMaxGroup / 32];
-  m = WarpMoments(m);
-  if (group <= 32) return m;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) partial[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    m = WarpMoments(lane < group / 32 ? partial[lane] : Moments{0.f, 0.f, 0.f});
-    if (lane == 0) partial[0] = m;
-  }
-  __syncthreads();
-  m = partial[0];
-  __syncthreads();  // `partial` is reused by the next row
-  return m;
-}
-
-struct RowGroup {
-  int64_t row;  // this group's row (forward) or first row (backward)
-  int lane;     // thread index within the group
-  int index;    // group index within the block
-  int count;    // groups per block
-};
-
-__device__ __forceinline__ RowGroup MakeRowGroup(int group) {
-  RowGroup g;
-  g.lane = threadIdx.x % group;
-  g.index = threadIdx.x / group;
-  g.count = blockDim.x / group;
-  g.row = int64_t(blockIdx.x) * g.count + g.index;
-  return g;
+  return GroupReduce(m, group, Moments{0.f, 0.f, 0.f}, Combine);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -434,30 +369,18 @@ __global__ void SumPartials(const float* __restrict__ workspace, int partials, i
 constexpr size_t kMaxBwdSmem = 200 * 1024;  // backward stages, below Hopper's 227 KB
 constexpr int kWarpRowsBwdBlock = 128;        // backward block size when a warp handles a row
 
-struct Plan {
-  bool cached;  // register-cached kernel (else streaming)
-  int group;    // threads per row
-  int block;    // threads per block
-  size_t smem;  // backward: dynamic shared memory of the cached kernel
+// The backward's plan: the forward's, with two stages of x and dy (kIters 16-byte vectors a thread
+// each) in shared memory, which also hold the combined accumulators (kSums * kIters * kVec floats a
+// thread) at the end; rows too long for that take the streaming kernel.
+struct BwdPlan : RowPlan {
+  size_t smem;
 };
 
 template <typename T>
-Plan MakePlan(int64_t features, int sums) {
-  constexpr int kVec = kVec16<T>;
-  Plan plan;
-  plan.cached = features % kVec == 0 && features <= int64_t(kMaxGroup) * kVec * kIters;
-  if (plan.cached) {
-    plan.group = 32;
-    while (int64_t(plan.group) * kVec * kIters < features) plan.group *= 2;
-    plan.block = plan.group > 32 ? plan.group : kWarpRowsBlock;
-  } else {
-    plan.group = plan.block = int(std::min<int64_t>(kMaxGroup, (features + 31) / 32 * 32));
-  }
-  // Backward: two stages of x and dy, kIters 16-byte vectors a thread each, which also hold the
-  // combined accumulators (kSums * kIters * kVec floats a thread) at the end.
-  if (sums > 0 && plan.cached && plan.group == 32) plan.block = kWarpRowsBwdBlock;
+BwdPlan MakeBwdPlan(int64_t features) {
+  BwdPlan plan{MakeRowPlan<T>(features, kWarpRowsBwdBlock), 0};
   plan.smem = size_t(plan.block) * 4 * kIters * 16;
-  if (plan.cached && sums > 0 && (plan.smem > kMaxBwdSmem || plan.group > kMaxBwdGroup)) {
+  if (plan.cached && (plan.smem > kMaxBwdSmem || plan.group > kMaxBwdGroup)) {
     plan.cached = false;
     plan.group = plan.block = kMaxGroup;
   }
@@ -474,10 +397,8 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F
   if (shape.rows == 0) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    const Plan plan = MakePlan<T>(shape.features, 0);
-    const int64_t grid = plan.group > 32 || !plan.cached
-                             ? shape.rows
-                             : (shape.rows + plan.block / 32 - 1) / (plan.block / 32);
+    const RowPlan plan = MakeRowPlan<T>(shape.features, kWarpRowsBlock);
+    const int64_t grid = RowGrid(plan, shape.rows);
     if (grid > 0x7fffffff) return InvalidArgument("norm: too many rows for one launch");
     const T* xp = static_cast<const T*>(x.untyped_data());
     const float* bp = kRms ? nullptr : bias->typed_data();
@@ -521,7 +442,7 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
   }
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    const Plan plan = MakePlan<T>(shape.features, kSums);
+    const BwdPlan plan = MakeBwdPlan<T>(shape.features);
     const int features = int(shape.features);
     const T* dyp = static_cast<const T*>(dy.untyped_data());
     const T* xp = static_cast<const T*>(x.untyped_data());

@@ -1,0 +1,150 @@
+"""Softmax and log-softmax with `jax.nn`'s signatures.
+
+Shapes: x [..., D, ...], normalized over `axis` (D). The kernels work on the last axis; another
+axis is moved there and back (two transposes, which XLA may fuse with neighbours). Sums and
+exponentials are float32; outputs have x's dtype.
+
+Each function is a `jax.custom_vjp` over two kernel stages: `*_fwd` (x -> y) and `*_bwd`
+((dy, y) -> dx, from the saved output). Both stages have their own VJP through the reference
+implementation, so grad of grad works; forward-mode `jax.jvp` is not provided (custom_vjp).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
+
+from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
+from jaxdnn import reference
+from jaxdnn._primitive import ffi_primitive, per_row_shard, rows_batch_rule
+
+_FLOAT_TYPES = [jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
+
+
+def _like_last_operand(*operands):
+    """One result with the last operand's shape and dtype (x for the forward, y for the backward)."""
+    return [jax.core.ShapedArray(operands[-1].shape, operands[-1].dtype)]
+
+
+def _stage(name, rule):
+    return ffi_primitive(f"jaxdnn_{name}", f"jaxdnn_{name}_v1", result_avals=_like_last_operand,
+                         batch_rule=rows_batch_rule, sharding_rule=rule)
+
+
+_FWD = {False: _stage("softmax_fwd", "... d -> ... d"), True: _stage("log_softmax_fwd", "... d -> ... d")}
+_BWD = {False: _stage("softmax_bwd", "... d, ... d -> ... d"),
+        True: _stage("log_softmax_bwd", "... d, ... d -> ... d")}
+
+
+# --- differentiable stages (second order through the reference) -------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _softmax_fwd(x, log):
+    return _FWD[log].bind(x)[0]
+
+
+def _softmax_fwd_fwd(x, log):
+    return _softmax_fwd(x, log), x
+
+
+def _softmax_fwd_bwd(log, x, dy):
+    return jax.vjp(lambda x: reference.softmax_fwd(x, log), x)[1](dy)
+
+
+_softmax_fwd.defvjp(_softmax_fwd_fwd, _softmax_fwd_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _softmax_bwd(dy, y, log):
+    return _BWD[log].bind(dy, y)[0]
+
+
+def _softmax_bwd_fwd(dy, y, log):
+    return _softmax_bwd(dy, y, log), (dy, y)
+
+
+def _softmax_bwd_bwd(log, residuals, ddx):
+    return jax.vjp(lambda dy, y: reference.softmax_bwd(dy, y, log), *residuals)[1](ddx)
+
+
+_softmax_bwd.defvjp(_softmax_bwd_fwd, _softmax_bwd_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _softmax(x, log):
+    return _softmax_fwd(x, log)
+
+
+def _softmax_vjp_fwd(x, log):
+    y = _softmax_fwd(x, log)
+    return y, y
+
+
+def _softmax_vjp_bwd(log, y, dy):
+    return (_softmax_bwd(dy, y, log),)
+
+
+_softmax.defvjp(_softmax_vjp_fwd, _softmax_vjp_bwd)
+
+
+# --- public API -------------------------------------------------------------------------------
+
+def _check(fn, x, axis, where):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+    if x.dtype not in _FLOAT_TYPES:
+        raise TypeError(f"{fn}: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError(f"{fn}: x must have rank >= 1, got shape {x.shape}")
+    if where is not None:
+        raise ValueError(f"{fn}: `where` is not supported by jaxdnn's kernels; use jax.nn.{fn} for masked "
+                         "normalization")
+    if isinstance(axis, (tuple, list)):
+        if len(axis) != 1:
+            raise ValueError(f"{fn}: axis must be a single axis, got {axis} for x of shape {x.shape}")
+        axis = axis[0]
+    try:
+        axis = operator.index(axis)
+    except TypeError:
+        raise TypeError(f"{fn}: axis must be an int, got {axis!r}") from None
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"{fn}: axis {axis} is out of range for x of shape {x.shape}")
+    axis %= x.ndim
+    if x.shape[axis] == 0:
+        raise ValueError(f"{fn}: the normalized axis {axis} of x (shape {x.shape}) must be non-empty")
+    return x, axis
+
+
+def _apply(x, axis, log):
+    last = x.ndim - 1
+    x = jnp.moveaxis(x, axis, last) if axis != last else x
+    y = per_row_shard(lambda x: _softmax(x, log), x)
+    return jnp.moveaxis(y, last, axis) if axis != last else y
+
+
+def softmax(x, axis=-1, where=None):
+    """Softmax over `axis`: `exp(x - max) / sum(exp(x - max))`, as `jax.nn.softmax`.
+
+    Args:
+      x: float32, bfloat16 or float16 array of rank >= 1.
+      axis: the axis to normalize over (one axis; a non-last axis costs two transposes).
+      where: not supported (must be None; `jax.nn.softmax` serves masks).
+
+    Returns:
+      x's shape and dtype; computed in float32. Differentiable to any order with `jax.grad`/`jax.vjp`;
+      `jax.jvp` is not supported.
+    """
+    x, axis = _check("softmax", x, axis, where)
+    return _apply(x, axis, log=False)
+
+
+def log_softmax(x, axis=-1, where=None):
+    """Log-softmax over `axis`: `x - max - log(sum(exp(x - max)))`, as `jax.nn.log_softmax`.
+
+    Args and returns as `softmax`.
+    """
+    x, axis = _check("log_softmax", x, axis, where)
+    return _apply(x, axis, log=True)
