@@ -3,7 +3,8 @@
 // Forward: one group of threads per row (see common/row_reduce.cuh). Each thread takes the max of
 // its elements and the sum of their exponentials relative to it; one reduction combines the
 // (max, sum) pairs of the row (the online-softmax rule), and a second pass over the registers writes
-// the output. Streaming rows (unaligned or too long for the registers) re-read x for that pass.
+// the output. Streaming rows (unaligned or too long for the registers) re-read x for that pass,
+// with 16-byte accesses when the row is a multiple of them.
 // Backward: one reduction (sum(dy * y), or sum(dy) for log-softmax) and one elementwise pass.
 #include <cmath>
 
@@ -26,11 +27,6 @@ __device__ __forceinline__ MaxSum Combine(MaxSum a, MaxSum b) {
   const float max = fmaxf(a.max, b.max);
   if (max == -INFINITY) return {max, 0.f};  // nothing but -inf so far
   return {max, a.sum * __expf(a.max - max) + b.sum * __expf(b.max - max)};
-}
-
-__device__ __forceinline__ MaxSum Add(MaxSum m, float v) {
-  if (v <= m.max) return {m.max, m.sum + __expf(v - m.max)};
-  return {v, m.sum * __expf(m.max - v) + 1.f};
 }
 
 template <bool kLog>
@@ -88,17 +84,34 @@ __global__ void __launch_bounds__(kMaxGroup)
   }
 }
 
-// One row per block, any length.
-template <typename T, bool kLog>
+// One row per block, any length: packs of kVec elements (kVec = 1 for rows that are not a multiple
+// of a 16-byte vector). The second pass re-reads the row, mostly from L2.
+template <typename T, bool kLog, int kVec>
 __global__ void SoftmaxFwdStreaming(const T* __restrict__ x, T* __restrict__ y, int features) {
-  const T* xr = x + int64_t(blockIdx.x) * features;
+  using Vec = Pack<T, kVec>;
+  const Vec* xr = reinterpret_cast<const Vec*>(x + int64_t(blockIdx.x) * features);
+  const int packs = features / kVec;
   MaxSum m = {-INFINITY, 0.f};
-  for (int j = threadIdx.x; j < features; j += blockDim.x) m = Add(m, ToFloat(xr[j]));
+  for (int j = threadIdx.x; j < packs; j += blockDim.x) {
+    const Vec v = xr[j];
+    MaxSum pack = {-INFINITY, 0.f};  // the pack's own (max, sum), then one combine
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) pack.max = fmaxf(pack.max, ToFloat(v.v[k]));
+    if (pack.max > -INFINITY) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) pack.sum += __expf(ToFloat(v.v[k]) - pack.max);
+    }
+    m = Combine(m, pack);
+  }
   const MaxSum row = GroupReduce(m, blockDim.x, MaxSum{-INFINITY, 0.f}, Combine);
   const float inv_sum = 1.f / row.sum, log_sum = __logf(row.sum);
-  T* yr = y + int64_t(blockIdx.x) * features;
-  for (int j = threadIdx.x; j < features; j += blockDim.x) {
-    yr[j] = FromFloat<T>(SoftmaxOut<kLog>(ToFloat(xr[j]), row, inv_sum, log_sum));
+  Vec* yr = reinterpret_cast<Vec*>(y + int64_t(blockIdx.x) * features);
+  for (int j = threadIdx.x; j < packs; j += blockDim.x) {
+    const Vec v = xr[j];
+    Vec out;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) out.v[k] = FromFloat<T>(SoftmaxOut<kLog>(ToFloat(v.v[k]), row, inv_sum, log_sum));
+    yr[j] = out;
   }
 }
 
@@ -148,17 +161,30 @@ __global__ void __launch_bounds__(kMaxGroup) SoftmaxBwdCached(const T* __restric
   }
 }
 
-template <typename T, bool kLog>
+template <typename T, bool kLog, int kVec>
 __global__ void SoftmaxBwdStreaming(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
                                     int features) {
+  using Vec = Pack<T, kVec>;
   const int64_t offset = int64_t(blockIdx.x) * features;
+  const Vec* dyr = reinterpret_cast<const Vec*>(dy + offset);
+  const Vec* yr = reinterpret_cast<const Vec*>(y + offset);
+  const int packs = features / kVec;
   float sum[1] = {0.f};
-  for (int j = threadIdx.x; j < features; j += blockDim.x) {
-    sum[0] += ToFloat(dy[offset + j]) * (kLog ? 1.f : ToFloat(y[offset + j]));
+  for (int j = threadIdx.x; j < packs; j += blockDim.x) {
+    const Vec g = dyr[j], out = yr[j];
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) sum[0] += ToFloat(g.v[k]) * (kLog ? 1.f : ToFloat(out.v[k]));
   }
   GroupSum(sum, blockDim.x);
-  for (int j = threadIdx.x; j < features; j += blockDim.x) {
-    dx[offset + j] = FromFloat<T>(SoftmaxGrad<kLog>(ToFloat(dy[offset + j]), ToFloat(y[offset + j]), sum[0]));
+  Vec* dxr = reinterpret_cast<Vec*>(dx + offset);
+  for (int j = threadIdx.x; j < packs; j += blockDim.x) {
+    const Vec g = dyr[j], out = yr[j];
+    Vec result;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      result.v[k] = FromFloat<T>(SoftmaxGrad<kLog>(ToFloat(g.v[k]), ToFloat(out.v[k]), sum[0]));
+    }
+    dxr[j] = result;
   }
 }
 
@@ -177,8 +203,10 @@ ffi::Error SoftmaxFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
     if (plan.cached) {
       SoftmaxFwdCached<T, kLog><<<grid, plan.block, 0, stream>>>(xp, yp, shape.rows, int(shape.features),
                                                                  plan.group);
+    } else if (shape.features % kVec16<T> == 0) {
+      SoftmaxFwdStreaming<T, kLog, kVec16<T>><<<grid, plan.block, 0, stream>>>(xp, yp, int(shape.features));
     } else {
-      SoftmaxFwdStreaming<T, kLog><<<grid, plan.block, 0, stream>>>(xp, yp, int(shape.features));
+      SoftmaxFwdStreaming<T, kLog, 1><<<grid, plan.block, 0, stream>>>(xp, yp, int(shape.features));
     }
     return LaunchError("softmax forward");
   });
@@ -201,8 +229,11 @@ ffi::Error SoftmaxBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
     if (plan.cached) {
       SoftmaxBwdCached<T, kLog><<<grid, plan.block, 0, stream>>>(dyp, yp, dxp, shape.rows,
                                                                  int(shape.features), plan.group);
+    } else if (shape.features % kVec16<T> == 0) {
+      SoftmaxBwdStreaming<T, kLog, kVec16<T>><<<grid, plan.block, 0, stream>>>(dyp, yp, dxp,
+                                                                            int(shape.features));
     } else {
-      SoftmaxBwdStreaming<T, kLog><<<grid, plan.block, 0, stream>>>(dyp, yp, dxp, int(shape.features));
+      SoftmaxBwdStreaming<T, kLog, 1><<<grid, plan.block, 0, stream>>>(dyp, yp, dxp, int(shape.features));
     }
     return LaunchError("softmax backward");
   });
