@@ -14,7 +14,7 @@ namespace {
 template <typename T, bool kLog>
 void SoftmaxFwd(const T* x, T* y, RowsFeatures shape) {
   const int64_t d = shape.features;
-  std::vector<float> row(d);
+  std::vector<float> row(d), exps(d);
   for (int64_t r = 0; r < shape.rows; ++r) {
     float max = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < d; ++j) {
@@ -22,10 +22,13 @@ void SoftmaxFwd(const T* x, T* y, RowsFeatures shape) {
       max = std::max(max, row[j]);
     }
     double sum = 0.0;
-    for (int64_t j = 0; j < d; ++j) sum += std::exp(row[j] - max);
+    for (int64_t j = 0; j < d; ++j) {
+      exps[j] = std::exp(row[j] - max);
+      sum += exps[j];
+    }
     const float log_sum = float(std::log(sum)), inv_sum = float(1.0 / sum);
     for (int64_t j = 0; j < d; ++j) {
-      y[r * d + j] = FromFloat<T>(kLog ? row[j] - max - log_sum : std::exp(row[j] - max) * inv_sum);
+      y[r * d + j] = FromFloat<T>(kLog ? row[j] - max - log_sum : exps[j] * inv_sum);
     }
   }
 }
