@@ -248,9 +248,22 @@ def softmax_cases(quick: bool) -> list[Case]:
     return _row_cases("softmax", ops, shapes, quick)
 
 
+def activation_cases(quick: bool) -> list[Case]:
+    """Standalone activations against jax.nn's (XLA); both are memory-bound, so parity is expected."""
+    shapes = [(256, 1024)] if quick else [(16384, 4096)]
+    ops = {
+        "relu": (jaxdnn.relu, jax.nn.relu, 0),
+        "gelu": (jaxdnn.gelu, jax.nn.gelu, 0),
+        "silu": (jaxdnn.silu, jax.nn.silu, 0),
+        "sigmoid": (jaxdnn.sigmoid, jax.nn.sigmoid, 0),
+    }
+    return _row_cases("activation", ops, shapes, quick)
+
+
 FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
     "norm": norm_cases,
     "softmax": softmax_cases,
+    "activation": activation_cases,
 }
 
 

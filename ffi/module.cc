@@ -1,6 +1,7 @@
 // The _jaxdnn extension: hands every FFI handler to Python, which registers them with XLA.
 #include <nanobind/nanobind.h>
 
+#include "activation/activation.h"
 #include "norm/norm.h"
 #include "softmax/softmax.h"
 
@@ -30,6 +31,8 @@ const Target kTargets[] = {
     {"jaxdnn_softmax_bwd_v1", SoftmaxBwdCpu, JAXDNN_CUDA_HANDLER(SoftmaxBwdCuda)},
     {"jaxdnn_log_softmax_fwd_v1", LogSoftmaxFwdCpu, JAXDNN_CUDA_HANDLER(LogSoftmaxFwdCuda)},
     {"jaxdnn_log_softmax_bwd_v1", LogSoftmaxBwdCpu, JAXDNN_CUDA_HANDLER(LogSoftmaxBwdCuda)},
+    {"jaxdnn_activation_fwd_v1", ActivationFwdCpu, JAXDNN_CUDA_HANDLER(ActivationFwdCuda)},
+    {"jaxdnn_activation_bwd_v1", ActivationBwdCpu, JAXDNN_CUDA_HANDLER(ActivationBwdCuda)},
 };
 
 nb::capsule Capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }

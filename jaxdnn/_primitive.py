@@ -122,23 +122,24 @@ def match_varying(x, *params):
     return out
 
 
-def per_row_shard(fn, x, *params):
+def per_row_shard(fn, x, *params, whole_axes: int = 1):
     """`fn(x, *params)`, run per shard of x's row axes when they are sharded over Explicit mesh axes.
 
-    With Explicit axes the sharding is part of x's type; `jax.shard_map` over those axes runs the
-    kernels on each device's rows (per-feature params replicated, their gradients summed across
-    shards by JAX). A sharded feature axis is gathered first: the kernels need whole rows. Other
-    cases (no mesh, Auto axes) are partitioned by the primitives' own rule and call fn directly.
+    The row axes are all but x's last `whole_axes` axes (the features a kernel needs whole; 0 for
+    elementwise ops). With Explicit axes the sharding is part of x's type; `jax.shard_map` over those
+    axes runs the kernels on each device's rows (per-feature params replicated, their gradients
+    summed across shards by JAX). Sharded feature axes are gathered first. Other cases (no mesh,
+    Auto axes) are partitioned by the primitives' own rule and call fn directly.
     """
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     explicit = set(getattr(mesh, "explicit_axes", ()))
-    row_spec = tuple(sharding.spec)[:x.ndim - 1] if sharding is not None else ()
+    row_spec = tuple(sharding.spec)[:x.ndim - whole_axes] if sharding is not None else ()
     row_spec = tuple(a if a is not None and set(a if isinstance(a, tuple) else (a,)) <= explicit
                      else None for a in row_spec)
     if not any(a is not None for a in row_spec):
         return fn(x, *params)
-    x_spec = PartitionSpec(*row_spec, None)
+    x_spec = PartitionSpec(*row_spec, *([None] * whole_axes))
     return jax.shard_map(
         fn, mesh=mesh, in_specs=(x_spec,) + (PartitionSpec(),) * len(params), out_specs=x_spec,
         axis_names=set(_mesh_axes(row_spec)))(x, *params)

@@ -1,0 +1,123 @@
+// Activation functions and their derivatives, shared by the CPU and CUDA kernels: the standalone
+// activation kernels and the fused epilogues of other families use this one definition.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define JAXDNN_HOST_DEVICE __host__ __device__
+#else
+#define JAXDNN_HOST_DEVICE
+#endif
+
+namespace jaxdnn {
+
+// The values are an ABI (the `kind` attribute of the activation targets): append, never renumber.
+enum class Activation : int64_t {
+  kIdentity = 0,
+  kRelu = 1,
+  kRelu6 = 2,
+  kLeakyRelu = 3,  // param: negative_slope
+  kElu = 4,        // param: alpha
+  kSigmoid = 5,
+  kTanh = 6,
+  kGeluTanh = 7,   // gelu(approximate=True)
+  kGeluErf = 8,    // gelu(approximate=False)
+  kSilu = 9,
+  kSoftplus = 10,
+  kHardTanh = 11,
+};
+constexpr int64_t kNumActivations = 12;
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluCubic = 0.044715f;
+constexpr float kInvSqrt2 = 0.7071067811865476f;
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+
+JAXDNN_HOST_DEVICE inline float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// sigmoid'(x) = s (1 - s), written as e / (1 + e)^2 with e = exp(-|x|): no cancellation in 1 - s.
+JAXDNN_HOST_DEVICE inline float SigmoidGrad(float x) {
+  const float e = expf(-fabsf(x));
+  return e / ((1.f + e) * (1.f + e));
+}
+
+// f(x), with `param` the activation's parameter (see the enum).
+template <Activation kAct>
+JAXDNN_HOST_DEVICE inline float Activate(float x, float param) {
+  switch (kAct) {
+    case Activation::kIdentity: return x;
+    case Activation::kRelu: return x > 0.f ? x : 0.f;
+    case Activation::kRelu6: return fminf(fmaxf(x, 0.f), 6.f);
+    case Activation::kLeakyRelu: return x >= 0.f ? x : param * x;
+    case Activation::kElu: return x > 0.f ? x : param * expm1f(x);
+    case Activation::kSigmoid: return Sigmoid(x);
+    case Activation::kTanh: return tanhf(x);
+    // 0.5 (1 + tanh(u)) = sigmoid(2u) and 0.5 (1 + erf(z)) = 0.5 erfc(-z): no cancellation for x < 0.
+    case Activation::kGeluTanh: return x * Sigmoid(2.f * kSqrt2OverPi * (x + kGeluCubic * x * x * x));
+    case Activation::kGeluErf: return 0.5f * x * erfcf(-x * kInvSqrt2);
+    case Activation::kSilu: return x * Sigmoid(x);
+    case Activation::kSoftplus: return log1pf(expf(-fabsf(x))) + fmaxf(x, 0.f);
+    case Activation::kHardTanh: return fminf(fmaxf(x, -1.f), 1.f);
+  }
+  return x;
+}
+
+// f'(x): the derivative with respect to the input (0 at the kinks, as jax.nn's gradients).
+template <Activation kAct>
+JAXDNN_HOST_DEVICE inline float ActivateGrad(float x, float param) {
+  switch (kAct) {
+    case Activation::kIdentity: return 1.f;
+    case Activation::kRelu: return x > 0.f ? 1.f : 0.f;
+    case Activation::kRelu6: return x > 0.f && x < 6.f ? 1.f : 0.f;
+    case Activation::kLeakyRelu: return x >= 0.f ? 1.f : param;
+    case Activation::kElu: return x > 0.f ? 1.f : param * expf(x);
+    case Activation::kSigmoid: return SigmoidGrad(x);
+    case Activation::kTanh: return 4.f * SigmoidGrad(2.f * x);  // 1 - tanh^2, without cancellation
+    case Activation::kGeluTanh: {
+      const float u2 = 2.f * kSqrt2OverPi * (x + kGeluCubic * x * x * x);
+      return Sigmoid(u2) + x * SigmoidGrad(u2) * 2.f * kSqrt2OverPi * (1.f + 3.f * kGeluCubic * x * x);
+    }
+    case Activation::kGeluErf: return 0.5f * erfcf(-x * kInvSqrt2) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+    case Activation::kSilu: {
+      const float s = Sigmoid(x);
+      return s * (1.f + x * (1.f - s));
+    }
+    case Activation::kSoftplus: return Sigmoid(x);
+    case Activation::kHardTanh: return x >= -1.f && x <= 1.f ? 1.f : 0.f;  // jax.nn: 1 at +-1
+  }
+  return 1.f;
+}
+
+template <Activation kAct>
+struct ActivationTag {
+  static constexpr Activation value = kAct;
+};
+
+// Calls fn(ActivationTag<kind>{}), making `kind` a compile-time constant; false for an unknown kind.
+template <typename Fn>
+bool DispatchActivation(int64_t kind, Fn&& fn) {
+  switch (static_cast<Activation>(kind)) {
+#define JAXDNN_ACTIVATION_CASE(name) \
+  case Activation::name:             \
+    fn(ActivationTag<Activation::name>{}); \
+    return true;
+    JAXDNN_ACTIVATION_CASE(kIdentity)
+    JAXDNN_ACTIVATION_CASE(kRelu)
+    JAXDNN_ACTIVATION_CASE(kRelu6)
+    JAXDNN_ACTIVATION_CASE(kLeakyRelu)
+    JAXDNN_ACTIVATION_CASE(kElu)
+    JAXDNN_ACTIVATION_CASE(kSigmoid)
+    JAXDNN_ACTIVATION_CASE(kTanh)
+    JAXDNN_ACTIVATION_CASE(kGeluTanh)
+    JAXDNN_ACTIVATION_CASE(kGeluErf)
+    JAXDNN_ACTIVATION_CASE(kSilu)
+    JAXDNN_ACTIVATION_CASE(kSoftplus)
+    JAXDNN_ACTIVATION_CASE(kHardTanh)
+#undef JAXDNN_ACTIVATION_CASE
+  }
+  return false;
+}
+
+}  // namespace jaxdnn

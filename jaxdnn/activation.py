@@ -1,0 +1,158 @@
+"""Activations with `jax.nn`'s names and arguments, as standalone kernels.
+
+Elementwise over any shape; computed in float32, returned in x's dtype (float32, bfloat16 or
+float16). Their math lives in one C++ header (ffi/common/activation.h) that other families' fused
+epilogues share. Standalone they run at XLA's speed (both are bound by memory); the point of the
+shared math is fusion into other kernels.
+
+Each function is a `jax.custom_vjp` over two kernel stages, f (x -> y) and its backward
+((dy, x) -> dy * f'(x)); both have their own VJP through the reference, so grad of grad works.
+Forward-mode `jax.jvp` is not provided (custom_vjp).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
+from jaxdnn._primitive import ffi_primitive, per_row_shard, rows_batch_rule
+from jaxdnn.reference import activation as _ref
+
+_FLOAT_TYPES = [jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
+
+# name -> the `kind` attribute of the targets (the Activation enum of ffi/common/activation.h).
+KINDS = {"identity": 0, "relu": 1, "relu6": 2, "leaky_relu": 3, "elu": 4, "sigmoid": 5, "tanh": 6,
+         "gelu_tanh": 7, "gelu_erf": 8, "silu": 9, "softplus": 10, "hard_tanh": 11}
+
+
+def _like_last_operand(*operands, kind, param):
+    return [jax.core.ShapedArray(operands[-1].shape, operands[-1].dtype)]
+
+
+_fwd = ffi_primitive("jaxdnn_activation_fwd", "jaxdnn_activation_fwd_v1", result_avals=_like_last_operand,
+                     batch_rule=rows_batch_rule, sharding_rule="... -> ...")
+_bwd = ffi_primitive("jaxdnn_activation_bwd", "jaxdnn_activation_bwd_v1", result_avals=_like_last_operand,
+                     batch_rule=rows_batch_rule, sharding_rule="..., ... -> ...")
+
+
+def _attrs(name, param):
+    return dict(kind=np.int64(KINDS[name]), param=np.float32(param))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _activation_fwd(x, name, param):
+    return _fwd.bind(x, **_attrs(name, param))[0]
+
+
+def _activation_fwd_fwd(x, name, param):
+    return _activation_fwd(x, name, param), x
+
+
+def _activation_fwd_bwd(name, param, x, dy):
+    return jax.vjp(lambda x: _ref.activation_fwd(x, name, param), x)[1](dy)
+
+
+_activation_fwd.defvjp(_activation_fwd_fwd, _activation_fwd_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _activation_bwd(dy, x, name, param):
+    return _bwd.bind(dy, x, **_attrs(name, param))[0]
+
+
+def _activation_bwd_fwd(dy, x, name, param):
+    return _activation_bwd(dy, x, name, param), (dy, x)
+
+
+def _activation_bwd_bwd(name, param, residuals, ddx):
+    return jax.vjp(lambda dy, x: _ref.activation_bwd(dy, x, name, param), *residuals)[1](ddx)
+
+
+_activation_bwd.defvjp(_activation_bwd_fwd, _activation_bwd_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _activation(x, name, param):
+    return _activation_fwd(x, name, param)
+
+
+def _activation_vjp_fwd(x, name, param):
+    return _activation_fwd(x, name, param), x
+
+
+def _activation_vjp_bwd(name, param, x, dy):
+    return (_activation_bwd(dy, x, name, param),)
+
+
+_activation.defvjp(_activation_vjp_fwd, _activation_vjp_bwd)
+
+
+def _apply(fn, x, name, param=0.0):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+    if x.dtype not in _FLOAT_TYPES:
+        raise TypeError(f"{fn}: x must be float32, bfloat16 or float16, got {x.dtype}")
+    param = float(param)
+    if not np.isfinite(param):
+        raise ValueError(f"{fn}: the parameter must be finite, got {param}")
+    return per_row_shard(lambda x: _activation(x, name, param), x, whole_axes=0)
+
+
+def relu(x):
+    """max(x, 0), as `jax.nn.relu` (gradient 0 at 0)."""
+    return _apply("relu", x, "relu")
+
+
+def relu6(x):
+    """min(max(x, 0), 6), as `jax.nn.relu6` (gradient 0 at 0 and 6)."""
+    return _apply("relu6", x, "relu6")
+
+
+def leaky_relu(x, negative_slope=1e-2):
+    """x if x >= 0 else negative_slope * x, as `jax.nn.leaky_relu`."""
+    return _apply("leaky_relu", x, "leaky_relu", negative_slope)
+
+
+def elu(x, alpha=1.0):
+    """x if x > 0 else alpha * (exp(x) - 1), as `jax.nn.elu`."""
+    return _apply("elu", x, "elu", alpha)
+
+
+def sigmoid(x):
+    """1 / (1 + exp(-x)), as `jax.nn.sigmoid`."""
+    return _apply("sigmoid", x, "sigmoid")
+
+
+def tanh(x):
+    """tanh(x), as `jnp.tanh`."""
+    return _apply("tanh", x, "tanh")
+
+
+def gelu(x, approximate: bool = True):
+    """GELU, as `jax.nn.gelu`: the tanh approximation by default, the exact erf form otherwise."""
+    if not isinstance(approximate, (bool, np.bool_)):
+        raise TypeError(f"gelu: approximate must be a bool, got {approximate!r}")
+    return _apply("gelu", x, "gelu_tanh" if approximate else "gelu_erf")
+
+
+def silu(x):
+    """x * sigmoid(x), as `jax.nn.silu` (swish)."""
+    return _apply("silu", x, "silu")
+
+
+def softplus(x):
+    """log(1 + exp(x)), as `jax.nn.softplus`."""
+    return _apply("softplus", x, "softplus")
+
+
+def hard_tanh(x):
+    """clip(x, -1, 1), as `jax.nn.hard_tanh` (gradient 1 on [-1, 1])."""
+    return _apply("hard_tanh", x, "hard_tanh")
+
+
+ACTIVATIONS = {"relu": relu, "relu6": relu6, "leaky_relu": leaky_relu, "elu": elu, "sigmoid": sigmoid,
+               "tanh": tanh, "gelu": gelu, "silu": silu, "softplus": softplus, "hard_tanh": hard_tanh}

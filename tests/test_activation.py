@@ -1,0 +1,122 @@
+"""Activations against jax.nn in float64: forward, gradients, parameters, transforms, sharding,
+export, errors, and the custom calls in the HLO."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxdnn
+from helpers import DTYPES, assert_close, dtype_id, f64, normal, tolerance
+
+# name -> (jaxdnn function, jax.nn oracle), the same arguments.
+ACTIVATIONS = {
+    "relu": (jaxdnn.relu, jax.nn.relu),
+    "relu6": (jaxdnn.relu6, jax.nn.relu6),
+    "leaky_relu": (jaxdnn.leaky_relu, jax.nn.leaky_relu),
+    "elu": (jaxdnn.elu, jax.nn.elu),
+    "sigmoid": (jaxdnn.sigmoid, jax.nn.sigmoid),
+    "tanh": (jaxdnn.tanh, jnp.tanh),
+    "gelu": (jaxdnn.gelu, jax.nn.gelu),
+    "gelu_exact": (lambda x: jaxdnn.gelu(x, approximate=False), lambda x: jax.nn.gelu(x, approximate=False)),
+    "silu": (jaxdnn.silu, jax.nn.silu),
+    "softplus": (jaxdnn.softplus, jax.nn.softplus),
+    "hard_tanh": (jaxdnn.hard_tanh, jax.nn.hard_tanh),
+    "leaky_relu_0.2": (lambda x: jaxdnn.leaky_relu(x, 0.2), lambda x: jax.nn.leaky_relu(x, 0.2)),
+    "elu_alpha_0.5": (lambda x: jaxdnn.elu(x, alpha=0.5), lambda x: jax.nn.elu(x, alpha=0.5)),
+}
+act_param = pytest.mark.parametrize("name", ACTIVATIONS)
+dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+# Sizes with and without a tail past the last 16-byte vector; rank 0; empty.
+SHAPES = [(), (7,), (3, 5, 37), (4, 1024), (2, 0, 8), (1, 100003)]
+
+
+def _check(name, x, cotangent, dtype):
+    op, oracle = ACTIVATIONS[name]
+    y = jax.jit(op)(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_close(y, oracle(f64(x)), tolerance(dtype), f"{name} forward")
+    dx = jax.jit(lambda x, ct: jax.vjp(op, x)[1](ct)[0])(x, cotangent)
+    want = jax.vjp(oracle, f64(x))[1](f64(cotangent))[0]
+    assert_close(dx, want, tolerance(dtype, grad=True), f"{name} grad")
+
+
+@act_param
+@dtype_param
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_and_grad(name, dtype, shape, rng):
+    _check(name, normal(rng, shape, dtype, scale=3.0), normal(rng, shape, dtype), dtype)
+
+
+@act_param
+def test_kinks_and_saturation(name, rng):
+    """The points where jax.nn defines the gradient by convention, and far-out inputs."""
+    special = jnp.asarray([0.0, -0.0, 1.0, -1.0, 6.0, 30.0, -30.0, 90.0, -90.0], jnp.float32)
+    x = jnp.concatenate([special, normal(rng, (55,), scale=4.0)])
+    _check(name, x, normal(rng, x.shape), jnp.float32)
+
+
+@act_param
+def test_transforms(name, rng):
+    op, oracle = ACTIVATIONS[name]
+    x = normal(rng, (4, 3, 24), scale=2.0)
+    ct = normal(rng, x.shape)
+    assert_close(jax.vmap(op, in_axes=1, out_axes=1)(x), oracle(f64(x)), 1e-5, "vmap")
+    per_example = jax.vmap(jax.grad(lambda x, c: jnp.sum(op(x) * c)))(x, ct)
+    want = jax.vmap(jax.grad(lambda x, c: jnp.sum(oracle(x) * c)))(f64(x), f64(ct))
+    assert_close(per_example, want, 1e-4, "vmap(grad)")
+    def penalty(f, x):
+        return jnp.sum(jax.grad(lambda x: jnp.sum(f(x) * ct.astype(x.dtype)))(x) ** 2)
+    got = jax.grad(lambda x: penalty(op, x))(x)
+    want = jax.grad(lambda x: penalty(oracle, x))(f64(x))
+    assert_close(got, want, 1e-4, "grad of grad")
+    def scanned(f, x):
+        h, _ = jax.lax.scan(lambda h, _: (jax.checkpoint(f)(h) + 0.5, None), x, None, length=3)
+        return jnp.sum(h * ct.astype(h.dtype))
+    assert_close(jax.grad(lambda x: scanned(op, x))(x), jax.grad(lambda x: scanned(oracle, x))(f64(x)),
+                 1e-4, "scan(checkpoint)")
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(op, (x,), (ct,))
+
+
+def test_hlo_holds_the_custom_calls(rng):
+    x = normal(rng, (4, 64))
+    hlo = jax.jit(jax.grad(lambda x: jnp.sum(jaxdnn.gelu(x) * x))).lower(x).as_text()
+    assert "jaxdnn_activation_fwd_v1" in hlo and "jaxdnn_activation_bwd_v1" in hlo
+
+
+def test_sharded_runs_per_shard(rng):
+    devices = jax.devices("cpu")[:4]
+    if len(devices) < 4:
+        pytest.skip("needs 4 CPU devices")
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("b", "m"))
+    spec = NamedSharding(mesh, P("b", "m"))  # elementwise: the last axis may be sharded too
+    x, ct = (jax.device_put(normal(rng, (8, 64)), spec) for _ in range(2))
+    step = jax.jit(lambda x, ct: jax.vjp(jaxdnn.silu, x)[1](ct)[0])
+    hlo = step.lower(x, ct).compile().as_text()
+    assert "all-gather" not in hlo
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="jaxdnn_activation_' in line]
+    assert calls and all("f32[4,32]" in line for line in calls), calls
+    want = jax.vjp(jax.nn.silu, f64(x))[1](f64(ct))[0]
+    assert_close(step(x, ct), want, 1e-5, "sharded grad")
+
+
+def test_export_round_trip(rng):
+    x = normal(rng, (3, 50))
+    f = jax.jit(jax.grad(lambda x: jnp.sum(jaxdnn.elu(x, 0.7) ** 2)))
+    exported = jax.export.export(f, disabled_checks=jaxdnn.export_safety_checks())(x)
+    np.testing.assert_allclose(jax.export.deserialize(exported.serialize()).call(x), f(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad,error,message", [
+    (lambda: jaxdnn.relu(jnp.ones((3,), jnp.int32)), TypeError,
+     "relu: x must be float32, bfloat16 or float16, got int32"),
+    (lambda: jaxdnn.silu(jnp.ones((3,), jnp.float64)), TypeError, "silu: .* got float64"),
+    (lambda: jaxdnn.leaky_relu(jnp.ones((3,), jnp.float32), float("nan")), ValueError, "must be finite"),
+    (lambda: jaxdnn.gelu(jnp.ones((3,), jnp.float32), approximate="yes"), TypeError,
+     "approximate must be a bool"),
+], ids=["int", "float64", "nan-param", "approximate"])
+def test_bad_input(bad, error, message):
+    with pytest.raises(error, match=message):
+        bad()
