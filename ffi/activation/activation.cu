@@ -93,11 +93,9 @@ ffi::Error ActivationBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuf
 
 namespace ffi = xla::ffi;
 
-namespace {
-auto CudaBind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ActivationFwdCuda, jaxdnn::ActivationFwdImpl, jaxdnn::BindActivationFwd(CudaBind()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActivationFwdCuda, jaxdnn::ActivationFwdImpl,
+                              jaxdnn::BindActivationFwd(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ActivationBwdCuda, jaxdnn::ActivationBwdImpl, jaxdnn::BindActivationBwd(CudaBind()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActivationBwdCuda, jaxdnn::ActivationBwdImpl,
+                              jaxdnn::BindActivationBwd(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -11,6 +11,9 @@
 
 namespace jaxdnn {
 
+// The start of every CUDA handler's binding: the XLA stream the kernels are launched on.
+inline auto BindCuda() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+
 inline ffi::Error CudaError(cudaError_t status, const char* where) {
   if (status == cudaSuccess) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kInternal,

@@ -506,19 +506,15 @@ ffi::Error RmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
 
 namespace ffi = xla::ffi;
 
-namespace {
-auto CudaBind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
-}  // namespace
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormFwdCuda, jaxdnn::LayerNormFwdImpl,
-                              jaxdnn::BindLayerNormFwd(CudaBind()),
+                              jaxdnn::BindLayerNormFwd(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFwdCuda, jaxdnn::RmsNormFwdImpl,
-                              jaxdnn::BindRmsNormFwd(CudaBind()),
+                              jaxdnn::BindRmsNormFwd(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormBwdCuda, jaxdnn::LayerNormBwdImpl,
-                              jaxdnn::BindLayerNormBwd(CudaBind()),
+                              jaxdnn::BindLayerNormBwd(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBwdCuda, jaxdnn::RmsNormBwdImpl,
-                              jaxdnn::BindRmsNormBwd(CudaBind()),
+                              jaxdnn::BindRmsNormBwd(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});

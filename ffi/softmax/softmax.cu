@@ -244,15 +244,15 @@ ffi::Error SoftmaxBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
 
 namespace ffi = xla::ffi;
 
-namespace {
-auto CudaBind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxFwdCuda, jaxdnn::SoftmaxFwdImpl<false>, jaxdnn::BindSoftmaxFwd(CudaBind()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxFwdCuda, jaxdnn::SoftmaxFwdImpl<false>,
+                              jaxdnn::BindSoftmaxFwd(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxBwdCuda, jaxdnn::SoftmaxBwdImpl<false>, jaxdnn::BindSoftmaxBwd(CudaBind()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxBwdCuda, jaxdnn::SoftmaxBwdImpl<false>,
+                              jaxdnn::BindSoftmaxBwd(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LogSoftmaxFwdCuda, jaxdnn::SoftmaxFwdImpl<true>,
-                              jaxdnn::BindSoftmaxFwd(CudaBind()), {ffi::Traits::kCmdBufferCompatible});
+                              jaxdnn::BindSoftmaxFwd(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LogSoftmaxBwdCuda, jaxdnn::SoftmaxBwdImpl<true>,
-                              jaxdnn::BindSoftmaxBwd(CudaBind()), {ffi::Traits::kCmdBufferCompatible});
+                              jaxdnn::BindSoftmaxBwd(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
