@@ -10,8 +10,9 @@ failed=()
 
 # Pure-Python wheels carried to the machine (nvidia-cutlass headers, dm-haiku), if any.
 if compgen -G '.whl/*.whl' >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || failed+=(wheels)
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  site=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl || failed+=(wheels)
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 python3 -m pip install --no-build-isolation --no-deps -v . 2>&1 | tee "$out/build.log" || failed+=(build)
