@@ -94,7 +94,8 @@ __device__ __forceinline__ void GroupSum(float (&v)[kN], int group) {
 
 namespace jaxdnn {
 
-constexpr int kRowIters = 4;  // 16-byte vectors a thread holds in the register-cached kernels
+constexpr int kRowIters = 4;          // 16-byte vectors a thread holds in the register-cached kernels
+constexpr int kWarpRowsBlock = 256;   // block size when a warp handles a row
 
 // How a row-wise kernel covers rows of `features` elements of T. Register-cached: rows that are a
 // multiple of a 16-byte vector and fit in kRowIters vectors a thread; a warp per row when that is
@@ -107,7 +108,7 @@ struct RowPlan {
 };
 
 template <typename T>
-RowPlan MakeRowPlan(int64_t features, int warp_rows_block = 256) {
+RowPlan MakeRowPlan(int64_t features, int warp_rows_block = kWarpRowsBlock) {
   constexpr int kVec = kVec16<T>;
   RowPlan plan;
   plan.cached = features % kVec == 0 && features <= int64_t(kMaxGroup) * kVec * kRowIters;

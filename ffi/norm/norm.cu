@@ -22,7 +22,6 @@ namespace jaxdnn {
 namespace {
 
 constexpr int kIters = kRowIters;
-constexpr int kWarpRowsBlock = 256;  // block size when a warp handles a row
 constexpr int kMaxBwdGroup = 512;  // the cached backward holds two rows of registers a thread
 
 // Row statistics as (count, mean, sum of squared deviations). Combining two partial results
@@ -397,7 +396,7 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F
   if (shape.rows == 0) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    const RowPlan plan = MakeRowPlan<T>(shape.features, kWarpRowsBlock);
+    const RowPlan plan = MakeRowPlan<T>(shape.features);
     const int64_t grid = RowGrid(plan, shape.rows);
     if (grid > 0x7fffffff) return InvalidArgument("norm: too many rows for one launch");
     const T* xp = static_cast<const T*>(x.untyped_data());

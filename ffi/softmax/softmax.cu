@@ -16,8 +16,6 @@
 namespace jaxdnn {
 namespace {
 
-constexpr int kWarpRowsBlock = 256;
-
 // A row's running maximum and the sum of exp(x - max) over the elements seen.
 struct MaxSum {
   float max, sum;
@@ -195,7 +193,7 @@ ffi::Error SoftmaxFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
   if (shape.rows == 0) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    const RowPlan plan = MakeRowPlan<T>(shape.features, kWarpRowsBlock);
+    const RowPlan plan = MakeRowPlan<T>(shape.features);
     const int64_t grid = RowGrid(plan, shape.rows);
     if (grid > 0x7fffffff) return InvalidArgument("softmax: too many rows for one launch");
     const T* xp = static_cast<const T*>(x.untyped_data());
@@ -220,7 +218,7 @@ ffi::Error SoftmaxBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
   if (shape.rows == 0) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(y.element_type(), "y", [&](auto tag) {
     using T = decltype(tag);
-    const RowPlan plan = MakeRowPlan<T>(shape.features, kWarpRowsBlock);
+    const RowPlan plan = MakeRowPlan<T>(shape.features);
     const int64_t grid = RowGrid(plan, shape.rows);
     if (grid > 0x7fffffff) return InvalidArgument("softmax: too many rows for one launch");
     const T* dyp = static_cast<const T*>(dy.untyped_data());
