@@ -43,6 +43,32 @@ def _attrs(name, param):
     return dict(kind=np.int64(KINDS[name]), param=np.float32(param))
 
 
+# The `activation=` argument of fused kernels (layer_norm, batch_norm, group_norm, ...): a name ->
+# (the kernel's kind, its parameter), with jax.nn's default parameters.
+EPILOGUES = {"relu": ("relu", 0.0), "relu6": ("relu6", 0.0), "leaky_relu": ("leaky_relu", 1e-2),
+             "elu": ("elu", 1.0), "sigmoid": ("sigmoid", 0.0), "tanh": ("tanh", 0.0),
+             "gelu": ("gelu_tanh", 0.0), "gelu_exact": ("gelu_erf", 0.0), "silu": ("silu", 0.0),
+             "softplus": ("softplus", 0.0), "hard_tanh": ("hard_tanh", 0.0)}
+
+
+def epilogue(fn: str, activation) -> tuple[str, float]:
+    """Validates the `activation=` argument of the fused op `fn`: None or a name of `EPILOGUES`.
+
+    Returns (kind, param): a key of `KINDS` ("identity" for None) and the activation's parameter,
+    for `epilogue_attrs` and `jaxdnn.reference.activation.activation_fwd`.
+    """
+    if activation is None:
+        return "identity", 0.0
+    if not isinstance(activation, str) or activation not in EPILOGUES:
+        raise ValueError(f"{fn}: activation must be None or one of {sorted(EPILOGUES)}, got {activation!r}")
+    return EPILOGUES[activation]
+
+
+def epilogue_attrs(kind: str, param: float) -> dict:
+    """The `activation`/`activation_param` attributes of a fused kernel, typed for the FFI."""
+    return dict(activation=np.int64(KINDS[kind]), activation_param=np.float32(param))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _activation_fwd(x, name, param):
     return _fwd.bind(x, **_attrs(name, param))[0]

@@ -30,6 +30,21 @@ enum class Activation : int64_t {
 };
 constexpr int64_t kNumActivations = 12;
 
+// Expands JAXDNN_ACTIVATION_CASE(name) for every enumerator, for the switches below.
+#define JAXDNN_ACTIVATION_CASES    \
+  JAXDNN_ACTIVATION_CASE(kIdentity) \
+  JAXDNN_ACTIVATION_CASE(kRelu)     \
+  JAXDNN_ACTIVATION_CASE(kRelu6)    \
+  JAXDNN_ACTIVATION_CASE(kLeakyRelu) \
+  JAXDNN_ACTIVATION_CASE(kElu)      \
+  JAXDNN_ACTIVATION_CASE(kSigmoid)  \
+  JAXDNN_ACTIVATION_CASE(kTanh)     \
+  JAXDNN_ACTIVATION_CASE(kGeluTanh) \
+  JAXDNN_ACTIVATION_CASE(kGeluErf)  \
+  JAXDNN_ACTIVATION_CASE(kSilu)     \
+  JAXDNN_ACTIVATION_CASE(kSoftplus) \
+  JAXDNN_ACTIVATION_CASE(kHardTanh)
+
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kGeluCubic = 0.044715f;
 constexpr float kInvSqrt2 = 0.7071067811865476f;
@@ -90,6 +105,28 @@ JAXDNN_HOST_DEVICE inline float ActivateGrad(float x, float param) {
   return 1.f;
 }
 
+// f(x) and f'(x) for a kind known only at run time: for fused epilogues, where one switch per
+// element costs nothing in a memory-bound kernel and saves a template instantiation per activation.
+JAXDNN_HOST_DEVICE inline float ActivateKind(int64_t kind, float x, float param) {
+  switch (static_cast<Activation>(kind)) {
+#define JAXDNN_ACTIVATION_CASE(name) \
+  case Activation::name: return Activate<Activation::name>(x, param);
+    JAXDNN_ACTIVATION_CASES
+#undef JAXDNN_ACTIVATION_CASE
+  }
+  return x;
+}
+
+JAXDNN_HOST_DEVICE inline float ActivateGradKind(int64_t kind, float x, float param) {
+  switch (static_cast<Activation>(kind)) {
+#define JAXDNN_ACTIVATION_CASE(name) \
+  case Activation::name: return ActivateGrad<Activation::name>(x, param);
+    JAXDNN_ACTIVATION_CASES
+#undef JAXDNN_ACTIVATION_CASE
+  }
+  return 1.f;
+}
+
 template <Activation kAct>
 struct ActivationTag {
   static constexpr Activation value = kAct;
@@ -103,18 +140,7 @@ bool DispatchActivation(int64_t kind, Fn&& fn) {
   case Activation::name:             \
     fn(ActivationTag<Activation::name>{}); \
     return true;
-    JAXDNN_ACTIVATION_CASE(kIdentity)
-    JAXDNN_ACTIVATION_CASE(kRelu)
-    JAXDNN_ACTIVATION_CASE(kRelu6)
-    JAXDNN_ACTIVATION_CASE(kLeakyRelu)
-    JAXDNN_ACTIVATION_CASE(kElu)
-    JAXDNN_ACTIVATION_CASE(kSigmoid)
-    JAXDNN_ACTIVATION_CASE(kTanh)
-    JAXDNN_ACTIVATION_CASE(kGeluTanh)
-    JAXDNN_ACTIVATION_CASE(kGeluErf)
-    JAXDNN_ACTIVATION_CASE(kSilu)
-    JAXDNN_ACTIVATION_CASE(kSoftplus)
-    JAXDNN_ACTIVATION_CASE(kHardTanh)
+    JAXDNN_ACTIVATION_CASES
 #undef JAXDNN_ACTIVATION_CASE
   }
   return false;

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 
 # name -> f(x, param): the math the kernels implement (param: negative_slope or alpha, else unused).
 FUNCTIONS = {
+    "identity": lambda x, p: x,
     "relu": lambda x, p: jax.nn.relu(x),
     "relu6": lambda x, p: jax.nn.relu6(x),
     "leaky_relu": lambda x, p: jax.nn.leaky_relu(x, p),
