@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 
 #include "activation/activation.h"
+#include "batch_norm/batch_norm.h"
 #include "norm/norm.h"
 #include "softmax/softmax.h"
 
@@ -33,6 +34,10 @@ const Target kTargets[] = {
     {"jaxdnn_log_softmax_bwd_v1", LogSoftmaxBwdCpu, JAXDNN_CUDA_HANDLER(LogSoftmaxBwdCuda)},
     {"jaxdnn_activation_fwd_v1", ActivationFwdCpu, JAXDNN_CUDA_HANDLER(ActivationFwdCuda)},
     {"jaxdnn_activation_bwd_v1", ActivationBwdCpu, JAXDNN_CUDA_HANDLER(ActivationBwdCuda)},
+    {"jaxdnn_batch_norm_stats_v1", BatchNormStatsCpu, JAXDNN_CUDA_HANDLER(BatchNormStatsCuda)},
+    {"jaxdnn_batch_norm_fwd_v1", BatchNormFwdCpu, JAXDNN_CUDA_HANDLER(BatchNormFwdCuda)},
+    {"jaxdnn_batch_norm_bwd_sums_v1", BatchNormBwdSumsCpu, JAXDNN_CUDA_HANDLER(BatchNormBwdSumsCuda)},
+    {"jaxdnn_batch_norm_bwd_dx_v1", BatchNormBwdDxCpu, JAXDNN_CUDA_HANDLER(BatchNormBwdDxCuda)},
 };
 
 nb::capsule Capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }

@@ -4,12 +4,14 @@ from jaxdnn._ffi import has_cuda_kernels, target_names
 from jaxdnn._export import export_safety_checks
 from jaxdnn.activation import (elu, gelu, hard_tanh, leaky_relu, relu, relu6, sigmoid, silu, softplus,
                                tanh)
+from jaxdnn.batch_norm import batch_norm
 from jaxdnn.norm import layer_norm, rms_norm
 from jaxdnn.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "batch_norm",
     "elu",
     "export_safety_checks",
     "gelu",

@@ -1,9 +1,9 @@
 """Pure-JAX reference implementations: the tests' oracle, the second-order derivatives of the
 kernels, and the documented path for cases a kernel does not serve (each is named in its docs)."""
 
-from jaxdnn.reference import activation
+from jaxdnn.reference import activation, batch_norm
 from jaxdnn.reference.norm import layer_norm, norm_bwd, norm_fwd, rms_norm
 from jaxdnn.reference.softmax import log_softmax, softmax, softmax_bwd, softmax_fwd
 
-__all__ = ["activation", "layer_norm", "log_softmax", "norm_bwd", "norm_fwd", "rms_norm", "softmax", "softmax_bwd",
-           "softmax_fwd"]
+__all__ = ["activation", "batch_norm", "layer_norm", "log_softmax", "norm_bwd", "norm_fwd", "rms_norm",
+           "softmax", "softmax_bwd", "softmax_fwd"]

@@ -1,0 +1,491 @@
+// CUDA batch norm over x seen as [O, C, I] (see batch_norm.h). Two layouts, one kernel of each kind:
+// - channels last (I == 1): a block is a tile of `row_lanes` rows x `pack_lanes` 16-byte channel packs;
+//   each thread keeps its channels' coefficients (or sums) in registers and strides down the rows,
+//   so no element needs a division to find its channel.
+// - channels first (I > 1): a block owns one channel at a time and a chunk of O; its threads stride
+//   along the contiguous runs of I elements.
+// The sum stages write one partial sum per block and channel to the workspace, reduced afterwards in
+// a fixed order (deterministic). The elementwise stages walk the rows backwards: the sum stage before
+// them ended at the last rows, which are still in L2.
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <type_traits>
+
+#include "batch_norm/batch_norm.h"
+#include "batch_norm/batch_norm_common.h"
+#include "common/cuda_common.cuh"
+#include "common/row_reduce.cuh"
+
+namespace jaxdnn {
+namespace {
+
+constexpr int kThreads = 256;
+
+// The channels-last tile of this thread: the pack of V channels from `channel`, rows row_lane,
+// row_lane + row_lanes*gridDim.x, ...; `active` is false for the threads past the last pack.
+struct LastLayoutThread {
+  int64_t channel;
+  int pack_lanes;  // threads across the channel packs
+  int row_lane;
+  int row_lanes;   // threads down the rows (kThreads / pack_lanes)
+  bool active;
+};
+
+template <int V>
+__device__ __forceinline__ LastLayoutThread MakeLastLayoutThread(int64_t channels) {
+  const int64_t packs = channels / V;
+  LastLayoutThread t;
+  t.pack_lanes = int(packs < kThreads ? packs : kThreads);
+  t.row_lanes = kThreads / t.pack_lanes;
+  t.row_lane = threadIdx.x / t.pack_lanes;
+  const int64_t pack = int64_t(blockIdx.y) * t.pack_lanes + threadIdx.x % t.pack_lanes;
+  t.channel = pack * V;
+  t.active = pack < packs && t.row_lane < t.row_lanes;
+  return t;
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void LoadPack(const T* p, float (&out)[V]) {
+  const Pack<T, V> v = *reinterpret_cast<const Pack<T, V>*>(p);
+#pragma unroll
+  for (int k = 0; k < V; ++k) out[k] = ToFloat(v.v[k]);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void StorePack(T* p, const float (&in)[V]) {
+  Pack<T, V> v;
+#pragma unroll
+  for (int k = 0; k < V; ++k) v.v[k] = FromFloat<T>(in[k]);
+  *reinterpret_cast<Pack<T, V>*>(p) = v;
+}
+
+// The coefficients of the V elements of a pack: channels c, c+1, ... (channels last, step 1) or
+// channel c for all (channels first, step 0).
+template <int V>
+__device__ __forceinline__ void LoadChannels(const float* p, int step, float (&out)[V]) {
+#pragma unroll
+  for (int k = 0; k < V; ++k) out[k] = __ldg(p + k * step);
+}
+
+// The per-element operation of each stage, on float values of one element of channel-lane k.
+// Sum stages return the two terms to accumulate; elementwise stages write their outputs.
+struct StatsOp {
+  const float* shift;
+  template <int V> struct Channels { float shift[V]; };
+  template <int V>
+  __device__ Channels<V> Load(int64_t c, int step) const {
+    Channels<V> ch;
+    LoadChannels<V>(shift + c, step, ch.shift);
+    return ch;
+  }
+  template <int V>
+  __device__ float2 Terms(const Channels<V>& ch, int k, float dy, float x, float r) const {
+    const float v = x - ch.shift[k];
+    return make_float2(v, v * v);
+  }
+};
+
+struct BwdSumsOp {
+  const float *a, *mean, *bias;
+  int64_t act;
+  float param;
+  template <int V> struct Channels { float a[V], mean[V], bias[V]; };
+  template <int V>
+  __device__ Channels<V> Load(int64_t c, int step) const {
+    Channels<V> ch;
+    LoadChannels<V>(a + c, step, ch.a);
+    LoadChannels<V>(mean + c, step, ch.mean);
+    LoadChannels<V>(bias + c, step, ch.bias);
+    return ch;
+  }
+  template <int V>
+  __device__ float2 Terms(const Channels<V>& ch, int k, float dy, float x, float r) const {
+    const float g = BatchNormGrad(dy, x, ch.a[k], ch.mean[k], ch.bias[k], r, act, param);
+    return make_float2(g, g * (x - ch.mean[k]));
+  }
+};
+
+// Sum stage, channels last: per-thread register sums down the rows, then the block's row lanes
+// are added in a fixed order through shared memory; one partial per (block row, channel).
+template <typename T, int V, typename Op>
+__global__ void __launch_bounds__(kThreads) SumsLastKernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                                           const T* __restrict__ residual, Op op, int64_t rows,
+                                                           int64_t channels, float* __restrict__ partials) {
+  __shared__ float2 staged[kThreads * V];
+  const LastLayoutThread t = MakeLastLayoutThread<V>(channels);
+  float2 sum[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) sum[k] = make_float2(0.f, 0.f);
+  if (t.active) {
+    const auto ch = op.template Load<V>(t.channel, 1);
+    for (int64_t r = int64_t(blockIdx.x) * t.row_lanes + t.row_lane; r < rows; r += int64_t(gridDim.x) * t.row_lanes) {
+      const int64_t e = r * channels + t.channel;
+      float xv[V], gv[V] = {}, rv[V] = {};
+      LoadPack<T, V>(x + e, xv);
+      if (dy != nullptr) LoadPack<T, V>(dy + e, gv);
+      if (residual != nullptr) LoadPack<T, V>(residual + e, rv);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float2 term = op.template Terms<V>(ch, k, gv[k], xv[k], rv[k]);
+        sum[k].x += term.x;
+        sum[k].y += term.y;
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < V; ++k) staged[threadIdx.x * V + k] = sum[k];
+  __syncthreads();
+  if (t.active && t.row_lane == 0) {
+    for (int lane = 1; lane < t.row_lanes; ++lane) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float2 other = staged[(lane * t.pack_lanes + threadIdx.x) * V + k];
+        sum[k].x += other.x;
+        sum[k].y += other.y;
+      }
+    }
+    float* out = partials + int64_t(blockIdx.x) * 2 * channels + t.channel;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      out[k] = sum[k].x;
+      out[channels + k] = sum[k].y;
+    }
+  }
+}
+
+// Sum stage, channels first: a block sums one channel's runs of its chunk of O, then the next channel.
+template <typename T, int V, typename Op>
+__global__ void __launch_bounds__(kThreads) SumsFirstKernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                                            const T* __restrict__ residual, Op op, ChannelShape s,
+                                                            float* __restrict__ partials) {
+  for (int64_t c = blockIdx.y; c < s.channels; c += gridDim.y) {
+    const auto ch = op.template Load<V>(c, 0);
+    float2 sum = make_float2(0.f, 0.f);
+    for (int64_t o = blockIdx.x; o < s.outer; o += gridDim.x) {
+      const int64_t base = (o * s.channels + c) * s.inner;
+      for (int64_t i = int64_t(threadIdx.x) * V; i < s.inner; i += int64_t(kThreads) * V) {
+        float xv[V], gv[V] = {}, rv[V] = {};
+        LoadPack<T, V>(x + base + i, xv);
+        if (dy != nullptr) LoadPack<T, V>(dy + base + i, gv);
+        if (residual != nullptr) LoadPack<T, V>(residual + base + i, rv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const float2 term = op.template Terms<V>(ch, k, gv[k], xv[k], rv[k]);
+          sum.x += term.x;
+          sum.y += term.y;
+        }
+      }
+    }
+    sum = GroupReduce(sum, kThreads, make_float2(0.f, 0.f),
+                      [](float2 p, float2 q) { return make_float2(p.x + q.x, p.y + q.y); });
+    if (threadIdx.x == 0) {
+      partials[int64_t(blockIdx.x) * 2 * s.channels + c] = sum.x;
+      partials[(int64_t(blockIdx.x) * 2 + 1) * s.channels + c] = sum.y;
+    }
+    __syncthreads();  // GroupReduce's shared memory is reused for the next channel
+  }
+}
+
+// out1[c] = sum_p partials[p, 0, c], out2[c] = sum_p partials[p, 1, c], in order of p.
+__global__ void SumPartialsKernel(const float* __restrict__ partials, int blocks, int64_t channels,
+                                  float* __restrict__ out1, float* __restrict__ out2) {
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < channels; c += int64_t(gridDim.x) * blockDim.x) {
+    float s1 = 0.f, s2 = 0.f;
+    for (int p = 0; p < blocks; ++p) {
+      s1 += partials[int64_t(p) * 2 * channels + c];
+      s2 += partials[(int64_t(p) * 2 + 1) * channels + c];
+    }
+    out1[c] = s1;
+    out2[c] = s2;
+  }
+}
+
+// The elementwise stages: y = act(pre), or dx = a g + k1 (x - mean) + k0 and dresidual = g.
+struct FwdOp {
+  const float *a, *mean, *bias;
+  int64_t act;
+  float param;
+  template <int V> struct Channels { float a[V], mean[V], bias[V]; };
+  template <int V>
+  __device__ Channels<V> Load(int64_t c, int step) const {
+    Channels<V> ch;
+    LoadChannels<V>(a + c, step, ch.a);
+    LoadChannels<V>(mean + c, step, ch.mean);
+    LoadChannels<V>(bias + c, step, ch.bias);
+    return ch;
+  }
+  template <int V>
+  __device__ void Apply(const Channels<V>& ch, const float (&dy)[V], const float (&x)[V], const float (&r)[V],
+                        float (&out)[V], float (&out2)[V]) const {
+#pragma unroll
+    for (int k = 0; k < V; ++k) out[k] = BatchNormOut(x[k], ch.a[k], ch.mean[k], ch.bias[k], r[k], act, param);
+  }
+};
+
+struct BwdDxOp {
+  const float *a, *mean, *bias, *k1, *k0;
+  int64_t act;
+  float param;
+  template <int V> struct Channels { float a[V], mean[V], bias[V], k1[V], k0[V]; };
+  template <int V>
+  __device__ Channels<V> Load(int64_t c, int step) const {
+    Channels<V> ch;
+    LoadChannels<V>(a + c, step, ch.a);
+    LoadChannels<V>(mean + c, step, ch.mean);
+    LoadChannels<V>(bias + c, step, ch.bias);
+    LoadChannels<V>(k1 + c, step, ch.k1);
+    LoadChannels<V>(k0 + c, step, ch.k0);
+    return ch;
+  }
+  template <int V>
+  __device__ void Apply(const Channels<V>& ch, const float (&dy)[V], const float (&x)[V], const float (&r)[V],
+                        float (&dx)[V], float (&g)[V]) const {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      g[k] = BatchNormGrad(dy[k], x[k], ch.a[k], ch.mean[k], ch.bias[k], r[k], act, param);
+      dx[k] = ch.a[k] * g[k] + ch.k1[k] * (x[k] - ch.mean[k]) + ch.k0[k];
+    }
+  }
+};
+
+// One element pack of an elementwise stage: loads, op.Apply, stores (out2 only when requested).
+template <typename T, int V, typename Op, typename Channels>
+__device__ __forceinline__ void ApplyPack(const Op& op, const Channels& ch, const T* dy, const T* x,
+                                          const T* residual, T* out, T* out2, int64_t e) {
+  float xv[V], gv[V] = {}, rv[V] = {}, o1[V], o2[V];
+  LoadPack<T, V>(x + e, xv);
+  if (dy != nullptr) LoadPack<T, V>(dy + e, gv);
+  if (residual != nullptr) LoadPack<T, V>(residual + e, rv);
+  op.template Apply<V>(ch, gv, xv, rv, o1, o2);
+  StorePack<T, V>(out + e, o1);
+  if (out2 != nullptr) StorePack<T, V>(out2 + e, o2);
+}
+
+template <typename T, int V, typename Op>
+__global__ void __launch_bounds__(kThreads) ApplyLastKernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                                            const T* __restrict__ residual, Op op, int64_t rows,
+                                                            int64_t channels, T* __restrict__ out,
+                                                            T* __restrict__ out2) {
+  const LastLayoutThread t = MakeLastLayoutThread<V>(channels);
+  if (!t.active) return;
+  const auto ch = op.template Load<V>(t.channel, 1);
+  for (int64_t step = int64_t(blockIdx.x) * t.row_lanes + t.row_lane; step < rows;
+       step += int64_t(gridDim.x) * t.row_lanes) {
+    ApplyPack<T, V>(op, ch, dy, x, residual, out, out2, (rows - 1 - step) * channels + t.channel);
+  }
+}
+
+template <typename T, int V, typename Op>
+__global__ void __launch_bounds__(kThreads) ApplyFirstKernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                                             const T* __restrict__ residual, Op op, ChannelShape s,
+                                                             T* __restrict__ out, T* __restrict__ out2) {
+  for (int64_t c = blockIdx.y; c < s.channels; c += gridDim.y) {
+    const auto ch = op.template Load<V>(c, 0);
+    for (int64_t step = blockIdx.x; step < s.outer; step += gridDim.x) {
+      const int64_t base = ((s.outer - 1 - step) * s.channels + c) * s.inner;
+      for (int64_t i = int64_t(threadIdx.x) * V; i < s.inner; i += int64_t(kThreads) * V) {
+        ApplyPack<T, V>(op, ch, dy, x, residual, out, out2, base + i);
+      }
+    }
+  }
+}
+
+// 16-byte packs when every pack stays within one channel run (channels last: C a multiple of V;
+// channels first: I a multiple of V) and every buffer is 16-byte aligned; single elements otherwise.
+template <typename T>
+bool UseVectors(const ChannelShape& s, std::initializer_list<const void*> buffers) {
+  constexpr int V = kVec16<T>;
+  if ((s.inner == 1 ? s.channels : s.inner) % V != 0) return false;
+  for (const void* p : buffers) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// The grid of a launch: y covers the channels (packs of V for channels last), x the rows of O in
+// `blocks_x` strided chunks, at most `max_x` (for the sum stages: the workspace's P).
+template <int V>
+dim3 LaunchGrid(const ChannelShape& s, int resident, int64_t max_x) {
+  int64_t y, x_needed;
+  if (s.inner == 1) {
+    const int64_t packs = s.channels / V;
+    const int64_t pack_lanes = std::min<int64_t>(packs, kThreads);
+    y = (packs + pack_lanes - 1) / pack_lanes;
+    x_needed = (s.outer + kThreads / pack_lanes - 1) / (kThreads / pack_lanes);
+  } else {
+    y = std::min<int64_t>(s.channels, 65535);
+    x_needed = s.outer;
+  }
+  const int64_t x = std::min({x_needed, std::max<int64_t>(1, resident / y), max_x, int64_t(1) << 30});
+  return dim3(unsigned(std::max<int64_t>(x, 1)), unsigned(y));
+}
+
+// Runs a sum stage: partial sums per block into `workspace`, then their fixed-order sum.
+template <typename T, int V, typename Op>
+ffi::Error LaunchSums(cudaStream_t stream, const T* dy, const T* x, const T* residual, const Op& op,
+                      const ChannelShape& s, float* workspace, int64_t workspace_blocks, float* out1,
+                      float* out2, const char* what) {
+  const bool last = s.inner == 1;
+  if (last && s.channels / V > int64_t(kThreads) * 65535) return InvalidArgument("batch_norm: too many channels");
+  auto kernel_last = SumsLastKernel<T, V, Op>;
+  auto kernel_first = SumsFirstKernel<T, V, Op>;
+  const int resident = last ? ResidentBlocks(kernel_last, kThreads, 0) : ResidentBlocks(kernel_first, kThreads, 0);
+  const dim3 grid = LaunchGrid<V>(s, resident, workspace_blocks);
+  if (last) {
+    kernel_last<<<grid, kThreads, 0, stream>>>(dy, x, residual, op, s.outer, s.channels, workspace);
+  } else {
+    kernel_first<<<grid, kThreads, 0, stream>>>(dy, x, residual, op, s, workspace);
+  }
+  JAXDNN_RETURN_IF_ERROR(LaunchError(what));
+  const int64_t sum_blocks = std::min<int64_t>((s.channels + kThreads - 1) / kThreads, 4096);
+  SumPartialsKernel<<<unsigned(sum_blocks), kThreads, 0, stream>>>(workspace, int(grid.x), s.channels, out1, out2);
+  return LaunchError(what);
+}
+
+template <typename T, int V, typename Op>
+ffi::Error LaunchApply(cudaStream_t stream, const T* dy, const T* x, const T* residual, const Op& op,
+                       const ChannelShape& s, T* out, T* out2, const char* what) {
+  const bool last = s.inner == 1;
+  if (last && s.channels / V > int64_t(kThreads) * 65535) return InvalidArgument("batch_norm: too many channels");
+  auto kernel_last = ApplyLastKernel<T, V, Op>;
+  auto kernel_first = ApplyFirstKernel<T, V, Op>;
+  const int resident = last ? ResidentBlocks(kernel_last, kThreads, 0) : ResidentBlocks(kernel_first, kThreads, 0);
+  const dim3 grid = LaunchGrid<V>(s, 4 * resident, int64_t(1) << 30);
+  if (last) {
+    kernel_last<<<grid, kThreads, 0, stream>>>(dy, x, residual, op, s.outer, s.channels, out, out2);
+  } else {
+    kernel_first<<<grid, kThreads, 0, stream>>>(dy, x, residual, op, s, out, out2);
+  }
+  return LaunchError(what);
+}
+
+template <typename T>
+const T* DataOrNull(const std::optional<ffi::AnyBuffer>& buffer) {
+  return buffer.has_value() ? static_cast<const T*>(buffer->untyped_data()) : nullptr;
+}
+
+// Zero sums for an empty batch (every output is written, even then).
+ffi::Error ZeroSums(cudaStream_t stream, float* out1, float* out2, int64_t channels) {
+  JAXDNN_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(out1, 0, channels * sizeof(float), stream), "batch_norm"));
+  return CudaError(cudaMemsetAsync(out2, 0, channels * sizeof(float), stream), "batch_norm");
+}
+
+ffi::Error StatsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> shift,
+                     ffi::Result<ffi::Buffer<ffi::F32>> s1, ffi::Result<ffi::Buffer<ffi::F32>> s2,
+                     ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
+  ChannelShape s;
+  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
+  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {}, {shift.dimensions(), s1->dimensions(), s2->dimensions()}));
+  if (s.channels == 0) return ffi::Error::Success();
+  if (s.elements() == 0) return ZeroSums(stream, s1->typed_data(), s2->typed_data(), s.channels);
+  int64_t blocks = 0;
+  JAXDNN_RETURN_IF_ERROR(WorkspaceBlocks(workspace->dimensions(), s, &blocks));
+  return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    const StatsOp op{shift.typed_data()};
+    auto launch = [&](auto vec) {
+      return LaunchSums<T, decltype(vec)::value>(stream, nullptr, xp, nullptr, op, s, workspace->typed_data(), blocks,
+                                                 s1->typed_data(), s2->typed_data(), "batch_norm statistics");
+    };
+    return UseVectors<T>(s, {xp}) ? launch(std::integral_constant<int, kVec16<T>>{})
+                                  : launch(std::integral_constant<int, 1>{});
+  });
+}
+
+ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> mean,
+                   ffi::Buffer<ffi::F32> bias, std::optional<ffi::AnyBuffer> residual, ffi::Result<ffi::AnyBuffer> y, int64_t act,
+                   float param) {
+  ChannelShape s;
+  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
+  JAXDNN_RETURN_IF_ERROR(CheckActivationKind(act));
+  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*y}, {a.dimensions(), mean.dimensions(), bias.dimensions()}));
+  if (residual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*residual}, {}));
+  if (s.elements() == 0) return ffi::Error::Success();
+  return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    const T* rp = DataOrNull<T>(residual);
+    T* yp = static_cast<T*>(y->untyped_data());
+    const FwdOp op{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param};
+    auto launch = [&](auto vec) {
+      return LaunchApply<T, decltype(vec)::value>(stream, nullptr, xp, rp, op, s, yp, nullptr, "batch_norm forward");
+    };
+    return UseVectors<T>(s, {xp, rp, yp}) ? launch(std::integral_constant<int, kVec16<T>>{})
+                                          : launch(std::integral_constant<int, 1>{});
+  });
+}
+
+ffi::Error BwdSumsImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a,
+                       ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> bias, std::optional<ffi::AnyBuffer> residual,
+                       ffi::Result<ffi::Buffer<ffi::F32>> sg, ffi::Result<ffi::Buffer<ffi::F32>> sgx,
+                       ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t act, float param) {
+  ChannelShape s;
+  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
+  JAXDNN_RETURN_IF_ERROR(CheckActivationKind(act));
+  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(
+      x, s, {&dy}, {a.dimensions(), mean.dimensions(), bias.dimensions(), sg->dimensions(), sgx->dimensions()}));
+  if (residual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*residual}, {}));
+  if (s.channels == 0) return ffi::Error::Success();
+  if (s.elements() == 0) return ZeroSums(stream, sg->typed_data(), sgx->typed_data(), s.channels);
+  int64_t blocks = 0;
+  JAXDNN_RETURN_IF_ERROR(WorkspaceBlocks(workspace->dimensions(), s, &blocks));
+  return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* gp = static_cast<const T*>(dy.untyped_data());
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    const T* rp = DataOrNull<T>(residual);
+    const BwdSumsOp op{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param};
+    auto launch = [&](auto vec) {
+      return LaunchSums<T, decltype(vec)::value>(stream, gp, xp, rp, op, s, workspace->typed_data(), blocks,
+                                                 sg->typed_data(), sgx->typed_data(), "batch_norm backward sums");
+    };
+    return UseVectors<T>(s, {gp, xp, rp}) ? launch(std::integral_constant<int, kVec16<T>>{})
+                                          : launch(std::integral_constant<int, 1>{});
+  });
+}
+
+ffi::Error BwdDxImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a,
+                     ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> k1, ffi::Buffer<ffi::F32> k0,
+                     std::optional<ffi::AnyBuffer> residual, ffi::Result<ffi::AnyBuffer> dx,
+                     std::optional<ffi::Result<ffi::AnyBuffer>> dresidual, int64_t act, float param) {
+  ChannelShape s;
+  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
+  JAXDNN_RETURN_IF_ERROR(CheckActivationKind(act));
+  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(
+      x, s, {&dy, &*dx}, {a.dimensions(), mean.dimensions(), bias.dimensions(), k1.dimensions(), k0.dimensions()}));
+  if (residual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*residual}, {}));
+  if (dresidual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&**dresidual}, {}));
+  if (s.elements() == 0) return ffi::Error::Success();
+  return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* gp = static_cast<const T*>(dy.untyped_data());
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    const T* rp = DataOrNull<T>(residual);
+    T* dxp = static_cast<T*>(dx->untyped_data());
+    T* drp = dresidual.has_value() ? static_cast<T*>((*dresidual)->untyped_data()) : nullptr;
+    const BwdDxOp op{a.typed_data(), mean.typed_data(), bias.typed_data(), k1.typed_data(), k0.typed_data(), act,
+                     param};
+    auto launch = [&](auto vec) {
+      return LaunchApply<T, decltype(vec)::value>(stream, gp, xp, rp, op, s, dxp, drp, "batch_norm backward dx");
+    };
+    return UseVectors<T>(s, {gp, xp, rp, dxp, drp}) ? launch(std::integral_constant<int, kVec16<T>>{})
+                                                    : launch(std::integral_constant<int, 1>{});
+  });
+}
+
+}  // namespace
+}  // namespace jaxdnn
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormStatsCuda, jaxdnn::StatsImpl, jaxdnn::BindBatchNormStats(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormFwdCuda, jaxdnn::FwdImpl, jaxdnn::BindBatchNormFwd(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBwdSumsCuda, jaxdnn::BwdSumsImpl,
+                              jaxdnn::BindBatchNormBwdSums(jaxdnn::BindCuda()), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBwdDxCuda, jaxdnn::BwdDxImpl, jaxdnn::BindBatchNormBwdDx(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,145 @@
+// CPU batch norm: loops in memory order over x as [O, C, I] (the oracle-checked path CI runs);
+// the per-channel sums accumulate in double.
+#include <optional>
+#include <vector>
+
+#include "batch_norm/batch_norm.h"
+#include "batch_norm/batch_norm_common.h"
+#include "common/half_cpu.h"
+
+namespace jaxdnn {
+namespace {
+
+template <typename T>
+const T* DataOrNull(const std::optional<ffi::AnyBuffer>& buffer) {
+  return buffer.has_value() ? static_cast<const T*>(buffer->untyped_data()) : nullptr;
+}
+
+// Calls fn(element offset, channel) for every element of x in memory order.
+template <typename Fn>
+void ForEachElement(const ChannelShape& s, Fn&& fn) {
+  for (int64_t o = 0; o < s.outer; ++o) {
+    for (int64_t c = 0; c < s.channels; ++c) {
+      const int64_t base = (o * s.channels + c) * s.inner;
+      for (int64_t i = 0; i < s.inner; ++i) fn(base + i, c);
+    }
+  }
+}
+
+ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> shift, ffi::Result<ffi::Buffer<ffi::F32>> s1,
+                     ffi::Result<ffi::Buffer<ffi::F32>> s2, ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
+  ChannelShape s;
+  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
+  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(
+      x, s, {}, {shift.dimensions(), s1->dimensions(), s2->dimensions()}));
+  return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xs = static_cast<const T*>(x.untyped_data());
+    const float* k = shift.typed_data();
+    std::vector<double> sum(s.channels, 0.0), sum_sq(s.channels, 0.0);
+    ForEachElement(s, [&](int64_t e, int64_t c) {
+      const double v = double(ToFloat(xs[e]) - k[c]);
+      sum[c] += v;
+      sum_sq[c] += v * v;
+    });
+    for (int64_t c = 0; c < s.channels; ++c) {
+      s1->typed_data()[c] = float(sum[c]);
+      s2->typed_data()[c] = float(sum_sq[c]);
+    }
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error FwdImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> mean,
+                   ffi::Buffer<ffi::F32> bias, std::optional<ffi::AnyBuffer> residual, ffi::Result<ffi::AnyBuffer> y, int64_t act,
+                   float param) {
+  ChannelShape s;
+  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
+  JAXDNN_RETURN_IF_ERROR(CheckActivationKind(act));
+  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*y}, {a.dimensions(), mean.dimensions(), bias.dimensions()}));
+  if (residual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*residual}, {}));
+  return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xs = static_cast<const T*>(x.untyped_data());
+    const T* rs = DataOrNull<T>(residual);
+    T* ys = static_cast<T*>(y->untyped_data());
+    const float *as = a.typed_data(), *ms = mean.typed_data(), *bs = bias.typed_data();
+    ForEachElement(s, [&](int64_t e, int64_t c) {
+      const float r = rs ? ToFloat(rs[e]) : 0.f;
+      ys[e] = FromFloat<T>(BatchNormOut(ToFloat(xs[e]), as[c], ms[c], bs[c], r, act, param));
+    });
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error BwdSumsImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> mean,
+                       ffi::Buffer<ffi::F32> bias, std::optional<ffi::AnyBuffer> residual,
+                       ffi::Result<ffi::Buffer<ffi::F32>> sg, ffi::Result<ffi::Buffer<ffi::F32>> sgx,
+                       ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t act, float param) {
+  ChannelShape s;
+  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
+  JAXDNN_RETURN_IF_ERROR(CheckActivationKind(act));
+  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(
+      x, s, {&dy}, {a.dimensions(), mean.dimensions(), bias.dimensions(), sg->dimensions(), sgx->dimensions()}));
+  if (residual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*residual}, {}));
+  return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* gs = static_cast<const T*>(dy.untyped_data());
+    const T* xs = static_cast<const T*>(x.untyped_data());
+    const T* rs = DataOrNull<T>(residual);
+    const float *as = a.typed_data(), *ms = mean.typed_data(), *bs = bias.typed_data();
+    std::vector<double> sum(s.channels, 0.0), sum_x(s.channels, 0.0);
+    ForEachElement(s, [&](int64_t e, int64_t c) {
+      const float v = ToFloat(xs[e]);
+      const float g = BatchNormGrad(ToFloat(gs[e]), v, as[c], ms[c], bs[c], rs ? ToFloat(rs[e]) : 0.f, act, param);
+      sum[c] += g;
+      sum_x[c] += double(g) * double(v - ms[c]);
+    });
+    for (int64_t c = 0; c < s.channels; ++c) {
+      sg->typed_data()[c] = float(sum[c]);
+      sgx->typed_data()[c] = float(sum_x[c]);
+    }
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error BwdDxImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> mean,
+                     ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> k1, ffi::Buffer<ffi::F32> k0, std::optional<ffi::AnyBuffer> residual,
+                     ffi::Result<ffi::AnyBuffer> dx, std::optional<ffi::Result<ffi::AnyBuffer>> dresidual,
+                     int64_t act, float param) {
+  ChannelShape s;
+  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
+  JAXDNN_RETURN_IF_ERROR(CheckActivationKind(act));
+  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(
+      x, s, {&dy, &*dx}, {a.dimensions(), mean.dimensions(), bias.dimensions(), k1.dimensions(), k0.dimensions()}));
+  if (residual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*residual}, {}));
+  if (dresidual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&**dresidual}, {}));
+  return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* gs = static_cast<const T*>(dy.untyped_data());
+    const T* xs = static_cast<const T*>(x.untyped_data());
+    const T* rs = DataOrNull<T>(residual);
+    T* dxs = static_cast<T*>(dx->untyped_data());
+    T* drs = dresidual.has_value() ? static_cast<T*>((*dresidual)->untyped_data()) : nullptr;
+    const float *as = a.typed_data(), *ms = mean.typed_data(), *bs = bias.typed_data();
+    const float *k1s = k1.typed_data(), *k0s = k0.typed_data();
+    ForEachElement(s, [&](int64_t e, int64_t c) {
+      const float v = ToFloat(xs[e]);
+      const float g = BatchNormGrad(ToFloat(gs[e]), v, as[c], ms[c], bs[c], rs ? ToFloat(rs[e]) : 0.f, act, param);
+      dxs[e] = FromFloat<T>(as[c] * g + k1s[c] * (v - ms[c]) + k0s[c]);
+      if (drs) drs[e] = FromFloat<T>(g);
+    });
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace jaxdnn
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormStatsCpu, jaxdnn::StatsImpl, jaxdnn::BindBatchNormStats(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormFwdCpu, jaxdnn::FwdImpl, jaxdnn::BindBatchNormFwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBwdSumsCpu, jaxdnn::BwdSumsImpl,
+                              jaxdnn::BindBatchNormBwdSums(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBwdDxCpu, jaxdnn::BwdDxImpl, jaxdnn::BindBatchNormBwdDx(ffi::Ffi::Bind()));
