@@ -1,7 +1,8 @@
 """Haiku modules over jaxdnn's fused normalization kernels.
 
 Drop-in replacements for ``hk.LayerNorm`` and ``hk.RMSNorm`` normalizing over the
-last axis: same constructor arguments, same module names (``layer_norm``,
+last axis, and for ``hk.BatchNorm`` (see its docstring): same constructor
+arguments, same module names (``layer_norm``,
 ``rms_norm``) and parameter names (``scale``, ``offset``, shape ``(D,)``, created
 in the input's dtype), so a params dict made with stock Haiku loads unchanged.
 As the Haiku style has it, each module is partial application of the functional
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 
 import jaxdnn
 
-__all__ = ["LayerNorm", "RMSNorm"]
+__all__ = ["BatchNorm", "LayerNorm", "RMSNorm"]
 
 Initializer = Callable[..., Any]
 
@@ -89,6 +90,17 @@ def _as_feature_vector(module: str, name: str, p: Any, d: int) -> jax.Array:
         f"jaxdnn {module}: a call-time `{name}` must hold one value per feature "
         f"(shape (D,) = ({d},), or broadcastable as (1, ..., 1, D)) or be a single "
         f"value; got shape {p.shape}.")
+
+
+def _as_channel_vector(module: str, name: str, p: Any, channels: int) -> jax.Array:
+    """A BatchNorm scale/offset (one value per channel, e.g. (1, 1, 1, C), or one value) as (C,)."""
+    p = jnp.asarray(p)
+    if p.size == 1:
+        return jnp.broadcast_to(p.reshape(()), (channels,))
+    if p.size == channels and channels in p.shape:
+        return p.reshape(channels)
+    raise ValueError(f"jaxdnn {module}: `{name}` must hold one value per channel ({channels}) or a single "
+                     f"value; got shape {p.shape}.")
 
 
 def _run(fn, x, params, **kw):
@@ -246,3 +258,76 @@ class RMSNorm(hk.Module):
         if self.create_scale:
             scale = hk.get_parameter("scale", (x.shape[-1],), x.dtype, init=self.scale_init)
         return _run(jaxdnn.rms_norm, x, (scale,), epsilon=self.eps)
+
+
+class BatchNorm(hk.Module):
+    """Batch normalization on jaxdnn's kernels, mirroring ``hk.BatchNorm``.
+
+    Same constructor and call arguments, module name (``batch_norm``), parameters
+    (``scale``/``offset`` of Haiku's broadcastable shape, e.g. ``(1, 1, 1, C)``, in
+    the input's dtype) and state (the ``mean_ema``/``var_ema`` moving averages, kept
+    by ``hk.ExponentialMovingAverage`` as in Haiku), so params and state load
+    unchanged. Statistics are over every axis but the channel axis (``axis`` must be
+    None), computed in float32 (Haiku uses the input's dtype); ``cross_replica_axis``
+    must be None: under jit with a sharded batch the statistics are already global.
+    """
+
+    def __init__(self, create_scale: bool, create_offset: bool, decay_rate: float, eps: float = 1e-5,
+                 scale_init: Initializer | None = None, offset_init: Initializer | None = None,
+                 axis: Any = None, cross_replica_axis: Any = None,
+                 cross_replica_axis_index_groups: Any = None,
+                 data_format: str = "channels_last", name: str | None = None):
+        super().__init__(name=name)
+        module = "haiku.BatchNorm"
+        if axis is not None:
+            raise ValueError(f"jaxdnn {module}: axis must be None (statistics over every axis but the "
+                             f"channels), got {axis!r}; use Haiku's own BatchNorm for other axes.")
+        if cross_replica_axis is not None or cross_replica_axis_index_groups is not None:
+            raise ValueError(f"jaxdnn {module}: cross_replica_axis is not supported, got "
+                             f"{cross_replica_axis!r}; under jit with a sharded batch the statistics are "
+                             "already global.")
+        if not create_scale and scale_init is not None:
+            raise ValueError("Cannot set `scale_init` if `create_scale=False`")
+        if not create_offset and offset_init is not None:
+            raise ValueError("Cannot set `offset_init` if `create_offset=False`")
+        self.create_scale = create_scale
+        self.create_offset = create_offset
+        self.eps = eps
+        self.scale_init = scale_init or jnp.ones
+        self.offset_init = offset_init or jnp.zeros
+        self.channel_index = hk.get_channel_index(data_format)
+        self.mean_ema = hk.ExponentialMovingAverage(decay_rate, name="mean_ema")
+        self.var_ema = hk.ExponentialMovingAverage(decay_rate, name="var_ema")
+
+    def __call__(self, inputs: jax.Array, is_training: bool, test_local_stats: bool = False,
+                 scale: jax.Array | None = None, offset: jax.Array | None = None) -> jax.Array:
+        """Normalizes ``inputs`` (channels on the data format's axis); returns its shape."""
+        module = "haiku.BatchNorm"
+        if self.create_scale and scale is not None:
+            raise ValueError("Cannot pass `scale` at call time if `create_scale=True`.")
+        if self.create_offset and offset is not None:
+            raise ValueError("Cannot pass `offset` at call time if `create_offset=True`.")
+        inputs = jnp.asarray(inputs)
+        channel = self.channel_index % inputs.ndim
+        channels = inputs.shape[channel]
+        w_shape = [channels if i == channel else 1 for i in range(inputs.ndim)]
+        if self.create_scale:
+            scale = hk.get_parameter("scale", w_shape, inputs.dtype, self.scale_init)
+        if self.create_offset:
+            offset = hk.get_parameter("offset", w_shape, inputs.dtype, self.offset_init)
+        params = [None if p is None else _as_channel_vector(module, name, p, channels)
+                  for name, p in (("scale", scale), ("offset", offset))]
+        local_stats = is_training or test_local_stats
+        # The moving averages are the shift of the batch sums (close to the batch mean); with
+        # momentum 0 jaxdnn.batch_norm returns the batch statistics themselves.
+        running = []
+        for ema in (self.mean_ema, self.var_ema):
+            ema.initialize(w_shape, inputs.dtype)  # Haiku's state: zeros until the first update
+            running.append(ema.average.astype(jnp.float32).reshape(channels))
+        y, mean, var = _run(
+            lambda x, s, o: jaxdnn.batch_norm(x, s, o, *running, training=local_stats, momentum=0.0,
+                                              epsilon=self.eps, axis=channel), inputs, params)
+        if is_training:
+            self.mean_ema(mean.reshape(w_shape).astype(inputs.dtype))
+            self.var_ema(var.reshape(w_shape).astype(inputs.dtype))
+        return y

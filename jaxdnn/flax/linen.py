@@ -1,6 +1,7 @@
 """Flax linen modules over jaxdnn's fused normalization kernels.
 
-Drop-in replacements for ``flax.linen.LayerNorm`` and ``flax.linen.RMSNorm``:
+Drop-in replacements for ``flax.linen.LayerNorm``, ``flax.linen.RMSNorm`` and
+``flax.linen.BatchNorm`` (which also keeps Flax's ``batch_stats`` ``mean``/``var``):
 same attributes, same parameter names (``scale``, ``bias``), shapes ``(D,)`` and
 dtypes, and the same output dtype for every ``dtype`` / ``param_dtype`` setting,
 so a params tree made with stock Flax loads unchanged and vice versa.
@@ -44,7 +45,7 @@ import numpy as np
 
 import jaxdnn
 
-__all__ = ["LayerNorm", "RMSNorm"]
+__all__ = ["BatchNorm", "LayerNorm", "RMSNorm"]
 
 Dtype = Any
 Initializer = Any
@@ -288,3 +289,88 @@ class RMSNorm(nn.Module):
         out_dtype = _output_dtype(x, scale, dtype=self.dtype)
         return _norm_in_float32_then_cast(
             jaxdnn.rms_norm, x, (scale,), out_dtype, epsilon=self.epsilon)
+
+
+def _channel_axis(module: str, axis: Axes, ndim: int) -> int:
+    """The one feature (channel) axis of a BatchNorm, as a non-negative int."""
+    axes = _as_axis_tuple(axis)
+    if axes is None or len(axes) != 1 or isinstance(axes[0], bool):
+        raise ValueError(f"jaxdnn {module}: axis must be a single feature axis, got {axis!r}; "
+                         "use flax's own BatchNorm for several feature axes.")
+    a = operator.index(axes[0])
+    if not -ndim <= a < ndim:
+        raise ValueError(f"jaxdnn {module}: axis {a} is out of range for an input of rank {ndim}")
+    return a % ndim
+
+
+def _check_batch_norm_options(module: str, *, axis_name, axis_index_groups,
+                              force_float32_reductions=True) -> None:
+    if axis_name is not None or axis_index_groups is not None:
+        raise ValueError(
+            f"jaxdnn {module}: axis_name/axis_index_groups are not supported, got "
+            f"axis_name={axis_name!r}. Under jit with a batch sharded over a mesh the "
+            "statistics are already global (jaxdnn.batch_norm sums them across devices).")
+    if not force_float32_reductions:
+        raise ValueError(f"jaxdnn {module}: force_float32_reductions=False is not supported: "
+                         "jaxdnn's kernels always compute statistics in float32.")
+
+
+class BatchNorm(nn.Module):
+    """Batch normalization on jaxdnn's kernels, mirroring ``flax.linen.BatchNorm``.
+
+    ``x`` has its channels on ``axis`` (``(N, H, W, C)`` with the default -1);
+    statistics are over every other axis. Params ``scale``/``bias`` and the
+    ``batch_stats`` collection's ``mean``/``var`` (float32) have shape ``(C,)``, as
+    in Flax. With ``use_running_average=False`` the batch statistics normalize
+    ``x`` and update ``batch_stats`` (when it is mutable and not initializing):
+    ``running = momentum * running + (1 - momentum) * batch``.
+
+    Attributes are Flax's; ``axis`` must be a single axis, ``axis_name`` and
+    ``axis_index_groups`` must be None, ``force_float32_reductions`` True;
+    ``use_fast_variance`` is accepted with either value.
+    """
+
+    use_running_average: bool | None = None
+    axis: int = -1
+    momentum: float = 0.99
+    epsilon: float = 1e-5
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    use_bias: bool = True
+    use_scale: bool = True
+    bias_init: Initializer = initializers.zeros
+    scale_init: Initializer = initializers.ones
+    axis_name: str | None = None
+    axis_index_groups: Any = None
+    use_fast_variance: bool = True
+    force_float32_reductions: bool = True
+
+    @nn.compact
+    def __call__(self, x, use_running_average: bool | None = None, *, mask: jax.Array | None = None):
+        """Normalizes ``x``; returns an array of its shape."""
+        module = "flax.linen.BatchNorm"
+        use_running_average = nn.merge_param(
+            "use_running_average", self.use_running_average, use_running_average)
+        x = jnp.asarray(x)
+        _check_mask(module, mask)
+        _check_batch_norm_options(module, axis_name=self.axis_name, axis_index_groups=self.axis_index_groups,
+                                  force_float32_reductions=self.force_float32_reductions)
+        axis = _channel_axis(module, self.axis, x.ndim)
+        features = (x.shape[axis],)
+        ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32), features)
+        ra_var = self.variable("batch_stats", "var", lambda s: jnp.ones(s, jnp.float32), features)
+        scale = (self.param("scale", self.scale_init, features, self.param_dtype)
+                 if self.use_scale else None)
+        bias = (self.param("bias", self.bias_init, features, self.param_dtype)
+                if self.use_bias else None)
+        out_dtype = _output_dtype(x, scale, bias, dtype=self.dtype)
+
+        def normalize(x, scale, bias):
+            y, mean, var = jaxdnn.batch_norm(
+                x, scale, bias, ra_mean.value, ra_var.value, training=not use_running_average,
+                momentum=self.momentum, epsilon=self.epsilon, axis=axis)
+            if not use_running_average and not self.is_initializing():
+                ra_mean.value, ra_var.value = mean, var
+            return y
+
+        return _norm_in_float32_then_cast(normalize, x, (scale, bias), out_dtype)
