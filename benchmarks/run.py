@@ -260,10 +260,63 @@ def activation_cases(quick: bool) -> list[Case]:
     return _row_cases("activation", ops, shapes, quick)
 
 
+# --- batch norm ------------------------------------------------------------------------------------
+
+
+def _batch_norm_xla(x, scale, bias, residual=None, relu=False, epsilon=1e-5):
+    """Training-mode batch norm over every axis but the last, the way Flax's BatchNorm computes it
+    (fast variance, fp32 statistics), optionally followed by + residual and relu (the ResNet chain)."""
+    x32 = x.astype(jnp.float32)
+    axes = tuple(range(x.ndim - 1))
+    mean = jnp.mean(x32, axis=axes)
+    var = jnp.maximum(0.0, jnp.mean(jnp.square(x32), axis=axes) - jnp.square(mean))
+    y = (x32 - mean) * (jax.lax.rsqrt(var + epsilon) * scale.astype(jnp.float32)) + bias.astype(jnp.float32)
+    if residual is not None:
+        y = y + residual.astype(jnp.float32)
+    return (jax.nn.relu(y) if relu else y).astype(x.dtype)
+
+
+def batch_norm_cases(quick: bool) -> list[Case]:
+    """Training-mode batch_norm, NHWC bf16, against Flax's formulas in XLA: plain and fused with a
+    residual add and relu. Bytes (compulsory traffic): fwd = read x + write y; fwd+bwd = read x + read dy
+    + write dx, plus read residual + write dresidual when fused (the [C] vectors are negligible)."""
+    n, h, w, c = (8, 14, 14, 64) if quick else (128, 56, 56, 256)
+    dtype = jnp.bfloat16
+    sets = 2 if quick else 8
+    key = jax.random.key(1)
+    stats = (jnp.zeros((c,), jnp.float32), jnp.ones((c,), jnp.float32))
+    primal_sets, residuals, dys = [], [], []
+    for _ in range(sets):
+        key, kx, kr, kdy, ks, kb = jax.random.split(key, 6)
+        x = _normal(kx, (n, h, w, c), dtype, mean=0.5, std=2.0)
+        scale = _normal(ks, (c,), jnp.float32, mean=1.0, std=0.1)
+        primal_sets.append((x, scale, _normal(kb, (c,), jnp.float32, std=0.1)))
+        residuals.append(_normal(kr, (n, h, w, c), dtype))
+        dys.append(_normal(kdy, (n, h, w, c), dtype))
+    array_bytes = n * h * w * c * jnp.dtype(dtype).itemsize
+    name = f"batch_norm N{n} H{h} W{w} C{c} train"
+    plain = lambda x, s, b: jaxdnn.batch_norm(x, s, b, *stats, training=True)[0]
+    fused = lambda x, s, b, r: jaxdnn.batch_norm(x, s, b, *stats, training=True, residual=r,
+                                                 activation="relu")[0]
+    fused_xla = lambda x, s, b, r: _batch_norm_xla(x, s, b, r, relu=True)
+    fused_sets = [(*p, r) for p, r in zip(primal_sets, residuals)]
+    return [
+        Case("batch_norm", f"{name} fwd", plain, "xla", _batch_norm_xla, primal_sets, 2 * array_bytes,
+             "GB/s"),
+        Case("batch_norm", f"{name} fwd+bwd", _fwd_bwd(plain), "xla", _fwd_bwd(_batch_norm_xla),
+             [(*p, dy) for p, dy in zip(primal_sets, dys)], 3 * array_bytes, "GB/s"),
+        Case("batch_norm", f"{name} +residual+relu fwd", fused, "xla", fused_xla, fused_sets, 3 * array_bytes,
+             "GB/s"),
+        Case("batch_norm", f"{name} +residual+relu fwd+bwd", _fwd_bwd(fused), "xla", _fwd_bwd(fused_xla),
+             [(*p, dy) for p, dy in zip(fused_sets, dys)], 5 * array_bytes, "GB/s"),
+    ]
+
+
 FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
     "norm": norm_cases,
     "softmax": softmax_cases,
     "activation": activation_cases,
+    "batch_norm": batch_norm_cases,
 }
 
 
