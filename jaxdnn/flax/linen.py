@@ -327,7 +327,9 @@ class BatchNorm(nn.Module):
 
     Attributes are Flax's; ``axis`` must be a single axis, ``axis_name`` and
     ``axis_index_groups`` must be None, ``force_float32_reductions`` True;
-    ``use_fast_variance`` is accepted with either value.
+    ``use_fast_variance`` is accepted with either value. Beyond Flax, the call takes
+    the fused ResNet epilogue: ``bn(x, residual=r, activation="relu")`` computes
+    ``relu(bn(x) + r)`` in the same kernels (see ``jaxdnn.batch_norm``).
     """
 
     use_running_average: bool | None = None
@@ -346,8 +348,10 @@ class BatchNorm(nn.Module):
     force_float32_reductions: bool = True
 
     @nn.compact
-    def __call__(self, x, use_running_average: bool | None = None, *, mask: jax.Array | None = None):
-        """Normalizes ``x``; returns an array of its shape."""
+    def __call__(self, x, use_running_average: bool | None = None, *, mask: jax.Array | None = None,
+                 residual: jax.Array | None = None, activation: str | None = None):
+        """Normalizes ``x``, then adds ``residual`` and applies ``activation`` when given; returns an
+        array of x's shape."""
         module = "flax.linen.BatchNorm"
         use_running_average = nn.merge_param(
             "use_running_average", self.use_running_average, use_running_average)
@@ -368,7 +372,9 @@ class BatchNorm(nn.Module):
         def normalize(x, scale, bias):
             y, mean, var = jaxdnn.batch_norm(
                 x, scale, bias, ra_mean.value, ra_var.value, training=not use_running_average,
-                momentum=self.momentum, epsilon=self.epsilon, axis=axis)
+                momentum=self.momentum, epsilon=self.epsilon, axis=axis,
+                residual=None if residual is None else jnp.asarray(residual).astype(x.dtype),
+                activation=activation)
             if not use_running_average and not self.is_initializing():
                 ra_mean.value, ra_var.value = mean, var
             return y
