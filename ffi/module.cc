@@ -24,8 +24,8 @@ struct Target {
 #endif
 
 const Target kTargets[] = {
-    {"jaxdnn_layer_norm_fwd_v1", LayerNormFwdCpu, JAXDNN_CUDA_HANDLER(LayerNormFwdCuda)},
-    {"jaxdnn_layer_norm_bwd_v1", LayerNormBwdCpu, JAXDNN_CUDA_HANDLER(LayerNormBwdCuda)},
+    {"jaxdnn_layer_norm_fwd_v2", LayerNormFwdCpu, JAXDNN_CUDA_HANDLER(LayerNormFwdCuda)},
+    {"jaxdnn_layer_norm_bwd_v2", LayerNormBwdCpu, JAXDNN_CUDA_HANDLER(LayerNormBwdCuda)},
     {"jaxdnn_rms_norm_fwd_v1", RmsNormFwdCpu, JAXDNN_CUDA_HANDLER(RmsNormFwdCuda)},
     {"jaxdnn_rms_norm_bwd_v1", RmsNormBwdCpu, JAXDNN_CUDA_HANDLER(RmsNormBwdCuda)},
     {"jaxdnn_softmax_fwd_v1", SoftmaxFwdCpu, JAXDNN_CUDA_HANDLER(SoftmaxFwdCuda)},

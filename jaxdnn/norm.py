@@ -4,8 +4,10 @@ Shapes: x [..., D] (any number of leading axes, R rows in all), scale and bias [
 statistics mean and rstd [...]. Statistics and accumulation are float32; outputs have x's dtype.
 
 Each function is a `jax.custom_vjp` over two kernel stages, `*_fwd` (saves mean/rstd) and `*_bwd`
-(dx, dscale, dbias). Both stages have their own VJP through the reference implementation, so grad of
-grad works; forward-mode `jax.jvp` is not provided (custom_vjp).
+(dx, dscale, dbias). layer_norm's kernels fuse an optional activation,
+y = act(xhat * scale + bias); its backward recomputes the affine output for act'. Both stages have
+their own VJP through the reference implementation, so grad of grad works; forward-mode `jax.jvp`
+is not provided (custom_vjp).
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import numpy as np
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
 from jaxdnn import reference
 from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front, per_row_shard
+from jaxdnn.activation import KINDS, epilogue, epilogue_attrs
+from jaxdnn.reference.activation import FUNCTIONS
 
 _FLOAT_TYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _F32 = jnp.float32
+_KIND_NAMES = {value: name for name, value in KINDS.items()}  # the activation attribute -> its kind
 
 
 def _num_partials(rows, features: int, sums: int) -> int:
@@ -35,13 +40,13 @@ def _num_partials(rows, features: int, sums: int) -> int:
 
 # --- the four kernel stages -------------------------------------------------------------------
 
-def _fwd_avals(x, scale, *bias, epsilon, rms):
+def _fwd_avals(x, scale, *bias, rms, **attrs):
     stat = jax.core.ShapedArray(x.shape[:-1], _F32)
     y = jax.core.ShapedArray(x.shape, x.dtype)
     return [y, stat] if rms else [y, stat, stat]
 
 
-def _bwd_avals(dy, x, scale, *stats, rms):
+def _bwd_avals(dy, x, scale, *stats, rms, **attrs):
     rows = math.prod(x.shape[:-1])
     features = x.shape[-1]
     sums = 1 if rms else 2
@@ -51,17 +56,18 @@ def _bwd_avals(dy, x, scale, *stats, rms):
     return [dx] + [per_feature] * sums + [workspace]
 
 
-def _fwd_batch_rule(prim, args, dims, *, epsilon, rms):
+def _fwd_batch_rule(prim, args, dims, *, rms, **attrs):
     """Folds the vmapped axis into the rows. A batched scale/bias keeps the kernel's statistics and
-    applies the per-example affine in XLA."""
+    applies the per-example affine (and activation) in XLA."""
     x, params = args[0], args[1:]
     size = x.shape[dims[0]] if dims[0] is not None else next(
         a.shape[d] for a, d in zip(args, dims) if d is not None)
     x = move_to_front(x, dims[0], size)
     if all(d is None for d in dims[1:]):
-        return prim.bind(x, *params, epsilon=epsilon), [0] * (2 if rms else 3)
+        return prim.bind(x, *params, **attrs), [0] * (2 if rms else 3)
     ones = jnp.ones(x.shape[-1:], _F32)
-    stats = prim.bind(x, ones, *([] if rms else [jnp.zeros_like(ones)]), epsilon=epsilon)
+    plain = dict(attrs, **({} if rms else epilogue_attrs("identity", 0.0)))
+    stats = prim.bind(x, ones, *([] if rms else [jnp.zeros_like(ones)]), **plain)
     expand = (slice(None),) + (None,) * (x.ndim - 2)
     scale = move_to_front(params[0], dims[1], size)[expand]
     bias = None if rms else move_to_front(params[1], dims[2], size)[expand]
@@ -69,31 +75,43 @@ def _fwd_batch_rule(prim, args, dims, *, epsilon, rms):
     y = (x.astype(_F32) - (0 if rms else mean[..., None])) * stats[-1][..., None] * scale
     if bias is not None:
         y = y + bias
+    if not rms:
+        y = FUNCTIONS[_KIND_NAMES[int(attrs["activation"])]](y, attrs["activation_param"])
     return [y.astype(x.dtype), *stats[1:]], [0] * len(stats)
 
 
-def _bwd_batch_rule(prim, args, dims, *, rms):
+def _bwd_batch_rule(prim, args, dims, *, rms, **attrs):
     """Folds the vmapped axis into the rows for dx; the per-example dscale/dbias (sums over each
-    example's rows only) are reduced in XLA. A batched scale computes dx in XLA too."""
+    example's rows only) are reduced in XLA. A batched scale or bias computes dx in XLA too."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    dy, x, scale, *stats = [move_to_front(a, d, size) if i != 2 else a
-                            for i, (a, d) in enumerate(zip(args, dims))]
+    params = 1 if rms else 2  # scale (and bias) follow dy and x
+    dy, x, *stats = [move_to_front(a, d, size) for i, (a, d) in enumerate(zip(args, dims))
+                     if not 2 <= i < 2 + params]
+    scale, bias = args[2], (None if rms else args[3])
     mean, rstd = (None, stats[0]) if rms else stats
-    scale_batched = dims[2] is not None
-    if scale_batched:
+    kind = "identity" if rms else _KIND_NAMES[int(attrs["activation"])]
+    param = 0.0 if rms else float(attrs["activation_param"])
+    if any(d is not None for d in dims[2:2 + params]):
         scale = move_to_front(scale, dims[2], size)
-        dx = jax.vmap(lambda *a: reference.norm_bwd(*a, rms=rms)[0])(dy, x, scale, mean, rstd)
+        bias = None if rms else move_to_front(bias, dims[3], size)
+        dx = jax.vmap(lambda *a: reference.norm_bwd(*a, rms, kind, param)[0])(dy, x, scale, bias, mean, rstd)
+        scale_rows = scale[(slice(None),) + (None,) * (x.ndim - 2)]
+        bias_rows = None if rms else bias[(slice(None),) + (None,) * (x.ndim - 2)]
     else:
-        dx = prim.bind(dy, x, scale, *stats)[0]
+        dx = prim.bind(dy, x, *args[2:2 + params], *stats, **attrs)[0]
+        scale_rows, bias_rows = scale, bias
     xhat = (x.astype(_F32) - (0 if rms else mean[..., None])) * rstd[..., None]
     row_axes = tuple(range(1, x.ndim - 1))
     dyf = dy.astype(_F32)
+    if kind != "identity":  # dscale/dbias take dy through the activation
+        pre = xhat * scale_rows + bias_rows
+        dyf = jax.vjp(lambda p: FUNCTIONS[kind](p, param), pre)[1](dyf)[0]
     sums = [jnp.sum(dyf * xhat, axis=row_axes)] + ([] if rms else [jnp.sum(dyf, axis=row_axes)])
     return [dx, *sums], [0] * (1 + len(sums))
 
 
 _layer_norm_fwd = ffi_primitive(
-    "jaxdnn_layer_norm_fwd", "jaxdnn_layer_norm_fwd_v1",
+    "jaxdnn_layer_norm_fwd", "jaxdnn_layer_norm_fwd_v2",
     result_avals=functools.partial(_fwd_avals, rms=False),
     batch_rule=functools.partial(_fwd_batch_rule, rms=False),
     sharding_rule="... d, d, d -> ... d, ..., ...")
@@ -103,11 +121,11 @@ _rms_norm_fwd = ffi_primitive(
     batch_rule=functools.partial(_fwd_batch_rule, rms=True),
     sharding_rule="... d, d -> ... d, ...")
 _layer_norm_bwd = ffi_primitive(
-    "jaxdnn_layer_norm_bwd", "jaxdnn_layer_norm_bwd_v1",
+    "jaxdnn_layer_norm_bwd", "jaxdnn_layer_norm_bwd_v2",
     result_avals=functools.partial(_bwd_avals, rms=False),
     batch_rule=functools.partial(_bwd_batch_rule, rms=False),
     scratch_results=1, reduced_results=(1, 2),
-    sharding_rule="... d, ... d, d, ..., ... -> ... d, d, d")
+    sharding_rule="... d, ... d, d, d, ..., ... -> ... d, d, d")
 _rms_norm_bwd = ffi_primitive(
     "jaxdnn_rms_norm_bwd", "jaxdnn_rms_norm_bwd_v1",
     result_avals=functools.partial(_bwd_avals, rms=True),
@@ -117,62 +135,65 @@ _rms_norm_bwd = ffi_primitive(
 
 
 # --- differentiable stages (second order through the reference) -------------------------------
+# `act` is (kind, param): the fused activation of layer_norm, ("identity", 0.0) for rms_norm.
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _norm_fwd(x, scale, bias, epsilon, rms):
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _norm_fwd(x, scale, bias, epsilon, rms, act):
     """(y, mean or None, rstd) from the kernel."""
     if rms:
         y, rstd = _rms_norm_fwd.bind(x, scale, epsilon=epsilon)
         return y, None, rstd
-    return tuple(_layer_norm_fwd.bind(x, scale, bias, epsilon=epsilon))
+    return tuple(_layer_norm_fwd.bind(x, scale, bias, epsilon=epsilon, **epilogue_attrs(*act)))
 
 
-def _norm_fwd_fwd(x, scale, bias, epsilon, rms):
-    return _norm_fwd(x, scale, bias, epsilon, rms), (x, scale, bias)
+def _norm_fwd_fwd(x, scale, bias, epsilon, rms, act):
+    return _norm_fwd(x, scale, bias, epsilon, rms, act), (x, scale, bias)
 
 
-def _norm_fwd_bwd(epsilon, rms, inputs, cotangents):
-    _, vjp = jax.vjp(lambda *a: reference.norm_fwd(*a, epsilon, rms), *inputs)
+def _norm_fwd_bwd(epsilon, rms, act, inputs, cotangents):
+    _, vjp = jax.vjp(lambda *a: reference.norm_fwd(*a, epsilon, rms, *act), *inputs)
     return vjp(cotangents)
 
 
 _norm_fwd.defvjp(_norm_fwd_fwd, _norm_fwd_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _norm_bwd(dy, x, scale, mean, rstd, rms):
-    """(dx, dscale, dbias or None) from the kernel."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _norm_bwd(dy, x, scale, bias, mean, rstd, rms, act):
+    """(dx, dscale, dbias or None) from the kernel; bias is None for rms_norm."""
     if rms:
         dx, dscale = _rms_norm_bwd.bind(dy, x, scale, rstd)
         return dx, dscale, None
-    return tuple(_layer_norm_bwd.bind(dy, x, scale, mean, rstd))
+    return tuple(_layer_norm_bwd.bind(dy, x, scale, bias, mean, rstd, **epilogue_attrs(*act)))
 
 
-def _norm_bwd_fwd(dy, x, scale, mean, rstd, rms):
-    return _norm_bwd(dy, x, scale, mean, rstd, rms), (dy, x, scale, mean, rstd)
+def _norm_bwd_fwd(dy, x, scale, bias, mean, rstd, rms, act):
+    return _norm_bwd(dy, x, scale, bias, mean, rstd, rms, act), (dy, x, scale, bias, mean, rstd)
 
 
-def _norm_bwd_bwd(rms, inputs, cotangents):
-    _, vjp = jax.vjp(lambda *a: reference.norm_bwd(*a, rms), *inputs)
+def _norm_bwd_bwd(rms, act, inputs, cotangents):
+    _, vjp = jax.vjp(lambda *a: reference.norm_bwd(*a, rms, *act), *inputs)
     return vjp(cotangents)
 
 
 _norm_bwd.defvjp(_norm_bwd_fwd, _norm_bwd_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _norm(x, scale, bias, epsilon, rms):
-    return _norm_fwd(x, scale, bias, epsilon, rms)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _norm(x, scale, bias, epsilon, rms, act):
+    return _norm_fwd(x, scale, bias, epsilon, rms, act)[0]
 
 
-def _norm_vjp_fwd(x, scale, bias, epsilon, rms):
-    y, mean, rstd = _norm_fwd(x, scale, bias, epsilon, rms)
-    return y, (x, scale, mean, rstd)
+def _norm_vjp_fwd(x, scale, bias, epsilon, rms, act):
+    y, mean, rstd = _norm_fwd(x, scale, bias, epsilon, rms, act)
+    return y, (x, scale, bias, mean, rstd)
 
 
-def _norm_vjp_bwd(epsilon, rms, residuals, dy):
-    x, scale, mean, rstd = residuals
-    return _norm_bwd(dy, x, scale, mean, rstd, rms)
+def _norm_vjp_bwd(epsilon, rms, act, residuals, dy):
+    x, scale, bias, mean, rstd = residuals
+    return _norm_bwd(dy, x, scale, bias, mean, rstd, rms, act)
 
 
 _norm.defvjp(_norm_vjp_fwd, _norm_vjp_bwd)
@@ -212,14 +233,16 @@ def _check_epsilon(fn, epsilon):
     return np.float32(epsilon)
 
 
-def layer_norm(x, scale=None, bias=None, *, epsilon=1e-6):
-    """Layer normalization over the last axis: `(x - mean) / sqrt(var + epsilon) * scale + bias`.
+def layer_norm(x, scale=None, bias=None, *, epsilon=1e-6, activation=None):
+    """Layer normalization over the last axis: `act((x - mean) / sqrt(var + epsilon) * scale + bias)`.
 
     Args:
       x: [..., D] float32, bfloat16 or float16; any number of leading axes (empty ones too).
       scale: [D] in float32 or x's dtype, or None (no scaling).
       bias: [D] in float32 or x's dtype, or None (no shift).
       epsilon: added to the variance.
+      activation: None, or a name of `jaxdnn.activation.EPILOGUES` (e.g. "gelu", "silu") fused into
+        the kernels (their backward recomputes the affine output for its derivative).
 
     Returns:
       [..., D] in x's dtype. Mean and variance are computed in float32.
@@ -230,8 +253,9 @@ def layer_norm(x, scale=None, bias=None, *, epsilon=1e-6):
     scale = _check_param("layer_norm", "scale", scale, x)
     bias = _check_param("layer_norm", "bias", bias, x)
     epsilon = _check_epsilon("layer_norm", epsilon)
+    act = epilogue("layer_norm", activation)
     ones = jnp.ones(x.shape[-1:], _F32)
-    return per_row_shard(lambda x, scale, bias: _norm(x, *match_varying(x, scale, bias), epsilon, False),
+    return per_row_shard(lambda x, scale, bias: _norm(x, *match_varying(x, scale, bias), epsilon, False, act),
                          x, ones if scale is None else scale,
                          jnp.zeros_like(ones) if bias is None else bias)
 
@@ -252,5 +276,6 @@ def rms_norm(x, scale=None, *, epsilon=1e-6):
     x = _check_x("rms_norm", x)
     scale = _check_param("rms_norm", "scale", scale, x)
     epsilon = _check_epsilon("rms_norm", epsilon)
-    return per_row_shard(lambda x, scale: _norm(x, *match_varying(x, scale), None, epsilon, True),
+    return per_row_shard(lambda x, scale: _norm(x, *match_varying(x, scale), None, epsilon, True,
+                                                ("identity", 0.0)),
                          x, jnp.ones(x.shape[-1:], _F32) if scale is None else scale)

@@ -80,8 +80,9 @@ class NormOp:
     def __init__(self, name: str, has_bias: bool):
         self.name = name
         self.has_bias = has_bias
-        self.fwd_target = f"jaxdnn_{name}_fwd_v1"
-        self.bwd_target = f"jaxdnn_{name}_bwd_v1"
+        version = 2 if has_bias else 1  # layer_norm v2 added the fused activation
+        self.fwd_target = f"jaxdnn_{name}_fwd_v{version}"
+        self.bwd_target = f"jaxdnn_{name}_bwd_v{version}"
         self._fn = getattr(jaxdnn, name)
         self._reference = getattr(jaxdnn.reference, name)
 

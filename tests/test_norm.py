@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxdnn
-from helpers import (DTYPES, OPS, assert_close, bit_equal, dtype_id, normal, oracle_vjp,
+from helpers import (DTYPES, OPS, assert_close, bit_equal, dtype_id, f64, normal, oracle_vjp,
                      tolerance, vjp)
 
 op_param = pytest.mark.parametrize("op", OPS, ids=repr)
@@ -229,3 +229,49 @@ def test_compiled_gpu_hlo_holds_custom_calls(op, dtype, rng):
     bwd = jax.jit(_grad_fn(op)).lower(x, scale, bias, cotangent).compile().as_text()
     assert f'custom_call_target="{op.fwd_target}"' in bwd
     assert f'custom_call_target="{op.bwd_target}"' in bwd
+
+
+# --- layer_norm(..., activation=): the fused epilogue ---------------------------------------------
+
+def _layer_norm_act_oracle(x, scale, bias, activation):
+    from jaxdnn.activation import epilogue
+    kind, param = epilogue("test", activation)
+    return jaxdnn.reference.layer_norm(x, scale, bias, activation=kind, activation_param=param)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_exact", "silu", "tanh", "leaky_relu"])
+@pytest.mark.parametrize("shape", [(5, 64), (3, 7, 33), (2, 4100), (0, 16)], ids=str)
+@dtype_param
+def test_layer_norm_activation(activation, shape, dtype, rng):
+    """Forward and gradients (x, scale, bias) of act(layer_norm) in one kernel, on the cached and the
+    streaming paths (4100 is not a multiple of a 16-byte vector)."""
+    x = normal(rng, shape, dtype, loc=0.5, scale=2.0)
+    scale, bias = normal(rng, shape[-1:]), normal(rng, shape[-1:])
+    ct = normal(rng, shape, dtype)
+    op = lambda x, s, b: jaxdnn.layer_norm(x, s, b, activation=activation)
+    y, vjp = jax.vjp(jax.jit(op), x, scale, bias)
+    want, want_vjp = jax.vjp(lambda *a: _layer_norm_act_oracle(*a, activation), f64(x), f64(scale), f64(bias))
+    assert_close(y, want, tolerance(dtype), "forward")
+    for name, got, expected in zip(["dx", "dscale", "dbias"], vjp(ct), want_vjp(f64(ct))):
+        assert_close(got, expected, tolerance(dtype, grad=True), name)
+
+
+def test_layer_norm_activation_transforms(rng):
+    x, ct = normal(rng, (4, 3, 40)), normal(rng, (4, 3, 40))
+    scales, biases = normal(rng, (4, 40)), normal(rng, (4, 40))
+    op = lambda x, s, b: jaxdnn.layer_norm(x, s, b, activation="silu")
+    oracle = lambda x, s, b: _layer_norm_act_oracle(x, s, b, "silu")
+    # vmap with batched scale and bias (the affine and activation run in XLA), and its gradient
+    assert_close(jax.vmap(op)(x, scales, biases), jax.vmap(oracle)(f64(x), f64(scales), f64(biases)), 1e-5,
+                 "vmap batched params")
+    loss = lambda f: lambda x, s, b: jnp.sum(jax.vmap(f)(x, s, b) * ct.astype(x.dtype))
+    got = jax.grad(loss(op), argnums=(0, 1, 2))(x, scales, biases)
+    want = jax.grad(loss(oracle), argnums=(0, 1, 2))(f64(x), f64(scales), f64(biases))
+    for name, g, w in zip(["x", "scale", "bias"], got, want):
+        assert_close(g, w, 1e-4, f"vmap grad {name}")
+    # grad of grad
+    s, b = scales[0], biases[0]
+    penalty = lambda f: lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(jnp.sin(f(x, s, b)) * ct))(x) ** 2)
+    assert_close(jax.grad(penalty(op))(x), jax.grad(penalty(oracle))(f64(x)), 1e-4, "grad of grad")
+    with pytest.raises(ValueError, match="activation must be None or one of"):
+        jaxdnn.layer_norm(x, activation="swish")

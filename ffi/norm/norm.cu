@@ -50,7 +50,7 @@ template <typename T, bool kRms>
 __global__ void __launch_bounds__(kMaxGroup) NormFwdCached(const T* __restrict__ x, const float* __restrict__ scale,
                              const float* __restrict__ bias, T* __restrict__ y,
                              float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows,
-                             int features, int group, float epsilon) {
+                             int features, int group, float epsilon, NormActivation act) {
   constexpr int kVec = kVec16<T>;
   using Vec = Pack<T, kVec>;
   const RowGroup g = MakeRowGroup(group);
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kMaxGroup) NormFwdCached(const T* __restrict__
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         const float xhat = (ToFloat(raw[i].v[k]) - mean) * rstd;
-        out.v[k] = FromFloat<T>(xhat * s.v[k] + (kRms ? 0.f : b.v[k]));
+        out.v[k] = FromFloat<T>(NormOut(xhat * s.v[k] + (kRms ? 0.f : b.v[k]), act));
       }
       *reinterpret_cast<Vec*>(yr + col) = out;
     }
@@ -134,7 +134,7 @@ template <typename T, bool kRms>
 __global__ void NormFwdStreaming(const T* __restrict__ x, const float* __restrict__ scale,
                                  const float* __restrict__ bias, T* __restrict__ y,
                                  float* __restrict__ mean_out, float* __restrict__ rstd_out,
-                                 int features, float epsilon) {
+                                 int features, float epsilon, NormActivation act) {
   const int64_t row = blockIdx.x;
   const T* xr = x + row * features;
   float mean = 0.f;
@@ -153,7 +153,7 @@ __global__ void NormFwdStreaming(const T* __restrict__ x, const float* __restric
   const float rstd = rsqrtf(sq[0] / features + epsilon);
   T* yr = y + row * features;
   for (int j = threadIdx.x; j < features; j += blockDim.x) {
-    yr[j] = FromFloat<T>((ToFloat(xr[j]) - mean) * rstd * scale[j] + (kRms ? 0.f : bias[j]));
+    yr[j] = FromFloat<T>(NormOut((ToFloat(xr[j]) - mean) * rstd * scale[j] + (kRms ? 0.f : bias[j]), act));
   }
   if (threadIdx.x == 0) {
     if (!kRms) mean_out[row] = mean;
@@ -162,9 +162,17 @@ __global__ void NormFwdStreaming(const T* __restrict__ x, const float* __restric
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward. With xhat = (x - mean) * rstd and g = scale * dy:
+// Backward. With xhat = (x - mean) * rstd and g = scale * dy (dy times the activation's derivative
+// first when one is fused, see NormGradIn):
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm drops mean(g))
 //   dscale = sum_rows(dy * xhat), dbias = sum_rows(dy)
+
+// bias[col, col + kVec) when an activation needs it (its derivative takes the affine output), else 0.
+template <int kVec>
+__device__ __forceinline__ Pack<float, kVec> BiasPack(const float* bias, int col, NormActivation act) {
+  if (act.kind != 0) return *reinterpret_cast<const Pack<float, kVec>*>(bias + col);
+  return Pack<float, kVec>{};
+}
 
 // Rows [begin, end) of block `block` when `rows` rows are split over `blocks` blocks.
 __device__ __forceinline__ void BlockRows(int64_t rows, int blocks, int block, int64_t* begin,
@@ -179,8 +187,9 @@ __device__ __forceinline__ void BlockRows(int64_t rows, int blocks, int block, i
 template <typename T, bool kRms>
 __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
     const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ scale,
-    const float* __restrict__ mean_in, const float* __restrict__ rstd_in, T* __restrict__ dx,
-    float* __restrict__ workspace, int64_t rows, int features, int group) {
+    const float* __restrict__ bias, const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
+    T* __restrict__ dx, float* __restrict__ workspace, int64_t rows, int features, int group,
+    NormActivation act) {
   constexpr int kVec = kVec16<T>;
   constexpr int kSums = kRms ? 1 : 2;
   using Vec = Pack<T, kVec>;
@@ -225,10 +234,11 @@ __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
       if (col < features) {
         const Vec xs = *slot(stage, 0, i), dys = *slot(stage, 1, i);
         const Pack<float, kVec> s = *reinterpret_cast<const Pack<float, kVec>*>(scale + col);
+        const Pack<float, kVec> b = BiasPack<kVec>(bias, col, act);
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           const float xhat = (ToFloat(xs.v[k]) - mean) * rstd;
-          const float gk = s.v[k] * ToFloat(dys.v[k]);
+          const float gk = s.v[k] * NormGradIn(ToFloat(dys.v[k]), xhat, s.v[k], b.v[k], act);
           sums[0] += gk;
           sums[1] += gk * xhat;
         }
@@ -243,11 +253,12 @@ __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
       if (col < features) {
         const Vec xs = *slot(stage, 0, i), dys = *slot(stage, 1, i);
         const Pack<float, kVec> s = *reinterpret_cast<const Pack<float, kVec>*>(scale + col);
+        const Pack<float, kVec> b = BiasPack<kVec>(bias, col, act);
         Vec out;
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           const float xhat = (ToFloat(xs.v[k]) - mean) * rstd;
-          const float dyk = ToFloat(dys.v[k]);
+          const float dyk = NormGradIn(ToFloat(dys.v[k]), xhat, s.v[k], b.v[k], act);
           out.v[k] = FromFloat<T>(rstd * (s.v[k] * dyk - mean_g - xhat * mean_g_xhat));
           acc_scale[i][k] += dyk * xhat;
           if (!kRms) acc_bias[i][k] += dyk;
@@ -304,9 +315,10 @@ __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
 // One row group = the whole block; accumulates straight into workspace[block] (its own row of it).
 template <typename T, bool kRms>
 __global__ void NormBwdStreaming(const T* __restrict__ dy, const T* __restrict__ x,
-                                 const float* __restrict__ scale, const float* __restrict__ mean_in,
-                                 const float* __restrict__ rstd_in, T* __restrict__ dx,
-                                 float* __restrict__ workspace, int64_t rows, int features) {
+                                 const float* __restrict__ scale, const float* __restrict__ bias,
+                                 const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
+                                 T* __restrict__ dx, float* __restrict__ workspace, int64_t rows, int features,
+                                 NormActivation act) {
   constexpr int kSums = kRms ? 1 : 2;
   int64_t begin, end;
   BlockRows(rows, gridDim.x, blockIdx.x, &begin, &end);
@@ -322,16 +334,17 @@ __global__ void NormBwdStreaming(const T* __restrict__ dy, const T* __restrict__
     const float rstd = rstd_in[row];
     float sums[2] = {0.f, 0.f};
     for (int j = threadIdx.x; j < features; j += blockDim.x) {
-      const float gj = scale[j] * ToFloat(dyr[j]);
+      const float xhat = (ToFloat(xr[j]) - mean) * rstd;
+      const float gj = scale[j] * NormGradIn(ToFloat(dyr[j]), xhat, scale[j], act.kind ? bias[j] : 0.f, act);
       sums[0] += gj;
-      sums[1] += gj * (ToFloat(xr[j]) - mean) * rstd;
+      sums[1] += gj * xhat;
     }
     GroupSum(sums, blockDim.x);
     const float mean_g = kRms ? 0.f : sums[0] / features;
     const float mean_g_xhat = sums[1] / features;
     for (int j = threadIdx.x; j < features; j += blockDim.x) {
       const float xhat = (ToFloat(xr[j]) - mean) * rstd;
-      const float dyj = ToFloat(dyr[j]);
+      const float dyj = NormGradIn(ToFloat(dyr[j]), xhat, scale[j], act.kind ? bias[j] : 0.f, act);
       dx[row * features + j] = FromFloat<T>(rstd * (scale[j] * dyj - mean_g - xhat * mean_g_xhat));
       out[j] += dyj * xhat;
       if (!kRms) out[features + j] += dyj;
@@ -390,9 +403,10 @@ template <bool kRms>
 ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
                        ffi::Buffer<ffi::F32>* bias, ffi::Result<ffi::AnyBuffer> y,
                        ffi::Result<ffi::Buffer<ffi::F32>>* mean, ffi::Result<ffi::Buffer<ffi::F32>> rstd,
-                       float epsilon) {
+                       float epsilon, NormActivation act) {
   RowsFeatures shape;
   JAXDNN_RETURN_IF_ERROR(CheckNormFwd(x, scale, bias, *y, mean, *rstd, &shape));
+  JAXDNN_RETURN_IF_ERROR(CheckNormActivation(act));
   if (shape.rows == 0) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
@@ -407,10 +421,10 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F
     if (plan.cached) {
       NormFwdCached<T, kRms><<<grid, plan.block, 0, stream>>>(
           xp, scale.typed_data(), bp, yp, mp, rstd->typed_data(), shape.rows, features, plan.group,
-          epsilon);
+          epsilon, act);
     } else {
       NormFwdStreaming<T, kRms><<<grid, plan.block, 0, stream>>>(
-          xp, scale.typed_data(), bp, yp, mp, rstd->typed_data(), features, epsilon);
+          xp, scale.typed_data(), bp, yp, mp, rstd->typed_data(), features, epsilon, act);
     }
     return LaunchError("norm forward");
   });
@@ -418,16 +432,19 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F
 
 template <bool kRms>
 ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
-                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32>* mean,
+                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32>* bias, ffi::Buffer<ffi::F32>* mean,
                        ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx,
                        ffi::Result<ffi::Buffer<ffi::F32>> dscale,
                        ffi::Result<ffi::Buffer<ffi::F32>>* dbias,
-                       ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
+                       ffi::Result<ffi::Buffer<ffi::F32>> workspace, NormActivation act) {
   constexpr int kSums = kRms ? 1 : 2;
   RowsFeatures shape;
   int64_t max_partials = 0;
   JAXDNN_RETURN_IF_ERROR(
       CheckNormBwd(dy, x, scale, mean, rstd, *dx, *dscale, dbias, *workspace, &shape, &max_partials));
+  JAXDNN_RETURN_IF_ERROR(CheckNormActivation(act));
+  if (bias != nullptr) JAXDNN_RETURN_IF_ERROR(ExpectElements("bias", bias->dimensions(), shape.features));
+  const float* bp = kRms ? nullptr : bias->typed_data();
   float* dscale_p = dscale->typed_data();
   float* dbias_p = kRms ? nullptr : (*dbias)->typed_data();
   if (shape.rows == 0) {  // sums over no rows
@@ -455,13 +472,13 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem)),
           "norm backward shared memory"));
       blocks = std::min<int64_t>(blocks, ResidentBlocks(kernel, plan.block, plan.smem));
-      kernel<<<blocks, plan.block, plan.smem, stream>>>(dyp, xp, scale.typed_data(), mp, rstd.typed_data(),
-                                                   dxp, ws, shape.rows, features, plan.group);
+      kernel<<<blocks, plan.block, plan.smem, stream>>>(dyp, xp, scale.typed_data(), bp, mp, rstd.typed_data(),
+                                                        dxp, ws, shape.rows, features, plan.group, act);
     } else {
       auto kernel = NormBwdStreaming<T, kRms>;
       blocks = std::min<int64_t>(blocks, ResidentBlocks(kernel, plan.block, 0));
-      kernel<<<blocks, plan.block, 0, stream>>>(dyp, xp, scale.typed_data(), mp, rstd.typed_data(),
-                                                dxp, ws, shape.rows, features);
+      kernel<<<blocks, plan.block, 0, stream>>>(dyp, xp, scale.typed_data(), bp, mp, rstd.typed_data(),
+                                                dxp, ws, shape.rows, features, act);
     }
     JAXDNN_RETURN_IF_ERROR(LaunchError("norm backward"));
     const int64_t sums_features = int64_t(kSums) * features;
@@ -474,30 +491,33 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
 ffi::Error LayerNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
                             ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y,
                             ffi::Result<ffi::Buffer<ffi::F32>> mean,
-                            ffi::Result<ffi::Buffer<ffi::F32>> rstd, float epsilon) {
-  return NormFwdCuda<false>(stream, x, scale, &bias, y, &mean, rstd, epsilon);
+                            ffi::Result<ffi::Buffer<ffi::F32>> rstd, float epsilon, int64_t activation,
+                            float activation_param) {
+  return NormFwdCuda<false>(stream, x, scale, &bias, y, &mean, rstd, epsilon, {activation, activation_param});
 }
 
 ffi::Error RmsNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> rstd,
                           float epsilon) {
-  return NormFwdCuda<true>(stream, x, scale, nullptr, y, nullptr, rstd, epsilon);
+  return NormFwdCuda<true>(stream, x, scale, nullptr, y, nullptr, rstd, epsilon, {});
 }
 
 ffi::Error LayerNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
-                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mean,
+                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> mean,
                             ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx,
                             ffi::Result<ffi::Buffer<ffi::F32>> dscale,
                             ffi::Result<ffi::Buffer<ffi::F32>> dbias,
-                            ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
-  return NormBwdCuda<false>(stream, dy, x, scale, &mean, rstd, dx, dscale, &dbias, workspace);
+                            ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t activation,
+                            float activation_param) {
+  return NormBwdCuda<false>(stream, dy, x, scale, &bias, &mean, rstd, dx, dscale, &dbias, workspace,
+                            {activation, activation_param});
 }
 
 ffi::Error RmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> rstd,
                           ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> dscale,
                           ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
-  return NormBwdCuda<true>(stream, dy, x, scale, nullptr, rstd, dx, dscale, nullptr, workspace);
+  return NormBwdCuda<true>(stream, dy, x, scale, nullptr, nullptr, rstd, dx, dscale, nullptr, workspace, {});
 }
 
 }  // namespace

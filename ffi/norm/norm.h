@@ -1,6 +1,7 @@
 // LayerNorm and RMSNorm FFI handlers. Targets (the ABI of exported programs, hence versioned):
-//   jaxdnn_layer_norm_fwd_v1  (x[R,D], scale[D] f32, bias[D] f32) -> (y[R,D], mean[R] f32, rstd[R] f32)
-//   jaxdnn_layer_norm_bwd_v1  (dy, x, scale, mean, rstd) -> (dx, dscale[D] f32, dbias[D] f32, workspace[P,2,D] f32)
+//   jaxdnn_layer_norm_fwd_v2  (x[R,D], scale[D] f32, bias[D] f32) -> (y[R,D], mean[R] f32, rstd[R] f32)
+//   jaxdnn_layer_norm_bwd_v2  (dy, x, scale, bias, mean, rstd) -> (dx, dscale[D] f32, dbias[D] f32, workspace[P,2,D] f32)
+// LayerNorm's attrs activation/activation_param fuse y = act(xhat * scale + bias) (v2; v1 had none).
 //   jaxdnn_rms_norm_fwd_v1    (x, scale) -> (y, rstd)
 //   jaxdnn_rms_norm_bwd_v1    (dy, x, scale, rstd) -> (dx, dscale, workspace[P,1,D] f32)
 // R is every leading axis of x folded together. The workspace holds per-block partial sums of
@@ -8,6 +9,7 @@
 // at trace time (jaxdnn/norm.py) and the CPU kernels ignore it.
 #pragma once
 
+#include <cstdint>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -26,7 +28,9 @@ auto BindLayerNormFwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()          // y, x's shape and dtype
       .template Ret<ffi::Buffer<ffi::F32>>()   // mean [...]
       .template Ret<ffi::Buffer<ffi::F32>>()   // rstd [...]
-      .template Attr<float>("epsilon");
+      .template Attr<float>("epsilon")
+      .template Attr<int64_t>("activation")
+      .template Attr<float>("activation_param");
 }
 
 template <typename Binding>
@@ -47,12 +51,15 @@ auto BindLayerNormBwd(Binding binding) {
       .template Arg<ffi::AnyBuffer>()          // dy [..., D]
       .template Arg<ffi::AnyBuffer>()          // x [..., D]
       .template Arg<ffi::Buffer<ffi::F32>>()   // scale [D]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // bias [D] (for the activation's derivative)
       .template Arg<ffi::Buffer<ffi::F32>>()   // mean [...]
       .template Arg<ffi::Buffer<ffi::F32>>()   // rstd [...]
       .template Ret<ffi::AnyBuffer>()          // dx
       .template Ret<ffi::Buffer<ffi::F32>>()   // dscale [D]
       .template Ret<ffi::Buffer<ffi::F32>>()   // dbias [D]
-      .template Ret<ffi::Buffer<ffi::F32>>();  // workspace [P, 2, D]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // workspace [P, 2, D]
+      .template Attr<int64_t>("activation")
+      .template Attr<float>("activation_param");
 }
 
 template <typename Binding>

@@ -5,9 +5,33 @@
 #include <string>
 #include <utility>
 
+#include "common/activation.h"
 #include "common/ffi_common.h"
 
 namespace jaxdnn {
+
+// The fused activation of layer_norm(..., activation=): y = act(xhat * scale + bias). Kind 0
+// (identity) for RMSNorm and a plain LayerNorm, which then never read bias in the backward.
+struct NormActivation {
+  int64_t kind = 0;  // an Activation of common/activation.h
+  float param = 0.f;
+};
+
+JAXDNN_HOST_DEVICE inline float NormOut(float pre, NormActivation act) {
+  return ActivateKind(act.kind, pre, act.param);
+}
+
+// The gradient reaching the affine output: dy * act'(xhat * scale + bias).
+JAXDNN_HOST_DEVICE inline float NormGradIn(float dy, float xhat, float scale, float bias, NormActivation act) {
+  return act.kind == 0 ? dy : dy * ActivateGradKind(act.kind, xhat * scale + bias, act.param);
+}
+
+inline ffi::Error CheckNormActivation(NormActivation act) {
+  if (act.kind < 0 || act.kind >= kNumActivations) {
+    return InvalidArgument("layer_norm: unknown activation " + std::to_string(act.kind));
+  }
+  return ffi::Error::Success();
+}
 
 // x must have rank >= 1 and a non-empty feature axis; every per-feature operand (scale, bias,
 // dscale, dbias) must hold D elements and every per-row one (mean, rstd) R elements.

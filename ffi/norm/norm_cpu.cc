@@ -36,7 +36,7 @@ void LoadRow(const T* src, int64_t n, float* dst) {
 // y = (x - mean) * rstd * scale + bias, rstd = 1/sqrt(var(x) + eps), the variance in two passes.
 template <typename T, bool kRms>
 void NormFwd(const T* x, const float* scale, const float* bias, T* y, float* mean_out,
-             float* rstd_out, RowsFeatures shape, float epsilon) {
+             float* rstd_out, RowsFeatures shape, float epsilon, NormActivation act) {
   const int64_t d = shape.features;
   std::vector<float> row(d);
   const float* v = row.data();
@@ -47,7 +47,7 @@ void NormFwd(const T* x, const float* scale, const float* bias, T* y, float* mea
     const float rstd = 1.f / std::sqrt(var + epsilon);
     T* yr = y + r * d;
     for (int64_t j = 0; j < d; ++j) {
-      yr[j] = FromFloat<T>((v[j] - mean) * rstd * scale[j] + (kRms ? 0.f : bias[j]));
+      yr[j] = FromFloat<T>(NormOut((v[j] - mean) * rstd * scale[j] + (kRms ? 0.f : bias[j]), act));
     }
     if (!kRms) mean_out[r] = mean;
     rstd_out[r] = rstd;
@@ -58,8 +58,8 @@ void NormFwd(const T* x, const float* scale, const float* bias, T* y, float* mea
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm drops the mean(g) term)
 //   dscale = sum_rows(dy * xhat), dbias = sum_rows(dy), accumulated in double over the rows.
 template <typename T, bool kRms>
-void NormBwd(const T* dy, const T* x, const float* scale, const float* mean_in, const float* rstd_in,
-             T* dx, float* dscale, float* dbias, RowsFeatures shape) {
+void NormBwd(const T* dy, const T* x, const float* scale, const float* bias, const float* mean_in,
+             const float* rstd_in, T* dx, float* dscale, float* dbias, RowsFeatures shape, NormActivation act) {
   const int64_t d = shape.features;
   std::vector<float> xhat(d), dyf(d);
   std::vector<double> dscale_acc(d, 0.0), dbias_acc(d, 0.0);
@@ -71,6 +71,9 @@ void NormBwd(const T* dy, const T* x, const float* scale, const float* mean_in, 
     LoadRow(x + r * d, d, xhat.data());
     LoadRow(dy + r * d, d, dyf.data());
     for (int64_t j = 0; j < d; ++j) xhat[j] = (xhat[j] - mean) * rstd;
+    if (act.kind != 0) {  // from here on dy is the gradient reaching the affine output
+      for (int64_t j = 0; j < d; ++j) dyf[j] = NormGradIn(dyf[j], xhat[j], scale[j], bias[j], act);
+    }
     const float mean_g = kRms ? 0.f : SumOver(d, [&](int64_t j) { return scale[j] * dv[j]; }) / d;
     const float mean_g_xhat = SumOver(d, [&](int64_t j) { return scale[j] * dv[j] * xh[j]; }) / d;
     T* dxr = dx + r * d;
@@ -91,62 +94,69 @@ void NormBwd(const T* dy, const T* x, const float* scale, const float* mean_in, 
 template <bool kRms>
 ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32>* bias,
                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>>* mean,
-                      ffi::Result<ffi::Buffer<ffi::F32>> rstd, float epsilon) {
+                      ffi::Result<ffi::Buffer<ffi::F32>> rstd, float epsilon, NormActivation act) {
   RowsFeatures shape;
   JAXDNN_RETURN_IF_ERROR(CheckNormFwd(x, scale, bias, *y, mean, *rstd, &shape));
+  JAXDNN_RETURN_IF_ERROR(CheckNormActivation(act));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     NormFwd<T, kRms>(static_cast<const T*>(x.untyped_data()), scale.typed_data(),
                      kRms ? nullptr : bias->typed_data(), static_cast<T*>(y->untyped_data()),
-                     kRms ? nullptr : (*mean)->typed_data(), rstd->typed_data(), shape, epsilon);
+                     kRms ? nullptr : (*mean)->typed_data(), rstd->typed_data(), shape, epsilon, act);
     return ffi::Error::Success();
   });
 }
 
 template <bool kRms>
 ffi::Error NormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
-                      ffi::Buffer<ffi::F32>* mean, ffi::Buffer<ffi::F32> rstd,
+                      ffi::Buffer<ffi::F32>* bias, ffi::Buffer<ffi::F32>* mean, ffi::Buffer<ffi::F32> rstd,
                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> dscale,
                       ffi::Result<ffi::Buffer<ffi::F32>>* dbias,
-                      ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
+                      ffi::Result<ffi::Buffer<ffi::F32>> workspace, NormActivation act) {
   RowsFeatures shape;
   int64_t partials = 0;  // the CPU kernel accumulates in place and needs no workspace
   JAXDNN_RETURN_IF_ERROR(
       CheckNormBwd(dy, x, scale, mean, rstd, *dx, *dscale, dbias, *workspace, &shape, &partials));
+  JAXDNN_RETURN_IF_ERROR(CheckNormActivation(act));
+  if (bias != nullptr) JAXDNN_RETURN_IF_ERROR(ExpectElements("bias", bias->dimensions(), shape.features));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     NormBwd<T, kRms>(static_cast<const T*>(dy.untyped_data()), static_cast<const T*>(x.untyped_data()),
-                     scale.typed_data(), kRms ? nullptr : mean->typed_data(), rstd.typed_data(),
+                     scale.typed_data(), kRms ? nullptr : bias->typed_data(),
+                     kRms ? nullptr : mean->typed_data(), rstd.typed_data(),
                      static_cast<T*>(dx->untyped_data()), dscale->typed_data(),
-                     kRms ? nullptr : (*dbias)->typed_data(), shape);
+                     kRms ? nullptr : (*dbias)->typed_data(), shape, act);
     return ffi::Error::Success();
   });
 }
 
 ffi::Error LayerNormFwdImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> mean,
-                            ffi::Result<ffi::Buffer<ffi::F32>> rstd, float epsilon) {
-  return NormFwdCpu<false>(x, scale, &bias, y, &mean, rstd, epsilon);
+                            ffi::Result<ffi::Buffer<ffi::F32>> rstd, float epsilon, int64_t activation,
+                            float activation_param) {
+  return NormFwdCpu<false>(x, scale, &bias, y, &mean, rstd, epsilon, {activation, activation_param});
 }
 
 ffi::Error RmsNormFwdImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::Buffer<ffi::F32>> rstd, float epsilon) {
-  return NormFwdCpu<true>(x, scale, nullptr, y, nullptr, rstd, epsilon);
+  return NormFwdCpu<true>(x, scale, nullptr, y, nullptr, rstd, epsilon, {});
 }
 
 ffi::Error LayerNormBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
-                            ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
+                            ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
                             ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> dscale,
                             ffi::Result<ffi::Buffer<ffi::F32>> dbias,
-                            ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
-  return NormBwdCpu<false>(dy, x, scale, &mean, rstd, dx, dscale, &dbias, workspace);
+                            ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t activation,
+                            float activation_param) {
+  return NormBwdCpu<false>(dy, x, scale, &bias, &mean, rstd, dx, dscale, &dbias, workspace,
+                           {activation, activation_param});
 }
 
 ffi::Error RmsNormBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
                           ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx,
                           ffi::Result<ffi::Buffer<ffi::F32>> dscale,
                           ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
-  return NormBwdCpu<true>(dy, x, scale, nullptr, rstd, dx, dscale, nullptr, workspace);
+  return NormBwdCpu<true>(dy, x, scale, nullptr, nullptr, rstd, dx, dscale, nullptr, workspace, {});
 }
 
 }  // namespace
