@@ -3,6 +3,7 @@
 
 #include "activation/activation.h"
 #include "norm/norm.h"
+#include "pool/pool.h"
 #include "softmax/softmax.h"
 
 namespace nb = nanobind;
@@ -33,6 +34,11 @@ const Target kTargets[] = {
     {"jaxdnn_log_softmax_bwd_v1", LogSoftmaxBwdCpu, JAXDNN_CUDA_HANDLER(LogSoftmaxBwdCuda)},
     {"jaxdnn_activation_fwd_v1", ActivationFwdCpu, JAXDNN_CUDA_HANDLER(ActivationFwdCuda)},
     {"jaxdnn_activation_bwd_v1", ActivationBwdCpu, JAXDNN_CUDA_HANDLER(ActivationBwdCuda)},
+    {"jaxdnn_max_pool_infer_v1", MaxPoolInferCpu, JAXDNN_CUDA_HANDLER(MaxPoolInferCuda)},
+    {"jaxdnn_max_pool_fwd_v1", MaxPoolFwdCpu, JAXDNN_CUDA_HANDLER(MaxPoolFwdCuda)},
+    {"jaxdnn_max_pool_bwd_v1", MaxPoolBwdCpu, JAXDNN_CUDA_HANDLER(MaxPoolBwdCuda)},
+    {"jaxdnn_avg_pool_fwd_v1", AvgPoolFwdCpu, JAXDNN_CUDA_HANDLER(AvgPoolFwdCuda)},
+    {"jaxdnn_avg_pool_bwd_v1", AvgPoolBwdCpu, JAXDNN_CUDA_HANDLER(AvgPoolBwdCuda)},
 };
 
 nb::capsule Capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }

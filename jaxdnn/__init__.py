@@ -5,11 +5,13 @@ from jaxdnn._export import export_safety_checks
 from jaxdnn.activation import (elu, gelu, hard_tanh, leaky_relu, relu, relu6, sigmoid, silu, softplus,
                                tanh)
 from jaxdnn.norm import layer_norm, rms_norm
+from jaxdnn.pool import avg_pool, max_pool
 from jaxdnn.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "avg_pool",
     "elu",
     "export_safety_checks",
     "gelu",
@@ -18,6 +20,7 @@ __all__ = [
     "layer_norm",
     "leaky_relu",
     "log_softmax",
+    "max_pool",
     "relu",
     "relu6",
     "rms_norm",
