@@ -57,6 +57,7 @@ struct PoolGeometry {
   JAXDNN_POOL_HD int Divisor(const int o[3], bool count_include_pad) const {
     if (count_include_pad) return WindowVolume();
     int count = 1;
+    JAXDNN_POOL_UNROLL
     for (int a = 0; a < 3; ++a) {
       const int start = o[a] * stride[a] - pad[a];
       const int lo = start > 0 ? start : 0;
@@ -165,6 +166,7 @@ JAXDNN_POOL_FN void MaxPoolBwdPixel(const PoolGeometry& g, const T* __restrict__
 JAXDNN_POOL_UNROLL
   for (int l = 0; l < V; ++l) sum[l] = 0.f;
   int first[3], last[3];
+  JAXDNN_POOL_UNROLL
   for (int a = 0; a < 3; ++a) g.CoveringWindows(a, i[a], &first[a], &last[a]);
   for (int p = first[0]; p <= last[0]; ++p) {
     const int kd = i[0] + g.pad[0] - p * g.stride[0];
@@ -197,6 +199,7 @@ JAXDNN_POOL_FN void AvgPoolPixel(const PoolGeometry& g, const T* __restrict__ x,
 JAXDNN_POOL_UNROLL
   for (int l = 0; l < V; ++l) sum[l] = 0.f;
   int lo[3], hi[3];  // the window clipped to the input
+  JAXDNN_POOL_UNROLL
   for (int a = 0; a < 3; ++a) {
     const int start = o[a] * g.stride[a] - g.pad[a];
     lo[a] = start > 0 ? start : 0;
@@ -227,6 +230,7 @@ JAXDNN_POOL_FN void AvgPoolBwdPixel(const PoolGeometry& g, const T* __restrict__
 JAXDNN_POOL_UNROLL
   for (int l = 0; l < V; ++l) sum[l] = 0.f;
   int first[3], last[3];
+  JAXDNN_POOL_UNROLL
   for (int a = 0; a < 3; ++a) g.CoveringWindows(a, i[a], &first[a], &last[a]);
   int o[3];
   for (o[0] = first[0]; o[0] <= last[0]; ++o[0]) {
