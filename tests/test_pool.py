@@ -142,6 +142,8 @@ def test_transforms(name, rng):
         return jnp.sum(h * ct.astype(h.dtype))
     assert_close(jax.grad(lambda x: scanned(op, x))(x), jax.grad(lambda x: scanned(oracle_op, x))(f64(x)),
                  1e-5, "scan(checkpoint)")
+    small = x[0, :1, :4, :3, :2]
+    assert_close(jax.jacrev(op)(small), jax.jacrev(oracle_op)(f64(small)), 1e-6, "jacrev")
     with pytest.raises(TypeError, match="forward-mode"):
         jax.jvp(op, (x,), (ct,))
 

@@ -134,11 +134,10 @@ JAXDNN_POOL_UNROLL
         }
 JAXDNN_POOL_UNROLL
         for (int l = 0; l < V; ++l) {
-          nan[l] = nan[l] || v[l] != v[l];
-          if (!(best[l] >= v[l])) {
-            best[l] = v[l];
-            arg[l] = k;
-          }
+          const bool take = !(best[l] >= v[l]);  // selects, not branches: the lanes vectorize
+          nan[l] = nan[l] | (v[l] != v[l]);
+          best[l] = take ? v[l] : best[l];
+          arg[l] = take ? k : arg[l];
         }
       }
     }
