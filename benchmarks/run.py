@@ -312,11 +312,62 @@ def batch_norm_cases(quick: bool) -> list[Case]:
     ]
 
 
+def pool_cases(quick: bool) -> list[Case]:
+    """max_pool and avg_pool, 3x3 stride 2 SAME on the ResNet stem's [N, 112, 112, 64] bf16 (N = 128;
+    16 with --quick), against flax.linen.max_pool/avg_pool (XLA's reduce_window, and select_and_scatter
+    for the max-pool gradient): fwd, fwd+bwd (passes separated, as in a network) and bwd alone.
+
+    Bytes (compulsory traffic): fwd = read x + write y; fwd+bwd = that + read dy + write dx; bwd = read
+    dy + write dx. jaxdnn's max pool also moves its saved uint8 argmax (written by the forward, read by
+    the backward; half of y's bytes in bf16), which this count leaves out, as it does XLA's re-read of x
+    in the backward.
+    """
+    from flax import linen as nn
+
+    dtype = jnp.bfloat16
+    sets = 2 if quick else 8
+    batch = 16 if quick else 128
+    x_shape, y_shape = (batch, 112, 112, 64), (batch, 56, 56, 64)
+    key = jax.random.key(0)
+    xs, dys = [], []
+    for _ in range(sets):
+        key, kx, kdy = jax.random.split(key, 3)
+        xs.append(_normal(kx, x_shape, dtype))
+        dys.append(_normal(kdy, y_shape, dtype))
+    itemsize = jnp.dtype(dtype).itemsize
+    x_bytes, y_bytes = math.prod(x_shape) * itemsize, math.prod(y_shape) * itemsize
+    window = dict(window_shape=(3, 3), strides=(2, 2), padding="SAME")
+    ops = {
+        "max_pool": (lambda x: jaxdnn.max_pool(x, **window), lambda x: nn.max_pool(x, **window)),
+        "avg_pool": (lambda x: jaxdnn.avg_pool(x, **window), lambda x: nn.avg_pool(x, **window)),
+    }
+    cases = []
+    for op, (fn, peer_fn) in ops.items():
+        name = f"{op} 3x3/2 SAME N{batch} H112 W112 C64"
+        primal_sets = [(x,) for x in xs]
+        cases.append(Case("pool", f"{name} fwd", fn, "xla", peer_fn, primal_sets, x_bytes + y_bytes, "GB/s"))
+        cases.append(
+            Case(
+                "pool",
+                f"{name} fwd+bwd",
+                _fwd_bwd(fn),
+                "xla",
+                _fwd_bwd(peer_fn),
+                [(x, dy) for x, dy in zip(xs, dys)],
+                2 * (x_bytes + y_bytes),
+                "GB/s",
+            )
+        )
+        cases.append(_bwd_case("pool", f"{name} bwd", fn, peer_fn, primal_sets, dys, x_bytes + y_bytes))
+    return cases
+
+
 FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
     "norm": norm_cases,
     "softmax": softmax_cases,
     "activation": activation_cases,
     "batch_norm": batch_norm_cases,
+    "pool": pool_cases,
 }
 
 

@@ -4,6 +4,7 @@
 #include "activation/activation.h"
 #include "batch_norm/batch_norm.h"
 #include "norm/norm.h"
+#include "pool/pool.h"
 #include "softmax/softmax.h"
 
 namespace nb = nanobind;
@@ -38,6 +39,11 @@ const Target kTargets[] = {
     {"jaxdnn_batch_norm_fwd_v1", BatchNormFwdCpu, JAXDNN_CUDA_HANDLER(BatchNormFwdCuda)},
     {"jaxdnn_batch_norm_bwd_sums_v1", BatchNormBwdSumsCpu, JAXDNN_CUDA_HANDLER(BatchNormBwdSumsCuda)},
     {"jaxdnn_batch_norm_bwd_dx_v1", BatchNormBwdDxCpu, JAXDNN_CUDA_HANDLER(BatchNormBwdDxCuda)},
+    {"jaxdnn_max_pool_infer_v1", MaxPoolInferCpu, JAXDNN_CUDA_HANDLER(MaxPoolInferCuda)},
+    {"jaxdnn_max_pool_fwd_v1", MaxPoolFwdCpu, JAXDNN_CUDA_HANDLER(MaxPoolFwdCuda)},
+    {"jaxdnn_max_pool_bwd_v1", MaxPoolBwdCpu, JAXDNN_CUDA_HANDLER(MaxPoolBwdCuda)},
+    {"jaxdnn_avg_pool_fwd_v1", AvgPoolFwdCpu, JAXDNN_CUDA_HANDLER(AvgPoolFwdCuda)},
+    {"jaxdnn_avg_pool_bwd_v1", AvgPoolBwdCpu, JAXDNN_CUDA_HANDLER(AvgPoolBwdCuda)},
 };
 
 nb::capsule Capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }

@@ -6,11 +6,13 @@ from jaxdnn.activation import (elu, gelu, hard_tanh, leaky_relu, relu, relu6, si
                                tanh)
 from jaxdnn.batch_norm import batch_norm
 from jaxdnn.norm import layer_norm, rms_norm
+from jaxdnn.pool import avg_pool, max_pool
 from jaxdnn.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "avg_pool",
     "batch_norm",
     "elu",
     "export_safety_checks",
@@ -20,6 +22,7 @@ __all__ = [
     "layer_norm",
     "leaky_relu",
     "log_softmax",
+    "max_pool",
     "relu",
     "relu6",
     "rms_norm",

@@ -3,7 +3,8 @@ kernels, and the documented path for cases a kernel does not serve (each is name
 
 from jaxdnn.reference import activation, batch_norm
 from jaxdnn.reference.norm import layer_norm, norm_bwd, norm_fwd, rms_norm
+from jaxdnn.reference.pool import avg_pool, max_pool
 from jaxdnn.reference.softmax import log_softmax, softmax, softmax_bwd, softmax_fwd
 
-__all__ = ["activation", "batch_norm", "layer_norm", "log_softmax", "norm_bwd", "norm_fwd", "rms_norm",
-           "softmax", "softmax_bwd", "softmax_fwd"]
+__all__ = ["activation", "avg_pool", "batch_norm", "layer_norm", "log_softmax", "max_pool", "norm_bwd",
+           "norm_fwd", "rms_norm", "softmax", "softmax_bwd", "softmax_fwd"]
