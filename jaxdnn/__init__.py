@@ -4,6 +4,7 @@ from jaxdnn._ffi import has_cuda_kernels, target_names
 from jaxdnn._export import export_safety_checks
 from jaxdnn.activation import (elu, gelu, hard_tanh, leaky_relu, relu, relu6, sigmoid, silu, softplus,
                                tanh)
+from jaxdnn.group_norm import group_norm
 from jaxdnn.norm import layer_norm, rms_norm
 from jaxdnn.softmax import log_softmax, softmax
 
@@ -13,6 +14,7 @@ __all__ = [
     "elu",
     "export_safety_checks",
     "gelu",
+    "group_norm",
     "hard_tanh",
     "has_cuda_kernels",
     "layer_norm",

@@ -2,8 +2,9 @@
 kernels, and the documented path for cases a kernel does not serve (each is named in its docs)."""
 
 from jaxdnn.reference import activation
+from jaxdnn.reference.group_norm import group_norm, group_norm_bwd, group_norm_fwd
 from jaxdnn.reference.norm import layer_norm, norm_bwd, norm_fwd, rms_norm
 from jaxdnn.reference.softmax import log_softmax, softmax, softmax_bwd, softmax_fwd
 
-__all__ = ["activation", "layer_norm", "log_softmax", "norm_bwd", "norm_fwd", "rms_norm", "softmax", "softmax_bwd",
-           "softmax_fwd"]
+__all__ = ["activation", "group_norm", "group_norm_bwd", "group_norm_fwd", "layer_norm", "log_softmax",
+           "norm_bwd", "norm_fwd", "rms_norm", "softmax", "softmax_bwd", "softmax_fwd"]
