@@ -203,11 +203,20 @@ __global__ void __launch_bounds__(kThreads) ReduceGroups(const T* __restrict__ x
   const int64_t n = blockIdx.x / s.groups, g = blockIdx.x % s.groups;
   const float* sums = workspace + n * s.chunks * 2 * s.channels + g * s.group_size;
   float acc[2] = {0.f, 0.f};
-  for (int64_t e = threadIdx.x; e < s.chunks * s.group_size; e += blockDim.x) {
-    const int64_t chunk = e / s.group_size, k = e % s.group_size;
+  // Thread i takes entries (chunk, k) = i, i + blockDim.x, ... of the flattened [P, K]; the
+  // position advances by (step_chunks, step_k) without a 64-bit division per entry.
+  const int64_t step_chunks = blockDim.x / s.group_size, step_k = blockDim.x % s.group_size;
+  int64_t chunk = threadIdx.x / s.group_size, k = threadIdx.x % s.group_size;
+  while (chunk < s.chunks) {
     const float w = weight ? weight[g * s.group_size + k] : 1.f;
     acc[0] += w * sums[chunk * 2 * s.channels + k];
     acc[1] += w * sums[chunk * 2 * s.channels + s.channels + k];
+    chunk += step_chunks;
+    k += step_k;
+    if (k >= s.group_size) {
+      k -= s.group_size;
+      ++chunk;
+    }
   }
   GroupSum(acc, blockDim.x);
   if (threadIdx.x != 0) return;
