@@ -362,12 +362,57 @@ def pool_cases(quick: bool) -> list[Case]:
     return cases
 
 
+def _group_norm_xla(x, scale, bias, num_groups=32, epsilon=1e-5):
+    """Group norm over [N, ..., C] the way flax.linen.GroupNorm computes it (fast variance, fp32 stats)."""
+    x32 = x.astype(jnp.float32)
+    grouped = x32.reshape(x.shape[0], -1, num_groups, x.shape[-1] // num_groups)
+    mean = jnp.mean(grouped, axis=(1, 3), keepdims=True)
+    var = jnp.maximum(0.0, jnp.mean(jnp.square(grouped), axis=(1, 3), keepdims=True) - jnp.square(mean))
+    y = ((grouped - mean) * jax.lax.rsqrt(var + epsilon)).reshape(x.shape)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def group_norm_cases(quick: bool) -> list[Case]:
+    """group_norm (channels last, 32 groups) against Flax's GroupNorm formulas in XLA, bf16.
+
+    Bytes of compulsory traffic, as for the row-wise families: fwd = read x + write y + the params;
+    fwd+bwd and bwd = read x + read dy + write dx + the params and their grads (the kernels read x,
+    and dy, twice: the statistics need a whole sample before anything can be written).
+    """
+    dtype, groups = jnp.bfloat16, 32
+    shape = (2, 16, 16, 512) if quick else (16, 64, 64, 512)
+    sets = 2 if quick else 8
+    key = jax.random.key(0)
+    primal_sets, dys = [], []
+    for _ in range(sets):
+        key, kx, kdy, ks, kb = jax.random.split(key, 5)
+        primal_sets.append((_normal(kx, shape, dtype),
+                            _normal(ks, shape[-1:], dtype, mean=1.0, std=0.1),
+                            _normal(kb, shape[-1:], dtype, std=0.1)))
+        dys.append(_normal(kdy, shape, dtype))
+    fn = lambda x, scale, bias: jaxdnn.group_norm(x, groups, scale, bias)
+    peer = lambda x, scale, bias: _group_norm_xla(x, scale, bias, groups)
+    array_bytes = math.prod(shape) * jnp.dtype(dtype).itemsize
+    param_bytes = shape[-1] * jnp.dtype(dtype).itemsize
+    name = f"group_norm N{shape[0]} HW{shape[1]}x{shape[2]} C{shape[3]} G{groups}"
+    fwd_bwd_sets = [(*primals, dy) for primals, dy in zip(primal_sets, dys)]
+    bwd_bytes = 3 * array_bytes + 4 * param_bytes
+    return [
+        Case("group_norm", f"{name} fwd", fn, "xla", peer, primal_sets, 2 * array_bytes + 2 * param_bytes,
+             "GB/s"),
+        Case("group_norm", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer), fwd_bwd_sets, bwd_bytes,
+             "GB/s"),
+        _bwd_case("group_norm", f"{name} bwd", fn, peer, primal_sets, dys, bwd_bytes),
+    ]
+
+
 FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
     "norm": norm_cases,
     "softmax": softmax_cases,
     "activation": activation_cases,
     "batch_norm": batch_norm_cases,
     "pool": pool_cases,
+    "group_norm": group_norm_cases,
 }
 
 

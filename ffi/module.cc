@@ -3,6 +3,7 @@
 
 #include "activation/activation.h"
 #include "batch_norm/batch_norm.h"
+#include "group_norm/group_norm.h"
 #include "norm/norm.h"
 #include "pool/pool.h"
 #include "softmax/softmax.h"
@@ -29,6 +30,8 @@ const Target kTargets[] = {
     {"jaxdnn_layer_norm_bwd_v2", LayerNormBwdCpu, JAXDNN_CUDA_HANDLER(LayerNormBwdCuda)},
     {"jaxdnn_rms_norm_fwd_v1", RmsNormFwdCpu, JAXDNN_CUDA_HANDLER(RmsNormFwdCuda)},
     {"jaxdnn_rms_norm_bwd_v1", RmsNormBwdCpu, JAXDNN_CUDA_HANDLER(RmsNormBwdCuda)},
+    {"jaxdnn_group_norm_fwd_v1", GroupNormFwdCpu, JAXDNN_CUDA_HANDLER(GroupNormFwdCuda)},
+    {"jaxdnn_group_norm_bwd_v1", GroupNormBwdCpu, JAXDNN_CUDA_HANDLER(GroupNormBwdCuda)},
     {"jaxdnn_softmax_fwd_v1", SoftmaxFwdCpu, JAXDNN_CUDA_HANDLER(SoftmaxFwdCuda)},
     {"jaxdnn_softmax_bwd_v1", SoftmaxBwdCpu, JAXDNN_CUDA_HANDLER(SoftmaxBwdCuda)},
     {"jaxdnn_log_softmax_fwd_v1", LogSoftmaxFwdCpu, JAXDNN_CUDA_HANDLER(LogSoftmaxFwdCuda)},

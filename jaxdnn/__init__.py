@@ -5,6 +5,7 @@ from jaxdnn._export import export_safety_checks
 from jaxdnn.activation import (elu, gelu, hard_tanh, leaky_relu, relu, relu6, sigmoid, silu, softplus,
                                tanh)
 from jaxdnn.batch_norm import batch_norm
+from jaxdnn.group_norm import group_norm
 from jaxdnn.norm import layer_norm, rms_norm
 from jaxdnn.pool import avg_pool, max_pool
 from jaxdnn.softmax import log_softmax, softmax
@@ -17,6 +18,7 @@ __all__ = [
     "elu",
     "export_safety_checks",
     "gelu",
+    "group_norm",
     "hard_tanh",
     "has_cuda_kernels",
     "layer_norm",

@@ -1,10 +1,11 @@
 """Haiku modules over jaxdnn's fused normalization kernels.
 
 Drop-in replacements for ``hk.LayerNorm`` and ``hk.RMSNorm`` normalizing over the
-last axis, and for ``hk.BatchNorm`` (see its docstring): same constructor
-arguments, same module names (``layer_norm``,
-``rms_norm``) and parameter names (``scale``, ``offset``, shape ``(D,)``, created
-in the input's dtype), so a params dict made with stock Haiku loads unchanged.
+last axis, ``hk.GroupNorm`` (channels last, statistics over every non-batch axis)
+and ``hk.BatchNorm`` (see its docstring): same constructor arguments, same module
+names (``layer_norm``, ``group_norm``, ``rms_norm``, ``batch_norm``) and parameter
+names (``scale``, ``offset``, created in the input's dtype), so a params dict made
+with stock Haiku loads unchanged.
 As the Haiku style has it, each module is partial application of the functional
 op (``jaxdnn.layer_norm`` / ``jaxdnn.rms_norm``) to its parameters.
 
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 
 import jaxdnn
 
-__all__ = ["BatchNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["BatchNorm", "GroupNorm", "LayerNorm", "RMSNorm"]
 
 Initializer = Callable[..., Any]
 
@@ -246,6 +247,111 @@ class RMSNorm(hk.Module):
         self.create_scale = create_scale
         self.scale_init = scale_init or jnp.ones
 
+
+
+class GroupNorm(hk.Module):
+    """Group normalization, channels last, on jaxdnn's fused kernel.
+
+    Mirrors ``hk.GroupNorm``: ``x`` of shape ``(N, ..., C)`` is normalized per sample and
+    group of ``C / groups`` channels over every other axis, then scaled and offset per
+    channel. Only ``data_format="channels_last"`` and statistics over every axis but the
+    first (``axis=slice(1, None)``, the default) are supported; others raise ValueError.
+    """
+
+    def __init__(
+        self,
+        groups: int,
+        axis: int | slice | tuple[int, ...] = slice(1, None),
+        create_scale: bool = True,
+        create_offset: bool = True,
+        eps: float = 1e-5,
+        scale_init: Initializer | None = None,
+        offset_init: Initializer | None = None,
+        data_format: str = "channels_last",
+        name: str | None = None,
+    ):
+        """Constructs a GroupNorm module.
+
+        Args:
+          groups: G, the number of channel groups; must divide the channels.
+          axis: the axes to normalize over: every axis but the first (the default).
+          create_scale: whether to create a trainable ``scale`` of shape (C,).
+          create_offset: whether to create a trainable ``offset`` of shape (C,).
+          eps: added to the variance to avoid dividing by zero.
+          scale_init: initializer for ``scale`` (default: ones).
+          offset_init: initializer for ``offset`` (default: zeros).
+          data_format: must be channels last ("channels_last", or a format ending in "C").
+          name: the module name.
+        """
+        super().__init__(name=name)
+        if not create_scale and scale_init is not None:
+            raise ValueError("Cannot set `scale_init` if `create_scale=False`.")
+        if not create_offset and offset_init is not None:
+            raise ValueError("Cannot set `offset_init` if `create_offset=False`.")
+        if hk.get_channel_index(data_format) != -1:
+            raise ValueError(f"jaxdnn hk.GroupNorm: only channels-last data is supported, got "
+                             f"data_format={data_format!r}; use Haiku's own GroupNorm for it.")
+        self.groups = groups
+        self.axis = axis
+        self.create_scale = create_scale
+        self.create_offset = create_offset
+        self.eps = eps
+        self.scale_init = scale_init or jnp.ones
+        self.offset_init = offset_init or jnp.zeros
+
+    def _check_axis(self, ndim: int) -> None:
+        if ndim < 2:
+            raise ValueError(f"jaxdnn hk.GroupNorm: inputs must have a batch axis and a channel "
+                             f"axis (rank >= 2), got rank {ndim}.")
+        try:
+            if isinstance(self.axis, slice):
+                axes = range(ndim)[self.axis]
+            elif isinstance(self.axis, bool):
+                axes = None
+            else:
+                try:
+                    axes = (operator.index(self.axis),)
+                except TypeError:
+                    axes = tuple(operator.index(a) for a in self.axis)
+            canonical = None if axes is None else sorted({a % ndim for a in axes})
+        except TypeError:
+            canonical = None
+        if canonical != list(range(1, ndim)):
+            raise ValueError(
+                f"jaxdnn hk.GroupNorm: axis must cover every axis but the first, got "
+                f"{self.axis!r} for an input of rank {ndim}. jaxdnn's kernel takes statistics "
+                "per sample over all positions; use Haiku's own GroupNorm otherwise.")
+
+    def __call__(self, x: jax.Array, scale: jax.Array | None = None,
+                 offset: jax.Array | None = None) -> jax.Array:
+        """Normalizes ``x`` of shape ``(N, ..., C)``; returns the same shape.
+
+        Args:
+          x: an array of shape ``(N, ..., C)``.
+          scale: a per-channel scale, only if ``create_scale=False``.
+          offset: a per-channel offset, only if ``create_offset=False``.
+        """
+        x = jnp.asarray(x)
+        if self.create_scale and scale is not None:
+            raise ValueError("Cannot pass `scale` at call time if `create_scale=True`.")
+        if self.create_offset and offset is not None:
+            raise ValueError("Cannot pass `offset` at call time if `create_offset=True`.")
+        self._check_axis(x.ndim)
+        c = x.shape[-1]
+        if c % self.groups != 0:
+            raise ValueError("The number of channels must be divisible by the number of groups, "
+                             f"was channels={c}, groups={self.groups}")
+        if self.create_scale:
+            scale = hk.get_parameter("scale", (c,), x.dtype, init=self.scale_init)
+        elif scale is not None:
+            scale = _as_feature_vector("hk.GroupNorm", "scale", scale, c)
+        if self.create_offset:
+            offset = hk.get_parameter("offset", (c,), x.dtype, init=self.offset_init)
+        elif offset is not None:
+            offset = _as_feature_vector("hk.GroupNorm", "offset", offset, c)
+        groups = self.groups
+        return _run(lambda x, s, o, **kw: jaxdnn.group_norm(x, groups, s, o, **kw), x, (scale, offset),
+                    epsilon=self.eps)
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """Normalizes ``inputs`` of shape ``(..., D)`` over ``D``; same shape out."""
         x = jnp.asarray(inputs)

@@ -479,3 +479,124 @@ def test_modules_lower_to_jaxdnn_kernels(rng, hk, jhk):
         grad_fn = jax.grad(lambda p, x: jnp.sum(fn(p, x) * ct), argnums=(0, 1))
         bwd = _lowered_text(grad_fn, params, x)
         assert f"{target}_bwd" in bwd, what
+
+
+# --- GroupNorm (channels last) --------------------------------------------------------------
+
+GN_SHAPES = [(2, 5, 6, 64), (3, 7, 96)]
+GN_CONFIGS = [
+    {},                                                # 32 groups
+    {"num_groups": 8, "dtype": BF16},
+    {"num_groups": 4, "param_dtype": BF16},
+    {"num_groups": None, "group_size": 1},             # instance norm
+    {"num_groups": 2, "use_bias": False, "epsilon": 1e-3},
+    {"num_groups": 16, "use_scale": False, "use_fast_variance": False},
+]
+
+
+@pytest.mark.parametrize("config", GN_CONFIGS, ids=str)
+@pytest.mark.parametrize("x_dtype", X_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", GN_SHAPES, ids=str)
+def test_linen_group_norm_matches_stock(rng, shape, x_dtype, config):
+    ours, stock = jflax.GroupNorm(**config), nn.GroupNorm(**config)
+    x = normal(rng, shape, x_dtype, 0.5, 2.0)
+    v_stock = stock.init(jax.random.key(0), x)
+    assert_same_structure(ours.init(jax.random.key(0), x), v_stock)
+    check_fn_pair(rng, ours.apply, stock.apply, randomize(rng, v_stock), x)
+
+
+def test_linen_group_norm_explicit_reduction_axes(rng):
+    x = normal(rng, (2, 3, 4, 32), F32)
+    stock = nn.GroupNorm(num_groups=4, reduction_axes=(1, 2, -1))
+    params = randomize(rng, stock.init(jax.random.key(0), x))
+    check_fn_pair(rng, jflax.GroupNorm(num_groups=4, reduction_axes=(1, 2, -1)).apply, stock.apply,
+                  params, x)
+
+
+@pytest.mark.parametrize("kwargs,call_kwargs", [
+    ({"num_groups": 5}, {}),
+    ({"num_groups": None}, {}),
+    ({"num_groups": 4, "group_size": 8}, {}),
+    ({"reduction_axes": (2, 3)}, {}),
+    ({"reduction_axes": -1}, {}),
+    ({"axis_name": "batch"}, {}),
+    ({"force_float32_reductions": False}, {}),
+    ({}, {"mask": np.ones((2, 3, 4, 32), bool)}),
+], ids=str)
+def test_linen_group_norm_unsupported_options_raise(rng, kwargs, call_kwargs):
+    x = normal(rng, (2, 3, 4, 32), F32)
+    with pytest.raises(ValueError, match="jaxdnn"):
+        jflax.GroupNorm(**kwargs).init(jax.random.key(0), x, **call_kwargs)
+
+
+@pytest.mark.parametrize("config", [{}, {"num_groups": 8, "dtype": BF16},
+                                    {"num_groups": 4, "param_dtype": BF16},
+                                    {"num_groups": None, "group_size": 2, "use_bias": False}], ids=str)
+@pytest.mark.parametrize("x_dtype", X_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_nnx_group_norm_matches_stock(rng, x_dtype, config):
+    shape = (2, 5, 6, 64)
+    stock = nnx.GroupNorm(64, rngs=nnx.Rngs(0), **config)
+    ours = jnnx.GroupNorm(64, rngs=nnx.Rngs(0), **config)
+    assert_same_structure(nnx.to_pure_dict(nnx.state(ours, nnx.Param)),
+                          nnx.to_pure_dict(nnx.state(stock, nnx.Param)))
+    nnx.update(stock, randomize(rng, nnx.state(stock, nnx.Param)))
+    nnx.update(ours, nnx.state(stock, nnx.Param))
+    stock_fn, params = _nnx_fn(stock)
+    ours_fn, _ = _nnx_fn(ours)
+    x = normal(rng, shape, x_dtype, 0.5, 2.0)
+    assert ours(x).dtype == stock(x).dtype
+    check_fn_pair(rng, ours_fn, stock_fn, params, x)
+
+
+def test_nnx_group_norm_unsupported_options_raise(rng):
+    with pytest.raises(ValueError, match="jaxdnn"):
+        jnnx.GroupNorm(30, num_groups=4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="jaxdnn"):
+        jnnx.GroupNorm(32, axis_name="batch", rngs=nnx.Rngs(0))
+    x = normal(rng, (2, 3, 4, 32), F32)
+    with pytest.raises(ValueError, match="jaxdnn"):
+        jnnx.GroupNorm(32, num_groups=4, reduction_axes=(2, 3), rngs=nnx.Rngs(0))(x)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"create_scale": False, "create_offset": False, "eps": 1e-3},
+                                    {"create_offset": False}], ids=str)
+@pytest.mark.parametrize("x_dtype", X_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", GN_SHAPES, ids=str)
+def test_haiku_group_norm_matches_stock(rng, hk, jhk, shape, x_dtype, kwargs):
+    ours, stock = _hk_pair(hk, lambda: jhk.GroupNorm(8, **kwargs), lambda: hk.GroupNorm(8, **kwargs))
+    x = normal(rng, shape, x_dtype, 0.5, 2.0)
+    p_stock = stock.init(jax.random.key(0), x)
+    assert_same_structure(ours.init(jax.random.key(0), x), p_stock)
+    check_fn_pair(rng, ours.apply, stock.apply, randomize(rng, p_stock), x)
+
+
+def test_haiku_group_norm_call_time_scale_and_offset(rng, hk, jhk):
+    x = normal(rng, (2, 5, 32), F32)
+    scale, offset = normal(rng, (32,), F32, 1.0, 0.5), normal(rng, (1, 1, 32), F32)
+    make = lambda mod: hk.without_apply_rng(hk.transform(
+        lambda x, s, o: mod.GroupNorm(4, create_scale=False, create_offset=False)(x, s, o)))
+    ours, stock = make(jhk), make(hk)
+    check_fn_pair(rng, lambda p, x: ours.apply(p, x, scale, offset),
+                  lambda p, x: stock.apply(p, x, scale, offset), {}, x)
+
+
+@pytest.mark.parametrize("kwargs", [{"groups": 5}, {"groups": 4, "axis": slice(2, None)},
+                                    {"groups": 4, "axis": -1},
+                                    {"groups": 4, "data_format": "channels_first"}], ids=str)
+def test_haiku_group_norm_unsupported_options_raise(rng, hk, jhk, kwargs):
+    x = normal(rng, (2, 3, 4, 32), F32)
+    with pytest.raises(ValueError):
+        hk.transform(lambda x: jhk.GroupNorm(**kwargs)(x)).init(jax.random.key(0), x)
+
+
+def test_group_norm_modules_lower_to_jaxdnn_kernels(rng, hk, jhk):
+    x = normal(rng, (2, 3, 4, 32), F32)
+    linen_mod = jflax.GroupNorm(num_groups=8)
+    nnx_fn, nnx_params = _nnx_fn(jnnx.GroupNorm(32, num_groups=8, rngs=nnx.Rngs(0)))
+    hk_mod = hk.without_apply_rng(hk.transform(lambda x: jhk.GroupNorm(8)(x)))
+    for what, fn, params in (("linen", linen_mod.apply, linen_mod.init(jax.random.key(0), x)),
+                             ("nnx", nnx_fn, nnx_params),
+                             ("haiku", hk_mod.apply, hk_mod.init(jax.random.key(0), x))):
+        grad_fn = jax.grad(lambda p, x: jnp.sum(fn(p, x) * x), argnums=(0, 1))
+        hlo = _lowered_text(grad_fn, params, x)
+        assert "jaxdnn_group_norm_fwd" in hlo and "jaxdnn_group_norm_bwd" in hlo, what

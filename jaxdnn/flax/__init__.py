@@ -14,9 +14,9 @@ Both mirror the stock Flax modules' attributes and parameter names (``scale``,
 import importlib as _importlib
 
 from jaxdnn.flax import linen
-from jaxdnn.flax.linen import LayerNorm, RMSNorm
+from jaxdnn.flax.linen import GroupNorm, LayerNorm, RMSNorm
 
-__all__ = ["LayerNorm", "RMSNorm", "linen", "nnx"]
+__all__ = ["GroupNorm", "LayerNorm", "RMSNorm", "linen", "nnx"]
 
 
 def __getattr__(name):

@@ -1,6 +1,7 @@
 """Flax linen modules over jaxdnn's fused normalization kernels.
 
-Drop-in replacements for ``flax.linen.LayerNorm``, ``flax.linen.RMSNorm`` and
+Drop-in replacements for ``flax.linen.LayerNorm``, ``flax.linen.RMSNorm``,
+``flax.linen.GroupNorm`` (channels last, statistics over every non-batch axis) and
 ``flax.linen.BatchNorm`` (which also keeps Flax's ``batch_stats`` ``mean``/``var``):
 same attributes, same parameter names (``scale``, ``bias``), shapes ``(D,)`` and
 dtypes, and the same output dtype for every ``dtype`` / ``param_dtype`` setting,
@@ -45,7 +46,7 @@ import numpy as np
 
 import jaxdnn
 
-__all__ = ["BatchNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["BatchNorm", "GroupNorm", "LayerNorm", "RMSNorm"]
 
 Dtype = Any
 Initializer = Any
@@ -174,6 +175,44 @@ def _output_dtype(x, *params, dtype: Dtype | None) -> Dtype:
     return dtype
 
 
+def _group_count(module: str, num_groups: int | None, group_size: int | None,
+                 channels: int) -> int:
+    """G from Flax's ``num_groups``/``group_size`` (exactly one is set), with Flax's checks."""
+    if (num_groups is None) == (group_size is None):
+        raise ValueError(
+            f"jaxdnn {module}: either `num_groups` or `group_size` should be specified "
+            f"(got num_groups={num_groups!r}, group_size={group_size!r}); to give "
+            "`group_size`, pass `num_groups=None`.")
+    if group_size is not None:
+        if group_size <= 0 or channels % group_size != 0:
+            raise ValueError(f"jaxdnn {module}: the number of channels ({channels}) is not a "
+                             f"multiple of the group size ({group_size}).")
+        return channels // group_size
+    if not isinstance(num_groups, (int, np.integer)) or num_groups <= 0 or channels % num_groups:
+        raise ValueError(f"jaxdnn {module}: the number of groups ({num_groups!r}) does not divide "
+                         f"the number of channels ({channels}).")
+    return int(num_groups)
+
+
+def _check_group_axes(module: str, reduction_axes: Axes, ndim: int) -> None:
+    """GroupNorm's statistics must span every axis but the first (batch) one, channels last."""
+    if ndim < 2:
+        raise ValueError(f"jaxdnn {module}: x must have a batch axis and a channel axis "
+                         f"(rank >= 2), got rank {ndim}.")
+    if reduction_axes is None:
+        return
+    axes = _as_axis_tuple(reduction_axes)
+    try:
+        canonical = sorted({operator.index(a) % ndim for a in axes}) if axes is not None else None
+    except TypeError:
+        canonical = None
+    if canonical != list(range(1, ndim)):
+        raise ValueError(
+            f"jaxdnn {module}: reduction_axes must be None or every axis but the first "
+            f"({tuple(range(1, ndim))}), got {reduction_axes!r}. jaxdnn's kernel takes "
+            "statistics per sample over all positions; use flax's own GroupNorm otherwise.")
+
+
 # --- modules -------------------------------------------------------------------
 
 
@@ -289,6 +328,68 @@ class RMSNorm(nn.Module):
         out_dtype = _output_dtype(x, scale, dtype=self.dtype)
         return _norm_in_float32_then_cast(
             jaxdnn.rms_norm, x, (scale,), out_dtype, epsilon=self.epsilon)
+
+
+class GroupNorm(nn.Module):
+    """Group normalization, channels last, on jaxdnn's fused kernel.
+
+    Mirrors ``flax.linen.GroupNorm``: ``x`` of shape ``(N, ..., C)`` is normalized per
+    sample and group of ``C / G`` channels over every other axis, then scaled and
+    shifted per channel by params ``scale``/``bias`` of shape ``(C,)``. Statistics are
+    computed in float32.
+
+    Attributes:
+      num_groups: G, the number of channel groups (default 32); None to use group_size.
+      group_size: channels per group (with ``num_groups=None``).
+      epsilon: added to the variance to avoid dividing by zero.
+      dtype: the dtype of the result (default: promoted from input and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      use_bias: if True, ``bias`` is added.
+      use_scale: if True, the output is multiplied by ``scale``.
+      bias_init: initializer for ``bias`` (default: zeros).
+      scale_init: initializer for ``scale`` (default: ones).
+      reduction_axes: None or every axis but the first.
+      axis_name: must be None (no cross-device statistics).
+      axis_index_groups: must be None.
+      use_fast_variance: accepted, either value (see the module docstring).
+      force_float32_reductions: must be True.
+    """
+
+    num_groups: int | None = 32
+    group_size: int | None = None
+    epsilon: float = 1e-6
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    use_bias: bool = True
+    use_scale: bool = True
+    bias_init: Initializer = initializers.zeros
+    scale_init: Initializer = initializers.ones
+    reduction_axes: Axes | None = None
+    axis_name: str | None = None
+    axis_index_groups: Any = None
+    use_fast_variance: bool = True
+    force_float32_reductions: bool = True
+
+    @nn.compact
+    def __call__(self, x, *, mask: jax.Array | None = None):
+        """Normalizes ``x`` of shape ``(N, ..., C)``; returns the same shape."""
+        module = "flax.linen.GroupNorm"
+        x = jnp.asarray(x)
+        _check_mask(module, mask)
+        _check_options(module, ndim=x.ndim, axis_name=self.axis_name,
+                       axis_index_groups=self.axis_index_groups,
+                       force_float32_reductions=self.force_float32_reductions)
+        _check_group_axes(module, self.reduction_axes, x.ndim)
+        groups = _group_count(module, self.num_groups, self.group_size, x.shape[-1])
+        features = (x.shape[-1],)
+        scale = (self.param("scale", self.scale_init, features, self.param_dtype)
+                 if self.use_scale else None)
+        bias = (self.param("bias", self.bias_init, features, self.param_dtype)
+                if self.use_bias else None)
+        out_dtype = _output_dtype(x, scale, bias, dtype=self.dtype)
+        return _norm_in_float32_then_cast(
+            lambda x, scale, bias, **kw: jaxdnn.group_norm(x, groups, scale, bias, **kw),
+            x, (scale, bias), out_dtype, epsilon=self.epsilon)
 
 
 def _channel_axis(module: str, axis: Axes, ndim: int) -> int:

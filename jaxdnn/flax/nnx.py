@@ -1,6 +1,7 @@
 """Flax NNX modules over jaxdnn's fused normalization kernels.
 
-Drop-in replacements for ``flax.nnx.LayerNorm``, ``flax.nnx.RMSNorm`` and
+Drop-in replacements for ``flax.nnx.LayerNorm``, ``flax.nnx.RMSNorm``,
+``flax.nnx.GroupNorm`` (channels last, statistics over every non-batch axis) and
 ``flax.nnx.BatchNorm`` (with its ``nnx.BatchStat`` ``mean``/``var``): same
 constructor arguments, same ``nnx.Param`` attributes (``scale``, ``bias``, shapes
 ``(D,)``), and the same dtype rule: input and params are first promoted together
@@ -33,10 +34,10 @@ import jax
 import jax.numpy as jnp
 
 import jaxdnn
-from jaxdnn.flax.linen import (_channel_axis, _check_batch_norm_options, _check_mask, _check_options,
-                               _fit_param)
+from jaxdnn.flax.linen import (_channel_axis, _check_batch_norm_options, _check_group_axes, _check_mask,
+                               _check_options, _fit_param, _group_count)
 
-__all__ = ["BatchNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["BatchNorm", "GroupNorm", "LayerNorm", "RMSNorm"]
 
 Dtype = Any
 Initializer = Any
@@ -222,6 +223,103 @@ class RMSNorm(nnx.Module):
         x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
         return _normalize(jaxdnn.rms_norm, "flax.nnx.RMSNorm", x, (scale,),
                           reduction_axes=self.reduction_axes,
+
+
+class GroupNorm(nnx.Module):
+    """Group normalization, channels last, on jaxdnn's fused kernel.
+
+    Mirrors ``flax.nnx.GroupNorm``: ``x`` of shape ``(N, ..., C)``, ``C = num_features``,
+    is normalized per sample and group of ``C / G`` channels over every other axis, then
+    scaled and shifted per channel.
+
+    Args:
+      num_features: C, the size of the last axis.
+      num_groups: G, the number of channel groups (default 32); None to use group_size.
+      group_size: channels per group (with ``num_groups=None``).
+      epsilon: added to the variance to avoid dividing by zero.
+      dtype: the dtype of the computation's inputs and result (default: promoted
+        from input and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      use_bias: if True, ``bias`` is added.
+      use_scale: if True, the output is multiplied by ``scale``.
+      bias_init: initializer for ``bias`` (default: zeros).
+      scale_init: initializer for ``scale`` (default: ones).
+      reduction_axes: None or every axis but the first.
+      axis_name: must be None (no cross-device statistics).
+      axis_index_groups: must be None.
+      use_fast_variance: accepted, either value.
+      promote_dtype: promotes ``(x, scale, bias)`` to a common dtype, as in Flax.
+      rngs: an ``nnx.Rngs`` supplying the ``params`` stream.
+      bias_metadata: metadata for the ``bias`` Param.
+      scale_metadata: metadata for the ``scale`` Param.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        num_groups: int | None = 32,
+        group_size: int | None = None,
+        *,
+        epsilon: float = 1e-6,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        use_bias: bool = True,
+        use_scale: bool = True,
+        bias_init: Initializer = nnx.initializers.zeros_init(),
+        scale_init: Initializer = nnx.initializers.ones_init(),
+        reduction_axes: Axes | None = None,
+        axis_name: str | None = None,
+        axis_index_groups: Any = None,
+        use_fast_variance: bool = True,
+        promote_dtype: Any = _nnx_dtypes.promote_dtype,
+        rngs: nnx.Rngs,
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+    ):
+        _check_options("flax.nnx.GroupNorm", axis_name=axis_name,
+                       axis_index_groups=axis_index_groups)
+        self.num_groups = _group_count("flax.nnx.GroupNorm", num_groups, group_size, num_features)
+        self.group_size = num_features // self.num_groups
+        feature_shape = (num_features,)
+        self.scale: nnx.Param[jax.Array] | None
+        if use_scale:
+            self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype),
+                                   **scale_metadata)
+        else:
+            self.scale = nnx.data(None)
+        self.bias: nnx.Param[jax.Array] | None
+        if use_bias:
+            self.bias = nnx.Param(bias_init(rngs.params(), feature_shape, param_dtype),
+                                  **bias_metadata)
+        else:
+            self.bias = nnx.data(None)
+
+        self.num_features = num_features
+        self.epsilon = epsilon
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.use_bias = use_bias
+        self.use_scale = use_scale
+        self.reduction_axes = reduction_axes
+        self.axis_name = axis_name
+        self.axis_index_groups = axis_index_groups
+        self.use_fast_variance = use_fast_variance
+        self.promote_dtype = promote_dtype
+
+    def __call__(self, x, *, mask: jax.Array | None = None):
+        """Normalizes ``x`` of shape ``(N, ..., C)``; returns the same shape."""
+        module = "flax.nnx.GroupNorm"
+        _check_mask(module, mask)
+        _check_group_axes(module, self.reduction_axes, jnp.ndim(x))
+        scale = self.scale[...] if self.scale is not None else None
+        bias = self.bias[...] if self.bias is not None else None
+        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+        x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"jaxdnn {module}: the input promotes to {x.dtype}; a real "
+                             "floating dtype is needed.")
+        return jaxdnn.group_norm(x, self.num_groups, *(_fit_param(p, x.dtype) for p in (scale, bias)),
+                                 epsilon=self.epsilon)
                           feature_axes=self.feature_axes, epsilon=self.epsilon,
                           mask=mask)
 

@@ -1,0 +1,464 @@
+// CUDA GroupNorm, channels last: x is [N, S, C], each sample's S positions split into P chunks.
+//
+// The streaming kernels share one tiling. A block owns (sample n, chunk p, tile of channels); its
+// threads form `rows` x `lanes`: lane l owns one vector of channels (16 bytes, or one element when
+// C or a pointer is not aligned for that) of every position, and the rows stride over the chunk's
+// positions. So each thread keeps per-channel sums in registers, every warp reads whole 16-byte
+// vectors of consecutive channels (for C = 512 bf16: 64 lanes x 4 rows, each block row one 1 KiB
+// pixel), and no thread needs to know where groups start.
+//
+// Forward (3 launches): FwdChannelSums reads x once and writes per-(n, p) channel sums of x - shift
+// and (x - shift)^2 to the workspace [N, P, 2, C]; ReduceGroups (a block per (n, g)) sums them over
+// the chunks and the group's channels in a fixed order and writes mean/rstd; Normalize reads x again
+// and writes y. HBM traffic: x twice + y, plus the workspace (2 * 4 * C bytes per (n, p)).
+// Backward (4 launches): BwdChannelSums reads x and dy and writes per-(n, p) channel sums of
+// d * xhat and d (d = dy * act'); ReduceGroups turns them into the per-(n, g) sums of g * xhat and
+// g (g = d * scale) that dx needs; SumParts reduces them over (n, p) into dscale/dbias; Dx reads x
+// and dy again and writes dx. Traffic: x and dy twice + dx. All reductions run in a fixed order,
+// so every result has the same bits on every run.
+//
+// Normalize and Dx visit the blocks in reverse order: the sums pass read the last samples last, so
+// that part of x (and dy) is the part still in L2 when the second pass starts.
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/cuda_common.cuh"
+#include "common/row_reduce.cuh"
+#include "group_norm/group_norm.h"
+#include "group_norm/group_norm_common.h"
+
+namespace jaxdnn {
+namespace {
+
+constexpr int kThreads = 256;  // threads a block (at most) in every kernel
+
+// How the streaming kernels' blocks cover [N, S, C] (see the top of the file).
+struct Tiling {
+  GroupNormShape shape;
+  int vec;        // channels a lane loads at once: kVec16<T>, or 1
+  int lanes;      // vectors across the channels a block
+  int rows;       // positions in flight a block
+  int64_t tiles;  // blocks across the channels
+};
+
+template <typename T>
+Tiling MakeTiling(const GroupNormShape& shape, bool aligned) {
+  Tiling t;
+  t.shape = shape;
+  t.vec = aligned && shape.channels % kVec16<T> == 0 ? kVec16<T> : 1;
+  const int64_t vectors = shape.channels / t.vec;
+  t.lanes = int(vectors < kThreads ? vectors : kThreads);
+  t.rows = kThreads / t.lanes;
+  t.tiles = (vectors + t.lanes - 1) / t.lanes;
+  return t;
+}
+
+// This thread's part of the work: sample, chunk, first channel, and its positions [begin, end)
+// with stride `rows`. `active` is false for lanes past the last channel.
+struct ThreadPart {
+  int64_t n, chunk, channel, begin, end;
+  bool active;
+};
+
+__device__ __forceinline__ ThreadPart PartOf(int64_t block, const Tiling& t) {
+  const GroupNormShape& s = t.shape;
+  ThreadPart part;
+  const int64_t tile = block % t.tiles;
+  block /= t.tiles;
+  part.chunk = block % s.chunks;
+  part.n = block / s.chunks;
+  const int lane = threadIdx.x % t.lanes, row = threadIdx.x / t.lanes;
+  part.channel = (tile * t.lanes + lane) * t.vec;
+  part.active = part.channel < s.channels;
+  part.begin = ChunkBegin(s, part.chunk) + row;
+  part.end = ChunkBegin(s, part.chunk + 1);
+  return part;
+}
+
+// The block's two per-channel sums summed over its rows (in row order) and stored to
+// `out` [2, C], the workspace entry of (n, p). Every block calls it, so every entry is written.
+template <int kVec>
+__device__ __forceinline__ void StoreChannelSums(float (&first)[kVec], float (&second)[kVec],
+                                                 float* out, const ThreadPart& part, const Tiling& t) {
+  __shared__ float partial[2][kThreads * kVec];
+  if (t.rows > 1) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      partial[0][threadIdx.x * kVec + k] = first[k];
+      partial[1][threadIdx.x * kVec + k] = second[k];
+    }
+    __syncthreads();
+    if (threadIdx.x < t.lanes) {
+      for (int r = 1; r < t.rows; ++r) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          first[k] += partial[0][(r * t.lanes + threadIdx.x) * kVec + k];
+          second[k] += partial[1][(r * t.lanes + threadIdx.x) * kVec + k];
+        }
+      }
+    }
+  }
+  if (threadIdx.x < t.lanes && part.active) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      out[part.channel + k] = first[k];
+      out[t.shape.channels + part.channel + k] = second[k];
+    }
+  }
+}
+
+// Per-channel statistics of a thread's channels: mean, rstd, and the group's index.
+template <int kVec>
+struct ChannelStats {
+  float mean[kVec], rstd[kVec];
+  int64_t group[kVec];
+
+  __device__ __forceinline__ ChannelStats(const float* mean_in, const float* rstd_in,
+                                          const ThreadPart& part, const GroupNormShape& s) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      group[k] = part.n * s.groups + (part.channel + k) / s.group_size;
+      mean[k] = mean_in[group[k]];
+      rstd[k] = rstd_in[group[k]];
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kThreads) FwdChannelSums(const T* __restrict__ x,
+                                                           float* __restrict__ workspace, Tiling t) {
+  using Vec = Pack<T, kVec>;
+  const GroupNormShape& s = t.shape;
+  const ThreadPart part = PartOf(blockIdx.x, t);
+  const T* xn = x + part.n * s.spatial * s.channels;
+  float sum[kVec] = {}, squares[kVec] = {};
+  if (part.active && part.begin < part.end) {
+    float shift[kVec];  // each group's first element (see GroupMoments)
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) shift[k] = ToFloat(xn[(part.channel + k) / s.group_size * s.group_size]);
+#pragma unroll 4
+    for (int64_t r = part.begin; r < part.end; r += t.rows) {
+      const Vec v = *reinterpret_cast<const Vec*>(xn + r * s.channels + part.channel);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float d = ToFloat(v.v[k]) - shift[k];
+        sum[k] += d;
+        squares[k] += d * d;
+      }
+    }
+  }
+  StoreChannelSums(sum, squares, workspace + (part.n * s.chunks + part.chunk) * 2 * s.channels, part, t);
+}
+
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kThreads) Normalize(const T* __restrict__ x,
+                                                      const float* __restrict__ scale,
+                                                      const float* __restrict__ bias,
+                                                      const float* __restrict__ mean,
+                                                      const float* __restrict__ rstd,
+                                                      T* __restrict__ y, Tiling t, int64_t activation,
+                                                      float activation_param) {
+  using Vec = Pack<T, kVec>;
+  const GroupNormShape& s = t.shape;
+  const ThreadPart part = PartOf(int64_t(gridDim.x) - 1 - blockIdx.x, t);
+  if (!part.active) return;
+  const ChannelStats<kVec> stats(mean, rstd, part, s);
+  float a[kVec], b[kVec];  // pre-activation = (x - mean) * a + b
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    a[k] = stats.rstd[k] * scale[part.channel + k];
+    b[k] = bias[part.channel + k];
+  }
+  const bool has_activation = activation != int64_t(Activation::kIdentity);
+  const int64_t base = part.n * s.spatial * s.channels + part.channel;
+#pragma unroll 4
+  for (int64_t r = part.begin; r < part.end; r += t.rows) {
+    const Vec v = *reinterpret_cast<const Vec*>(x + base + r * s.channels);
+    Vec out;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float pre = (ToFloat(v.v[k]) - stats.mean[k]) * a[k] + b[k];
+      out.v[k] = FromFloat<T>(has_activation ? ActivateKind(activation, pre, activation_param) : pre);
+    }
+    *reinterpret_cast<Vec*>(y + base + r * s.channels) = out;
+  }
+}
+
+// A block per (n, g): sums weight[c] * workspace[n, p, i, c] over the chunks p and the group's
+// channels c, for i = 0, 1 (weight: scale in the backward, 1 in the forward), in a fixed order.
+// Forward (group_sums null): the sums are the shifted sums, turned into mean and rstd. Backward:
+// stored to group_sums[n, g, i].
+template <typename T>
+__global__ void __launch_bounds__(kThreads) ReduceGroups(const T* __restrict__ x,
+                                                         const float* __restrict__ workspace,
+                                                         const float* __restrict__ weight,
+                                                         GroupNormShape s, float epsilon,
+                                                         float* __restrict__ mean,
+                                                         float* __restrict__ rstd,
+                                                         float* __restrict__ group_sums) {
+  const int64_t n = blockIdx.x / s.groups, g = blockIdx.x % s.groups;
+  const float* sums = workspace + n * s.chunks * 2 * s.channels + g * s.group_size;
+  float acc[2] = {0.f, 0.f};
+  // Thread i takes entries (chunk, k) = i, i + blockDim.x, ... of the flattened [P, K]; the
+  // position advances by (step_chunks, step_k) without a 64-bit division per entry.
+  const int64_t step_chunks = blockDim.x / s.group_size, step_k = blockDim.x % s.group_size;
+  int64_t chunk = threadIdx.x / s.group_size, k = threadIdx.x % s.group_size;
+  while (chunk < s.chunks) {
+    const float w = weight ? weight[g * s.group_size + k] : 1.f;
+    acc[0] += w * sums[chunk * 2 * s.channels + k];
+    acc[1] += w * sums[chunk * 2 * s.channels + s.channels + k];
+    chunk += step_chunks;
+    k += step_k;
+    if (k >= s.group_size) {
+      k -= s.group_size;
+      ++chunk;
+    }
+  }
+  GroupSum(acc, blockDim.x);
+  if (threadIdx.x != 0) return;
+  const int64_t index = n * s.groups + g;
+  if (group_sums != nullptr) {
+    group_sums[2 * index] = acc[0];
+    group_sums[2 * index + 1] = acc[1];
+  } else {
+    const float shift = s.spatial > 0 ? ToFloat(x[n * s.spatial * s.channels + g * s.group_size]) : 0.f;
+    GroupMoments(acc[0], acc[1], shift, s.spatial * s.group_size, epsilon, &mean[index], &rstd[index]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward. With xhat = (x - mean) * rstd, d = dy * act'(xhat * scale + bias), g = d * scale:
+//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) per (n, group),
+//   dscale = sum(d * xhat), dbias = sum(d) over samples and positions.
+
+template <int kVec>
+struct ChannelAffine {
+  float scale[kVec], bias[kVec];
+
+  __device__ __forceinline__ ChannelAffine(const float* scale_in, const float* bias_in, int64_t c) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      scale[k] = scale_in[c + k];
+      bias[k] = bias_in[c + k];
+    }
+  }
+};
+
+// dy * act'(pre), recomputing the pre-activation.
+__device__ __forceinline__ float ActivationGrad(float dy, float xhat, float scale, float bias,
+                                                int64_t activation, float param, bool has_activation) {
+  return has_activation ? dy * ActivateGradKind(activation, xhat * scale + bias, param) : dy;
+}
+
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kThreads) BwdChannelSums(
+    const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ scale,
+    const float* __restrict__ bias, const float* __restrict__ mean, const float* __restrict__ rstd,
+    float* __restrict__ workspace, Tiling t, int64_t activation, float activation_param) {
+  using Vec = Pack<T, kVec>;
+  const GroupNormShape& s = t.shape;
+  const ThreadPart part = PartOf(blockIdx.x, t);
+  float d_xhat[kVec] = {}, d_sum[kVec] = {};
+  if (part.active) {
+    const ChannelStats<kVec> stats(mean, rstd, part, s);
+    const ChannelAffine<kVec> affine(scale, bias, part.channel);
+    const bool has_activation = activation != int64_t(Activation::kIdentity);
+    const int64_t base = part.n * s.spatial * s.channels + part.channel;
+#pragma unroll 4
+    for (int64_t r = part.begin; r < part.end; r += t.rows) {
+      const Vec xv = *reinterpret_cast<const Vec*>(x + base + r * s.channels);
+      const Vec dyv = *reinterpret_cast<const Vec*>(dy + base + r * s.channels);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float xhat = (ToFloat(xv.v[k]) - stats.mean[k]) * stats.rstd[k];
+        const float d = ActivationGrad(ToFloat(dyv.v[k]), xhat, affine.scale[k], affine.bias[k],
+                                       activation, activation_param, has_activation);
+        d_xhat[k] += d * xhat;
+        d_sum[k] += d;
+      }
+    }
+  }
+  StoreChannelSums(d_xhat, d_sum, workspace + (part.n * s.chunks + part.chunk) * 2 * s.channels, part, t);
+}
+
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kThreads) Dx(
+    const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ scale,
+    const float* __restrict__ bias, const float* __restrict__ mean, const float* __restrict__ rstd,
+    const float* __restrict__ group_sums, T* __restrict__ dx, Tiling t, int64_t activation,
+    float activation_param) {
+  using Vec = Pack<T, kVec>;
+  const GroupNormShape& s = t.shape;
+  const ThreadPart part = PartOf(int64_t(gridDim.x) - 1 - blockIdx.x, t);
+  if (!part.active || part.begin >= part.end) return;
+  const ChannelStats<kVec> stats(mean, rstd, part, s);
+  const ChannelAffine<kVec> affine(scale, bias, part.channel);
+  const float count = float(s.spatial * s.group_size);  // > 0: this thread has positions
+  float mean_g[kVec], mean_g_xhat[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    mean_g_xhat[k] = group_sums[2 * stats.group[k]] / count;
+    mean_g[k] = group_sums[2 * stats.group[k] + 1] / count;
+  }
+  const bool has_activation = activation != int64_t(Activation::kIdentity);
+  const int64_t base = part.n * s.spatial * s.channels + part.channel;
+#pragma unroll 4
+  for (int64_t r = part.begin; r < part.end; r += t.rows) {
+    const Vec xv = *reinterpret_cast<const Vec*>(x + base + r * s.channels);
+    const Vec dyv = *reinterpret_cast<const Vec*>(dy + base + r * s.channels);
+    Vec out;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float xhat = (ToFloat(xv.v[k]) - stats.mean[k]) * stats.rstd[k];
+      const float g = affine.scale[k] * ActivationGrad(ToFloat(dyv.v[k]), xhat, affine.scale[k],
+                                                       affine.bias[k], activation, activation_param,
+                                                       has_activation);
+      out.v[k] = FromFloat<T>(stats.rstd[k] * (g - mean_g[k] - xhat * mean_g_xhat[k]));
+    }
+    *reinterpret_cast<Vec*>(dx + base + r * s.channels) = out;
+  }
+}
+
+// dscale[c] and dbias[c]: the workspace [N * P, 2 * C] summed over its N * P rows in a fixed order.
+// Threads (x, y): x the column within a 32-wide tile, y strides over the rows.
+__global__ void SumParts(const float* __restrict__ workspace, int64_t parts, int64_t channels,
+                         float* __restrict__ dscale, float* __restrict__ dbias) {
+  __shared__ float tile[32][33];
+  const int64_t width = 2 * channels;
+  const int64_t col = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  float sum = 0.f;
+  if (col < width) {
+    for (int64_t p = threadIdx.y; p < parts; p += 32) sum += workspace[p * width + col];
+  }
+  tile[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < width) {
+    float total = 0.f;
+    for (int k = 0; k < 32; ++k) total += tile[k][threadIdx.x];
+    if (col < channels) {
+      dscale[col] = total;
+    } else {
+      dbias[col - channels] = total;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handlers
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Calls fn(std::integral_constant<int, vec>) for the tiling's vector width (two instantiations).
+template <typename T, typename Fn>
+ffi::Error WithVec(int vec, Fn&& fn) {
+  if (vec == kVec16<T>) return fn(std::integral_constant<int, kVec16<T>>{});
+  return fn(std::integral_constant<int, 1>{});
+}
+
+// The streaming kernels' grid (one block per (n, p, tile)) and ReduceGroups' (one per (n, g)).
+ffi::Error Grids(const Tiling& t, int64_t* streaming, int64_t* groups) {
+  *streaming = t.shape.batch * t.shape.chunks * t.tiles;
+  *groups = t.shape.batch * t.shape.groups;
+  if (*streaming > INT_MAX || *groups > INT_MAX) {
+    return InvalidArgument("group_norm: too many samples, chunks or groups for one launch");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
+                            ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y,
+                            ffi::Result<ffi::Buffer<ffi::F32>> mean,
+                            ffi::Result<ffi::Buffer<ffi::F32>> rstd,
+                            ffi::Result<ffi::Buffer<ffi::F32>> workspace, float epsilon,
+                            int64_t num_groups, int64_t activation, float activation_param) {
+  GroupNormShape shape;
+  JAXDNN_RETURN_IF_ERROR(CheckGroupNormFwd(x, scale, bias, *y, *mean, *rstd, *workspace, num_groups,
+                                           activation, &shape));
+  if (shape.batch == 0) return ffi::Error::Success();
+  return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    T* yp = static_cast<T*>(y->untyped_data());
+    const Tiling t = MakeTiling<T>(shape, Aligned16(xp) && Aligned16(yp));
+    int64_t blocks, group_blocks;
+    JAXDNN_RETURN_IF_ERROR(Grids(t, &blocks, &group_blocks));
+    const int threads = t.lanes * t.rows;
+    float* ws = workspace->typed_data();
+    return WithVec<T>(t.vec, [&](auto vec) {
+      constexpr int kVec = decltype(vec)::value;
+      FwdChannelSums<T, kVec><<<blocks, threads, 0, stream>>>(xp, ws, t);
+      JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm forward sums"));
+      ReduceGroups<T><<<group_blocks, kThreads, 0, stream>>>(xp, ws, nullptr, shape, epsilon,
+                                                              mean->typed_data(), rstd->typed_data(),
+                                                              nullptr);
+      JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm forward statistics"));
+      Normalize<T, kVec><<<blocks, threads, 0, stream>>>(xp, scale.typed_data(), bias.typed_data(),
+                                                         mean->typed_data(), rstd->typed_data(), yp, t,
+                                                         activation, activation_param);
+      return LaunchError("group_norm forward normalize");
+    });
+  });
+}
+
+ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
+                            ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
+                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> dscale,
+                            ffi::Result<ffi::Buffer<ffi::F32>> dbias,
+                            ffi::Result<ffi::Buffer<ffi::F32>> workspace,
+                            ffi::Result<ffi::Buffer<ffi::F32>> group_sums, int64_t num_groups,
+                            int64_t activation, float activation_param) {
+  GroupNormShape shape;
+  JAXDNN_RETURN_IF_ERROR(CheckGroupNormBwd(dy, x, scale, bias, mean, rstd, *dx, *dscale, *dbias,
+                                           *workspace, *group_sums, num_groups, activation, &shape));
+  if (shape.batch == 0 || shape.spatial == 0) {  // sums over no positions; dx is empty
+    const size_t bytes = shape.channels * sizeof(float);
+    JAXDNN_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(dscale->typed_data(), 0, bytes, stream), "memset"));
+    return CudaError(cudaMemsetAsync(dbias->typed_data(), 0, bytes, stream), "memset");
+  }
+  return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* dyp = static_cast<const T*>(dy.untyped_data());
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    T* dxp = static_cast<T*>(dx->untyped_data());
+    const Tiling t = MakeTiling<T>(shape, Aligned16(dyp) && Aligned16(xp) && Aligned16(dxp));
+    int64_t blocks, group_blocks;
+    JAXDNN_RETURN_IF_ERROR(Grids(t, &blocks, &group_blocks));
+    const int threads = t.lanes * t.rows;
+    float* ws = workspace->typed_data();
+    float* sums = group_sums->typed_data();
+    return WithVec<T>(t.vec, [&](auto vec) {
+      constexpr int kVec = decltype(vec)::value;
+      BwdChannelSums<T, kVec><<<blocks, threads, 0, stream>>>(
+          dyp, xp, scale.typed_data(), bias.typed_data(), mean.typed_data(), rstd.typed_data(), ws, t,
+          activation, activation_param);
+      JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward sums"));
+      ReduceGroups<T><<<group_blocks, kThreads, 0, stream>>>(xp, ws, scale.typed_data(), shape, 0.f,
+                                                              nullptr, nullptr, sums);
+      JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward group sums"));
+      SumParts<<<(2 * shape.channels + 31) / 32, dim3(32, 32), 0, stream>>>(
+          ws, shape.batch * shape.chunks, shape.channels, dscale->typed_data(), dbias->typed_data());
+      JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward dscale/dbias"));
+      Dx<T, kVec><<<blocks, threads, 0, stream>>>(dyp, xp, scale.typed_data(), bias.typed_data(),
+                                                  mean.typed_data(), rstd.typed_data(), sums, dxp, t,
+                                                  activation, activation_param);
+      return LaunchError("group_norm backward dx");
+    });
+  });
+}
+
+}  // namespace
+}  // namespace jaxdnn
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupNormFwdCuda, jaxdnn::GroupNormFwdImpl,
+                              jaxdnn::BindGroupNormFwd(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupNormBwdCuda, jaxdnn::GroupNormBwdImpl,
+                              jaxdnn::BindGroupNormBwd(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});

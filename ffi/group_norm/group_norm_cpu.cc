@@ -1,0 +1,195 @@
+// CPU GroupNorm: the CUDA kernels' decomposition (per-chunk channel sums in the workspace, then
+// per-group reductions over the chunks, then an elementwise pass), one sample at a time, with
+// contiguous loops over the channels. The oracle-checked path CI runs.
+#include <vector>
+
+#include "common/half_cpu.h"
+#include "group_norm/group_norm.h"
+#include "group_norm/group_norm_common.h"
+
+namespace jaxdnn {
+namespace {
+
+// Channel c's value of a per-group array (K channels a group).
+inline float OfGroup(const float* per_group, int64_t c, int64_t group_size) {
+  return per_group[c / group_size];
+}
+
+// sum over the chunks and the group's channels of weight[c] * workspace[n, p, s, c] (weight null: 1).
+float GroupSum(const float* sample_ws, const GroupNormShape& shape, int64_t group, int s,
+               const float* weight) {
+  float total = 0.f;
+  for (int64_t p = 0; p < shape.chunks; ++p) {
+    const float* sums = sample_ws + (p * 2 + s) * shape.channels + group * shape.group_size;
+    for (int64_t k = 0; k < shape.group_size; ++k) {
+      total += weight ? weight[group * shape.group_size + k] * sums[k] : sums[k];
+    }
+  }
+  return total;
+}
+
+template <typename T>
+void GroupNormFwd(const T* x, const float* scale, const float* bias, T* y, float* mean,
+                  float* rstd, float* workspace, const GroupNormShape& shape, float epsilon,
+                  int64_t activation, float activation_param) {
+  const int64_t c_count = shape.channels, k_size = shape.group_size;
+  std::vector<float> shift(c_count), m(c_count), a(c_count);
+  for (int64_t n = 0; n < shape.batch; ++n) {
+    const T* xn = x + n * shape.spatial * c_count;
+    float* ws = workspace + n * shape.chunks * 2 * c_count;
+    // Each group's shift is its first element (see GroupMoments).
+    for (int64_t c = 0; c < c_count; ++c) {
+      shift[c] = shape.spatial > 0 ? ToFloat(xn[(c / k_size) * k_size]) : 0.f;
+    }
+    for (int64_t p = 0; p < shape.chunks; ++p) {
+      float* sums = ws + p * 2 * c_count;
+      float* squares = sums + c_count;
+      for (int64_t c = 0; c < c_count; ++c) sums[c] = squares[c] = 0.f;
+      for (int64_t s = ChunkBegin(shape, p); s < ChunkBegin(shape, p + 1); ++s) {
+        const T* row = xn + s * c_count;
+        for (int64_t c = 0; c < c_count; ++c) {
+          const float v = ToFloat(row[c]) - shift[c];
+          sums[c] += v;
+          squares[c] += v * v;
+        }
+      }
+    }
+    float* mean_n = mean + n * shape.groups;
+    float* rstd_n = rstd + n * shape.groups;
+    for (int64_t g = 0; g < shape.groups; ++g) {
+      GroupMoments(GroupSum(ws, shape, g, 0, nullptr), GroupSum(ws, shape, g, 1, nullptr),
+                   shift[g * k_size], shape.spatial * k_size, epsilon, &mean_n[g], &rstd_n[g]);
+    }
+    // y = act((x - mean) * a + bias) with a = rstd * scale, per channel.
+    for (int64_t c = 0; c < c_count; ++c) {
+      m[c] = OfGroup(mean_n, c, k_size);
+      a[c] = OfGroup(rstd_n, c, k_size) * scale[c];
+    }
+    T* yn = y + n * shape.spatial * c_count;
+    for (int64_t s = 0; s < shape.spatial; ++s) {
+      for (int64_t c = 0; c < c_count; ++c) {
+        const float pre = (ToFloat(xn[s * c_count + c]) - m[c]) * a[c] + bias[c];
+        yn[s * c_count + c] = FromFloat<T>(ActivateKind(activation, pre, activation_param));
+      }
+    }
+  }
+}
+
+// With xhat = (x - mean) * rstd, d = dy * act'(xhat * scale + bias) and g = d * scale, per group:
+//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),
+// and dscale = sum(d * xhat), dbias = sum(d) over samples and positions.
+template <typename T>
+void GroupNormBwd(const T* dy, const T* x, const float* scale, const float* bias,
+                  const float* mean, const float* rstd, T* dx, float* dscale, float* dbias,
+                  float* workspace, float* group_sums, const GroupNormShape& shape,
+                  int64_t activation, float activation_param) {
+  const int64_t c_count = shape.channels, k_size = shape.group_size;
+  const bool has_activation = activation != int64_t(Activation::kIdentity);
+  std::vector<float> mean_c(c_count), rstd_c(c_count), mean_g(shape.groups), mean_g_xhat(shape.groups);
+  // The activation's derivative at the recomputed pre-activation, times dy.
+  auto d_of = [&](float dyv, float xhat, int64_t c) {
+    if (!has_activation) return dyv;
+    return dyv * ActivateGradKind(activation, xhat * scale[c] + bias[c], activation_param);
+  };
+  for (int64_t n = 0; n < shape.batch; ++n) {
+    const int64_t offset = n * shape.spatial * c_count;
+    float* ws = workspace + n * shape.chunks * 2 * c_count;
+    for (int64_t c = 0; c < c_count; ++c) {
+      mean_c[c] = OfGroup(mean + n * shape.groups, c, k_size);
+      rstd_c[c] = OfGroup(rstd + n * shape.groups, c, k_size);
+    }
+    for (int64_t p = 0; p < shape.chunks; ++p) {
+      float* d_xhat = ws + p * 2 * c_count;
+      float* d_sum = d_xhat + c_count;
+      for (int64_t c = 0; c < c_count; ++c) d_xhat[c] = d_sum[c] = 0.f;
+      for (int64_t s = ChunkBegin(shape, p); s < ChunkBegin(shape, p + 1); ++s) {
+        for (int64_t c = 0; c < c_count; ++c) {
+          const int64_t i = offset + s * c_count + c;
+          const float xhat = (ToFloat(x[i]) - mean_c[c]) * rstd_c[c];
+          const float d = d_of(ToFloat(dy[i]), xhat, c);
+          d_xhat[c] += d * xhat;
+          d_sum[c] += d;
+        }
+      }
+    }
+    const float count = float(shape.spatial * k_size);
+    float* sums_n = group_sums + n * shape.groups * 2;
+    for (int64_t g = 0; g < shape.groups; ++g) {
+      sums_n[2 * g] = GroupSum(ws, shape, g, 0, scale);      // sum(g * xhat)
+      sums_n[2 * g + 1] = GroupSum(ws, shape, g, 1, scale);  // sum(g)
+      mean_g_xhat[g] = sums_n[2 * g] / count;
+      mean_g[g] = sums_n[2 * g + 1] / count;
+    }
+    for (int64_t s = 0; s < shape.spatial; ++s) {
+      for (int64_t c = 0; c < c_count; ++c) {
+        const int64_t i = offset + s * c_count + c;
+        const float xhat = (ToFloat(x[i]) - mean_c[c]) * rstd_c[c];
+        const float g = d_of(ToFloat(dy[i]), xhat, c) * scale[c];
+        dx[i] = FromFloat<T>(rstd_c[c] * (g - OfGroup(mean_g.data(), c, k_size) -
+                                          xhat * OfGroup(mean_g_xhat.data(), c, k_size)));
+      }
+    }
+  }
+  // dscale and dbias: the workspace summed over samples and chunks, in double.
+  std::vector<double> dscale_acc(c_count, 0.0), dbias_acc(c_count, 0.0);
+  for (int64_t part = 0; part < shape.batch * shape.chunks; ++part) {
+    const float* sums = workspace + part * 2 * c_count;
+    for (int64_t c = 0; c < c_count; ++c) {
+      dscale_acc[c] += sums[c];
+      dbias_acc[c] += sums[c_count + c];
+    }
+  }
+  for (int64_t c = 0; c < c_count; ++c) {
+    dscale[c] = float(dscale_acc[c]);
+    dbias[c] = float(dbias_acc[c]);
+  }
+}
+
+ffi::Error GroupNormFwdImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
+                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> mean,
+                            ffi::Result<ffi::Buffer<ffi::F32>> rstd,
+                            ffi::Result<ffi::Buffer<ffi::F32>> workspace, float epsilon,
+                            int64_t num_groups, int64_t activation, float activation_param) {
+  GroupNormShape shape;
+  JAXDNN_RETURN_IF_ERROR(CheckGroupNormFwd(x, scale, bias, *y, *mean, *rstd, *workspace, num_groups,
+                                           activation, &shape));
+  return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    GroupNormFwd<T>(static_cast<const T*>(x.untyped_data()), scale.typed_data(), bias.typed_data(),
+                    static_cast<T*>(y->untyped_data()), mean->typed_data(), rstd->typed_data(),
+                    workspace->typed_data(), shape, epsilon, activation, activation_param);
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error GroupNormBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
+                            ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> mean,
+                            ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::Result<ffi::Buffer<ffi::F32>> dscale,
+                            ffi::Result<ffi::Buffer<ffi::F32>> dbias,
+                            ffi::Result<ffi::Buffer<ffi::F32>> workspace,
+                            ffi::Result<ffi::Buffer<ffi::F32>> group_sums, int64_t num_groups,
+                            int64_t activation, float activation_param) {
+  GroupNormShape shape;
+  JAXDNN_RETURN_IF_ERROR(CheckGroupNormBwd(dy, x, scale, bias, mean, rstd, *dx, *dscale, *dbias,
+                                           *workspace, *group_sums, num_groups, activation, &shape));
+  return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    GroupNormBwd<T>(static_cast<const T*>(dy.untyped_data()), static_cast<const T*>(x.untyped_data()),
+                    scale.typed_data(), bias.typed_data(), mean.typed_data(), rstd.typed_data(),
+                    static_cast<T*>(dx->untyped_data()), dscale->typed_data(), dbias->typed_data(),
+                    workspace->typed_data(), group_sums->typed_data(), shape, activation,
+                    activation_param);
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace jaxdnn
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupNormFwdCpu, jaxdnn::GroupNormFwdImpl,
+                              jaxdnn::BindGroupNormFwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupNormBwdCpu, jaxdnn::GroupNormBwdImpl,
+                              jaxdnn::BindGroupNormBwd(ffi::Ffi::Bind()));
