@@ -247,6 +247,91 @@ class RMSNorm(hk.Module):
         self.create_scale = create_scale
         self.scale_init = scale_init or jnp.ones
 
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """Normalizes ``inputs`` of shape ``(..., D)`` over ``D``; same shape out."""
+        x = jnp.asarray(inputs)
+        if x.ndim == 0:
+            raise ValueError("jaxdnn hk.RMSNorm: inputs must have at least one axis "
+                             "(the feature axis D), got a scalar.")
+        _last_axis_only("hk.RMSNorm", "axis", self.axis, x.ndim)
+        _last_axis_only("hk.RMSNorm", "param_axis", self.param_axis, x.ndim)
+        scale = None
+        if self.create_scale:
+            scale = hk.get_parameter("scale", (x.shape[-1],), x.dtype, init=self.scale_init)
+        return _run(jaxdnn.rms_norm, x, (scale,), epsilon=self.eps)
+
+
+class BatchNorm(hk.Module):
+    """Batch normalization on jaxdnn's kernels, mirroring ``hk.BatchNorm``.
+
+    Same constructor and call arguments, module name (``batch_norm``), parameters
+    (``scale``/``offset`` of Haiku's broadcastable shape, e.g. ``(1, 1, 1, C)``, in
+    the input's dtype) and state (the ``mean_ema``/``var_ema`` moving averages, kept
+    by ``hk.ExponentialMovingAverage`` as in Haiku), so params and state load
+    unchanged. Statistics are over every axis but the channel axis (``axis`` must be
+    None), computed in float32 (Haiku uses the input's dtype); ``cross_replica_axis``
+    must be None: under jit with a sharded batch the statistics are already global.
+    """
+
+    def __init__(self, create_scale: bool, create_offset: bool, decay_rate: float, eps: float = 1e-5,
+                 scale_init: Initializer | None = None, offset_init: Initializer | None = None,
+                 axis: Any = None, cross_replica_axis: Any = None,
+                 cross_replica_axis_index_groups: Any = None,
+                 data_format: str = "channels_last", name: str | None = None):
+        super().__init__(name=name)
+        module = "haiku.BatchNorm"
+        if axis is not None:
+            raise ValueError(f"jaxdnn {module}: axis must be None (statistics over every axis but the "
+                             f"channels), got {axis!r}; use Haiku's own BatchNorm for other axes.")
+        if cross_replica_axis is not None or cross_replica_axis_index_groups is not None:
+            raise ValueError(f"jaxdnn {module}: cross_replica_axis is not supported, got "
+                             f"{cross_replica_axis!r}; under jit with a sharded batch the statistics are "
+                             "already global.")
+        if not create_scale and scale_init is not None:
+            raise ValueError("Cannot set `scale_init` if `create_scale=False`")
+        if not create_offset and offset_init is not None:
+            raise ValueError("Cannot set `offset_init` if `create_offset=False`")
+        self.create_scale = create_scale
+        self.create_offset = create_offset
+        self.eps = eps
+        self.scale_init = scale_init or jnp.ones
+        self.offset_init = offset_init or jnp.zeros
+        self.channel_index = hk.get_channel_index(data_format)
+        self.mean_ema = hk.ExponentialMovingAverage(decay_rate, name="mean_ema")
+        self.var_ema = hk.ExponentialMovingAverage(decay_rate, name="var_ema")
+
+    def __call__(self, inputs: jax.Array, is_training: bool, test_local_stats: bool = False,
+                 scale: jax.Array | None = None, offset: jax.Array | None = None) -> jax.Array:
+        """Normalizes ``inputs`` (channels on the data format's axis); returns its shape."""
+        module = "haiku.BatchNorm"
+        if self.create_scale and scale is not None:
+            raise ValueError("Cannot pass `scale` at call time if `create_scale=True`.")
+        if self.create_offset and offset is not None:
+            raise ValueError("Cannot pass `offset` at call time if `create_offset=True`.")
+        inputs = jnp.asarray(inputs)
+        channel = self.channel_index % inputs.ndim
+        channels = inputs.shape[channel]
+        w_shape = [channels if i == channel else 1 for i in range(inputs.ndim)]
+        if self.create_scale:
+            scale = hk.get_parameter("scale", w_shape, inputs.dtype, self.scale_init)
+        if self.create_offset:
+            offset = hk.get_parameter("offset", w_shape, inputs.dtype, self.offset_init)
+        params = [None if p is None else _as_channel_vector(module, name, p, channels)
+                  for name, p in (("scale", scale), ("offset", offset))]
+        local_stats = is_training or test_local_stats
+        # The moving averages are the shift of the batch sums (close to the batch mean); with
+        # momentum 0 jaxdnn.batch_norm returns the batch statistics themselves.
+        running = []
+        for ema in (self.mean_ema, self.var_ema):
+            ema.initialize(w_shape, inputs.dtype)  # Haiku's state: zeros until the first update
+            running.append(ema.average.astype(jnp.float32).reshape(channels))
+        y, mean, var = _run(
+            lambda x, s, o: jaxdnn.batch_norm(x, s, o, *running, training=local_stats, momentum=0.0,
+                                              epsilon=self.eps, axis=channel), inputs, params)
+        if is_training:
+            self.mean_ema(mean.reshape(w_shape).astype(inputs.dtype))
+            self.var_ema(var.reshape(w_shape).astype(inputs.dtype))
+        return y
 
 
 class GroupNorm(hk.Module):
@@ -352,88 +437,3 @@ class GroupNorm(hk.Module):
         groups = self.groups
         return _run(lambda x, s, o, **kw: jaxdnn.group_norm(x, groups, s, o, **kw), x, (scale, offset),
                     epsilon=self.eps)
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        """Normalizes ``inputs`` of shape ``(..., D)`` over ``D``; same shape out."""
-        x = jnp.asarray(inputs)
-        if x.ndim == 0:
-            raise ValueError("jaxdnn hk.RMSNorm: inputs must have at least one axis "
-                             "(the feature axis D), got a scalar.")
-        _last_axis_only("hk.RMSNorm", "axis", self.axis, x.ndim)
-        _last_axis_only("hk.RMSNorm", "param_axis", self.param_axis, x.ndim)
-        scale = None
-        if self.create_scale:
-            scale = hk.get_parameter("scale", (x.shape[-1],), x.dtype, init=self.scale_init)
-        return _run(jaxdnn.rms_norm, x, (scale,), epsilon=self.eps)
-
-
-class BatchNorm(hk.Module):
-    """Batch normalization on jaxdnn's kernels, mirroring ``hk.BatchNorm``.
-
-    Same constructor and call arguments, module name (``batch_norm``), parameters
-    (``scale``/``offset`` of Haiku's broadcastable shape, e.g. ``(1, 1, 1, C)``, in
-    the input's dtype) and state (the ``mean_ema``/``var_ema`` moving averages, kept
-    by ``hk.ExponentialMovingAverage`` as in Haiku), so params and state load
-    unchanged. Statistics are over every axis but the channel axis (``axis`` must be
-    None), computed in float32 (Haiku uses the input's dtype); ``cross_replica_axis``
-    must be None: under jit with a sharded batch the statistics are already global.
-    """
-
-    def __init__(self, create_scale: bool, create_offset: bool, decay_rate: float, eps: float = 1e-5,
-                 scale_init: Initializer | None = None, offset_init: Initializer | None = None,
-                 axis: Any = None, cross_replica_axis: Any = None,
-                 cross_replica_axis_index_groups: Any = None,
-                 data_format: str = "channels_last", name: str | None = None):
-        super().__init__(name=name)
-        module = "haiku.BatchNorm"
-        if axis is not None:
-            raise ValueError(f"jaxdnn {module}: axis must be None (statistics over every axis but the "
-                             f"channels), got {axis!r}; use Haiku's own BatchNorm for other axes.")
-        if cross_replica_axis is not None or cross_replica_axis_index_groups is not None:
-            raise ValueError(f"jaxdnn {module}: cross_replica_axis is not supported, got "
-                             f"{cross_replica_axis!r}; under jit with a sharded batch the statistics are "
-                             "already global.")
-        if not create_scale and scale_init is not None:
-            raise ValueError("Cannot set `scale_init` if `create_scale=False`")
-        if not create_offset and offset_init is not None:
-            raise ValueError("Cannot set `offset_init` if `create_offset=False`")
-        self.create_scale = create_scale
-        self.create_offset = create_offset
-        self.eps = eps
-        self.scale_init = scale_init or jnp.ones
-        self.offset_init = offset_init or jnp.zeros
-        self.channel_index = hk.get_channel_index(data_format)
-        self.mean_ema = hk.ExponentialMovingAverage(decay_rate, name="mean_ema")
-        self.var_ema = hk.ExponentialMovingAverage(decay_rate, name="var_ema")
-
-    def __call__(self, inputs: jax.Array, is_training: bool, test_local_stats: bool = False,
-                 scale: jax.Array | None = None, offset: jax.Array | None = None) -> jax.Array:
-        """Normalizes ``inputs`` (channels on the data format's axis); returns its shape."""
-        module = "haiku.BatchNorm"
-        if self.create_scale and scale is not None:
-            raise ValueError("Cannot pass `scale` at call time if `create_scale=True`.")
-        if self.create_offset and offset is not None:
-            raise ValueError("Cannot pass `offset` at call time if `create_offset=True`.")
-        inputs = jnp.asarray(inputs)
-        channel = self.channel_index % inputs.ndim
-        channels = inputs.shape[channel]
-        w_shape = [channels if i == channel else 1 for i in range(inputs.ndim)]
-        if self.create_scale:
-            scale = hk.get_parameter("scale", w_shape, inputs.dtype, self.scale_init)
-        if self.create_offset:
-            offset = hk.get_parameter("offset", w_shape, inputs.dtype, self.offset_init)
-        params = [None if p is None else _as_channel_vector(module, name, p, channels)
-                  for name, p in (("scale", scale), ("offset", offset))]
-        local_stats = is_training or test_local_stats
-        # The moving averages are the shift of the batch sums (close to the batch mean); with
-        # momentum 0 jaxdnn.batch_norm returns the batch statistics themselves.
-        running = []
-        for ema in (self.mean_ema, self.var_ema):
-            ema.initialize(w_shape, inputs.dtype)  # Haiku's state: zeros until the first update
-            running.append(ema.average.astype(jnp.float32).reshape(channels))
-        y, mean, var = _run(
-            lambda x, s, o: jaxdnn.batch_norm(x, s, o, *running, training=local_stats, momentum=0.0,
-                                              epsilon=self.eps, axis=channel), inputs, params)
-        if is_training:
-            self.mean_ema(mean.reshape(w_shape).astype(inputs.dtype))
-            self.var_ema(var.reshape(w_shape).astype(inputs.dtype))
-        return y

@@ -330,68 +330,6 @@ class RMSNorm(nn.Module):
             jaxdnn.rms_norm, x, (scale,), out_dtype, epsilon=self.epsilon)
 
 
-class GroupNorm(nn.Module):
-    """Group normalization, channels last, on jaxdnn's fused kernel.
-
-    Mirrors ``flax.linen.GroupNorm``: ``x`` of shape ``(N, ..., C)`` is normalized per
-    sample and group of ``C / G`` channels over every other axis, then scaled and
-    shifted per channel by params ``scale``/``bias`` of shape ``(C,)``. Statistics are
-    computed in float32.
-
-    Attributes:
-      num_groups: G, the number of channel groups (default 32); None to use group_size.
-      group_size: channels per group (with ``num_groups=None``).
-      epsilon: added to the variance to avoid dividing by zero.
-      dtype: the dtype of the result (default: promoted from input and params).
-      param_dtype: the dtype passed to parameter initializers (default: float32).
-      use_bias: if True, ``bias`` is added.
-      use_scale: if True, the output is multiplied by ``scale``.
-      bias_init: initializer for ``bias`` (default: zeros).
-      scale_init: initializer for ``scale`` (default: ones).
-      reduction_axes: None or every axis but the first.
-      axis_name: must be None (no cross-device statistics).
-      axis_index_groups: must be None.
-      use_fast_variance: accepted, either value (see the module docstring).
-      force_float32_reductions: must be True.
-    """
-
-    num_groups: int | None = 32
-    group_size: int | None = None
-    epsilon: float = 1e-6
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    use_bias: bool = True
-    use_scale: bool = True
-    bias_init: Initializer = initializers.zeros
-    scale_init: Initializer = initializers.ones
-    reduction_axes: Axes | None = None
-    axis_name: str | None = None
-    axis_index_groups: Any = None
-    use_fast_variance: bool = True
-    force_float32_reductions: bool = True
-
-    @nn.compact
-    def __call__(self, x, *, mask: jax.Array | None = None):
-        """Normalizes ``x`` of shape ``(N, ..., C)``; returns the same shape."""
-        module = "flax.linen.GroupNorm"
-        x = jnp.asarray(x)
-        _check_mask(module, mask)
-        _check_options(module, ndim=x.ndim, axis_name=self.axis_name,
-                       axis_index_groups=self.axis_index_groups,
-                       force_float32_reductions=self.force_float32_reductions)
-        _check_group_axes(module, self.reduction_axes, x.ndim)
-        groups = _group_count(module, self.num_groups, self.group_size, x.shape[-1])
-        features = (x.shape[-1],)
-        scale = (self.param("scale", self.scale_init, features, self.param_dtype)
-                 if self.use_scale else None)
-        bias = (self.param("bias", self.bias_init, features, self.param_dtype)
-                if self.use_bias else None)
-        out_dtype = _output_dtype(x, scale, bias, dtype=self.dtype)
-        return _norm_in_float32_then_cast(
-            lambda x, scale, bias, **kw: jaxdnn.group_norm(x, groups, scale, bias, **kw),
-            x, (scale, bias), out_dtype, epsilon=self.epsilon)
-
-
 def _channel_axis(module: str, axis: Axes, ndim: int) -> int:
     """The one feature (channel) axis of a BatchNorm, as a non-negative int."""
     axes = _as_axis_tuple(axis)
@@ -481,3 +419,65 @@ class BatchNorm(nn.Module):
             return y
 
         return _norm_in_float32_then_cast(normalize, x, (scale, bias), out_dtype)
+
+
+class GroupNorm(nn.Module):
+    """Group normalization, channels last, on jaxdnn's fused kernel.
+
+    Mirrors ``flax.linen.GroupNorm``: ``x`` of shape ``(N, ..., C)`` is normalized per
+    sample and group of ``C / G`` channels over every other axis, then scaled and
+    shifted per channel by params ``scale``/``bias`` of shape ``(C,)``. Statistics are
+    computed in float32.
+
+    Attributes:
+      num_groups: G, the number of channel groups (default 32); None to use group_size.
+      group_size: channels per group (with ``num_groups=None``).
+      epsilon: added to the variance to avoid dividing by zero.
+      dtype: the dtype of the result (default: promoted from input and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      use_bias: if True, ``bias`` is added.
+      use_scale: if True, the output is multiplied by ``scale``.
+      bias_init: initializer for ``bias`` (default: zeros).
+      scale_init: initializer for ``scale`` (default: ones).
+      reduction_axes: None or every axis but the first.
+      axis_name: must be None (no cross-device statistics).
+      axis_index_groups: must be None.
+      use_fast_variance: accepted, either value (see the module docstring).
+      force_float32_reductions: must be True.
+    """
+
+    num_groups: int | None = 32
+    group_size: int | None = None
+    epsilon: float = 1e-6
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    use_bias: bool = True
+    use_scale: bool = True
+    bias_init: Initializer = initializers.zeros
+    scale_init: Initializer = initializers.ones
+    reduction_axes: Axes | None = None
+    axis_name: str | None = None
+    axis_index_groups: Any = None
+    use_fast_variance: bool = True
+    force_float32_reductions: bool = True
+
+    @nn.compact
+    def __call__(self, x, *, mask: jax.Array | None = None):
+        """Normalizes ``x`` of shape ``(N, ..., C)``; returns the same shape."""
+        module = "flax.linen.GroupNorm"
+        x = jnp.asarray(x)
+        _check_mask(module, mask)
+        _check_options(module, ndim=x.ndim, axis_name=self.axis_name,
+                       axis_index_groups=self.axis_index_groups,
+                       force_float32_reductions=self.force_float32_reductions)
+        _check_group_axes(module, self.reduction_axes, x.ndim)
+        groups = _group_count(module, self.num_groups, self.group_size, x.shape[-1])
+        features = (x.shape[-1],)
+        scale = (self.param("scale", self.scale_init, features, self.param_dtype)
+                 if self.use_scale else None)
+        bias = (self.param("bias", self.bias_init, features, self.param_dtype)
+                if self.use_bias else None)
+        out_dtype = _output_dtype(x, scale, bias, dtype=self.dtype)
+        return _norm_in_float32_then_cast(
+            lambda x, scale, bias, **kw: jaxdnn.group_norm(x, groups, scale, bias, **kw),
+            x, (scale, bias), out_dtype, epsilon=self.epsilon)

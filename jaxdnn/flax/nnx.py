@@ -223,6 +223,96 @@ class RMSNorm(nnx.Module):
         x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
         return _normalize(jaxdnn.rms_norm, "flax.nnx.RMSNorm", x, (scale,),
                           reduction_axes=self.reduction_axes,
+                          feature_axes=self.feature_axes, epsilon=self.epsilon,
+                          mask=mask)
+
+
+class BatchNorm(nnx.Module):
+    """Batch normalization on jaxdnn's kernels, mirroring ``flax.nnx.BatchNorm``.
+
+    ``x`` has ``num_features`` channels on ``axis``; statistics are over every other
+    axis. ``scale``/``bias`` are ``nnx.Param``s and ``mean``/``var`` float32
+    ``nnx.BatchStat``s, all of shape ``(num_features,)``. Without running averages
+    the batch statistics normalize ``x`` and update ``mean``/``var`` as
+    ``momentum * running + (1 - momentum) * batch``. ``axis_name`` and
+    ``axis_index_groups`` must be None; ``use_fast_variance`` takes either value.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        use_running_average: bool | None = False,
+        axis: int = -1,
+        momentum: float = 0.99,
+        epsilon: float = 1e-5,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        use_bias: bool = True,
+        use_scale: bool = True,
+        bias_init: Initializer = nnx.initializers.zeros_init(),
+        scale_init: Initializer = nnx.initializers.ones_init(),
+        axis_name: str | None = None,
+        axis_index_groups: Any = None,
+        use_fast_variance: bool = True,
+        promote_dtype: Any = _nnx_dtypes.promote_dtype,
+        rngs: nnx.Rngs,
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+    ):
+        _check_batch_norm_options("flax.nnx.BatchNorm", axis_name=axis_name,
+                                  axis_index_groups=axis_index_groups)
+        feature_shape = (num_features,)
+        self.mean = nnx.BatchStat(jnp.zeros(feature_shape, jnp.float32))
+        self.var = nnx.BatchStat(jnp.ones(feature_shape, jnp.float32))
+        self.scale: nnx.Param[jax.Array] | None
+        if use_scale:
+            self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype),
+                                   **scale_metadata)
+        else:
+            self.scale = nnx.data(None)
+        self.bias: nnx.Param[jax.Array] | None
+        if use_bias:
+            self.bias = nnx.Param(bias_init(rngs.params(), feature_shape, param_dtype),
+                                  **bias_metadata)
+        else:
+            self.bias = nnx.data(None)
+        self.num_features = num_features
+        self.use_running_average = use_running_average
+        self.axis = axis
+        self.momentum = momentum
+        self.epsilon = epsilon
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.use_bias = use_bias
+        self.use_scale = use_scale
+        self.axis_name = axis_name
+        self.axis_index_groups = axis_index_groups
+        self.use_fast_variance = use_fast_variance
+        self.promote_dtype = promote_dtype
+
+    def __call__(self, x, use_running_average: bool | None = None, *, mask: jax.Array | None = None):
+        """Normalizes ``x``; returns an array of its shape."""
+        module = "flax.nnx.BatchNorm"
+        if use_running_average is None:
+            use_running_average = self.use_running_average
+        if use_running_average is None:
+            raise ValueError(f"jaxdnn {module}: pass use_running_average to the constructor or the call.")
+        _check_mask(module, mask)
+        axis = _channel_axis(module, self.axis, jnp.ndim(x))
+        scale = self.scale[...] if self.scale is not None else None
+        bias = self.bias[...] if self.bias is not None else None
+        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"jaxdnn {module}: the input promotes to {x.dtype}; a real floating dtype "
+                             "is needed.")
+        y, mean, var = jaxdnn.batch_norm(
+            x, *(_fit_param(p, x.dtype) for p in (scale, bias)), self.mean[...], self.var[...],
+            training=not use_running_average, momentum=self.momentum, epsilon=self.epsilon, axis=axis)
+        if not use_running_average:
+            self.mean[...] = mean
+            self.var[...] = var
+        return y
 
 
 class GroupNorm(nnx.Module):
@@ -320,93 +410,3 @@ class GroupNorm(nnx.Module):
                              "floating dtype is needed.")
         return jaxdnn.group_norm(x, self.num_groups, *(_fit_param(p, x.dtype) for p in (scale, bias)),
                                  epsilon=self.epsilon)
-                          feature_axes=self.feature_axes, epsilon=self.epsilon,
-                          mask=mask)
-
-
-class BatchNorm(nnx.Module):
-    """Batch normalization on jaxdnn's kernels, mirroring ``flax.nnx.BatchNorm``.
-
-    ``x`` has ``num_features`` channels on ``axis``; statistics are over every other
-    axis. ``scale``/``bias`` are ``nnx.Param``s and ``mean``/``var`` float32
-    ``nnx.BatchStat``s, all of shape ``(num_features,)``. Without running averages
-    the batch statistics normalize ``x`` and update ``mean``/``var`` as
-    ``momentum * running + (1 - momentum) * batch``. ``axis_name`` and
-    ``axis_index_groups`` must be None; ``use_fast_variance`` takes either value.
-    """
-
-    def __init__(
-        self,
-        num_features: int,
-        *,
-        use_running_average: bool | None = False,
-        axis: int = -1,
-        momentum: float = 0.99,
-        epsilon: float = 1e-5,
-        dtype: Dtype | None = None,
-        param_dtype: Dtype = jnp.float32,
-        use_bias: bool = True,
-        use_scale: bool = True,
-        bias_init: Initializer = nnx.initializers.zeros_init(),
-        scale_init: Initializer = nnx.initializers.ones_init(),
-        axis_name: str | None = None,
-        axis_index_groups: Any = None,
-        use_fast_variance: bool = True,
-        promote_dtype: Any = _nnx_dtypes.promote_dtype,
-        rngs: nnx.Rngs,
-        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-        scale_metadata: Mapping[str, Any] = MappingProxyType({}),
-    ):
-        _check_batch_norm_options("flax.nnx.BatchNorm", axis_name=axis_name,
-                                  axis_index_groups=axis_index_groups)
-        feature_shape = (num_features,)
-        self.mean = nnx.BatchStat(jnp.zeros(feature_shape, jnp.float32))
-        self.var = nnx.BatchStat(jnp.ones(feature_shape, jnp.float32))
-        self.scale: nnx.Param[jax.Array] | None
-        if use_scale:
-            self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype),
-                                   **scale_metadata)
-        else:
-            self.scale = nnx.data(None)
-        self.bias: nnx.Param[jax.Array] | None
-        if use_bias:
-            self.bias = nnx.Param(bias_init(rngs.params(), feature_shape, param_dtype),
-                                  **bias_metadata)
-        else:
-            self.bias = nnx.data(None)
-        self.num_features = num_features
-        self.use_running_average = use_running_average
-        self.axis = axis
-        self.momentum = momentum
-        self.epsilon = epsilon
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.use_bias = use_bias
-        self.use_scale = use_scale
-        self.axis_name = axis_name
-        self.axis_index_groups = axis_index_groups
-        self.use_fast_variance = use_fast_variance
-        self.promote_dtype = promote_dtype
-
-    def __call__(self, x, use_running_average: bool | None = None, *, mask: jax.Array | None = None):
-        """Normalizes ``x``; returns an array of its shape."""
-        module = "flax.nnx.BatchNorm"
-        if use_running_average is None:
-            use_running_average = self.use_running_average
-        if use_running_average is None:
-            raise ValueError(f"jaxdnn {module}: pass use_running_average to the constructor or the call.")
-        _check_mask(module, mask)
-        axis = _channel_axis(module, self.axis, jnp.ndim(x))
-        scale = self.scale[...] if self.scale is not None else None
-        bias = self.bias[...] if self.bias is not None else None
-        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"jaxdnn {module}: the input promotes to {x.dtype}; a real floating dtype "
-                             "is needed.")
-        y, mean, var = jaxdnn.batch_norm(
-            x, *(_fit_param(p, x.dtype) for p in (scale, bias)), self.mean[...], self.var[...],
-            training=not use_running_average, momentum=self.momentum, epsilon=self.epsilon, axis=axis)
-        if not use_running_average:
-            self.mean[...] = mean
-            self.var[...] = var
-        return y

@@ -7,5 +7,6 @@ from jaxdnn.reference.norm import layer_norm, norm_bwd, norm_fwd, rms_norm
 from jaxdnn.reference.pool import avg_pool, max_pool
 from jaxdnn.reference.softmax import log_softmax, softmax, softmax_bwd, softmax_fwd
 
-__all__ = ["activation", "avg_pool", "batch_norm", "group_norm", "group_norm_bwd", "group_norm_fwd", "layer_norm",
-           "log_softmax", "max_pool", "norm_bwd", "norm_fwd", "rms_norm", "softmax", "softmax_bwd", "softmax_fwd"]
+__all__ = ["activation", "avg_pool", "batch_norm", "group_norm", "group_norm_bwd", "group_norm_fwd",
+           "layer_norm", "log_softmax", "max_pool", "norm_bwd", "norm_fwd", "rms_norm", "softmax",
+           "softmax_bwd", "softmax_fwd"]
