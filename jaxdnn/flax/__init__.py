@@ -4,19 +4,20 @@
 modules are re-exported here; the NNX ones live in ``jaxdnn.flax.nnx`` (imported
 on first use, since ``flax.nnx`` is a sizeable import of its own)::
 
-    from jaxdnn.flax import LayerNorm, RMSNorm      # flax.linen modules
-    from jaxdnn.flax import nnx as jnnx             # jnnx.LayerNorm, jnnx.RMSNorm
+    from jaxdnn.flax import BatchNorm, GroupNorm, LayerNorm, RMSNorm   # flax.linen modules
+    from jaxdnn.flax import nnx as jnnx    # jnnx.BatchNorm, jnnx.GroupNorm, jnnx.LayerNorm, jnnx.RMSNorm
 
 Both mirror the stock Flax modules' attributes and parameter names (``scale``,
-``bias``), so params made with stock Flax load unchanged and vice versa.
+``bias``; BatchNorm's ``batch_stats`` ``mean``/``var``), so params made with stock Flax load
+unchanged and vice versa.
 """
 
 import importlib as _importlib
 
 from jaxdnn.flax import linen
-from jaxdnn.flax.linen import GroupNorm, LayerNorm, RMSNorm
+from jaxdnn.flax.linen import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 
-__all__ = ["GroupNorm", "LayerNorm", "RMSNorm", "linen", "nnx"]
+__all__ = ["BatchNorm", "GroupNorm", "LayerNorm", "RMSNorm", "linen", "nnx"]
 
 
 def __getattr__(name):
