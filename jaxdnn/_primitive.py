@@ -122,6 +122,21 @@ def match_varying(x, *params):
     return out
 
 
+def explicit_row_sharding(x, whole_axes: int = 1):
+    """(mesh, x's partition spec, the mesh axes) when x's row axes (all but its last `whole_axes`)
+    are sharded over Explicit mesh axes; None otherwise. The spec leaves the last axes whole."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    explicit = set(getattr(mesh, "explicit_axes", ()))
+    row_spec = tuple(sharding.spec)[:x.ndim - whole_axes] if sharding is not None else ()
+    row_spec = tuple(a if a is not None and set(a if isinstance(a, tuple) else (a,)) <= explicit
+                     else None for a in row_spec)
+    if not any(a is not None for a in row_spec):
+        return None
+    row_spec = row_spec + (None,) * (x.ndim - whole_axes - len(row_spec))
+    return mesh, PartitionSpec(*row_spec, *([None] * whole_axes)), _mesh_axes(row_spec)
+
+
 def per_row_shard(fn, x, *params, whole_axes: int = 1):
     """`fn(x, *params)`, run per shard of x's row axes when they are sharded over Explicit mesh axes.
 
@@ -131,18 +146,13 @@ def per_row_shard(fn, x, *params, whole_axes: int = 1):
     summed across shards by JAX). Sharded feature axes are gathered first. Other cases (no mesh,
     Auto axes) are partitioned by the primitives' own rule and call fn directly.
     """
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    explicit = set(getattr(mesh, "explicit_axes", ()))
-    row_spec = tuple(sharding.spec)[:x.ndim - whole_axes] if sharding is not None else ()
-    row_spec = tuple(a if a is not None and set(a if isinstance(a, tuple) else (a,)) <= explicit
-                     else None for a in row_spec)
-    if not any(a is not None for a in row_spec):
+    sharded = explicit_row_sharding(x, whole_axes)
+    if sharded is None:
         return fn(x, *params)
-    x_spec = PartitionSpec(*row_spec, *([None] * whole_axes))
+    mesh, x_spec, axes = sharded
     return jax.shard_map(
         fn, mesh=mesh, in_specs=(x_spec,) + (PartitionSpec(),) * len(params), out_specs=x_spec,
-        axis_names=set(_mesh_axes(row_spec)))(x, *params)
+        axis_names=set(axes))(x, *params)
 
 
 def _spans_devices(ctx) -> bool:

@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
-from jaxdnn._primitive import ffi_primitive, move_to_front
+from jaxdnn._primitive import explicit_row_sharding, ffi_primitive, match_varying, move_to_front
 from jaxdnn.activation import epilogue, epilogue_attrs
 from jaxdnn.reference import batch_norm as _ref
 
@@ -103,12 +104,12 @@ def _with_reference_vjp(kernel, reference, *args):
 
 
 def _stats_stage(x, shift):
-    return _with_reference_vjp(lambda x, s: tuple(_stats.bind(x, s)), _ref.stats, x, shift)
+    return _with_reference_vjp(lambda x, s: tuple(_stats.bind(x, s)), _ref.stats, x, *match_varying(x, shift))
 
 
 def _fwd_stage(x, a, mean, bias, residual, kind, param):
     attrs = epilogue_attrs(kind, param)
-    ops = (x, a, mean, bias) + (() if residual is None else (residual,))
+    ops = (x, *match_varying(x, a, mean, bias)) + (() if residual is None else (residual,))
     return _with_reference_vjp(
         lambda *ops: _fwd[residual is not None].bind(*ops, **attrs)[0],
         lambda x, a, mean, bias, r=None: _ref.fwd(x, a, mean, bias, r, kind, param), *ops)
@@ -116,7 +117,7 @@ def _fwd_stage(x, a, mean, bias, residual, kind, param):
 
 def _bwd_sums_stage(dy, x, a, mean, bias, residual, kind, param):
     attrs = epilogue_attrs(kind, param)
-    ops = (dy, x, a, mean, bias) + (() if residual is None else (residual,))
+    ops = (dy, x, *match_varying(x, a, mean, bias)) + (() if residual is None else (residual,))
     return _with_reference_vjp(
         lambda *ops: tuple(_bwd_sums[residual is not None].bind(*ops, **attrs)),
         lambda dy, x, a, mean, bias, r=None: _ref.bwd_sums(dy, x, a, mean, bias, r, kind, param), *ops)
@@ -125,6 +126,7 @@ def _bwd_sums_stage(dy, x, a, mean, bias, residual, kind, param):
 def _bwd_dx_stage(dy, x, a, mean, bias, k1, k0, residual, kind, param):
     """(dx, dresidual or None)."""
     attrs = epilogue_attrs(kind, param)
+    a, mean, bias, k1, k0 = match_varying(x, a, mean, bias, k1, k0)
     if residual is None:
         return _with_reference_vjp(
             lambda *ops: _bwd_dx[False].bind(*ops, **attrs)[0],
@@ -136,35 +138,46 @@ def _bwd_dx_stage(dy, x, a, mean, bias, k1, k0, residual, kind, param):
 
 # --- the differentiable op on [O, C, I] -------------------------------------------------------
 
-def _batch_stats(x, shift):
-    count = x.shape[0] * x.shape[2]
-    s1, s2 = _stats_stage(x, shift)
+def _sum_shards(values, sharded):
+    """Per-shard sums summed over the mesh axes of `sharded` (its second entry), inside shard_map."""
+    return [jax.lax.psum(v, sharded[1]) for v in values] if sharded else list(values)
+
+
+def _batch_stats(x, shift, sharded):
+    """(mean, biased variance) [C] over O and I, and over every shard of an Explicit mesh."""
+    count = x.shape[0] * x.shape[2] * (sharded[0] if sharded else 1)
+    s1, s2 = _sum_shards(_stats_stage(x, shift), sharded)
     delta = s1 / count
     return shift + delta, jnp.maximum(s2 / count - delta * delta, 0.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _batch_norm(x, scale, bias, mean_in, var_in, residual, training, epsilon, kind, param):
-    """(y, mean, var): mean/var are the batch statistics in training, mean_in/var_in otherwise."""
-    return _batch_norm_fwd(x, scale, bias, mean_in, var_in, residual, training, epsilon, kind, param)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _batch_norm(x, scale, bias, mean_in, var_in, residual, training, epsilon, kind, param, sharded):
+    """(y, mean, var): mean/var are the batch statistics in training, mean_in/var_in otherwise.
+    `sharded` is () or (shards, mesh axes) when this runs per shard inside shard_map."""
+    return _batch_norm_fwd(x, scale, bias, mean_in, var_in, residual, training, epsilon, kind, param,
+                           sharded)[0]
 
 
-def _batch_norm_fwd(x, scale, bias, mean_in, var_in, residual, training, epsilon, kind, param):
-    mean, var = _batch_stats(x, lax.stop_gradient(mean_in)) if training else (mean_in, var_in)
+def _batch_norm_fwd(x, scale, bias, mean_in, var_in, residual, training, epsilon, kind, param, sharded):
+    if training:
+        mean, var = _batch_stats(x, lax.stop_gradient(mean_in), sharded)
+    else:
+        mean, var = mean_in, var_in
     rstd = lax.rsqrt(var + epsilon)
     a = scale * rstd
     y = _fwd_stage(x, a, mean, bias, residual, kind, param)
     return (y, mean, var), (x, bias, residual, mean, rstd, a, mean_in, var_in)
 
 
-def _batch_norm_bwd(training, epsilon, kind, param, saved, cotangents):
+def _batch_norm_bwd(training, epsilon, kind, param, sharded, saved, cotangents):
     """The statistics outputs are not differentiated (the public function stops their gradient)."""
     x, bias, residual, mean, rstd, a, mean_in, var_in = saved
     dy = cotangents[0]
     fused_residual = None if kind == "identity" else residual  # act' needs the pre-activation
-    sg, sgx = _bwd_sums_stage(dy, x, a, mean, bias, fused_residual, kind, param)
+    sg, sgx = _sum_shards(_bwd_sums_stage(dy, x, a, mean, bias, fused_residual, kind, param), sharded)
     if training:
-        count = x.shape[0] * x.shape[2]
+        count = x.shape[0] * x.shape[2] * (sharded[0] if sharded else 1)
         k1 = -a * rstd * rstd * sgx / count
         k0 = -a * sg / count
     else:
@@ -215,8 +228,9 @@ def batch_norm(x, scale, bias, running_mean, running_var, *, training, momentum=
     Returns:
       (y, new_running_mean, new_running_var): y in x's dtype; the running statistics in their own
       dtypes (returned unchanged when not training). The running statistics are not differentiated
-      (their gradient is zero), as with cuDNN. Under `jit` with a batch sharded over a mesh, the batch
-      statistics are global (summed across devices).
+      (their gradient is zero), as with cuDNN. Under `jit` with a batch sharded over a mesh (Auto or
+      Explicit axes) the batch statistics are global, summed across devices (sync batch norm); called
+      inside the user's own `shard_map`, each device normalizes with its own rows' statistics.
 
     Differentiable with `jax.grad`/`jax.vjp` to any order; `jax.jvp` is not supported.
     """
@@ -252,14 +266,35 @@ def batch_norm(x, scale, bias, running_mean, running_var, *, training, momentum=
         raise ValueError(f"batch_norm: training needs at least one element per channel, got x.shape "
                          f"{x.shape}")
 
-    x3 = x.reshape(outer, channels, inner)
-    residual3 = None if residual is None else residual.reshape(x3.shape)
     scale = jnp.ones((channels,), _F32) if scale is None else scale.astype(_F32)
     bias = jnp.zeros((channels,), _F32) if bias is None else bias.astype(_F32)
-    y, mean, var = _batch_norm(x3, scale, bias, running_mean.astype(_F32), running_var.astype(_F32),
-                               residual3, training, np.float32(epsilon), kind, float(param))
+    options = (training, np.float32(epsilon), kind, float(param))
+
+    def normalize(x, residual, *vectors, sharded=()):
+        """batch_norm of x [..., C, ...] as [O, C, I] (per shard of an Explicit mesh if `sharded`)."""
+        shape = x.shape
+        x3 = x.reshape(math.prod(shape[:axis]), channels, math.prod(shape[axis + 1:]))
+        residual3 = None if residual is None else residual.reshape(x3.shape)
+        y, mean, var = _batch_norm(x3, *vectors, residual3, *options, sharded)
+        return y.reshape(shape), mean, var
+
+    vectors = (scale, bias, running_mean.astype(_F32), running_var.astype(_F32))
+    # Rows sharded over Explicit mesh axes (part of x's type): each device normalizes its rows with
+    # the statistics summed over every shard. Other cases are partitioned by the primitives' rules.
+    explicit = explicit_row_sharding(x, whole_axes=x.ndim - axis)
+    if explicit is None:
+        y, mean, var = normalize(x, residual, *vectors)
+    else:
+        mesh, spec, axes = explicit
+        sharded = (math.prod(mesh.shape[a] for a in axes), axes)
+        args = (x,) + (() if residual is None else (residual,))
+        y, mean, var = jax.shard_map(
+            lambda *a: normalize(a[0], a[1] if residual is not None else None, *a[len(args):],
+                                 sharded=sharded),
+            mesh=mesh, in_specs=(spec,) * len(args) + (P(),) * len(vectors), out_specs=(spec, P(), P()),
+            axis_names=set(axes))(*args, *vectors)
     if not training:
-        return y.reshape(x.shape), running_mean, running_var
+        return y, running_mean, running_var
     new_mean = momentum * running_mean.astype(_F32) + (1 - momentum) * lax.stop_gradient(mean)
     new_var = momentum * running_var.astype(_F32) + (1 - momentum) * lax.stop_gradient(var)
-    return y.reshape(x.shape), new_mean.astype(running_mean.dtype), new_var.astype(running_var.dtype)
+    return y, new_mean.astype(running_mean.dtype), new_var.astype(running_var.dtype)

@@ -223,6 +223,42 @@ def test_batch_sharded_uses_global_statistics(rng):
     assert out.sharding.spec[0] == "b"
 
 
+def test_explicit_mesh_uses_global_statistics(rng):
+    devices = jax.devices("cpu")[:4]
+    if len(devices) < 4 or not hasattr(jax.sharding, "AxisType"):
+        pytest.skip("needs 4 CPU devices and Explicit mesh axes")
+    mesh = jax.make_mesh((4,), ("b",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
+    x, (scale, bias), stats, residual = _inputs(rng, (8, 3, 4, 16), -1, jnp.float32, residual=True)
+    ct = normal(rng, x.shape)
+    want, want_vjp = jax.vjp(lambda *a: _oracle(*a, stats), *map(f64, (x, scale, bias, residual)))
+    with jax.set_mesh(mesh):
+        xs, rs, cts = (jax.device_put(a, NamedSharding(mesh, P("b"))) for a in (x, residual, ct))
+        out, vjp = jax.vjp(jax.jit(lambda x, s, b, r: _ours(x, s, b, r, stats)), xs, scale, bias, rs)
+        grads = vjp(cts)
+        _, new_mean, new_var = jax.jit(lambda x: jaxdnn.batch_norm(x, scale, bias, *stats, training=True))(xs)
+    assert out.sharding.spec[0] == "b"
+    assert_close(out, want, 1e-5, "explicit y")
+    for name, g, w in zip(["x", "scale", "bias", "residual"], grads, want_vjp(f64(ct))):
+        assert_close(g, w, 1e-4, f"explicit d{name}")
+    want_stats = ref.batch_norm(f64(x), f64(scale), f64(bias), *map(f64, stats), training=True)
+    assert_close(new_mean, want_stats[1], 1e-5, "running mean")
+    assert_close(new_var, want_stats[2], 1e-5, "running var")
+
+
+def test_inside_shard_map_statistics_are_per_device(rng):
+    """Called by the user inside shard_map, batch_norm sees one device's rows (as stock code would)."""
+    devices = jax.devices("cpu")[:4]
+    if len(devices) < 4:
+        pytest.skip("needs 4 CPU devices")
+    mesh = jax.sharding.Mesh(np.array(devices), ("b",))
+    x, (scale, bias), stats, _ = _inputs(rng, (8, 5, 16), -1, jnp.float32)
+    per_device = jax.shard_map(lambda x: _ours(x, scale, bias, None, stats), mesh=mesh, in_specs=P("b"),
+                               out_specs=P("b"))
+    want = jnp.concatenate([_oracle(f64(part), f64(scale), f64(bias), None, stats)
+                            for part in jnp.split(x, 4)])
+    assert_close(jax.jit(per_device)(x), want, 1e-5, "per-device batch norm")
+
+
 def test_export_round_trip(rng):
     x, (scale, bias), stats, _ = _inputs(rng, (4, 3, 8), -1, jnp.float32)
     f = jax.jit(jax.grad(lambda x: jnp.sum(_ours(x, scale, bias, None, stats) ** 2)))
