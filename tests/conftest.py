@@ -40,3 +40,12 @@ def rng(request):
     print(f"{request.node.nodeid}: JAXDNN_TEST_SEED={seed}")
     request.node.user_properties.append(("seed", seed))
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="module")
+def devices():
+    """The 4 CPU devices of the sharding tests (see _DEVICES_FLAG above)."""
+    devs = jax.devices("cpu")[:4]
+    if len(devs) < 4:
+        pytest.skip("needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
+    return devs

@@ -86,10 +86,7 @@ def test_hlo_holds_the_custom_calls(rng):
     assert "jaxdnn_activation_fwd_v1" in hlo and "jaxdnn_activation_bwd_v1" in hlo
 
 
-def test_sharded_runs_per_shard(rng):
-    devices = jax.devices("cpu")[:4]
-    if len(devices) < 4:
-        pytest.skip("needs 4 CPU devices")
+def test_sharded_runs_per_shard(rng, devices):
     mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("b", "m"))
     spec = NamedSharding(mesh, P("b", "m"))  # elementwise: the last axis may be sharded too
     x, ct = (jax.device_put(normal(rng, (8, 64)), spec) for _ in range(2))

@@ -197,10 +197,7 @@ def test_deterministic(rng):
         np.testing.assert_array_equal(a, b)
 
 
-def test_batch_sharded_uses_global_statistics(rng):
-    devices = jax.devices("cpu")[:4]
-    if len(devices) < 4:
-        pytest.skip("needs 4 CPU devices")
+def test_batch_sharded_uses_global_statistics(rng, devices):
     mesh = jax.sharding.Mesh(np.array(devices), ("b",))
     x, (scale, bias), stats, residual = _inputs(rng, (8, 5, 5, 16), -1, jnp.float32, residual=True)
     ct = normal(rng, x.shape)
@@ -223,10 +220,9 @@ def test_batch_sharded_uses_global_statistics(rng):
     assert out.sharding.spec[0] == "b"
 
 
-def test_explicit_mesh_uses_global_statistics(rng):
-    devices = jax.devices("cpu")[:4]
-    if len(devices) < 4 or not hasattr(jax.sharding, "AxisType"):
-        pytest.skip("needs 4 CPU devices and Explicit mesh axes")
+def test_explicit_mesh_uses_global_statistics(rng, devices):
+    if not hasattr(jax.sharding, "AxisType"):
+        pytest.skip("needs Explicit mesh axes")
     mesh = jax.make_mesh((4,), ("b",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
     x, (scale, bias), stats, residual = _inputs(rng, (8, 3, 4, 16), -1, jnp.float32, residual=True)
     ct = normal(rng, x.shape)
@@ -245,11 +241,8 @@ def test_explicit_mesh_uses_global_statistics(rng):
     assert_close(new_var, want_stats[2], 1e-5, "running var")
 
 
-def test_inside_shard_map_statistics_are_per_device(rng):
+def test_inside_shard_map_statistics_are_per_device(rng, devices):
     """Called by the user inside shard_map, batch_norm sees one device's rows (as stock code would)."""
-    devices = jax.devices("cpu")[:4]
-    if len(devices) < 4:
-        pytest.skip("needs 4 CPU devices")
     mesh = jax.sharding.Mesh(np.array(devices), ("b",))
     x, (scale, bias), stats, _ = _inputs(rng, (8, 5, 16), -1, jnp.float32)
     per_device = jax.shard_map(lambda x: _ours(x, scale, bias, None, stats), mesh=mesh, in_specs=P("b"),

@@ -223,14 +223,6 @@ def test_grad_of_grad_checkpoint_scan(rng):
 
 # --- sharding and export ----------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def devices():
-    devs = jax.devices("cpu")[:4]
-    if len(devs) < 4:
-        pytest.skip("needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
-    return devs
-
-
 def _custom_call_lines(hlo, target):
     return [line for line in hlo.splitlines() if f'custom_call_target="{target}"' in line]
 

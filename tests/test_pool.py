@@ -182,14 +182,6 @@ def test_argmax_is_uint8_up_to_256_window_elements(rng):
         assert fwd and all(f"tensor<1x1x{21 - window[0]}x{21 - window[1]}x4x{dtype}>" in line for line in fwd)
 
 
-@pytest.fixture(scope="module")
-def devices():
-    devs = jax.devices("cpu")[:4]
-    if len(devs) < 4:
-        pytest.skip("needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
-    return devs
-
-
 def _mesh(kind, devices):
     if kind == "mesh":
         return jax.sharding.Mesh(np.array(devices), ("b",))

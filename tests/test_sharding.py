@@ -16,14 +16,6 @@ op_param = pytest.mark.parametrize("op", OPS, ids=repr)
 HLO_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
-@pytest.fixture(scope="module")
-def devices():
-    devs = jax.devices("cpu")[:4]
-    if len(devs) < 4:
-        pytest.skip("needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
-    return devs
-
-
 def _make_mesh(kind, devices):
     """(mesh, x shape, x spec, per-shard x shape, whether to enter the mesh as a context)."""
     if kind == "mesh_1d":

@@ -106,10 +106,7 @@ def test_hlo_holds_the_custom_calls(op, oracle, log, rng):
 
 
 @op_param
-def test_batch_sharded_runs_per_shard(op, oracle, log, rng):
-    devices = jax.devices("cpu")[:4]
-    if len(devices) < 4:
-        pytest.skip("needs 4 CPU devices")
+def test_batch_sharded_runs_per_shard(op, oracle, log, rng, devices):
     mesh = jax.sharding.Mesh(np.array(devices), ("b",))
     x = jax.device_put(normal(rng, (8, 6, 64)), NamedSharding(mesh, P("b")))
     ct = jax.device_put(normal(rng, (8, 6, 64)), NamedSharding(mesh, P("b")))

@@ -87,7 +87,8 @@ struct StatsOp {
   }
 };
 
-struct BwdSumsOp {
+// The per-channel affine and activation of the other stages: pre = a (x - mean) + bias [+ residual].
+struct Affine {
   const float *a, *mean, *bias;
   int64_t act;
   float param;
@@ -100,6 +101,9 @@ struct BwdSumsOp {
     LoadChannels<V>(bias + c, step, ch.bias);
     return ch;
   }
+};
+
+struct BwdSumsOp : Affine {
   template <int V>
   __device__ float2 Terms(const Channels<V>& ch, int k, float dy, float x, float r) const {
     const float g = BatchNormGrad(dy, x, ch.a[k], ch.mean[k], ch.bias[k], r, act, param);
@@ -203,19 +207,7 @@ __global__ void SumPartialsKernel(const float* __restrict__ partials, int blocks
 }
 
 // The elementwise stages: y = act(pre), or dx = a g + k1 (x - mean) + k0 and dresidual = g.
-struct FwdOp {
-  const float *a, *mean, *bias;
-  int64_t act;
-  float param;
-  template <int V> struct Channels { float a[V], mean[V], bias[V]; };
-  template <int V>
-  __device__ Channels<V> Load(int64_t c, int step) const {
-    Channels<V> ch;
-    LoadChannels<V>(a + c, step, ch.a);
-    LoadChannels<V>(mean + c, step, ch.mean);
-    LoadChannels<V>(bias + c, step, ch.bias);
-    return ch;
-  }
+struct FwdOp : Affine {
   template <int V>
   __device__ void Apply(const Channels<V>& ch, const float (&dy)[V], const float (&x)[V], const float (&r)[V],
                         float (&out)[V], float (&out2)[V]) const {
@@ -224,17 +216,13 @@ struct FwdOp {
   }
 };
 
-struct BwdDxOp {
-  const float *a, *mean, *bias, *k1, *k0;
-  int64_t act;
-  float param;
-  template <int V> struct Channels { float a[V], mean[V], bias[V], k1[V], k0[V]; };
+struct BwdDxOp : Affine {
+  const float *k1, *k0;
+  template <int V> struct Channels : Affine::Channels<V> { float k1[V], k0[V]; };
   template <int V>
   __device__ Channels<V> Load(int64_t c, int step) const {
     Channels<V> ch;
-    LoadChannels<V>(a + c, step, ch.a);
-    LoadChannels<V>(mean + c, step, ch.mean);
-    LoadChannels<V>(bias + c, step, ch.bias);
+    static_cast<Affine::Channels<V>&>(ch) = Affine::Load<V>(c, step);
     LoadChannels<V>(k1 + c, step, ch.k1);
     LoadChannels<V>(k0 + c, step, ch.k0);
     return ch;
@@ -409,7 +397,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> 
     const T* xp = static_cast<const T*>(x.untyped_data());
     const T* rp = DataOrNull<T>(residual);
     T* yp = static_cast<T*>(y->untyped_data());
-    const FwdOp op{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param};
+    const FwdOp op{{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param}};
     auto launch = [&](auto vec) {
       return LaunchApply<T, decltype(vec)::value>(stream, nullptr, xp, rp, op, s, yp, nullptr, "batch_norm forward");
     };
@@ -437,7 +425,7 @@ ffi::Error BwdSumsImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
     const T* gp = static_cast<const T*>(dy.untyped_data());
     const T* xp = static_cast<const T*>(x.untyped_data());
     const T* rp = DataOrNull<T>(residual);
-    const BwdSumsOp op{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param};
+    const BwdSumsOp op{{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param}};
     auto launch = [&](auto vec) {
       return LaunchSums<T, decltype(vec)::value>(stream, gp, xp, rp, op, s, workspace->typed_data(), blocks,
                                                  sg->typed_data(), sgx->typed_data(), "batch_norm backward sums");
@@ -466,8 +454,8 @@ ffi::Error BwdDxImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, f
     const T* rp = DataOrNull<T>(residual);
     T* dxp = static_cast<T*>(dx->untyped_data());
     T* drp = dresidual.has_value() ? static_cast<T*>((*dresidual)->untyped_data()) : nullptr;
-    const BwdDxOp op{a.typed_data(), mean.typed_data(), bias.typed_data(), k1.typed_data(), k0.typed_data(), act,
-                     param};
+    const BwdDxOp op{{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param}, k1.typed_data(),
+                     k0.typed_data()};
     auto launch = [&](auto vec) {
       return LaunchApply<T, decltype(vec)::value>(stream, gp, xp, rp, op, s, dxp, drp, "batch_norm backward dx");
     };

@@ -44,6 +44,12 @@ Initializer = Any
 Axes = Any
 
 
+def _param(create: bool, init, rngs, shape, dtype, metadata):
+    """An ``nnx.Param`` made by ``init``, as the stock modules make ``scale``/``bias``, or an empty
+    slot (``nnx.data(None)``) when ``create`` is False."""
+    return nnx.Param(init(rngs.params(), shape, dtype), **metadata) if create else nnx.data(None)
+
+
 def _normalize(fn, module: str, x, params, *, reduction_axes, feature_axes,
                epsilon, mask):
     """Runs kernel ``fn`` on ``x`` and ``params``, already promoted by promote_dtype."""
@@ -115,18 +121,8 @@ class LayerNorm(nnx.Module):
                        feature_axes=feature_axes, axis_name=axis_name,
                        axis_index_groups=axis_index_groups)
         feature_shape = (num_features,)
-        self.scale: nnx.Param[jax.Array] | None
-        if use_scale:
-            self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype),
-                                   **scale_metadata)
-        else:
-            self.scale = nnx.data(None)
-        self.bias: nnx.Param[jax.Array] | None
-        if use_bias:
-            self.bias = nnx.Param(bias_init(rngs.params(), feature_shape, param_dtype),
-                                  **bias_metadata)
-        else:
-            self.bias = nnx.data(None)
+        self.scale = _param(use_scale, scale_init, rngs, feature_shape, param_dtype, scale_metadata)
+        self.bias = _param(use_bias, bias_init, rngs, feature_shape, param_dtype, bias_metadata)
 
         self.num_features = num_features
         self.epsilon = epsilon
@@ -198,12 +194,7 @@ class RMSNorm(nnx.Module):
                        feature_axes=feature_axes, axis_name=axis_name,
                        axis_index_groups=axis_index_groups)
         feature_shape = (num_features,)
-        self.scale: nnx.Param[jax.Array] | None
-        if use_scale:
-            self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype),
-                                   **scale_metadata)
-        else:
-            self.scale = nnx.data(None)
+        self.scale = _param(use_scale, scale_init, rngs, feature_shape, param_dtype, scale_metadata)
 
         self.num_features = num_features
         self.epsilon = epsilon
@@ -265,18 +256,8 @@ class BatchNorm(nnx.Module):
         feature_shape = (num_features,)
         self.mean = nnx.BatchStat(jnp.zeros(feature_shape, jnp.float32))
         self.var = nnx.BatchStat(jnp.ones(feature_shape, jnp.float32))
-        self.scale: nnx.Param[jax.Array] | None
-        if use_scale:
-            self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype),
-                                   **scale_metadata)
-        else:
-            self.scale = nnx.data(None)
-        self.bias: nnx.Param[jax.Array] | None
-        if use_bias:
-            self.bias = nnx.Param(bias_init(rngs.params(), feature_shape, param_dtype),
-                                  **bias_metadata)
-        else:
-            self.bias = nnx.data(None)
+        self.scale = _param(use_scale, scale_init, rngs, feature_shape, param_dtype, scale_metadata)
+        self.bias = _param(use_bias, bias_init, rngs, feature_shape, param_dtype, bias_metadata)
         self.num_features = num_features
         self.use_running_average = use_running_average
         self.axis = axis
@@ -371,18 +352,8 @@ class GroupNorm(nnx.Module):
         self.num_groups = _group_count("flax.nnx.GroupNorm", num_groups, group_size, num_features)
         self.group_size = num_features // self.num_groups
         feature_shape = (num_features,)
-        self.scale: nnx.Param[jax.Array] | None
-        if use_scale:
-            self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype),
-                                   **scale_metadata)
-        else:
-            self.scale = nnx.data(None)
-        self.bias: nnx.Param[jax.Array] | None
-        if use_bias:
-            self.bias = nnx.Param(bias_init(rngs.params(), feature_shape, param_dtype),
-                                  **bias_metadata)
-        else:
-            self.bias = nnx.data(None)
+        self.scale = _param(use_scale, scale_init, rngs, feature_shape, param_dtype, scale_metadata)
+        self.bias = _param(use_bias, bias_init, rngs, feature_shape, param_dtype, bias_metadata)
 
         self.num_features = num_features
         self.epsilon = epsilon
