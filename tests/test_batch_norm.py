@@ -81,6 +81,16 @@ def test_fused_bf16_and_f16(dtype, rng):
            tol=tolerance(dtype), grad_tol=tolerance(dtype, grad=True))
 
 
+@pytest.mark.parametrize("shape,axis,dtype", [
+    ((6, 4096), -1, jnp.bfloat16), ((5, 4100), -1, jnp.float32), ((2, 3000, 24), 1, jnp.float32),
+    ((300, 8, 2), 1, jnp.bfloat16)], ids=["C4096-bf16", "C4100-f32", "C3000-first", "O300-first-I2"])
+def test_wide_channels_and_many_rows(shape, axis, dtype, rng):
+    """Channel counts past one block of channel packs (CUDA grid y > 1) and long runs of rows."""
+    x, params, stats, res = _inputs(rng, shape, axis, dtype, residual=True)
+    _check(x, params, stats, res, normal(rng, shape, dtype), training=True, axis=axis, activation="relu",
+           tol=tolerance(dtype), grad_tol=tolerance(dtype, grad=True))
+
+
 def test_large_mean_keeps_the_variance(rng):
     """Data far from zero: the sums are taken about the running mean, so the variance does not cancel
     once the running mean is near the batch mean."""
