@@ -2,6 +2,8 @@
 # The one command for a GPU run: build + install jaxdnn, run the test suite on the GPU, run every
 # benchmark. Logs (build.log, tests.log, bench.log) and the results JSON go to RESULTS_DIR.
 #   usage: benchmarks/gpu_check.sh RESULTS_DIR
+# To spend less device time: JAXDNN_TESTS="tests/test_pool.py ..." (default: tests) and
+# JAXDNN_FAMILIES="pool batch_norm" (default: all) narrow the tests and the benchmarks.
 # Keeps going after a failure so the benchmarks still run; exits non-zero if any step failed.
 set -uo pipefail
 mkdir -p "${1:?usage: $0 RESULTS_DIR}" && out=$(cd "$1" && pwd) || exit 2
@@ -21,8 +23,10 @@ python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
 # -P: do not put the cwd (the source folder jaxdnn/) ahead of the installed package on sys.path.
 python3 -P -c 'import jaxdnn; print("jaxdnn from", jaxdnn.__file__); assert jaxdnn.has_cuda_kernels()' \
   || failed+=(cuda-kernels)
-python3 -P -m pytest tests -q -p no:cacheprovider 2>&1 | tee "$out/tests.log" || failed+=(tests)
-python3 benchmarks/run.py --family all --out "$out" 2>&1 | tee "$out/bench.log" || failed+=(benchmarks)
+# shellcheck disable=SC2086  # the lists are meant to split into words
+python3 -P -m pytest ${JAXDNN_TESTS:-tests} -q -p no:cacheprovider 2>&1 | tee "$out/tests.log" || failed+=(tests)
+python3 benchmarks/run.py --family ${JAXDNN_FAMILIES:-all} --out "$out" 2>&1 | tee "$out/bench.log" \
+  || failed+=(benchmarks)
 
 if ((${#failed[@]})); then echo "gpu_check: FAILED: ${failed[*]}" >&2; exit 1; fi
 echo "gpu_check: all passed; results in $out"

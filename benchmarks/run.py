@@ -1,6 +1,7 @@
 """Benchmarks for jaxdnn: every case timed against its XLA peer, in one process, on the same inputs.
 
     python benchmarks/run.py --family norm --out benchmarks/results [--repeats 20] [--quick]
+    python benchmarks/run.py --family pool batch_norm --out RESULTS_DIR
     python benchmarks/run.py --family all  --out RESULTS_DIR
 
 Conventions (see ARCHITECTURE.md, "Benchmarks"):
@@ -473,7 +474,8 @@ def print_table(records: list[dict[str, Any]]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", required=True, choices=[*FAMILIES, "all"])
+    parser.add_argument("--family", required=True, nargs="+", choices=[*FAMILIES, "all"],
+                        help="one or more families, or all")
     parser.add_argument("--out", required=True, help="results folder")
     parser.add_argument(
         "--repeats", type=int, default=None, help="timed repeats (default 20, --quick 3)"
@@ -513,7 +515,7 @@ def main() -> int:
         print(f"{r['case']}: {r['value']:.1f} {r['metric']}", flush=True)
 
     failures = 0
-    for family in FAMILIES if args.family == "all" else [args.family]:
+    for family in FAMILIES if "all" in args.family else dict.fromkeys(args.family):
         for case in FAMILIES[family](args.quick):
             try:
                 if not uses_jaxdnn(case.fn, case.arg_sets[0]):
