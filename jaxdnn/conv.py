@@ -330,3 +330,65 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
     y = per_row_shard(lambda x, w: _fprop(x, *match_varying(x, w), conv), x, w, whole_axes=4)
     y = y.reshape(y.shape[:1] + tuple(out_spatial) + y.shape[-1:])
     return _permute(y, np.argsort(out_perm))
+
+
+def _transpose_pads(window, stride, padding):
+    """(low, high) padding of the lhs-dilated input for a transposed convolution on one axis, as
+    lax.conv_transpose: 'SAME'/'VALID' (or a forward (low, high) pair under consistent padding) name
+    the padding of the forward convolution it transposes."""
+    if padding == "SAME":
+        total = window + stride - 2
+        low = window - 1 if stride > window - 1 else -(-total // 2)
+    elif padding == "VALID":
+        total = window + stride - 2 + max(window - stride, 0)
+        low = window - 1
+    else:
+        low, high = window - 1 - padding[0], window - 1 - padding[1]
+        total = low + high
+    return low, total - low
+
+
+_TRANSPOSE_LAYOUTS = {3: ("NHC", "HIO", "NHC"), 4: ("NHWC", "HWIO", "NHWC"), 5: ("NHWDC", "HWDIO", "NHWDC")}
+
+
+def conv_transpose(lhs, rhs, strides, padding, rhs_dilation=None, dimension_numbers=None,
+                   transpose_kernel=False, precision=None, preferred_element_type=None,
+                   use_consistent_padding=False):
+    """A transposed ("fractionally strided") convolution, as `jax.lax.conv_transpose`: lhs dilated by
+    `strides` and convolved with stride 1 by `conv_general_dilated`'s kernels.
+
+    Args:
+      lhs, rhs: as `conv_general_dilated`; the default `dimension_numbers` is channels last (NHC/HIO,
+        NHWC/HWIO, NHWDC/HWDIO), as lax's.
+      strides: the fractional stride per spatial axis (the lhs dilation).
+      padding: "SAME" or "VALID" (the padding of the forward convolution this transposes), or
+        (low, high) pairs: of the transposed convolution itself, or of the forward one when
+        `use_consistent_padding` (PyTorch's convention).
+      rhs_dilation, precision, preferred_element_type: as `conv_general_dilated`.
+      transpose_kernel: flip the window and swap rhs's input and output feature axes (Keras'
+        Conv2DTranspose on the same kernel).
+
+    Returns:
+      The transposed convolution, in lhs's dtype. Differentiable to any order; not with `jax.jvp`.
+    """
+    lhs, rhs = (a if hasattr(a, "shape") and hasattr(a, "dtype") else jnp.asarray(a) for a in (lhs, rhs))
+    _check_operands(lhs, rhs, preferred_element_type)
+    if dimension_numbers is None:
+        dimension_numbers = _TRANSPOSE_LAYOUTS[lhs.ndim]
+    numbers = _dimension_numbers(lhs, rhs, dimension_numbers)
+    spatial = lhs.ndim - 2
+    strides = _ints("strides", strides, spatial, 1)
+    rhs_dilation = (1,) * spatial if rhs_dilation is None else _ints("rhs_dilation", rhs_dilation, spatial, 1)
+    if use_consistent_padding or isinstance(padding, str):
+        if isinstance(padding, str):
+            if padding not in ("SAME", "VALID"):
+                raise ValueError("conv_transpose: padding must be 'SAME', 'VALID' or a sequence of (low, "
+                                 f"high) pairs, got {padding!r}")
+            padding = (padding,) * spatial
+        window = [_dilate(rhs.shape[axis], d) for axis, d in zip(numbers.rhs_spec[2:], rhs_dilation)]
+        padding = tuple(_transpose_pads(k, s, p) for k, s, p in zip(window, strides, padding))
+    if transpose_kernel:
+        rhs = jnp.flip(rhs, tuple(numbers.rhs_spec[2:])).swapaxes(numbers.rhs_spec[0], numbers.rhs_spec[1])
+    return conv_general_dilated(lhs, rhs, (1,) * spatial, padding, lhs_dilation=strides,
+                                rhs_dilation=rhs_dilation, dimension_numbers=numbers, precision=precision,
+                                preferred_element_type=preferred_element_type)

@@ -294,3 +294,33 @@ def test_precision_and_preferred_type_are_accepted(rng):
     reference = jaxdnn.reference.conv_general_dilated(lhs, rhs, **kwargs)
     assert reference.dtype == jnp.bfloat16
     assert_close(reference, _oracle(kwargs, lhs, rhs)[0], tolerance(jnp.bfloat16), "reference")
+
+
+# (lhs shape, rhs shape, kwargs of conv_transpose).
+TRANSPOSE_CASES = [
+    ((2, 5, 6, 4), (3, 3, 4, 6), dict(strides=(2, 2), padding="SAME")),
+    ((2, 5, 6, 4), (4, 3, 4, 3), dict(strides=(2, 3), padding="VALID", rhs_dilation=(1, 2))),
+    ((2, 5, 6, 4), (3, 3, 6, 4), dict(strides=(2, 2), padding="SAME", transpose_kernel=True)),
+    ((2, 5, 6, 4), (3, 3, 4, 5), dict(strides=(2, 1), padding=((1, 2), (0, 1)))),
+    ((2, 5, 6, 4), (3, 3, 4, 5), dict(strides=(2, 2), padding=((1, 1), (1, 0)), use_consistent_padding=True)),
+    ((2, 7, 3), (4, 3, 5), dict(strides=(3,), padding="SAME")),
+    ((1, 3, 4, 5, 2), (2, 3, 2, 2, 3), dict(strides=(2, 1, 2), padding="VALID")),
+    ((2, 4, 6, 5), (3, 4, 3, 3), dict(strides=(2, 2), padding="SAME",
+                                      dimension_numbers=("NCHW", "OIHW", "NCHW"))),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", TRANSPOSE_CASES, ids=str)
+def test_conv_transpose(dtype, lhs_shape, rhs_shape, kwargs, rng):
+    op, oracle = _op(jaxdnn.conv_transpose, kwargs), _op(lax.conv_transpose, kwargs)
+    lhs, rhs = normal(rng, lhs_shape, dtype), normal(rng, rhs_shape, dtype, scale=0.5)
+    y = jax.jit(op)(lhs, rhs)
+    want_y, pullback = jax.vjp(oracle, f64(lhs), f64(rhs))
+    assert y.shape == want_y.shape and y.dtype == lhs.dtype
+    assert_close(y, want_y, tolerance(dtype), "forward")
+    cotangent = normal(rng, y.shape, dtype)
+    got, want = _vjp(op, lhs, rhs, cotangent), pullback(f64(cotangent))
+    assert_close(got[0], want[0], tolerance(dtype, grad=True), "grad lhs")
+    assert_close(got[1], want[1], tolerance(dtype, grad=True), "grad rhs")
+    assert "jaxdnn_conv_fprop_v1" in jax.jit(op).lower(lhs, rhs).as_text()
