@@ -1,192 +1,74 @@
-"""Convolution with `lax.conv_general_dilated`'s signature and meaning: `conv_general_dilated`.
+"""Convolution: `conv_general_dilated` and `conv_transpose` with lax's signatures and meaning, and
+`conv` (flax-style NHWC / HWIO) with a fused bias, residual and activation epilogue.
 
-Shapes: the kernels see one canonical layout, batch first and channels last, 3-D:
-  x [N, D, H, W, C]  *  w [T, U, V, Cg, K]  ->  y [N, P, Q, R, K]
-with G feature groups (C = G * Cg, K = G * Kg; output feature k reads the input channels of group
-k // Kg). Any `dimension_numbers` is transposed to that layout and back (channels-last operands,
-NHWC / HWIO / NHWC and their 1-D and 3-D forms, need no transpose), and 1-D and 2-D convolutions get
-size-1 spatial axes in front. `batch_group_count` B is rewritten as B feature groups over the batch
-split in B (as XLA does). Every stage accumulates in float32 and writes the operands' dtype.
+Shapes: the kernels see one canonical layout, batch first and channels last, 3-D (see
+jaxdnn/_conv_kernels.py): x [N, D, H, W, C] * w [T, U, V, Cg, K] -> y [N, P, Q, R, K], G feature
+groups (C = G * Cg, K = G * Kg). Any `dimension_numbers` is transposed to that layout and back
+(channels-last operands, NHWC / HWIO / NHWC and their 1-D and 3-D forms, need no transpose), and
+1-D and 2-D convolutions get size-1 spatial axes in front. `batch_group_count` B is rewritten as B
+feature groups over the batch split in B (as XLA does). Every stage accumulates in float32 and
+writes the operands' dtype.
 
-Three kernel stages (FFI targets, see ffi/conv/conv.h): fprop (the forward), dgrad (the gradient
-w.r.t. x) and wgrad (the gradient w.r.t. w). They are bilinear and each one's VJP is made of the
-other two, so every order of reverse-mode derivatives (gradient penalties, grad of grad) runs on the
-kernels. Forward-mode `jax.jvp` is not provided (custom_vjp).
+Differentiable with `jax.grad`/`jax.vjp` to any order (every derivative runs on the fprop, dgrad
+and wgrad kernels); forward-mode `jax.jvp` is not provided (custom_vjp).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 
-from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
-from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front, per_row_shard
+from jaxdnn._conv_kernels import Conv, Epilogue, fprop, fused, stack_features
+from jaxdnn._primitive import explicit_row_sharding, match_varying, per_row_shard
+from jaxdnn.activation import epilogue
 
 _FLOAT_TYPES = [jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Conv:
-    """A convolution on the kernels' 3-D form (axes d, h, w); hashable, a static argument."""
-    in_spatial: tuple[int, int, int]   # D H W
-    out_spatial: tuple[int, int, int]  # P Q R
-    window: tuple[int, int, int]       # T U V
-    strides: tuple[int, int, int]
-    pads: tuple[int, int, int]         # low padding (may be negative); the high one shows in P Q R
-    lhs_dilation: tuple[int, int, int]
-    rhs_dilation: tuple[int, int, int]
-    groups: int
-
-    def attrs(self) -> dict:
-        """The targets' attributes (int64, see ffi/conv/conv.h)."""
-        values = {"in": self.in_spatial, "out": self.out_spatial, "window": self.window,
-                  "stride": self.strides, "pad": self.pads, "lhs_dilation": self.lhs_dilation,
-                  "rhs_dilation": self.rhs_dilation}
-        attrs = {f"{name}_{axis}": np.int64(v[i])
-                 for name, v in values.items() for i, axis in enumerate("dhw")}
-        attrs["groups"] = np.int64(self.groups)
-        return attrs
-
-
-def _spatial(attrs, prefix):
-    return tuple(int(attrs[f"{prefix}_{axis}"]) for axis in "dhw")
-
-
-# --- the kernel stages ----------------------------------------------------------------------------
-
-def _fprop_avals(x, w, **attrs):
-    return [jax.core.ShapedArray((x.shape[0],) + _spatial(attrs, "out") + (w.shape[-1],), x.dtype)]
-
-
-def _dgrad_avals(dy, w, **attrs):
-    channels = int(attrs["groups"]) * w.shape[3]
-    return [jax.core.ShapedArray((dy.shape[0],) + _spatial(attrs, "in") + (channels,), dy.dtype)]
-
-
-def _wgrad_avals(x, dy, **attrs):
-    group_channels = x.shape[-1] // int(attrs["groups"])
-    return [jax.core.ShapedArray(_spatial(attrs, "window") + (group_channels, dy.shape[-1]), x.dtype)]
-
-
-def _stack_features(a, size):
-    """[B, ..., F] -> [..., B * F]: the vmapped copies side by side as feature groups."""
-    return jnp.moveaxis(a, 0, -2).reshape(a.shape[1:-1] + (size * a.shape[-1],))
-
-
-def _unstack_features(a, size):
-    """[..., B * F] -> [B, ..., F]: the inverse of _stack_features."""
-    return jnp.moveaxis(a.reshape(a.shape[:-1] + (size, a.shape[-1] // size)), -2, 0)
-
-
-def _batch_rule(prim, args, dims, *, fold_into_batch, **attrs):
-    """Batching of a stage (a, b) -> out. When only the batch-major operand `a` is vmapped (and the
-    stage allows it, `fold_into_batch`), the vmapped axis joins N. Otherwise each vmapped copy becomes
-    its own set of feature groups: channels, filters and outputs of the B copies side by side, B * G
-    groups (unbatched operands are broadcast first)."""
-    (a, b), (a_dim, b_dim) = args, dims
-    size = a.shape[a_dim] if a_dim is not None else b.shape[b_dim]
-    if fold_into_batch and b_dim is None:
-        a = jnp.moveaxis(a, a_dim, 0)
-        out = prim.bind(a.reshape((-1,) + a.shape[2:]), b, **attrs)[0]
-        return [out.reshape((size, -1) + out.shape[1:])], [0]
-    a, b = move_to_front(a, a_dim, size), move_to_front(b, b_dim, size)
-    attrs = dict(attrs, groups=np.int64(size * int(attrs["groups"])))
-    out = prim.bind(_stack_features(a, size), _stack_features(b, size), **attrs)[0]
-    return [_unstack_features(out, size)], [0]
-
-
-def _stage(name, result_avals, rule, fold_into_batch, **kwargs):
-    return ffi_primitive(f"jaxdnn_conv_{name}", f"jaxdnn_conv_{name}_v1", result_avals=result_avals,
-                         sharding_rule=rule,
-                         batch_rule=functools.partial(_batch_rule, fold_into_batch=fold_into_batch), **kwargs)
-
-
-# `...` is N: a batch-sharded x or dy runs per shard; the filter is replicated and its gradient is
-# summed over the shards. Every other axis has its own factor (their sizes differ between operands).
-_fprop_stage = _stage("fprop", _fprop_avals, "... d h w c, t u v i k -> ... p q r o", True)
-_dgrad_stage = _stage("dgrad", _dgrad_avals, "... p q r k, t u v i o -> ... d h w c", True)
-_wgrad_stage = _stage("wgrad", _wgrad_avals, "... d h w c, ... p q r k -> t u v i o", False,
-                      reduced_results=(0,))
-
-
-# --- three bilinear stages, each differentiated by the other two ---------------------------------
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fprop(x, w, conv):
-    return _fprop_stage.bind(x, w, **conv.attrs())[0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _dgrad(dy, w, conv):
-    return _dgrad_stage.bind(dy, w, **conv.attrs())[0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _wgrad(x, dy, conv):
-    return _wgrad_stage.bind(x, dy, **conv.attrs())[0]
-
-
-def _fprop_bwd(conv, residuals, dy):
-    x, w = residuals
-    return _dgrad(dy, w, conv), _wgrad(x, dy, conv)
-
-
-def _dgrad_bwd(conv, residuals, ddx):
-    dy, w = residuals  # dgrad(dy, w) = fprop's transpose in x: <ddx, dgrad(dy, w)> = <fprop(ddx, w), dy>
-    return _fprop(ddx, w, conv), _wgrad(ddx, dy, conv)
-
-
-def _wgrad_bwd(conv, residuals, ddw):
-    x, dy = residuals  # <ddw, wgrad(x, dy)> = <fprop(x, ddw), dy>
-    return _dgrad(dy, ddw, conv), _fprop(x, ddw, conv)
-
-
-_fprop.defvjp(lambda x, w, conv: (_fprop(x, w, conv), (x, w)), _fprop_bwd)
-_dgrad.defvjp(lambda dy, w, conv: (_dgrad(dy, w, conv), (dy, w)), _dgrad_bwd)
-_wgrad.defvjp(lambda x, dy, conv: (_wgrad(x, dy, conv), (x, dy)), _wgrad_bwd)
-
-
 # --- argument checks ------------------------------------------------------------------------------
 
-def _ints(name, values, length, minimum):
+def _ints(fn, name, values, length, minimum):
     try:
         values = tuple(operator.index(v) for v in values)
     except TypeError:
-        raise TypeError(f"conv_general_dilated: {name} must be a sequence of ints, got {values!r}") from None
+        raise TypeError(f"{fn}: {name} must be a sequence of ints, got {values!r}") from None
     if len(values) != length:
-        raise ValueError(f"conv_general_dilated: {name} must have {length} entries (one per spatial axis), "
+        raise ValueError(f"{fn}: {name} must have {length} entries (one per spatial axis), "
                          f"got {values}")
     if any(v < minimum for v in values):
-        raise ValueError(f"conv_general_dilated: {name} entries must be >= {minimum}, got {values}")
+        raise ValueError(f"{fn}: {name} entries must be >= {minimum}, got {values}")
     return values
 
 
-def _count(name, value):
+def _count(fn, name, value):
     try:
         value = operator.index(value)
     except TypeError:
-        raise TypeError(f"conv_general_dilated: {name} must be an int, got {value!r}") from None
+        raise TypeError(f"{fn}: {name} must be an int, got {value!r}") from None
     if value < 1:
-        raise ValueError(f"conv_general_dilated: {name} must be >= 1, got {value}")
+        raise ValueError(f"{fn}: {name} must be >= 1, got {value}")
     return value
+
+
+def _dilations(fn, name, values, spatial):
+    return (1,) * spatial if values is None else _ints(fn, name, values, spatial, 1)
 
 
 def _dilate(size, dilation):
     return 0 if size == 0 else (size - 1) * dilation + 1
 
 
-def _pads(padding, in_spatial, window, strides, lhs_dilation, rhs_dilation):
+def _pads(fn, padding, in_spatial, window, strides, lhs_dilation, rhs_dilation):
     """(low, high) per spatial axis from "SAME", "SAME_LOWER", "VALID" or explicit pairs (negative
     ones crop, as in lax); strings pad the dilated shapes, as lax does."""
     if isinstance(padding, str):
         if padding.upper() not in ("SAME", "SAME_LOWER", "VALID"):
-            raise ValueError("conv_general_dilated: padding must be 'SAME', 'SAME_LOWER', 'VALID' or a "
+            raise ValueError(f"{fn}: padding must be 'SAME', 'SAME_LOWER', 'VALID' or a "
                              f"sequence of (low, high) pairs, got {padding!r}")
         return tuple(tuple(int(p) for p in pair) for pair in lax.padtype_to_pads(
             tuple(map(_dilate, in_spatial, lhs_dilation)), tuple(map(_dilate, window, rhs_dilation)), strides,
@@ -194,63 +76,121 @@ def _pads(padding, in_spatial, window, strides, lhs_dilation, rhs_dilation):
     try:
         pads = tuple((operator.index(lo), operator.index(hi)) for lo, hi in padding)
     except (TypeError, ValueError):
-        raise TypeError("conv_general_dilated: padding must be a string or a sequence of (low, high) int "
+        raise TypeError(f"{fn}: padding must be a string or a sequence of (low, high) int "
                         f"pairs, got {padding!r}") from None
     if len(pads) != len(in_spatial):
-        raise ValueError(f"conv_general_dilated: padding must have {len(in_spatial)} (low, high) pairs "
+        raise ValueError(f"{fn}: padding must have {len(in_spatial)} (low, high) pairs "
                          f"(one per spatial axis), got {pads}")
     return pads
 
 
-def _dimension_numbers(lhs, rhs, dimension_numbers):
+def _dimension_numbers(fn, lhs, rhs, dimension_numbers):
     try:
         return lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
     except (TypeError, ValueError, AssertionError) as error:
-        raise ValueError(f"conv_general_dilated: bad dimension_numbers {dimension_numbers!r} for lhs of "
+        raise ValueError(f"{fn}: bad dimension_numbers {dimension_numbers!r} for lhs of "
                          f"shape {lhs.shape} and rhs of shape {rhs.shape}: {error}") from None
 
 
-def _check_operands(lhs, rhs, preferred_element_type):
-    for name, a in (("lhs", lhs), ("rhs", rhs)):
+def _operand_names(fn):
+    """How `fn`'s messages name its input and filter: lax's lhs / rhs, or conv's x / w."""
+    return ("x", "w") if fn == "conv" else ("lhs", "rhs")
+
+
+def _check_operands(fn, lhs, rhs, preferred_element_type):
+    lhs_name, rhs_name = _operand_names(fn)
+    for name, a in ((lhs_name, lhs), (rhs_name, rhs)):
         if a.dtype not in _FLOAT_TYPES:
-            raise TypeError(f"conv_general_dilated: {name} must be float32, bfloat16 or float16, got "
-                            f"{a.dtype}")
+            raise TypeError(f"{fn}: {name} must be float32, bfloat16 or float16, got {a.dtype}")
     if lhs.dtype != rhs.dtype:
-        raise TypeError(f"conv_general_dilated: lhs and rhs must have the same dtype, got {lhs.dtype} and "
+        raise TypeError(f"{fn}: {lhs_name} and {rhs_name} must have the same dtype, got {lhs.dtype} and "
                         f"{rhs.dtype}")
     if preferred_element_type is not None and jnp.dtype(preferred_element_type) != lhs.dtype:
-        raise TypeError("conv_general_dilated: preferred_element_type must be None or the operands' dtype "
-                        f"{lhs.dtype} (the kernels accumulate in float32 and write the operands' dtype), got "
+        raise TypeError(f"{fn}: preferred_element_type must be None or the operands' dtype {lhs.dtype} (the "
+                        f"kernels accumulate in float32 and write the operands' dtype), got "
                         f"{jnp.dtype(preferred_element_type)}")
     if lhs.ndim != rhs.ndim or not 3 <= lhs.ndim <= 5:
-        raise ValueError("conv_general_dilated: lhs and rhs must have the same rank, 3 to 5 (1 to 3 spatial "
+        raise ValueError(f"{fn}: {lhs_name} and {rhs_name} must have the same rank, 3 to 5 (1 to 3 spatial "
                          f"axes), got shapes {lhs.shape} and {rhs.shape}")
 
 
-def _check_groups(x, w, feature_groups, batch_groups, lhs_shape, rhs_shape):
+def _check_groups(fn, x, w, feature_groups, batch_groups, lhs_shape, rhs_shape):
     """Checks the canonical x [N, *spatial, C] and w [*window, I, K] against the group counts."""
-    shapes = f"(lhs shape {lhs_shape}, rhs shape {rhs_shape})"
+    lhs_name, rhs_name = _operand_names(fn)
+    shapes = f"({lhs_name} shape {lhs_shape}, {rhs_name} shape {rhs_shape})"
     batch, channels, in_features, filters = x.shape[0], x.shape[-1], w.shape[-2], w.shape[-1]
     if feature_groups > 1 and batch_groups > 1:
-        raise ValueError("conv_general_dilated: at most one of feature_group_count and batch_group_count may "
+        raise ValueError(f"{fn}: at most one of feature_group_count and batch_group_count may "
                          f"be > 1, got {feature_groups} and {batch_groups}")
     if channels % feature_groups:
-        raise ValueError(f"conv_general_dilated: feature_group_count = {feature_groups} must divide lhs's "
+        raise ValueError(f"{fn}: feature_group_count = {feature_groups} must divide {lhs_name}'s "
                          f"{channels} input features {shapes}")
     if channels != feature_groups * in_features:
-        raise ValueError(f"conv_general_dilated: channel mismatch: lhs has {channels} input features, rhs "
+        raise ValueError(f"{fn}: channel mismatch: {lhs_name} has {channels} input features, {rhs_name} "
                          f"{in_features} per group x feature_group_count {feature_groups} {shapes}")
     for name, groups in (("feature_group_count", feature_groups), ("batch_group_count", batch_groups)):
         if filters % groups:
-            raise ValueError(f"conv_general_dilated: {name} = {groups} must divide rhs's {filters} output "
+            raise ValueError(f"{fn}: {name} = {groups} must divide {rhs_name}'s {filters} output "
                              f"features {shapes}")
     if batch % batch_groups:
-        raise ValueError(f"conv_general_dilated: batch_group_count = {batch_groups} must divide lhs's batch "
+        raise ValueError(f"{fn}: batch_group_count = {batch_groups} must divide {lhs_name}'s batch "
                          f"size {batch} {shapes}")
 
 
 def _permute(a, perm):
     return a if tuple(perm) == tuple(range(a.ndim)) else jnp.transpose(a, perm)
+
+
+def _prepare(fn, lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+             feature_group_count, batch_group_count, preferred_element_type):
+    """Validates a convolution's arguments. Returns (x [N, D, H, W, C], w [T, U, V, Cg, K], its Conv,
+    finish), where finish maps the kernels' y [N, P, Q, R, K] back to the caller's layout."""
+    lhs, rhs = (a if hasattr(a, "shape") and hasattr(a, "dtype") else jnp.asarray(a) for a in (lhs, rhs))
+    _check_operands(fn, lhs, rhs, preferred_element_type)
+    numbers = _dimension_numbers(fn, lhs, rhs, dimension_numbers)
+    spatial = lhs.ndim - 2
+    feature_groups = _count(fn, "feature_group_count", feature_group_count)
+    batch_groups = _count(fn, "batch_group_count", batch_group_count)
+    strides = _ints(fn, "window_strides", window_strides, spatial, 1)
+    lhs_dilation = _dilations(fn, "lhs_dilation", lhs_dilation, spatial)
+    rhs_dilation = _dilations(fn, "rhs_dilation", rhs_dilation, spatial)
+
+    # The canonical layout: x [N, *spatial, C], w [*window, I, K], y [N, *out, K].
+    lhs_perm = (numbers.lhs_spec[0], *numbers.lhs_spec[2:], numbers.lhs_spec[1])
+    rhs_perm = (*numbers.rhs_spec[2:], numbers.rhs_spec[1], numbers.rhs_spec[0])
+    out_perm = (numbers.out_spec[0], *numbers.out_spec[2:], numbers.out_spec[1])
+    x, w = _permute(lhs, lhs_perm), _permute(rhs, rhs_perm)
+    _check_groups(fn, x, w, feature_groups, batch_groups, lhs.shape, rhs.shape)
+    in_spatial, window = x.shape[1:-1], w.shape[:-2]
+    if any(size < 1 for size in window):
+        raise ValueError(f"{fn}: rhs's spatial sizes must be >= 1, got {window} (rhs shape {rhs.shape})")
+    pads = _pads(fn, padding, in_spatial, window, strides, lhs_dilation, rhs_dilation)
+    out_spatial = []
+    for axis in range(spatial):
+        room = (_dilate(in_spatial[axis], lhs_dilation[axis]) + sum(pads[axis])
+                - _dilate(window[axis], rhs_dilation[axis]))
+        if room < 0:
+            raise ValueError(f"{fn}: rhs's window on spatial axis {axis} (size "
+                             f"{window[axis]}, dilation {rhs_dilation[axis]}) is larger than the dilated, "
+                             f"padded lhs (size {in_spatial[axis]}, dilation {lhs_dilation[axis]}, padding "
+                             f"{pads[axis]}); lhs shape {lhs.shape}, rhs shape {rhs.shape}")
+        out_spatial.append(room // strides[axis] + 1)
+
+    if batch_groups > 1:  # batch group b of N/B samples becomes feature group b of the channels
+        x = stack_features(x.reshape((batch_groups, -1) + x.shape[1:]), batch_groups)
+    missing = 3 - spatial
+    ones = (1,) * missing
+    conv = Conv(in_spatial=ones + tuple(in_spatial), out_spatial=ones + tuple(out_spatial),
+                window=ones + tuple(window), strides=ones + strides,
+                pads=(0,) * missing + tuple(lo for lo, _ in pads), lhs_dilation=ones + lhs_dilation,
+                rhs_dilation=ones + rhs_dilation, groups=feature_groups * batch_groups)
+    x = x.reshape(x.shape[:1] + conv.in_spatial + x.shape[-1:])
+    w = w.reshape(conv.window + w.shape[-2:])
+
+    def finish(y):
+        y = y.reshape(y.shape[:1] + tuple(out_spatial) + y.shape[-1:])
+        return _permute(y, np.argsort(out_perm))
+    return x, w, conv, finish
 
 
 # --- public API -----------------------------------------------------------------------------------
@@ -285,51 +225,10 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
       Differentiable with `jax.grad`/`jax.vjp` to any order; `jax.jvp` is not supported.
     """
     del precision  # the kernels always accumulate in float32
-    lhs, rhs = (a if hasattr(a, "shape") and hasattr(a, "dtype") else jnp.asarray(a) for a in (lhs, rhs))
-    _check_operands(lhs, rhs, preferred_element_type)
-    numbers = _dimension_numbers(lhs, rhs, dimension_numbers)
-    spatial = lhs.ndim - 2
-    feature_groups = _count("feature_group_count", feature_group_count)
-    batch_groups = _count("batch_group_count", batch_group_count)
-    strides = _ints("window_strides", window_strides, spatial, 1)
-    lhs_dilation = (1,) * spatial if lhs_dilation is None else _ints("lhs_dilation", lhs_dilation, spatial, 1)
-    rhs_dilation = (1,) * spatial if rhs_dilation is None else _ints("rhs_dilation", rhs_dilation, spatial, 1)
-
-    # The canonical layout: x [N, *spatial, C], w [*window, I, K], y [N, *out, K].
-    lhs_perm = (numbers.lhs_spec[0], *numbers.lhs_spec[2:], numbers.lhs_spec[1])
-    rhs_perm = (*numbers.rhs_spec[2:], numbers.rhs_spec[1], numbers.rhs_spec[0])
-    out_perm = (numbers.out_spec[0], *numbers.out_spec[2:], numbers.out_spec[1])
-    x, w = _permute(lhs, lhs_perm), _permute(rhs, rhs_perm)
-    _check_groups(x, w, feature_groups, batch_groups, lhs.shape, rhs.shape)
-    in_spatial, window = x.shape[1:-1], w.shape[:-2]
-    if any(size < 1 for size in window):
-        raise ValueError(f"conv_general_dilated: rhs's spatial sizes must be >= 1, got {window} (rhs shape "
-                         f"{rhs.shape})")
-    pads = _pads(padding, in_spatial, window, strides, lhs_dilation, rhs_dilation)
-    out_spatial = []
-    for axis in range(spatial):
-        room = (_dilate(in_spatial[axis], lhs_dilation[axis]) + sum(pads[axis])
-                - _dilate(window[axis], rhs_dilation[axis]))
-        if room < 0:
-            raise ValueError(f"conv_general_dilated: rhs's window on spatial axis {axis} (size "
-                             f"{window[axis]}, dilation {rhs_dilation[axis]}) is larger than the dilated, "
-                             f"padded lhs (size {in_spatial[axis]}, dilation {lhs_dilation[axis]}, padding "
-                             f"{pads[axis]}); lhs shape {lhs.shape}, rhs shape {rhs.shape}")
-        out_spatial.append(room // strides[axis] + 1)
-
-    if batch_groups > 1:  # batch group b of N/B samples becomes feature group b of the channels
-        x = _stack_features(x.reshape((batch_groups, -1) + x.shape[1:]), batch_groups)
-    missing = 3 - spatial
-    ones = (1,) * missing
-    conv = _Conv(in_spatial=ones + tuple(in_spatial), out_spatial=ones + tuple(out_spatial),
-                 window=ones + tuple(window), strides=ones + strides,
-                 pads=(0,) * missing + tuple(lo for lo, _ in pads), lhs_dilation=ones + lhs_dilation,
-                 rhs_dilation=ones + rhs_dilation, groups=feature_groups * batch_groups)
-    x = x.reshape(x.shape[:1] + conv.in_spatial + x.shape[-1:])
-    w = w.reshape(conv.window + w.shape[-2:])
-    y = per_row_shard(lambda x, w: _fprop(x, *match_varying(x, w), conv), x, w, whole_axes=4)
-    y = y.reshape(y.shape[:1] + tuple(out_spatial) + y.shape[-1:])
-    return _permute(y, np.argsort(out_perm))
+    x, w, conv, finish = _prepare("conv_general_dilated", lhs, rhs, window_strides, padding, lhs_dilation,
+                                  rhs_dilation, dimension_numbers, feature_group_count, batch_group_count,
+                                  preferred_element_type)
+    return finish(per_row_shard(lambda x, w: fprop(x, *match_varying(x, w), conv), x, w, whole_axes=4))
 
 
 def _transpose_pads(window, stride, padding):
@@ -372,13 +271,13 @@ def conv_transpose(lhs, rhs, strides, padding, rhs_dilation=None, dimension_numb
       The transposed convolution, in lhs's dtype. Differentiable to any order; not with `jax.jvp`.
     """
     lhs, rhs = (a if hasattr(a, "shape") and hasattr(a, "dtype") else jnp.asarray(a) for a in (lhs, rhs))
-    _check_operands(lhs, rhs, preferred_element_type)
+    _check_operands("conv_transpose", lhs, rhs, preferred_element_type)
     if dimension_numbers is None:
         dimension_numbers = _TRANSPOSE_LAYOUTS[lhs.ndim]
-    numbers = _dimension_numbers(lhs, rhs, dimension_numbers)
+    numbers = _dimension_numbers("conv_transpose", lhs, rhs, dimension_numbers)
     spatial = lhs.ndim - 2
-    strides = _ints("strides", strides, spatial, 1)
-    rhs_dilation = (1,) * spatial if rhs_dilation is None else _ints("rhs_dilation", rhs_dilation, spatial, 1)
+    strides = _ints("conv_transpose", "strides", strides, spatial, 1)
+    rhs_dilation = _dilations("conv_transpose", "rhs_dilation", rhs_dilation, spatial)
     if use_consistent_padding or isinstance(padding, str):
         if isinstance(padding, str):
             if padding not in ("SAME", "VALID"):
@@ -392,3 +291,80 @@ def conv_transpose(lhs, rhs, strides, padding, rhs_dilation=None, dimension_numb
     return conv_general_dilated(lhs, rhs, (1,) * spatial, padding, lhs_dilation=strides,
                                 rhs_dilation=rhs_dilation, dimension_numbers=numbers, precision=precision,
                                 preferred_element_type=preferred_element_type)
+
+
+_CHANNELS_LAST = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"), 3: ("NDHWC", "DHWIO", "NDHWC")}
+
+
+def _per_axis(fn, name, value, spatial):
+    """An int for every spatial axis, or one int per axis."""
+    try:
+        return (operator.index(value),) * spatial
+    except TypeError:
+        return _ints(fn, name, value, spatial, 1)
+
+
+def _fused_operand(fn, name, a, shape):
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        a = jnp.asarray(a)
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{fn}: {name} must have shape {tuple(shape)}, got {tuple(a.shape)}")
+    if a.dtype not in _FLOAT_TYPES:
+        raise TypeError(f"{fn}: {name} must be float32, bfloat16 or float16, got {a.dtype}")
+    return a
+
+
+def conv(x, w, bias=None, *, activation=None, residual=None, strides=1, padding="SAME", dilation=1,
+         groups=1):
+    """act(conv(x, w) + bias + residual), the epilogue fused into the forward kernel.
+
+    Args:
+      x: [N, *spatial, C], 1 to 3 spatial axes, channels last; float32, bfloat16 or float16.
+      w: [*window, C / groups, K] (flax's `kernel` layout, HWIO), x's dtype.
+      bias: None or [K] (any float dtype; used in x's dtype).
+      activation: None or a name of `jaxdnn.activation.EPILOGUES` ("relu", "gelu", "silu", ...).
+      residual: None or [N, *out, K], the output's shape, x's dtype (e.g. a ResNet shortcut).
+      strides, dilation: an int or one int per spatial axis (dilation is the kernel's).
+      padding: "SAME", "SAME_LOWER", "VALID" or a (low, high) pair per spatial axis.
+      groups: feature groups (C for depthwise).
+
+    Returns:
+      [N, *out, K] in x's dtype. Differentiable to any order (`jax.jvp` is not supported); the
+      backward's dbias is XLA's reduction of dz = act'(z) dy.
+    """
+    kind, param = epilogue("conv", activation)
+    x, w = (a if hasattr(a, "shape") and hasattr(a, "dtype") else jnp.asarray(a) for a in (x, w))
+    spatial = x.ndim - 2
+    if spatial in _CHANNELS_LAST:
+        strides = _per_axis("conv", "strides", strides, spatial)
+        dilation = _per_axis("conv", "dilation", dilation, spatial)
+    x5, w5, geometry, finish = _prepare("conv", x, w, strides, padding, None, dilation,
+                                        _CHANNELS_LAST.get(spatial), groups, 1, None)
+    if bias is None and residual is None and kind == "identity":
+        y = per_row_shard(lambda x, w: fprop(x, *match_varying(x, w), geometry), x5, w5, whole_axes=4)
+        return finish(y)
+    filters = w.shape[-1]
+    if bias is None:
+        bias = jnp.zeros((filters,), x.dtype)
+    bias = _fused_operand("conv", "bias", bias, (filters,)).astype(x.dtype)
+    y_shape = x5.shape[:1] + geometry.out_spatial + (filters,)
+    operands = [x5, w5, bias]
+    if residual is not None:
+        out_shape = x.shape[:1] + geometry.out_spatial[3 - spatial:] + (filters,)
+        residual = _fused_operand("conv", "residual", residual, out_shape)
+        if residual.dtype != x.dtype:
+            raise TypeError(f"conv: residual must have x's dtype {x.dtype}, got {residual.dtype}")
+        operands.append(residual.reshape(y_shape))
+    tail = Epilogue(kind, float(param), residual is not None)
+
+    def run(x, w, bias, *residual):
+        w, bias = match_varying(x, w, bias)
+        return fused(x, w, bias, residual[0] if residual else None, geometry, tail)
+
+    sharded = explicit_row_sharding(x5, whole_axes=4)
+    if sharded is None:
+        return finish(run(*operands))
+    mesh, spec, axes = sharded  # Explicit mesh axes: x and the residual run per shard
+    in_specs = (spec, PartitionSpec(), PartitionSpec()) + (spec,) * (len(operands) - 3)
+    y = jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=spec, axis_names=set(axes))(*operands)
+    return finish(y)

@@ -324,3 +324,128 @@ def test_conv_transpose(dtype, lhs_shape, rhs_shape, kwargs, rng):
     assert_close(got[0], want[0], tolerance(dtype, grad=True), "grad lhs")
     assert_close(got[1], want[1], tolerance(dtype, grad=True), "grad rhs")
     assert "jaxdnn_conv_fprop_v1" in jax.jit(op).lower(lhs, rhs).as_text()
+
+
+# (x shape, w shape, kwargs of conv), channels last; bias and residual are added by the test.
+FUSED_CASES = [
+    ((2, 9, 8, 6), (3, 3, 6, 10), dict(strides=2, padding="SAME")),
+    ((2, 7, 8, 6), (3, 2, 3, 8), dict(strides=(1, 2), padding="VALID", dilation=(2, 1), groups=2)),
+    ((3, 11, 5), (3, 5, 7), dict(padding=((1, 2),))),
+    ((1, 4, 5, 6, 4), (2, 3, 2, 4, 5), dict(strides=(1, 2, 1))),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu", "leaky_relu"])
+@pytest.mark.parametrize("x_shape,w_shape,kwargs", FUSED_CASES, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["bias", "bias+residual"])
+def test_conv_fused(dtype, activation, x_shape, w_shape, kwargs, with_residual, rng):
+    x, w = normal(rng, x_shape, dtype), normal(rng, w_shape, dtype, scale=0.5)
+    bias = normal(rng, w_shape[-1:], dtype)
+    out_shape = jax.eval_shape(lambda x, w: jaxdnn.reference.conv(x, w, **kwargs), x, w).shape
+    residual = normal(rng, out_shape, dtype) if with_residual else None
+    args = (x, w, bias, residual)
+
+    def op(fn):
+        return lambda x, w, bias, residual: fn(x, w, bias, activation=activation, residual=residual, **kwargs)
+    y = jax.jit(op(jaxdnn.conv))(*args)
+    want = op(jaxdnn.reference.conv)(*(f64(a) for a in args))
+    assert y.shape == want.shape and y.dtype == dtype
+    assert_close(y, want, tolerance(dtype), "forward")
+    ct = normal(rng, y.shape, dtype)
+    got = jax.jit(lambda args, ct: jax.vjp(op(jaxdnn.conv), *args)[1](ct))(args, ct)
+    want = jax.vjp(op(jaxdnn.reference.conv), *(f64(a) for a in args))[1](f64(ct))
+    for name, g, want_g in zip(("x", "w", "bias", "residual"), got, want):
+        if want_g is None:
+            assert g is None
+            continue
+        assert g.dtype == dtype
+        assert_close(g, want_g, tolerance(dtype, grad=True), f"grad {name}")
+
+
+def test_conv_fused_hlo_and_second_order(rng):
+    x, w, bias = normal(rng, (2, 6, 5, 4)), normal(rng, (3, 3, 4, 6)), normal(rng, (6,))
+    residual = normal(rng, (2, 6, 5, 6))
+
+    def op(fn):
+        return lambda x, w, bias: fn(x, w, bias, activation="silu", residual=residual)
+    infer_hlo = jax.jit(op(jaxdnn.conv)).lower(x, w, bias).as_text()
+    assert "jaxdnn_conv_fprop_fused_v1" in infer_hlo and "jaxdnn_activation" not in infer_hlo
+    assert "convolution" not in infer_hlo
+
+    def penalty(fn, x, w, bias):
+        dx = jax.grad(lambda x: jnp.sum(jnp.sin(op(fn)(x, w, bias))))(x)
+        return jnp.sum(dx ** 2)
+    grad = jax.jit(jax.grad(functools.partial(penalty, jaxdnn.conv), argnums=(0, 1, 2)))
+    want = jax.grad(functools.partial(penalty, jaxdnn.reference.conv), argnums=(0, 1, 2))
+    for name, g, want_g in zip(("x", "w", "bias"), grad(x, w, bias), want(f64(x), f64(w), f64(bias))):
+        assert_close(g, want_g, 1e-5, f"grad of grad {name}")
+    hlo = grad.lower(x, w, bias).as_text()
+    assert all(target in hlo for target in TARGETS + ("jaxdnn_conv_fprop_fused_v1",))
+    assert "convolution" not in hlo
+
+
+@pytest.mark.parametrize("x_axis,w_axis,bias_axis", [(0, None, None), (1, 0, 0), (None, None, 0)], ids=str)
+def test_conv_fused_vmap(x_axis, w_axis, bias_axis, rng):
+    kwargs = dict(strides=(2, 1), groups=2, activation="relu")
+    shapes = [[2, 7, 6, 4], [3, 3, 2, 6], [6]]
+    for shape, axis in zip(shapes, (x_axis, w_axis, bias_axis)):
+        if axis is not None:
+            shape.insert(axis, 3)
+    x, w, bias = (normal(rng, shape) for shape in shapes)
+    residual = normal(rng, (3, 2, 4, 6, 6))  # always batched at 0
+    in_axes = (x_axis, w_axis, bias_axis, 0)
+    def batched(fn):
+        return jax.vmap(lambda x, w, b, r: fn(x, w, b, residual=r, **kwargs), in_axes)
+    got = jax.jit(batched(jaxdnn.conv))(x, w, bias, residual)
+    want = batched(jaxdnn.reference.conv)(f64(x), f64(w), f64(bias), f64(residual))
+    assert_close(got, want, 1e-5, "vmap")
+
+
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+def test_conv_fused_batch_sharded(mesh_kind, devices, rng):
+    mesh = _mesh(mesh_kind, devices)
+    row = NamedSharding(mesh, P("b"))
+    x = jax.device_put(normal(rng, (8, 9, 10, 6)), row)
+    residual = jax.device_put(normal(rng, (8, 9, 10, 5)), row)
+    ct = jax.device_put(normal(rng, (8, 9, 10, 5)), row)
+    w, bias = normal(rng, (3, 3, 6, 5)), normal(rng, (5,))
+
+    def op(fn):
+        return lambda x, w, b, r: fn(x, w, b, activation="relu", residual=r)
+    def train_step(args, ct):
+        y, pullback = jax.vjp(op(jaxdnn.conv), *args)
+        return y, pullback(ct)
+    step = jax.jit(train_step)
+    with jax.set_mesh(mesh) if mesh_kind == "explicit" else contextlib.nullcontext():
+        hlo = step.lower((x, w, bias, residual), ct).compile().as_text()
+        y, grads = step((x, w, bias, residual), ct)
+    assert "all-gather" not in hlo
+    want_y, pullback = jax.vjp(op(jaxdnn.reference.conv), *(f64(np.asarray(a))
+                                                            for a in (x, w, bias, residual)))
+    assert_close(y, want_y, 1e-5, "sharded forward")
+    for name, g, want_g in zip(("x", "w", "bias", "residual"), grads, pullback(f64(np.asarray(ct)))):
+        assert_close(g, want_g, 1e-5, f"sharded grad {name}")
+
+
+X4, W4 = jnp.ones((2, 6, 6, 4), jnp.float32), jnp.ones((3, 3, 4, 8), jnp.float32)
+
+
+@pytest.mark.parametrize("args,kwargs,error,message", [
+    ((X4, W4), dict(activation="swish"), ValueError, "conv: activation must be None or one of"),
+    ((X4, W4, jnp.ones((7,), jnp.float32)), {}, ValueError, r"conv: bias must have shape \(8,\), got \(7,\)"),
+    ((X4, W4, jnp.ones((8,), jnp.int32)), {}, TypeError, "conv: bias must be float32"),
+    ((X4, W4), dict(residual=jnp.ones((2, 6, 6, 7), jnp.float32)), ValueError,
+     r"conv: residual must have shape \(2, 6, 6, 8\)"),
+    ((X4, W4), dict(residual=jnp.ones((2, 6, 6, 8), jnp.bfloat16)), TypeError,
+     "residual must have x's dtype"),
+    ((X4, W4), dict(strides=(1, 2, 3)), ValueError, "conv: strides must have 2 entries"),
+    ((X4, jnp.ones((3, 3, 3, 8), jnp.float32)), dict(groups=2), ValueError,
+     "conv: channel mismatch: x has 4 input features, w 3 per group"),
+    ((jnp.ones((6, 4), jnp.float32), jnp.ones((3, 4), jnp.float32)), {}, ValueError,
+     "conv: x and w must have the same rank, 3 to 5"),
+], ids=["activation", "bias-shape", "bias-dtype", "residual-shape", "residual-dtype", "strides", "groups",
+        "rank"])
+def test_conv_bad_input(args, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        jaxdnn.conv(*args, **kwargs)

@@ -3,7 +3,8 @@
 // trades speed for obviously safe code: scalar loads (no alignment requirement), int64 indexing,
 // float32 accumulation, grid-stride loops over a 1-D grid (no gridDim.y/z limits), and the index
 // maps of conv_geometry.h that the CPU kernels use too.
-//   fprop: one thread per y element (n, p, q, r, k), k fastest: for each tap, the Cg input channels of
+//   fprop: one thread per y element (n, p, q, r, k), k fastest (the fused forward adds its epilogue
+//          to the accumulator before the one rounding): for each tap, the Cg input channels of
 //          k's group (the same address across a warp's threads of one pixel and group: a broadcast)
 //          times w[tap, c, k] (consecutive k: coalesced).
 //   dgrad: one thread per dx element (n, d, h, w, c), c fastest: for each tap whose output pixel reads
@@ -15,10 +16,12 @@
 // pixel (from L2); this is far from the roofline, which is the tensor-core kernels' job.
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 
 #include "common/cuda_common.cuh"
 #include "conv/conv.h"
 #include "conv/conv_common.h"
+#include "conv/conv_epilogue.h"
 #include "conv/conv_geometry.h"
 
 namespace jaxdnn {
@@ -38,7 +41,8 @@ __device__ __forceinline__ void TapAt(const ConvGeometry& g, int64_t tap, int64_
 
 template <typename T>
 __global__ void __launch_bounds__(kBlock)
-    ConvFpropKernel(const ConvGeometry g, const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y) {
+    ConvFpropKernel(const ConvGeometry g, const T* __restrict__ x, const T* __restrict__ w,
+                    const ConvEpilogue<T> epilogue, T* __restrict__ y) {
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), taps = g.Taps();
   const int64_t items = g.OutPixels() * g.filters;
   for (int64_t item = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; item < items;
@@ -57,7 +61,7 @@ __global__ void __launch_bounds__(kBlock)
       const T* w_tap = w + tap * cg * g.filters + k;
       for (int64_t c = 0; c < cg; ++c) acc += ToFloat(x_pixel[c]) * ToFloat(w_tap[c * g.filters]);
     }
-    y[item] = FromFloat<T>(acc);
+    y[item] = FromFloat<T>(epilogue.Apply(acc, item, k));
   }
 }
 
@@ -122,20 +126,43 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
+// The forward with an epilogue (the plain one passes none); `bias` and `residual` may be null.
+ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                       const ffi::AnyBuffer* bias, const ffi::AnyBuffer* residual, int64_t activation,
+                       float activation_param, ffi::AnyBuffer& y) {
+  const int64_t items = g.OutPixels() * g.filters;
+  if (items == 0) return ffi::Error::Success();
+  return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {
+    using T = decltype(type_tag);
+    ConvEpilogue<T> epilogue;
+    epilogue.bias = bias != nullptr ? static_cast<const T*>(bias->untyped_data()) : nullptr;
+    epilogue.residual = residual != nullptr ? static_cast<const T*>(residual->untyped_data()) : nullptr;
+    epilogue.activation = activation;
+    epilogue.activation_param = activation_param;
+    ConvFpropKernel<T><<<Blocks(items), kBlock, 0, stream>>>(g, static_cast<const T*>(x.untyped_data()),
+                                                             static_cast<const T*>(w.untyped_data()), epilogue,
+                                                             static_cast<T*>(y.untyped_data()));
+    return LaunchError("conv fprop");
+  });
+}
+
 ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
                          ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), w.dimensions(), y->dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
-  const int64_t items = g.OutPixels() * g.filters;
-  if (items == 0) return ffi::Error::Success();
-  return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {
-    using T = decltype(type_tag);
-    ConvFpropKernel<T><<<Blocks(items), kBlock, 0, stream>>>(g, static_cast<const T*>(x.untyped_data()),
-                                                             static_cast<const T*>(w.untyped_data()),
-                                                             static_cast<T*>(y->untyped_data()));
-    return LaunchError("conv fprop");
-  });
+  return LaunchFprop(stream, g, x, w, nullptr, nullptr, 0, 0.0f, *y);
+}
+
+ffi::Error ConvFpropFusedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
+                              std::optional<ffi::AnyBuffer> residual, ffi::Result<ffi::AnyBuffer> y,
+                              ConvFusedAttrs attrs) {
+  ConvGeometry g;
+  JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs.conv, x.dimensions(), w.dimensions(), y->dimensions(), &g));
+  JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
+  JAXDNN_RETURN_IF_ERROR(CheckEpilogue(g, x, bias, residual, *y, attrs.activation));
+  return LaunchFprop(stream, g, x, w, &bias, residual.has_value() ? &*residual : nullptr, attrs.activation,
+                     attrs.activation_param, *y);
 }
 
 ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
@@ -179,6 +206,8 @@ namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropCuda, jaxdnn::ConvFpropImpl, jaxdnn::BindConvFprop(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropFusedCuda, jaxdnn::ConvFpropFusedImpl,
+                              jaxdnn::BindConvFpropFused(jaxdnn::BindCuda()), {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvDgradCuda, jaxdnn::ConvDgradImpl, jaxdnn::BindConvDgrad(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvWgradCuda, jaxdnn::ConvWgradImpl, jaxdnn::BindConvWgrad(jaxdnn::BindCuda()),

@@ -11,6 +11,10 @@
 // as in lax; the high padding only shows in the output sizes.
 // Targets (versioned: the ABI of exported programs); all accumulate in float32:
 //   jaxdnn_conv_fprop_v1  (x, w)  -> (y)    the forward
+//   jaxdnn_conv_fprop_fused_v1  (x, w, bias, [residual]) -> (y)
+//                                         y = act(conv(x, w) + bias + residual): bias [K], residual
+//                                         y's shape, both x's dtype; attributes activation (int64, the
+//                                         Activation enum of common/activation.h), activation_param (f32)
 //   jaxdnn_conv_dgrad_v1  (dy, w) -> (dx)   the gradient w.r.t. x (the transpose of fprop in x)
 //   jaxdnn_conv_wgrad_v1  (x, dy) -> (dw)   the gradient w.r.t. w (summed over N and the output pixels)
 // Attributes (int64, per spatial axis d h w): in_* (D H W), out_* (P Q R), window_* (T U V), stride_*,
@@ -37,6 +41,13 @@ struct ConvAttrs {
   int64_t groups;
 };
 
+// The fused forward's attributes: the convolution's and its epilogue's.
+struct ConvFusedAttrs {
+  ConvAttrs conv;
+  int64_t activation;
+  float activation_param;
+};
+
 template <typename Binding>
 auto BindConvFprop(Binding binding) {
   return std::move(binding)
@@ -44,6 +55,17 @@ auto BindConvFprop(Binding binding) {
       .template Arg<xla::ffi::AnyBuffer>()  // w [T, U, V, Cg, K], x's dtype
       .template Ret<xla::ffi::AnyBuffer>()  // y [N, P, Q, R, K], x's dtype
       .template Attrs<ConvAttrs>();
+}
+
+template <typename Binding>
+auto BindConvFpropFused(Binding binding) {
+  return std::move(binding)
+      .template Arg<xla::ffi::AnyBuffer>()          // x [N, D, H, W, C]
+      .template Arg<xla::ffi::AnyBuffer>()          // w [T, U, V, Cg, K], x's dtype
+      .template Arg<xla::ffi::AnyBuffer>()          // bias [K], x's dtype
+      .template OptionalArg<xla::ffi::AnyBuffer>()  // residual [N, P, Q, R, K], x's dtype
+      .template Ret<xla::ffi::AnyBuffer>()          // y [N, P, Q, R, K], x's dtype
+      .template Attrs<ConvFusedAttrs>();
 }
 
 template <typename Binding>
@@ -91,12 +113,42 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     StructMember<int64_t>("rhs_dilation_w"),
     StructMember<int64_t>("groups"));
 
+// The same members, then the epilogue's.
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jaxdnn::ConvFusedAttrs,
+    StructMember<int64_t>("in_d"),
+    StructMember<int64_t>("in_h"),
+    StructMember<int64_t>("in_w"),
+    StructMember<int64_t>("out_d"),
+    StructMember<int64_t>("out_h"),
+    StructMember<int64_t>("out_w"),
+    StructMember<int64_t>("window_d"),
+    StructMember<int64_t>("window_h"),
+    StructMember<int64_t>("window_w"),
+    StructMember<int64_t>("stride_d"),
+    StructMember<int64_t>("stride_h"),
+    StructMember<int64_t>("stride_w"),
+    StructMember<int64_t>("pad_d"),
+    StructMember<int64_t>("pad_h"),
+    StructMember<int64_t>("pad_w"),
+    StructMember<int64_t>("lhs_dilation_d"),
+    StructMember<int64_t>("lhs_dilation_h"),
+    StructMember<int64_t>("lhs_dilation_w"),
+    StructMember<int64_t>("rhs_dilation_d"),
+    StructMember<int64_t>("rhs_dilation_h"),
+    StructMember<int64_t>("rhs_dilation_w"),
+    StructMember<int64_t>("groups"),
+    StructMember<int64_t>("activation"),
+    StructMember<float>("activation_param"));
+
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvFpropCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvFpropFusedCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvDgradCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvWgradCpu);
 
 #ifdef JAXDNN_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvFpropCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvFpropFusedCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvDgradCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvWgradCuda);
 #endif

@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
+#include "common/activation.h"
 #include "common/ffi_common.h"
 #include "conv/conv.h"
 #include "conv/conv_geometry.h"
@@ -85,6 +87,28 @@ inline ffi::Error MakeConvGeometry(const ConvAttrs& attrs, ffi::AnyBuffer::Dimen
 inline ffi::Error CheckSameDtype(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::AnyBuffer& c) {
   if (a.element_type() != b.element_type() || a.element_type() != c.element_type()) {
     return InvalidArgument("conv: operands and result must share one dtype");
+  }
+  return ffi::Error::Success();
+}
+
+// The fused forward's epilogue operands: bias [K] and an optional residual of y's shape, both in x's
+// dtype, and a known activation.
+inline ffi::Error CheckEpilogue(const ConvGeometry& g, const ffi::AnyBuffer& x, const ffi::AnyBuffer& bias,
+                                const std::optional<ffi::AnyBuffer>& residual, const ffi::AnyBuffer& y,
+                                int64_t activation) {
+  JAXDNN_RETURN_IF_ERROR(ExpectElements("conv: bias", bias.dimensions(), g.filters));
+  if (bias.element_type() != x.element_type()) return InvalidArgument("conv: bias must have x's dtype");
+  if (residual.has_value()) {
+    const auto dims = residual->dimensions(), y_dims = y.dimensions();
+    bool same = dims.size() == y_dims.size();
+    for (size_t i = 0; same && i < dims.size(); ++i) same = dims[i] == y_dims[i];
+    if (!same || residual->element_type() != x.element_type()) {
+      return InvalidArgument("conv: residual must have y's shape " + conv_internal::Dims(y_dims) +
+                             " and x's dtype, got " + conv_internal::Dims(dims));
+    }
+  }
+  if (activation < 0 || activation >= kNumActivations) {
+    return InvalidArgument("conv: unknown activation " + std::to_string(activation));
   }
   return ffi::Error::Success();
 }

@@ -4,14 +4,17 @@
 //   dgrad: for each input row (n, d, h) and group, A [W, taps * Kg] gathers the dy pixels that read
 //          each input pixel; dx_row [W, Cg] = A @ W_g^T [taps * Kg, Cg].
 //   wgrad: dW_g [taps * Cg, Kg] = sum over output rows of A^T @ dy_row, A as in fprop.
-// The gathers use conv_geometry.h's index maps, the CUDA kernels' own.
+// The gathers use conv_geometry.h's index maps and the forward conv_epilogue.h's epilogue, the CUDA
+// kernels' own.
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "common/half_cpu.h"
 #include "conv/conv.h"
 #include "conv/conv_common.h"
+#include "conv/conv_epilogue.h"
 #include "conv/conv_geometry.h"
 
 namespace jaxdnn {
@@ -123,7 +126,7 @@ std::vector<float> GroupFilter(const ConvGeometry& g, const T* w, int64_t group,
 }
 
 template <typename T>
-void Fprop(const ConvGeometry& g, const T* x, const T* w, T* y) {
+void Fprop(const ConvGeometry& g, const T* x, const T* w, const ConvEpilogue<T>& epilogue, T* y) {
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), width = g.out[2];
   std::vector<float> a(width * g.Taps() * cg), y_row(width * kg);
   for (int64_t group = 0; group < g.groups; ++group) {
@@ -131,8 +134,12 @@ void Fprop(const ConvGeometry& g, const T* x, const T* w, T* y) {
     ForEachRow(g.batch, g.out, [&](int64_t n, const int64_t* row, int64_t pixel) {
       GatherInputRow(g, x, n, row, group, a.data());
       MatMul(a.data(), filter.data(), y_row.data(), width, g.Taps() * cg, kg);
-      for (int64_t r = 0; r < width; ++r)
-        for (int64_t k = 0; k < kg; ++k) y[(pixel + r) * g.filters + group * kg + k] = FromFloat<T>(y_row[r * kg + k]);
+      for (int64_t r = 0; r < width; ++r) {
+        for (int64_t k = group * kg; k < (group + 1) * kg; ++k) {
+          const int64_t index = (pixel + r) * g.filters + k;
+          y[index] = FromFloat<T>(epilogue.Apply(y_row[r * kg + k - group * kg], index, k));
+        }
+      }
     });
   }
 }
@@ -176,7 +183,28 @@ ffi::Error ConvFpropImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::An
   if (g.OutPixels() * g.filters == 0) return ffi::Error::Success();
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto type_tag) {
     using T = decltype(type_tag);
-    Fprop(g, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(w.untyped_data()),
+    Fprop(g, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(w.untyped_data()), ConvEpilogue<T>{},
+          static_cast<T*>(y->untyped_data()));
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error ConvFpropFusedImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
+                              std::optional<ffi::AnyBuffer> residual, ffi::Result<ffi::AnyBuffer> y,
+                              ConvFusedAttrs attrs) {
+  ConvGeometry g;
+  JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs.conv, x.dimensions(), w.dimensions(), y->dimensions(), &g));
+  JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
+  JAXDNN_RETURN_IF_ERROR(CheckEpilogue(g, x, bias, residual, *y, attrs.activation));
+  if (g.OutPixels() * g.filters == 0) return ffi::Error::Success();
+  return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto type_tag) {
+    using T = decltype(type_tag);
+    ConvEpilogue<T> epilogue;
+    epilogue.bias = static_cast<const T*>(bias.untyped_data());
+    epilogue.residual = residual.has_value() ? static_cast<const T*>(residual->untyped_data()) : nullptr;
+    epilogue.activation = attrs.activation;
+    epilogue.activation_param = attrs.activation_param;
+    Fprop(g, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(w.untyped_data()), epilogue,
           static_cast<T*>(y->untyped_data()));
     return ffi::Error::Success();
   });
@@ -215,5 +243,7 @@ ffi::Error ConvWgradImpl(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Result<ffi::A
 namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropCpu, jaxdnn::ConvFpropImpl, jaxdnn::BindConvFprop(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropFusedCpu, jaxdnn::ConvFpropFusedImpl,
+                              jaxdnn::BindConvFpropFused(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvDgradCpu, jaxdnn::ConvDgradImpl, jaxdnn::BindConvDgrad(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvWgradCpu, jaxdnn::ConvWgradImpl, jaxdnn::BindConvWgrad(ffi::Ffi::Bind()));
