@@ -423,7 +423,8 @@ _RESNET50_CONVS = [
 def conv_cases(quick: bool) -> list[Case]:
     """conv_general_dilated on ResNet-50's layers, NHWC / HWIO, bf16, N = 128 (2 with --quick), SAME
     padding, against lax.conv_general_dilated (XLA calls cuDNN on a GPU): fwd, and fwd+bwd (the
-    gradients w.r.t. both the input and the filter, passes separated as in a network).
+    gradients w.r.t. both the input and the filter, passes separated as in a network); then the
+    fused conv + bias + relu.
 
     FLOPs: fwd = 2 * N * P * Q * K * C * R * S (groups = 1), fwd+bwd = 3 x fwd.
     """
@@ -450,7 +451,40 @@ def conv_cases(quick: bool) -> list[Case]:
         cases.append(Case("conv", f"{name} fwd", fn, "xla", peer_fn, primal_sets, flops, "TFLOP/s"))
         cases.append(Case("conv", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn),
                           [(x, w, dy) for (x, w), dy in zip(primal_sets, dys)], 3 * flops, "TFLOP/s"))
-    return cases
+    return cases + _fused_conv_cases(quick)
+
+
+def _fused_conv_cases(quick: bool) -> list[Case]:
+    """jaxdnn.conv(x, w, bias, activation="relu") (the epilogue in the conv kernel) against XLA's
+    conv followed by the bias add and relu (which XLA may fuse into its cuDNN call), on ResNet-50's
+    56^2 64->64 3x3 layer: fwd and fwd+bwd (gradients w.r.t. x, w and bias). FLOPs as the plain conv."""
+    dtype = jnp.bfloat16
+    sets = 2 if quick else 8
+    batch = 2 if quick else 128
+    size, channels, filters = 56, 64, 64
+    key = jax.random.key(1)
+    primal_sets, dys = [], []
+    for _ in range(sets):
+        key, kx, kw, kb, kdy = jax.random.split(key, 5)
+        primal_sets.append((_normal(kx, (batch, size, size, channels), dtype),
+                            _normal(kw, (3, 3, channels, filters), dtype, std=0.1),
+                            _normal(kb, (filters,), dtype)))
+        dys.append(_normal(kdy, (batch, size, size, filters), dtype))
+
+    def fn(x, w, bias):
+        return jaxdnn.conv(x, w, bias, activation="relu")
+
+    def peer_fn(x, w, bias):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jax.nn.relu(y + bias)
+
+    flops = 2 * batch * size * size * filters * channels * 9
+    name = f"conv+bias+relu N{batch} H{size} W{size} C{channels} K{filters} 3x3/1"
+    return [
+        Case("conv", f"{name} fwd", fn, "xla", peer_fn, primal_sets, flops, "TFLOP/s"),
+        Case("conv", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn),
+             [(*primals, dy) for primals, dy in zip(primal_sets, dys)], 3 * flops, "TFLOP/s"),
+    ]
 
 
 FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
