@@ -335,8 +335,12 @@ FUSED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu", "leaky_relu"])
+# Every activation kind in float32; the 16-bit types on a few (the epilogue's math is type-independent).
+FUSED_EPILOGUES = [(jnp.float32, a) for a in (None, "relu", "gelu", "silu", "leaky_relu")] + [
+    (jnp.bfloat16, "relu"), (jnp.bfloat16, "gelu"), (jnp.float16, "silu")]
+
+
+@pytest.mark.parametrize("dtype,activation", FUSED_EPILOGUES, ids=str)
 @pytest.mark.parametrize("x_shape,w_shape,kwargs", FUSED_CASES, ids=str)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["bias", "bias+residual"])
 def test_conv_fused(dtype, activation, x_shape, w_shape, kwargs, with_residual, rng):

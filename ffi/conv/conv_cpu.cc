@@ -1,8 +1,10 @@
 // CPU convolution: im2col per row of pixels, then a matmul with float32 accumulation.
 //   fprop: for each output row (n, p, q) and group, A [R, taps * Cg] gathers the input pixels the
-//          row reads (zeros for padding and dilation holes); y_row [R, Kg] = A @ W_g [taps * Cg, Kg].
+//          row reads; y_row [R, Kg] = A @ W_g [taps * Cg, Kg] over the taps that read data (padding
+//          and dilation holes are skipped).
 //   dgrad: for each input row (n, d, h) and group, A [W, taps * Kg] gathers the dy pixels that read
-//          each input pixel; dx_row [W, Cg] = A @ W_g^T [taps * Kg, Cg].
+//          each input pixel (none for most taps of a strided convolution: skipped);
+//          dx_row [W, Cg] = A @ W_g^T [taps * Kg, Cg].
 //   wgrad: dW_g [taps * Cg, Kg] = sum over output rows of A^T @ dy_row, A as in fprop.
 // The gathers use conv_geometry.h's index maps and the forward conv_epilogue.h's epilogue, the CUDA
 // kernels' own.
@@ -20,31 +22,52 @@
 namespace jaxdnn {
 namespace {
 
-// out[rows, cols] = a[rows, inner] @ b[inner, cols], row by row; the inner loop runs over
+// The im2col matrix of one row of pixels: `block` values per window tap and pixel, and which taps of
+// each pixel read data. The others (padding, dilation holes, strides that skip a pixel) are left
+// unwritten and skipped by the matmuls, as the CUDA kernels skip them.
+struct TapRows {
+  int64_t rows = 0, taps = 0, block = 0;
+  std::vector<float> values;   // [rows, taps * block]
+  std::vector<uint8_t> valid;  // [rows, taps]
+
+  TapRows(int64_t rows, int64_t taps, int64_t block)
+      : rows(rows), taps(taps), block(block), values(rows * taps * block), valid(rows * taps) {}
+  float* At(int64_t row, int64_t tap) { return values.data() + (row * taps + tap) * block; }
+  const float* At(int64_t row, int64_t tap) const { return values.data() + (row * taps + tap) * block; }
+};
+
+// out[rows, cols] = A @ b[taps * block, cols] over each row's valid taps; the inner loop runs over
 // contiguous columns of b and out (vectorized), one row of out stays in cache.
-void MatMul(const float* a, const float* b, float* out, int64_t rows, int64_t inner, int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r) {
+void MatMul(const TapRows& a, const float* b, float* out, int64_t cols) {
+  for (int64_t r = 0; r < a.rows; ++r) {
     float* out_row = out + r * cols;
     std::fill(out_row, out_row + cols, 0.0f);
-    const float* a_row = a + r * inner;
-    for (int64_t j = 0; j < inner; ++j) {
-      const float scale = a_row[j];
-      const float* b_row = b + j * cols;
-      for (int64_t c = 0; c < cols; ++c) out_row[c] += scale * b_row[c];
+    for (int64_t tap = 0; tap < a.taps; ++tap) {
+      if (!a.valid[r * a.taps + tap]) continue;
+      const float* a_block = a.At(r, tap);
+      const float* b_block = b + tap * a.block * cols;
+      for (int64_t j = 0; j < a.block; ++j) {
+        const float scale = a_block[j];
+        const float* b_row = b_block + j * cols;
+        for (int64_t c = 0; c < cols; ++c) out_row[c] += scale * b_row[c];
+      }
     }
   }
 }
 
-// acc[inner, cols] += a[rows, inner]^T @ b[rows, cols].
-void MatMulTransposedAccumulate(const float* a, const float* b, float* acc, int64_t rows, int64_t inner,
-                                int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* a_row = a + r * inner;
+// acc[taps * block, cols] += A^T @ b[rows, cols] over each row's valid taps.
+void MatMulTransposedAccumulate(const TapRows& a, const float* b, float* acc, int64_t cols) {
+  for (int64_t r = 0; r < a.rows; ++r) {
     const float* b_row = b + r * cols;
-    for (int64_t j = 0; j < inner; ++j) {
-      const float scale = a_row[j];
-      float* acc_row = acc + j * cols;
-      for (int64_t c = 0; c < cols; ++c) acc_row[c] += scale * b_row[c];
+    for (int64_t tap = 0; tap < a.taps; ++tap) {
+      if (!a.valid[r * a.taps + tap]) continue;
+      const float* a_block = a.At(r, tap);
+      float* acc_block = acc + tap * a.block * cols;
+      for (int64_t j = 0; j < a.block; ++j) {
+        const float scale = a_block[j];
+        float* acc_row = acc_block + j * cols;
+        for (int64_t c = 0; c < cols; ++c) acc_row[c] += scale * b_row[c];
+      }
     }
   }
 }
@@ -71,40 +94,34 @@ void ForEachRow(int64_t batch, const int64_t sizes[3], Fn&& fn) {
 
 // A [R, taps * Cg]: the input channels of `group` that each pixel of output row (n, o) reads.
 template <typename T>
-void GatherInputRow(const ConvGeometry& g, const T* x, int64_t n, const int64_t row[3], int64_t group, float* a) {
-  const int64_t cg = g.GroupChannels(), width = g.Taps() * cg;
+void GatherInputRow(const ConvGeometry& g, const T* x, int64_t n, const int64_t row[3], int64_t group, TapRows* a) {
+  const int64_t cg = g.GroupChannels();
   int64_t o[3] = {row[0], row[1], 0};
   for (o[2] = 0; o[2] < g.out[2]; ++o[2]) {
-    float* a_row = a + o[2] * width;
     ForEachTap(g, [&](int64_t tap, const int64_t* t) {
-      float* dst = a_row + tap * cg;
       const int64_t offset = g.InputOffset(n, o, t);
-      if (offset < 0) {
-        std::fill(dst, dst + cg, 0.0f);
-        return;
-      }
+      a->valid[o[2] * a->taps + tap] = offset >= 0;
+      if (offset < 0) return;
       const T* src = x + offset + group * cg;
+      float* dst = a->At(o[2], tap);
       for (int64_t c = 0; c < cg; ++c) dst[c] = ToFloat(src[c]);
     });
   }
 }
 
-// A [W, taps * Kg]: the dy features of `group` of the output pixels that read each pixel of input
-// row (n, i) (zeros where no output pixel reads it through a tap).
+// A [W, taps * Kg]: the dy features of `group` of the output pixel that reads each pixel of input
+// row (n, i) through each tap.
 template <typename T>
-void GatherGradRow(const ConvGeometry& g, const T* dy, int64_t n, const int64_t row[3], int64_t group, float* a) {
-  const int64_t kg = g.GroupFilters(), width = g.Taps() * kg;
+void GatherGradRow(const ConvGeometry& g, const T* dy, int64_t n, const int64_t row[3], int64_t group, TapRows* a) {
+  const int64_t kg = g.GroupFilters();
   int64_t i[3] = {row[0], row[1], 0};
   for (i[2] = 0; i[2] < g.in[2]; ++i[2]) {
-    float* a_row = a + i[2] * width;
     ForEachTap(g, [&](int64_t tap, const int64_t* t) {
-      float* dst = a_row + tap * kg;
       const int64_t offset = g.OutputOffset(n, i, t);
-      if (offset < 0) {
-        std::fill(dst, dst + kg, 0.0f);
-        return;
-      }
+      a->valid[i[2] * a->taps + tap] = offset >= 0;
+      if (offset < 0) return;
       const T* src = dy + offset + group * kg;
+      float* dst = a->At(i[2], tap);
       for (int64_t k = 0; k < kg; ++k) dst[k] = ToFloat(src[k]);
     });
   }
@@ -128,12 +145,13 @@ std::vector<float> GroupFilter(const ConvGeometry& g, const T* w, int64_t group,
 template <typename T>
 void Fprop(const ConvGeometry& g, const T* x, const T* w, const ConvEpilogue<T>& epilogue, T* y) {
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), width = g.out[2];
-  std::vector<float> a(width * g.Taps() * cg), y_row(width * kg);
+  TapRows a(width, g.Taps(), cg);
+  std::vector<float> y_row(width * kg);
   for (int64_t group = 0; group < g.groups; ++group) {
     const std::vector<float> filter = GroupFilter(g, w, group, false);
     ForEachRow(g.batch, g.out, [&](int64_t n, const int64_t* row, int64_t pixel) {
-      GatherInputRow(g, x, n, row, group, a.data());
-      MatMul(a.data(), filter.data(), y_row.data(), width, g.Taps() * cg, kg);
+      GatherInputRow(g, x, n, row, group, &a);
+      MatMul(a, filter.data(), y_row.data(), kg);
       for (int64_t r = 0; r < width; ++r) {
         for (int64_t k = group * kg; k < (group + 1) * kg; ++k) {
           const int64_t index = (pixel + r) * g.filters + k;
@@ -147,12 +165,13 @@ void Fprop(const ConvGeometry& g, const T* x, const T* w, const ConvEpilogue<T>&
 template <typename T>
 void Dgrad(const ConvGeometry& g, const T* dy, const T* w, T* dx) {
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), width = g.in[2];
-  std::vector<float> a(width * g.Taps() * kg), dx_row(width * cg);
+  TapRows a(width, g.Taps(), kg);
+  std::vector<float> dx_row(width * cg);
   for (int64_t group = 0; group < g.groups; ++group) {
     const std::vector<float> filter = GroupFilter(g, w, group, true);
     ForEachRow(g.batch, g.in, [&](int64_t n, const int64_t* row, int64_t pixel) {
-      GatherGradRow(g, dy, n, row, group, a.data());
-      MatMul(a.data(), filter.data(), dx_row.data(), width, g.Taps() * kg, cg);
+      GatherGradRow(g, dy, n, row, group, &a);
+      MatMul(a, filter.data(), dx_row.data(), cg);
       for (int64_t i = 0; i < width; ++i)
         for (int64_t c = 0; c < cg; ++c) dx[(pixel + i) * g.channels + group * cg + c] = FromFloat<T>(dx_row[i * cg + c]);
     });
@@ -162,14 +181,15 @@ void Dgrad(const ConvGeometry& g, const T* dy, const T* w, T* dx) {
 template <typename T>
 void Wgrad(const ConvGeometry& g, const T* x, const T* dy, T* dw) {
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), width = g.out[2], taps = g.Taps();
-  std::vector<float> a(width * taps * cg), dy_row(width * kg), acc(taps * cg * kg);
+  TapRows a(width, taps, cg);
+  std::vector<float> dy_row(width * kg), acc(taps * cg * kg);
   for (int64_t group = 0; group < g.groups; ++group) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     ForEachRow(g.batch, g.out, [&](int64_t n, const int64_t* row, int64_t pixel) {
-      GatherInputRow(g, x, n, row, group, a.data());
+      GatherInputRow(g, x, n, row, group, &a);
       for (int64_t r = 0; r < width; ++r)
         for (int64_t k = 0; k < kg; ++k) dy_row[r * kg + k] = ToFloat(dy[(pixel + r) * g.filters + group * kg + k]);
-      MatMulTransposedAccumulate(a.data(), dy_row.data(), acc.data(), width, taps * cg, kg);
+      MatMulTransposedAccumulate(a, dy_row.data(), acc.data(), kg);
     });
     for (int64_t j = 0; j < taps * cg; ++j)
       for (int64_t k = 0; k < kg; ++k) dw[j * g.filters + group * kg + k] = FromFloat<T>(acc[j * kg + k]);
