@@ -64,15 +64,18 @@ def _dilate(size, dilation):
 
 
 def _pads(fn, padding, in_spatial, window, strides, lhs_dilation, rhs_dilation):
-    """(low, high) per spatial axis from "SAME", "SAME_LOWER", "VALID" or explicit pairs (negative
-    ones crop, as in lax); strings pad the dilated shapes, as lax does."""
+    """(low, high) per spatial axis from "SAME", "SAME_LOWER", "VALID" (computed for the dilated
+    window, as lax does) or explicit pairs (negative ones crop, as in lax)."""
     if isinstance(padding, str):
         if padding.upper() not in ("SAME", "SAME_LOWER", "VALID"):
             raise ValueError(f"{fn}: padding must be 'SAME', 'SAME_LOWER', 'VALID' or a "
                              f"sequence of (low, high) pairs, got {padding!r}")
+        if any(d != 1 for d in lhs_dilation):  # as lax: the output size would be ambiguous
+            raise ValueError(f"{fn}: string padding {padding!r} is not supported with lhs_dilation "
+                             f"{lhs_dilation} (a transposed convolution): give (low, high) pairs, or use "
+                             "conv_transpose")
         return tuple(tuple(int(p) for p in pair) for pair in lax.padtype_to_pads(
-            tuple(map(_dilate, in_spatial, lhs_dilation)), tuple(map(_dilate, window, rhs_dilation)), strides,
-            padding.upper()))
+            in_spatial, tuple(map(_dilate, window, rhs_dilation)), strides, padding.upper()))
     try:
         pads = tuple((operator.index(lo), operator.index(hi)) for lo, hi in padding)
     except (TypeError, ValueError):

@@ -271,13 +271,15 @@ LF, RF = (L, jnp.float32), (R, jnp.float32)
     (LF, RF, dict(padding="FULL"), ValueError, "padding must be 'SAME'"),
     (LF, RF, dict(padding=((1, 1),)), ValueError, "padding must have 2"),
     (LF, RF, dict(padding=3), TypeError, "padding must be a string or"),
+    (LF, RF, dict(padding="SAME", lhs_dilation=(2, 1)), ValueError,
+     "string padding 'SAME' is not supported with lhs_dilation"),
     (LF, RF, dict(feature_group_count=0), ValueError, "feature_group_count must be >= 1"),
     (LF, RF, dict(preferred_element_type=jnp.bfloat16), TypeError,
      "preferred_element_type must be None or the operands' dtype float32"),
 ], ids=["int", "float64", "mixed-dtypes", "channels", "groups-channels", "groups-filters", "batch-groups",
         "both-groups", "window-too-large", "dilated-window-too-large", "dimension-numbers-length",
         "dimension-numbers-letters", "rank", "strides-length", "zero-stride", "zero-dilation", "padding-name",
-        "padding-pairs", "padding-type", "zero-groups", "preferred-type"])
+        "padding-pairs", "padding-type", "string-padding-dilated-lhs", "zero-groups", "preferred-type"])
 def test_bad_input(lhs, rhs, kwargs, error, message):
     kwargs = dict(dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC), **kwargs)
     with pytest.raises(error, match=message):
