@@ -104,6 +104,9 @@ def test_vmap(lhs_axis, rhs_axis, rng):
     vmapped = jax.vmap(op, in_axes=(lhs_axis, rhs_axis), out_axes=1)
     want = jax.vmap(oracle, in_axes=(lhs_axis, rhs_axis), out_axes=1)(f64(lhs), f64(rhs))
     assert_close(jax.jit(vmapped)(lhs, rhs), want, 1e-5, "vmap")
+    # The batch is folded into N or into feature groups: one kernel call, not a loop.
+    hlo = jax.jit(vmapped).lower(lhs, rhs).as_text()
+    assert hlo.count("@jaxdnn_conv_fprop_v1(") == 1 and "stablehlo.while" not in hlo
     ct = normal(rng, want.shape)
 
     def grads(fn, lhs, rhs, ct):
