@@ -86,9 +86,11 @@ def _batch_rule(prim, args, dims, *, batch_major, **attrs):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     shared = all(d is None for i, d in enumerate(dims) if i not in batch_major)
     if batch_major and shared:
-        ops = [a.reshape((-1,) + a.shape[2:]) if i in batch_major else a
-               for i, a in enumerate(move_to_front(a, d, size) if i in batch_major else a
-                                     for i, (a, d) in enumerate(zip(args, dims)))]
+        ops = list(args)
+        for i in batch_major:
+            if i < len(ops):  # the fused stage's residual is optional
+                a = move_to_front(ops[i], dims[i], size)
+                ops[i] = a.reshape((-1,) + a.shape[2:])
         out = prim.bind(*ops, **attrs)[0]
         return [out.reshape((size, -1) + out.shape[1:])], [0]
     ops = [stack_features(move_to_front(a, d, size), size) for a, d in zip(args, dims)]
@@ -176,7 +178,8 @@ def fused(x, w, bias, residual, conv, epilogue):
     Differentiation: the training forward writes z = conv + bias + residual from the same kernel
     (identity epilogue) and applies the activation with jaxdnn's activation kernel, keeping z for
     the backward: dz = act'(z) dy, dx = dgrad(dz, w), dw = wgrad(x, dz), dbias = sum of dz (XLA's
-    reduction), dresidual = dz."""
+    reduction), dresidual = dz. (So under differentiation y is act of z rounded to x's dtype, where
+    the fused kernel applies act to the float32 sum: the two differ by that rounding.)"""
     return _fused_call(x, w, bias, residual, conv, epilogue.kind, epilogue.param)
 
 
