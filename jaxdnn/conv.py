@@ -324,7 +324,7 @@ def conv(x, w, bias=None, *, activation=None, residual=None, strides=1, padding=
     Args:
       x: [N, *spatial, C], 1 to 3 spatial axes, channels last; float32, bfloat16 or float16.
       w: [*window, C / groups, K] (flax's `kernel` layout, HWIO), x's dtype.
-      bias: None or [K] (any float dtype; used in x's dtype).
+      bias: None or [K], float32, bfloat16 or float16 (used in x's dtype).
       activation: None or a name of `jaxdnn.activation.EPILOGUES` ("relu", "gelu", "silu", ...).
       residual: None or [N, *out, K], the output's shape, x's dtype (e.g. a ResNet shortcut).
       strides, dilation: an int or one int per spatial axis (dilation is the kernel's).
