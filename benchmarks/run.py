@@ -28,6 +28,7 @@ Adding a family: write `def <family>_cases(quick) -> list[Case]` and add it to `
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -407,6 +408,86 @@ def group_norm_cases(quick: bool) -> list[Case]:
     ]
 
 
+# ResNet-50's convolutions (NHWC): (name, H = W, C, K, window, stride).
+_RESNET50_CONVS = [
+    ("stem", 224, 3, 64, 7, 2),
+    ("3x3", 56, 64, 64, 3, 1),
+    ("1x1 reduce", 56, 256, 64, 1, 1),
+    ("1x1 expand", 56, 64, 256, 1, 1),
+    ("3x3", 28, 128, 128, 3, 1),
+    ("3x3/2", 56, 128, 128, 3, 2),
+    ("3x3", 14, 256, 256, 3, 1),
+    ("3x3", 7, 512, 512, 3, 1),
+]
+
+
+def conv_cases(quick: bool) -> list[Case]:
+    """conv_general_dilated on ResNet-50's layers, NHWC / HWIO, bf16, N = 128 (2 with --quick), SAME
+    padding, against lax.conv_general_dilated (XLA calls cuDNN on a GPU): fwd, and fwd+bwd (the
+    gradients w.r.t. both the input and the filter, passes separated as in a network); then the
+    fused conv + bias + relu.
+
+    FLOPs: fwd = 2 * N * P * Q * K * C * R * S (groups = 1), fwd+bwd = 3 x fwd.
+    """
+    dtype = jnp.bfloat16
+    sets = 2 if quick else 8
+    batch = 2 if quick else 128
+    numbers = ("NHWC", "HWIO", "NHWC")
+    key = jax.random.key(0)
+    cases = []
+    for label, size, channels, filters, window, stride in _RESNET50_CONVS:
+        out = -(-size // stride)
+        x_shape, w_shape, y_shape = (batch, size, size, channels), (window, window, channels, filters), (
+            batch, out, out, filters)
+        primal_sets, dys = [], []
+        for _ in range(sets):
+            key, kx, kw, kdy = jax.random.split(key, 4)
+            primal_sets.append((_normal(kx, x_shape, dtype), _normal(kw, w_shape, dtype, std=0.1)))
+            dys.append(_normal(kdy, y_shape, dtype))
+        conv = dict(window_strides=(stride, stride), padding="SAME", dimension_numbers=numbers)
+        fn = functools.partial(jaxdnn.conv_general_dilated, **conv)
+        peer_fn = functools.partial(jax.lax.conv_general_dilated, **conv)
+        flops = 2 * batch * out * out * filters * channels * window * window
+        name = f"{label} N{batch} H{size} W{size} C{channels} K{filters} {window}x{window}/{stride}"
+        cases.append(Case("conv", f"{name} fwd", fn, "xla", peer_fn, primal_sets, flops, "TFLOP/s"))
+        cases.append(Case("conv", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn),
+                          [(x, w, dy) for (x, w), dy in zip(primal_sets, dys)], 3 * flops, "TFLOP/s"))
+    return cases + _fused_conv_cases(quick)
+
+
+def _fused_conv_cases(quick: bool) -> list[Case]:
+    """jaxdnn.conv(x, w, bias, activation="relu") (the epilogue in the conv kernel) against XLA's
+    conv followed by the bias add and relu (which XLA may fuse into its cuDNN call), on ResNet-50's
+    56^2 64->64 3x3 layer: fwd and fwd+bwd (gradients w.r.t. x, w and bias). FLOPs as the plain conv."""
+    dtype = jnp.bfloat16
+    sets = 2 if quick else 8
+    batch = 2 if quick else 128
+    size, channels, filters = 56, 64, 64
+    key = jax.random.key(1)
+    primal_sets, dys = [], []
+    for _ in range(sets):
+        key, kx, kw, kb, kdy = jax.random.split(key, 5)
+        primal_sets.append((_normal(kx, (batch, size, size, channels), dtype),
+                            _normal(kw, (3, 3, channels, filters), dtype, std=0.1),
+                            _normal(kb, (filters,), dtype)))
+        dys.append(_normal(kdy, (batch, size, size, filters), dtype))
+
+    def fn(x, w, bias):
+        return jaxdnn.conv(x, w, bias, activation="relu")
+
+    def peer_fn(x, w, bias):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jax.nn.relu(y + bias)
+
+    flops = 2 * batch * size * size * filters * channels * 9
+    name = f"conv+bias+relu N{batch} H{size} W{size} C{channels} K{filters} 3x3/1"
+    return [
+        Case("conv", f"{name} fwd", fn, "xla", peer_fn, primal_sets, flops, "TFLOP/s"),
+        Case("conv", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn),
+             [(*primals, dy) for primals, dy in zip(primal_sets, dys)], 3 * flops, "TFLOP/s"),
+    ]
+
+
 FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
     "norm": norm_cases,
     "softmax": softmax_cases,
@@ -414,6 +495,7 @@ FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
     "batch_norm": batch_norm_cases,
     "pool": pool_cases,
     "group_norm": group_norm_cases,
+    "conv": conv_cases,
 }
 
 

@@ -3,6 +3,7 @@
 
 #include "activation/activation.h"
 #include "batch_norm/batch_norm.h"
+#include "conv/conv.h"
 #include "group_norm/group_norm.h"
 #include "norm/norm.h"
 #include "pool/pool.h"
@@ -47,6 +48,10 @@ const Target kTargets[] = {
     {"jaxdnn_max_pool_bwd_v1", MaxPoolBwdCpu, JAXDNN_CUDA_HANDLER(MaxPoolBwdCuda)},
     {"jaxdnn_avg_pool_fwd_v1", AvgPoolFwdCpu, JAXDNN_CUDA_HANDLER(AvgPoolFwdCuda)},
     {"jaxdnn_avg_pool_bwd_v1", AvgPoolBwdCpu, JAXDNN_CUDA_HANDLER(AvgPoolBwdCuda)},
+    {"jaxdnn_conv_fprop_v1", ConvFpropCpu, JAXDNN_CUDA_HANDLER(ConvFpropCuda)},
+    {"jaxdnn_conv_fprop_fused_v1", ConvFpropFusedCpu, JAXDNN_CUDA_HANDLER(ConvFpropFusedCuda)},
+    {"jaxdnn_conv_dgrad_v1", ConvDgradCpu, JAXDNN_CUDA_HANDLER(ConvDgradCuda)},
+    {"jaxdnn_conv_wgrad_v1", ConvWgradCpu, JAXDNN_CUDA_HANDLER(ConvWgradCuda)},
 };
 
 nb::capsule Capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }

@@ -5,6 +5,7 @@ from jaxdnn._export import export_safety_checks
 from jaxdnn.activation import (elu, gelu, hard_tanh, leaky_relu, relu, relu6, sigmoid, silu, softplus,
                                tanh)
 from jaxdnn.batch_norm import batch_norm
+from jaxdnn.conv import conv, conv_general_dilated, conv_transpose
 from jaxdnn.group_norm import group_norm
 from jaxdnn.norm import layer_norm, rms_norm
 from jaxdnn.pool import avg_pool, max_pool
@@ -15,6 +16,9 @@ __version__ = "0.1.0"
 __all__ = [
     "avg_pool",
     "batch_norm",
+    "conv",
+    "conv_general_dilated",
+    "conv_transpose",
     "elu",
     "export_safety_checks",
     "gelu",

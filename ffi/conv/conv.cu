@@ -1,0 +1,217 @@
+// CUDA convolution: a CORRECTNESS BASELINE without tensor cores, to be replaced by implicit-GEMM
+// wgmma kernels (tiles in shared memory, TMA, several tile configurations) in a later session. It
+// trades speed for obviously safe code: scalar loads (no alignment requirement), int64 indexing,
+// float32 accumulation, grid-stride loops over a 1-D grid (no gridDim.y/z limits), and the index
+// maps of conv_geometry.h that the CPU kernels use too.
+//   fprop: one thread per y element (n, p, q, r, k), k fastest (the fused forward adds its epilogue
+//          to the accumulator before the one rounding): for each tap, the Cg input channels of
+//          k's group (the same address across a warp's threads of one pixel and group: a broadcast)
+//          times w[tap, c, k] (consecutive k: coalesced).
+//   dgrad: one thread per dx element (n, d, h, w, c), c fastest: for each tap whose output pixel reads
+//          this input pixel, the Kg features of c's group of dy (a broadcast) times w[tap, c, group].
+//   wgrad: one block per (tap, c, 32 consecutive k): 8 warps split the N * P * Q * R output pixels,
+//          each lane sums x * dy for its k (dy reads coalesced), then the 8 partial sums are added in
+//          shared memory; no atomics, so the result is deterministic.
+// Expected cost: every multiply-add loads its two operands (a warp covers 32 consecutive k of one
+// pixel: x is one broadcast transaction, w one coalesced one), so the kernels are bound by L1/L2
+// bandwidth, not DRAM (w fits in L2; x is re-read from L2 about K / 32 times): expect a few TFLOP/s
+// on an H100/H200, two orders of magnitude below cuDNN, and dgrad slower still (its w reads are
+// strided by K). Not yet run on a GPU.
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include "common/cuda_common.cuh"
+#include "conv/conv.h"
+#include "conv/conv_common.h"
+#include "conv/conv_epilogue.h"
+#include "conv/conv_geometry.h"
+
+namespace jaxdnn {
+namespace {
+
+constexpr int kBlock = 256;
+constexpr int64_t kMaxBlocks = 1 << 20;  // beyond, the grid strides
+constexpr int kWgradLanes = 32;          // filters (k) per wgrad block
+constexpr int kWgradSlices = kBlock / kWgradLanes;  // pixel slices per wgrad block
+
+int Blocks(int64_t items) { return int(std::min(kMaxBlocks, std::max<int64_t>(1, (items + kBlock - 1) / kBlock))); }
+
+// The coordinates of window tap `tap` (row-major over T U V).
+__device__ __forceinline__ void TapAt(const ConvGeometry& g, int64_t tap, int64_t t[3]) {
+  SplitIndex(tap, g.window, t);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+    ConvFpropKernel(const ConvGeometry g, const T* __restrict__ x, const T* __restrict__ w,
+                    const ConvEpilogue<T> epilogue, T* __restrict__ y) {
+  const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), taps = g.Taps();
+  const int64_t items = g.OutPixels() * g.filters;
+  for (int64_t item = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; item < items;
+       item += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t k = item % g.filters;
+    int64_t o[3];
+    const int64_t n = SplitIndex(item / g.filters, g.out, o);
+    const int64_t channel0 = (k / kg) * cg;
+    float acc = 0.0f;
+    for (int64_t tap = 0; tap < taps; ++tap) {
+      int64_t t[3];
+      TapAt(g, tap, t);
+      const int64_t offset = g.InputOffset(n, o, t);
+      if (offset < 0) continue;
+      const T* x_pixel = x + offset + channel0;
+      const T* w_tap = w + tap * cg * g.filters + k;
+      for (int64_t c = 0; c < cg; ++c) acc += ToFloat(x_pixel[c]) * ToFloat(w_tap[c * g.filters]);
+    }
+    y[item] = FromFloat<T>(epilogue.Apply(acc, item, k));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+    ConvDgradKernel(const ConvGeometry g, const T* __restrict__ dy, const T* __restrict__ w, T* __restrict__ dx) {
+  const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), taps = g.Taps();
+  const int64_t items = g.InPixels() * g.channels;
+  for (int64_t item = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; item < items;
+       item += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = item % g.channels;
+    int64_t i[3];
+    const int64_t n = SplitIndex(item / g.channels, g.in, i);
+    const int64_t group = c / cg, channel = c - group * cg;
+    float acc = 0.0f;
+    for (int64_t tap = 0; tap < taps; ++tap) {
+      int64_t t[3];
+      TapAt(g, tap, t);
+      const int64_t offset = g.OutputOffset(n, i, t);
+      if (offset < 0) continue;
+      const T* dy_pixel = dy + offset + group * kg;
+      const T* w_row = w + (tap * cg + channel) * g.filters + group * kg;
+      for (int64_t k = 0; k < kg; ++k) acc += ToFloat(dy_pixel[k]) * ToFloat(w_row[k]);
+    }
+    dx[item] = FromFloat<T>(acc);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+    ConvWgradKernel(const ConvGeometry g, const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dw) {
+  __shared__ float partial[kWgradSlices][kWgradLanes];
+  const int64_t cg = g.GroupChannels(), kg = g.GroupFilters();
+  const int64_t k_tiles = (g.filters + kWgradLanes - 1) / kWgradLanes;
+  const int64_t items = g.Taps() * cg * k_tiles;  // (tap, channel, k tile)
+  const int64_t pixels = g.OutPixels();
+  const int lane = threadIdx.x % kWgradLanes, slice = threadIdx.x / kWgradLanes;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {  // uniform per block: syncs are safe
+    const int64_t k = (item % k_tiles) * kWgradLanes + lane;
+    const int64_t row = item / k_tiles;  // tap * Cg + channel
+    const int64_t tap = row / cg, channel = row - tap * cg;
+    int64_t t[3];
+    TapAt(g, tap, t);
+    float acc = 0.0f;
+    if (k < g.filters) {
+      const int64_t x_channel = (k / kg) * cg + channel;
+      for (int64_t pixel = slice; pixel < pixels; pixel += kWgradSlices) {
+        int64_t o[3];
+        const int64_t n = SplitIndex(pixel, g.out, o);
+        const int64_t offset = g.InputOffset(n, o, t);
+        if (offset >= 0) acc += ToFloat(x[offset + x_channel]) * ToFloat(dy[pixel * g.filters + k]);
+      }
+    }
+    partial[slice][lane] = acc;
+    __syncthreads();
+    if (slice == 0 && k < g.filters) {
+      float sum = 0.0f;
+      for (int s = 0; s < kWgradSlices; ++s) sum += partial[s][lane];
+      dw[row * g.filters + k] = FromFloat<T>(sum);
+    }
+    __syncthreads();  // partial is rewritten by the next item
+  }
+}
+
+// The forward with an epilogue (the plain one passes none); `bias` and `residual` may be null.
+ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                       const ffi::AnyBuffer* bias, const ffi::AnyBuffer* residual, int64_t activation,
+                       float activation_param, ffi::AnyBuffer& y) {
+  const int64_t items = g.OutPixels() * g.filters;
+  if (items == 0) return ffi::Error::Success();
+  return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {
+    using T = decltype(type_tag);
+    ConvEpilogue<T> epilogue;
+    epilogue.bias = bias != nullptr ? static_cast<const T*>(bias->untyped_data()) : nullptr;
+    epilogue.residual = residual != nullptr ? static_cast<const T*>(residual->untyped_data()) : nullptr;
+    epilogue.activation = activation;
+    epilogue.activation_param = activation_param;
+    ConvFpropKernel<T><<<Blocks(items), kBlock, 0, stream>>>(g, static_cast<const T*>(x.untyped_data()),
+                                                             static_cast<const T*>(w.untyped_data()), epilogue,
+                                                             static_cast<T*>(y.untyped_data()));
+    return LaunchError("conv fprop");
+  });
+}
+
+ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                         ConvAttrs attrs) {
+  ConvGeometry g;
+  JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), w.dimensions(), y->dimensions(), &g));
+  JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
+  return LaunchFprop(stream, g, x, w, nullptr, nullptr, 0, 0.0f, *y);
+}
+
+ffi::Error ConvFpropFusedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
+                              std::optional<ffi::AnyBuffer> residual, ffi::Result<ffi::AnyBuffer> y,
+                              ConvFusedAttrs attrs) {
+  ConvGeometry g;
+  JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs.conv, x.dimensions(), w.dimensions(), y->dimensions(), &g));
+  JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
+  JAXDNN_RETURN_IF_ERROR(CheckEpilogue(g, x, bias, residual, *y, attrs.activation));
+  return LaunchFprop(stream, g, x, w, &bias, residual.has_value() ? &*residual : nullptr, attrs.activation,
+                     attrs.activation_param, *y);
+}
+
+ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
+                         ConvAttrs attrs) {
+  ConvGeometry g;
+  JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, dx->dimensions(), w.dimensions(), dy.dimensions(), &g));
+  JAXDNN_RETURN_IF_ERROR(CheckSameDtype(dy, w, *dx));
+  const int64_t items = g.InPixels() * g.channels;
+  if (items == 0) return ffi::Error::Success();
+  return DispatchFloat<float, __nv_bfloat16, __half>(dy.element_type(), "dy", [&](auto type_tag) {
+    using T = decltype(type_tag);
+    ConvDgradKernel<T><<<Blocks(items), kBlock, 0, stream>>>(g, static_cast<const T*>(dy.untyped_data()),
+                                                             static_cast<const T*>(w.untyped_data()),
+                                                             static_cast<T*>(dx->untyped_data()));
+    return LaunchError("conv dgrad");
+  });
+}
+
+ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dw,
+                         ConvAttrs attrs) {
+  ConvGeometry g;
+  JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), dw->dimensions(), dy.dimensions(), &g));
+  JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, dy, *dw));
+  // An empty batch still writes dw (zeros): the blocks sum over no pixels.
+  const int64_t rows = g.Taps() * g.GroupChannels();
+  if (rows * g.filters == 0) return ffi::Error::Success();
+  const int64_t blocks = std::min(kMaxBlocks, rows * ((g.filters + kWgradLanes - 1) / kWgradLanes));
+  return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {
+    using T = decltype(type_tag);
+    ConvWgradKernel<T><<<int(blocks), kBlock, 0, stream>>>(g, static_cast<const T*>(x.untyped_data()),
+                                                           static_cast<const T*>(dy.untyped_data()),
+                                                           static_cast<T*>(dw->untyped_data()));
+    return LaunchError("conv wgrad");
+  });
+}
+
+}  // namespace
+}  // namespace jaxdnn
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropCuda, jaxdnn::ConvFpropImpl, jaxdnn::BindConvFprop(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropFusedCuda, jaxdnn::ConvFpropFusedImpl,
+                              jaxdnn::BindConvFpropFused(jaxdnn::BindCuda()), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvDgradCuda, jaxdnn::ConvDgradImpl, jaxdnn::BindConvDgrad(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvWgradCuda, jaxdnn::ConvWgradImpl, jaxdnn::BindConvWgrad(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,154 @@
+// Convolution, batch first and channels last. Every spatial rank (1-D, 2-D, 3-D) is seen as 3-D:
+// the Python side transposes any dimension_numbers to this canonical layout and inserts size-1
+// spatial axes in front of the missing ones. Shapes (G = groups, C = G * Cg, K = G * Kg):
+//   x  [N, D, H, W, C]      the input (lhs)
+//   w  [T, U, V, Cg, K]     the filter (rhs): window T x U x V, Cg input channels per group
+//   y  [N, P, Q, R, K]      the output; output feature k belongs to group k / Kg and reads the
+//                           input channels [group * Cg, (group + 1) * Cg)
+// y[n, o, k] = sum over taps t and c < Cg of x~[n, o * stride + t * rhs_dilation - pad, group * Cg + c]
+//              * w[t, c, k], where x~ is x with lhs_dilation - 1 zeros between its elements (a
+// transposed convolution) and zeros outside it. pad is the low padding and may be negative (it crops),
+// as in lax; the high padding only shows in the output sizes.
+// Targets (versioned: the ABI of exported programs); all accumulate in float32:
+//   jaxdnn_conv_fprop_v1  (x, w)  -> (y)    the forward
+//   jaxdnn_conv_fprop_fused_v1  (x, w, bias, [residual]) -> (y)
+//                                         y = act(conv(x, w) + bias + residual): bias [K], residual
+//                                         y's shape, both x's dtype; attributes activation (int64, the
+//                                         Activation enum of common/activation.h), activation_param (f32)
+//   jaxdnn_conv_dgrad_v1  (dy, w) -> (dx)   the gradient w.r.t. x (the transpose of fprop in x)
+//   jaxdnn_conv_wgrad_v1  (x, dy) -> (dw)   the gradient w.r.t. w (summed over N and the output pixels)
+// Attributes (int64, per spatial axis d h w): in_* (D H W), out_* (P Q R), window_* (T U V), stride_*,
+// pad_*, lhs_dilation_*, rhs_dilation_*, and groups. The sizes are checked against the buffers' shapes
+// (every stage's abstract evaluation needs the one size its operands do not give).
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxdnn {
+
+// The convolution's attributes as decoded from a target's attribute dictionary (by name).
+struct ConvAttrs {
+  int64_t in_d, in_h, in_w;
+  int64_t out_d, out_h, out_w;
+  int64_t window_d, window_h, window_w;
+  int64_t stride_d, stride_h, stride_w;
+  int64_t pad_d, pad_h, pad_w;  // low padding, may be negative
+  int64_t lhs_dilation_d, lhs_dilation_h, lhs_dilation_w;
+  int64_t rhs_dilation_d, rhs_dilation_h, rhs_dilation_w;
+  int64_t groups;
+};
+
+// The fused forward's attributes: the convolution's and its epilogue's.
+struct ConvFusedAttrs {
+  ConvAttrs conv;
+  int64_t activation;
+  float activation_param;
+};
+
+template <typename Binding>
+auto BindConvFprop(Binding binding) {
+  return std::move(binding)
+      .template Arg<xla::ffi::AnyBuffer>()  // x [N, D, H, W, C]
+      .template Arg<xla::ffi::AnyBuffer>()  // w [T, U, V, Cg, K], x's dtype
+      .template Ret<xla::ffi::AnyBuffer>()  // y [N, P, Q, R, K], x's dtype
+      .template Attrs<ConvAttrs>();
+}
+
+template <typename Binding>
+auto BindConvFpropFused(Binding binding) {
+  return std::move(binding)
+      .template Arg<xla::ffi::AnyBuffer>()          // x [N, D, H, W, C]
+      .template Arg<xla::ffi::AnyBuffer>()          // w [T, U, V, Cg, K], x's dtype
+      .template Arg<xla::ffi::AnyBuffer>()          // bias [K], x's dtype
+      .template OptionalArg<xla::ffi::AnyBuffer>()  // residual [N, P, Q, R, K], x's dtype
+      .template Ret<xla::ffi::AnyBuffer>()          // y [N, P, Q, R, K], x's dtype
+      .template Attrs<ConvFusedAttrs>();
+}
+
+template <typename Binding>
+auto BindConvDgrad(Binding binding) {
+  return std::move(binding)
+      .template Arg<xla::ffi::AnyBuffer>()  // dy [N, P, Q, R, K]
+      .template Arg<xla::ffi::AnyBuffer>()  // w [T, U, V, Cg, K], dy's dtype
+      .template Ret<xla::ffi::AnyBuffer>()  // dx [N, D, H, W, C], dy's dtype
+      .template Attrs<ConvAttrs>();
+}
+
+template <typename Binding>
+auto BindConvWgrad(Binding binding) {
+  return std::move(binding)
+      .template Arg<xla::ffi::AnyBuffer>()  // x [N, D, H, W, C]
+      .template Arg<xla::ffi::AnyBuffer>()  // dy [N, P, Q, R, K], x's dtype
+      .template Ret<xla::ffi::AnyBuffer>()  // dw [T, U, V, Cg, K], x's dtype
+      .template Attrs<ConvAttrs>();
+}
+
+}  // namespace jaxdnn
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jaxdnn::ConvAttrs,
+    StructMember<int64_t>("in_d"),
+    StructMember<int64_t>("in_h"),
+    StructMember<int64_t>("in_w"),
+    StructMember<int64_t>("out_d"),
+    StructMember<int64_t>("out_h"),
+    StructMember<int64_t>("out_w"),
+    StructMember<int64_t>("window_d"),
+    StructMember<int64_t>("window_h"),
+    StructMember<int64_t>("window_w"),
+    StructMember<int64_t>("stride_d"),
+    StructMember<int64_t>("stride_h"),
+    StructMember<int64_t>("stride_w"),
+    StructMember<int64_t>("pad_d"),
+    StructMember<int64_t>("pad_h"),
+    StructMember<int64_t>("pad_w"),
+    StructMember<int64_t>("lhs_dilation_d"),
+    StructMember<int64_t>("lhs_dilation_h"),
+    StructMember<int64_t>("lhs_dilation_w"),
+    StructMember<int64_t>("rhs_dilation_d"),
+    StructMember<int64_t>("rhs_dilation_h"),
+    StructMember<int64_t>("rhs_dilation_w"),
+    StructMember<int64_t>("groups"));
+
+// The same members, then the epilogue's.
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jaxdnn::ConvFusedAttrs,
+    StructMember<int64_t>("in_d"),
+    StructMember<int64_t>("in_h"),
+    StructMember<int64_t>("in_w"),
+    StructMember<int64_t>("out_d"),
+    StructMember<int64_t>("out_h"),
+    StructMember<int64_t>("out_w"),
+    StructMember<int64_t>("window_d"),
+    StructMember<int64_t>("window_h"),
+    StructMember<int64_t>("window_w"),
+    StructMember<int64_t>("stride_d"),
+    StructMember<int64_t>("stride_h"),
+    StructMember<int64_t>("stride_w"),
+    StructMember<int64_t>("pad_d"),
+    StructMember<int64_t>("pad_h"),
+    StructMember<int64_t>("pad_w"),
+    StructMember<int64_t>("lhs_dilation_d"),
+    StructMember<int64_t>("lhs_dilation_h"),
+    StructMember<int64_t>("lhs_dilation_w"),
+    StructMember<int64_t>("rhs_dilation_d"),
+    StructMember<int64_t>("rhs_dilation_h"),
+    StructMember<int64_t>("rhs_dilation_w"),
+    StructMember<int64_t>("groups"),
+    StructMember<int64_t>("activation"),
+    StructMember<float>("activation_param"));
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvFpropCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvFpropFusedCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvDgradCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvWgradCpu);
+
+#ifdef JAXDNN_WITH_CUDA
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvFpropCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvFpropFusedCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvDgradCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvWgradCuda);
+#endif

@@ -1,0 +1,202 @@
+"""The convolution's kernel stages as JAX primitives, and their differentiation.
+
+Canonical layout (ffi/conv/conv.h), batch first and channels last, 3-D:
+  x [N, D, H, W, C]  *  w [T, U, V, Cg, K]  ->  y [N, P, Q, R, K]
+with G feature groups (C = G * Cg, K = G * Kg). Stages: fprop, dgrad (w.r.t. x) and wgrad (w.r.t. w),
+bilinear, each one's VJP made of the other two, so every order of reverse-mode derivatives runs on
+the kernels; and the fused forward act(fprop(x, w) + bias + residual).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
+from jaxdnn._primitive import ffi_primitive, move_to_front
+from jaxdnn.activation import _activation, epilogue_attrs
+
+
+@dataclasses.dataclass(frozen=True)
+class Conv:
+    """A convolution on the kernels' 3-D form (axes d, h, w); hashable, a static argument."""
+    in_spatial: tuple[int, int, int]   # D H W
+    out_spatial: tuple[int, int, int]  # P Q R
+    window: tuple[int, int, int]       # T U V
+    strides: tuple[int, int, int]
+    pads: tuple[int, int, int]         # low padding (may be negative); the high one shows in P Q R
+    lhs_dilation: tuple[int, int, int]
+    rhs_dilation: tuple[int, int, int]
+    groups: int
+
+    def attrs(self) -> dict:
+        """The targets' attributes (int64, see ffi/conv/conv.h)."""
+        values = {"in": self.in_spatial, "out": self.out_spatial, "window": self.window,
+                  "stride": self.strides, "pad": self.pads, "lhs_dilation": self.lhs_dilation,
+                  "rhs_dilation": self.rhs_dilation}
+        attrs = {f"{name}_{axis}": np.int64(v[i])
+                 for name, v in values.items() for i, axis in enumerate("dhw")}
+        attrs["groups"] = np.int64(self.groups)
+        return attrs
+
+
+def _spatial(attrs, prefix):
+    return tuple(int(attrs[f"{prefix}_{axis}"]) for axis in "dhw")
+
+
+# --- the kernel stages ----------------------------------------------------------------------------
+
+def _fprop_avals(x, w, **attrs):
+    return [jax.core.ShapedArray((x.shape[0],) + _spatial(attrs, "out") + (w.shape[-1],), x.dtype)]
+
+
+def _dgrad_avals(dy, w, **attrs):
+    channels = int(attrs["groups"]) * w.shape[3]
+    return [jax.core.ShapedArray((dy.shape[0],) + _spatial(attrs, "in") + (channels,), dy.dtype)]
+
+
+def _wgrad_avals(x, dy, **attrs):
+    group_channels = x.shape[-1] // int(attrs["groups"])
+    return [jax.core.ShapedArray(_spatial(attrs, "window") + (group_channels, dy.shape[-1]), x.dtype)]
+
+
+def _fused_avals(x, w, bias, *residual, activation, activation_param, **attrs):
+    return _fprop_avals(x, w, **attrs)
+
+
+def stack_features(a, size):
+    """[B, ..., F] -> [..., B * F]: the vmapped copies side by side as feature groups."""
+    return jnp.moveaxis(a, 0, -2).reshape(a.shape[1:-1] + (size * a.shape[-1],))
+
+
+def _unstack_features(a, size):
+    """[..., B * F] -> [B, ..., F]: the inverse of stack_features."""
+    return jnp.moveaxis(a.reshape(a.shape[:-1] + (size, a.shape[-1] // size)), -2, 0)
+
+
+def _batch_rule(prim, args, dims, *, batch_major, **attrs):
+    """Batching of a stage. When only its batch-major operands (indices `batch_major`: x, dy, the
+    residual) are vmapped, the vmapped axis joins N. Otherwise each vmapped copy becomes its own set of
+    feature groups: the channels, filters, biases and outputs of the B copies side by side, B * G
+    groups (unbatched operands are broadcast first). wgrad (no N in its result) always stacks."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    shared = all(d is None for i, d in enumerate(dims) if i not in batch_major)
+    if batch_major and shared:
+        ops = list(args)
+        for i in batch_major:
+            if i < len(ops):  # the fused stage's residual is optional
+                a = move_to_front(ops[i], dims[i], size)
+                ops[i] = a.reshape((-1,) + a.shape[2:])
+        out = prim.bind(*ops, **attrs)[0]
+        return [out.reshape((size, -1) + out.shape[1:])], [0]
+    ops = [stack_features(move_to_front(a, d, size), size) for a, d in zip(args, dims)]
+    out = prim.bind(*ops, **dict(attrs, groups=np.int64(size * int(attrs["groups"]))))[0]
+    return [_unstack_features(out, size)], [0]
+
+
+def _stage(name, result_avals, rule, batch_major, target=None, **kwargs):
+    return ffi_primitive(f"jaxdnn_conv_{name}", f"jaxdnn_conv_{target or name}_v1",
+                         result_avals=result_avals, sharding_rule=rule,
+                         batch_rule=functools.partial(_batch_rule, batch_major=batch_major), **kwargs)
+
+
+# `...` is N: a batch-sharded x or dy runs per shard; the filter is replicated and its gradient is
+# summed over the shards. Every other axis has its own factor (their sizes differ between operands).
+_fprop_stage = _stage("fprop", _fprop_avals, "... d h w c, t u v i k -> ... p q r o", (0,))
+_dgrad_stage = _stage("dgrad", _dgrad_avals, "... p q r k, t u v i o -> ... d h w c", (0,))
+_wgrad_stage = _stage("wgrad", _wgrad_avals, "... d h w c, ... p q r k -> t u v i o", (),
+                      reduced_results=(0,))
+# The fused forward, one primitive per arity: without / with the residual operand.
+_fused_stage = {
+    residual: _stage("fprop_fused" + ("_residual" if residual else ""), _fused_avals,
+                     "... d h w c, t u v i k, o" + (", ... p q r o" if residual else "") + " -> ... p q r o",
+                     (0, 3), target="fprop_fused")
+    for residual in (False, True)}
+
+
+# --- three bilinear stages, each differentiated by the other two ---------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fprop(x, w, conv):
+    return _fprop_stage.bind(x, w, **conv.attrs())[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dgrad(dy, w, conv):
+    return _dgrad_stage.bind(dy, w, **conv.attrs())[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _wgrad(x, dy, conv):
+    return _wgrad_stage.bind(x, dy, **conv.attrs())[0]
+
+
+def _fprop_bwd(conv, residuals, dy):
+    x, w = residuals
+    return _dgrad(dy, w, conv), _wgrad(x, dy, conv)
+
+
+def _dgrad_bwd(conv, residuals, ddx):
+    dy, w = residuals  # dgrad(dy, w) = fprop's transpose in x: <ddx, dgrad(dy, w)> = <fprop(ddx, w), dy>
+    return fprop(ddx, w, conv), _wgrad(ddx, dy, conv)
+
+
+def _wgrad_bwd(conv, residuals, ddw):
+    x, dy = residuals  # <ddw, wgrad(x, dy)> = <fprop(x, ddw), dy>
+    return _dgrad(dy, ddw, conv), fprop(x, ddw, conv)
+
+
+fprop.defvjp(lambda x, w, conv: (fprop(x, w, conv), (x, w)), _fprop_bwd)
+_dgrad.defvjp(lambda dy, w, conv: (_dgrad(dy, w, conv), (dy, w)), _dgrad_bwd)
+_wgrad.defvjp(lambda x, dy, conv: (_wgrad(x, dy, conv), (x, dy)), _wgrad_bwd)
+
+
+# --- the fused forward: act(fprop(x, w) + bias + residual) ----------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """The fused forward's epilogue; hashable, a static argument."""
+    kind: str       # a key of jaxdnn.activation.KINDS ("identity" for none)
+    param: float    # the activation's parameter
+    residual: bool  # whether a residual is added
+
+
+def _fused_call(x, w, bias, residual, conv, kind, param):
+    ops = (x, w, bias) + (() if residual is None else (residual,))
+    return _fused_stage[residual is not None].bind(*ops, **conv.attrs(), **epilogue_attrs(kind, param))[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def fused(x, w, bias, residual, conv, epilogue):
+    """act(conv(x, w) + bias + residual) in one kernel; bias [K] and residual (y's shape; None when
+    not `epilogue.residual`) in x's dtype.
+
+    Differentiation: the training forward writes z = conv + bias + residual from the same kernel
+    (identity epilogue) and applies the activation with jaxdnn's activation kernel, keeping z for
+    the backward: dz = act'(z) dy, dx = dgrad(dz, w), dw = wgrad(x, dz), dbias = sum of dz (XLA's
+    reduction), dresidual = dz. (So under differentiation y is act of z rounded to x's dtype, where
+    the fused kernel applies act to the float32 sum: the two differ by that rounding.)"""
+    return _fused_call(x, w, bias, residual, conv, epilogue.kind, epilogue.param)
+
+
+def _fused_fwd(x, w, bias, residual, conv, epilogue):
+    # z through `fused` itself (identity epilogue): differentiable, for the higher orders.
+    z = fused(x, w, bias, residual, conv, dataclasses.replace(epilogue, kind="identity", param=0.0))
+    y = z if epilogue.kind == "identity" else _activation(z, epilogue.kind, epilogue.param)
+    return y, (x, w, z)
+
+
+def _fused_bwd(conv, epilogue, residuals, dy):
+    x, w, z = residuals
+    dz = dy
+    if epilogue.kind != "identity":
+        dz = jax.vjp(lambda z: _activation(z, epilogue.kind, epilogue.param), z)[1](dy)[0]
+    dbias = jnp.sum(dz, axis=tuple(range(dz.ndim - 1)), dtype=jnp.float32).astype(dz.dtype)
+    return _dgrad(dz, w, conv), _wgrad(x, dz, conv), dbias, dz if epilogue.residual else None
+
+
+fused.defvjp(_fused_fwd, _fused_bwd)

@@ -1,0 +1,460 @@
+"""conv_general_dilated against lax.conv_general_dilated in float64: forward and VJP (lhs and rhs,
+random cotangent) for 1-D/2-D/3-D, several dimension_numbers, strides, both dilations, every padding
+kind (negative too), groups, depthwise, batch groups, transposed convolution and an empty batch;
+transforms, second order, sharding, export, errors, and the custom calls in the HLO."""
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export, lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxdnn
+from helpers import DTYPES, assert_close, dtype_id, f64, normal, tolerance
+
+TARGETS = ("jaxdnn_conv_fprop_v1", "jaxdnn_conv_dgrad_v1", "jaxdnn_conv_wgrad_v1")
+
+# (lhs shape, rhs shape, kwargs of conv_general_dilated). Odd sizes, channel counts with and without
+# a multiple of 8, size-1 axes; the rhs shape is in the layout dimension_numbers names.
+NHWC = ("NHWC", "HWIO", "NHWC")
+CASES = [
+    ((2, 3, 9, 8), (5, 3, 3, 3), dict(window_strides=(1, 1), padding="SAME")),
+    ((2, 9, 8, 6), (3, 3, 6, 16), dict(window_strides=(2, 1), padding="VALID", dimension_numbers=NHWC)),
+    ((3, 7, 10, 5), (3, 2, 5, 4), dict(window_strides=(1, 2), padding=((1, 2), (0, 1)),
+                                      dimension_numbers=NHWC, rhs_dilation=(2, 3))),
+    ((2, 9, 8, 6), (3, 2, 3, 4), dict(window_strides=(2, 1), padding=((1, -1), (2, 0)), lhs_dilation=(2, 1),
+                                      rhs_dilation=(1, 2), dimension_numbers=NHWC, feature_group_count=2)),
+    ((2, 8, 7, 12), (3, 3, 1, 12), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC,
+                                       feature_group_count=12)),  # depthwise
+    ((2, 8, 7, 6), (3, 3, 1, 12), dict(window_strides=(2, 2), padding="SAME_LOWER", dimension_numbers=NHWC,
+                                      feature_group_count=6)),  # depthwise, channel multiplier 2
+    ((2, 5, 6, 4), (4, 4, 4, 3), dict(window_strides=(1, 1), padding=((2, 2), (2, 2)), lhs_dilation=(2, 2),
+                                     dimension_numbers=NHWC)),  # transposed convolution, stride 2
+    ((4, 7, 6), (3, 6, 4), dict(window_strides=(1,), padding="SAME", dimension_numbers=("NWC", "WIO", "NWC"),
+                                batch_group_count=2)),
+    ((3, 5, 13), (7, 5, 3), dict(window_strides=(3,), padding="VALID")),  # 1-D, NCW / OIW
+    ((2, 11, 4), (4, 4, 3), dict(window_strides=(2,), padding=((2, 1),),
+                                 dimension_numbers=("NWC", "WIO", "NWC"), rhs_dilation=(2,))),
+    ((2, 3, 5, 6, 7), (4, 3, 2, 2, 3), dict(window_strides=(1, 2, 1), padding="SAME",
+                                           rhs_dilation=(2, 1, 1))),
+    ((1, 5, 4, 6, 6), (3, 2, 3, 3, 8), dict(window_strides=(2, 1, 2), padding=((1, 0), (1, 1), (0, 2)),
+                                           dimension_numbers=("NDHWC", "DHWIO", "NDHWC"),
+                                           feature_group_count=2)),
+    ((6, 3, 2, 7), (3, 3, 2, 5), dict(window_strides=(1, 1), padding="VALID",
+                                      dimension_numbers=("HNCW", "HWIO", "NWHC"))),  # mixed layouts
+    ((2, 7, 7, 5), (8, 5, 1, 1), dict(window_strides=(2, 2), padding="VALID",
+                                      dimension_numbers=("NHWC", "OIHW", "NCHW"))),  # 1x1, stride 2
+    ((0, 6, 6, 4), (3, 3, 4, 5), dict(window_strides=(1, 1), padding="SAME",
+                                      dimension_numbers=NHWC)),  # empty batch
+]
+case_param = pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", CASES, ids=str)
+dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+
+
+def _op(fn, kwargs):
+    return lambda lhs, rhs: fn(lhs, rhs, **kwargs)
+
+
+def _oracle(kwargs, lhs, rhs, cotangent=None):
+    """lax's output on the operands in float64, and its VJP (lhs, rhs) for `cotangent`."""
+    y, pullback = jax.vjp(_op(lax.conv_general_dilated, kwargs), f64(lhs), f64(rhs))
+    return y, None if cotangent is None else pullback(f64(cotangent))
+
+
+def _vjp(fn, lhs, rhs, cotangent):
+    return jax.jit(lambda lhs, rhs, ct: jax.vjp(fn, lhs, rhs)[1](ct))(lhs, rhs, cotangent)
+
+
+@dtype_param
+@case_param
+def test_forward_and_grad(dtype, lhs_shape, rhs_shape, kwargs, rng):
+    op = _op(jaxdnn.conv_general_dilated, kwargs)
+    lhs, rhs = normal(rng, lhs_shape, dtype), normal(rng, rhs_shape, dtype, scale=0.5)
+    y = jax.jit(op)(lhs, rhs)
+    want_y, _ = _oracle(kwargs, lhs, rhs)
+    assert y.shape == want_y.shape and y.dtype == lhs.dtype
+    assert_close(y, want_y, tolerance(dtype), "forward")
+    cotangent = normal(rng, y.shape, dtype)
+    dlhs, drhs = _vjp(op, lhs, rhs, cotangent)
+    _, (want_dlhs, want_drhs) = _oracle(kwargs, lhs, rhs, cotangent)
+    assert dlhs.dtype == lhs.dtype and drhs.dtype == rhs.dtype
+    assert_close(dlhs, want_dlhs, tolerance(dtype, grad=True), "grad lhs")
+    assert_close(drhs, want_drhs, tolerance(dtype, grad=True), "grad rhs")
+
+
+# A grouped, strided, dilated NHWC convolution for the transform tests (groups make the vmap rule's
+# feature-group stacking nontrivial).
+GROUPED = dict(window_strides=(2, 1), padding="SAME", rhs_dilation=(1, 2), dimension_numbers=NHWC,
+               feature_group_count=2)
+
+
+@pytest.mark.parametrize("lhs_axis,rhs_axis", [(1, None), (2, 0), (None, 3), (0, 4)], ids=str)
+def test_vmap(lhs_axis, rhs_axis, rng):
+    op, oracle = _op(jaxdnn.conv_general_dilated, GROUPED), _op(lax.conv_general_dilated, GROUPED)
+    lhs_shape, rhs_shape = [2, 7, 6, 4], [3, 2, 2, 6]
+    if lhs_axis is not None:
+        lhs_shape.insert(lhs_axis, 3)
+    if rhs_axis is not None:
+        rhs_shape.insert(rhs_axis, 3)
+    lhs, rhs = normal(rng, lhs_shape), normal(rng, rhs_shape)
+    vmapped = jax.vmap(op, in_axes=(lhs_axis, rhs_axis), out_axes=1)
+    want = jax.vmap(oracle, in_axes=(lhs_axis, rhs_axis), out_axes=1)(f64(lhs), f64(rhs))
+    assert_close(jax.jit(vmapped)(lhs, rhs), want, 1e-5, "vmap")
+    # The batch is folded into N or into feature groups: one kernel call, not a loop.
+    hlo = jax.jit(vmapped).lower(lhs, rhs).as_text()
+    assert hlo.count("@jaxdnn_conv_fprop_v1(") == 1 and "stablehlo.while" not in hlo
+    ct = normal(rng, want.shape)
+
+    def grads(fn, lhs, rhs, ct):
+        return jax.vmap(jax.grad(lambda x, w, c: jnp.sum(fn(x, w) * c), argnums=(0, 1)),
+                        in_axes=(lhs_axis, rhs_axis, 1))(lhs, rhs, ct)
+    got = jax.jit(functools.partial(grads, op))(lhs, rhs, ct)
+    want = grads(oracle, f64(lhs), f64(rhs), f64(ct))
+    assert_close(got[0], want[0], 1e-5, "vmap(grad) lhs")
+    assert_close(got[1], want[1], 1e-5, "vmap(grad) rhs")
+
+
+def test_second_order_runs_on_the_kernels(rng):
+    """A gradient penalty (grad of a function of grad) and the third order, against lax."""
+    op, oracle = _op(jaxdnn.conv_general_dilated, GROUPED), _op(lax.conv_general_dilated, GROUPED)
+    lhs, rhs = normal(rng, (2, 7, 6, 4)), normal(rng, (3, 2, 2, 6))
+    ct = normal(rng, (2, 4, 6, 6))
+
+    def penalty(fn, lhs, rhs):
+        def loss(x, w):
+            return jnp.sum(jnp.sin(fn(x, w)) * ct.astype(x.dtype))
+        dlhs, drhs = jax.grad(loss, argnums=(0, 1))(lhs, rhs)
+        return jnp.sum(dlhs ** 2) + jnp.sum(jnp.cos(drhs))
+    got = jax.jit(jax.grad(functools.partial(penalty, op), argnums=(0, 1)))(lhs, rhs)
+    want = jax.grad(functools.partial(penalty, oracle), argnums=(0, 1))(f64(lhs), f64(rhs))
+    assert_close(got[0], want[0], 1e-5, "grad of grad lhs")
+    assert_close(got[1], want[1], 1e-5, "grad of grad rhs")
+
+    def third(fn):
+        return jax.grad(lambda x, w: jnp.sum(jax.grad(lambda x: penalty(fn, x, w))(x) ** 2), argnums=1)
+    assert_close(jax.jit(third(op))(lhs, rhs), third(oracle)(f64(lhs), f64(rhs)), 1e-5, "third order")
+    hlo = jax.jit(third(op)).lower(lhs, rhs).as_text()
+    assert all(target in hlo for target in TARGETS)
+    assert "convolution" not in hlo
+
+
+def test_checkpoint_scan_and_jvp(rng):
+    kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)  # shape-preserving
+    op, oracle = _op(jaxdnn.conv_general_dilated, kwargs), _op(lax.conv_general_dilated, kwargs)
+    lhs, rhs = normal(rng, (2, 6, 5, 4)), normal(rng, (3, 3, 4, 4), scale=0.3)
+    ct = normal(rng, lhs.shape)
+
+    def scanned(fn, lhs, rhs):
+        h, _ = lax.scan(lambda h, _: (jax.checkpoint(fn)(h, rhs) * 1.5 - 0.2, None), lhs, None, length=3)
+        return jnp.sum(h * ct.astype(h.dtype))
+    got = jax.jit(jax.grad(functools.partial(scanned, op), argnums=(0, 1)))(lhs, rhs)
+    want = jax.grad(functools.partial(scanned, oracle), argnums=(0, 1))(f64(lhs), f64(rhs))
+    assert_close(got[0], want[0], 1e-5, "scan(checkpoint) lhs")
+    assert_close(got[1], want[1], 1e-5, "scan(checkpoint) rhs")
+    small_lhs, small_rhs = lhs[:1, :3, :3, :2], rhs[:2, :2, :2, :3]
+    jac = jax.jacrev(op, argnums=(0, 1))(small_lhs, small_rhs)
+    want_jac = jax.jacrev(oracle, argnums=(0, 1))(f64(small_lhs), f64(small_rhs))
+    assert_close(jac[0], want_jac[0], 1e-6, "jacrev lhs")
+    assert_close(jac[1], want_jac[1], 1e-6, "jacrev rhs")
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(op, (lhs, rhs), (lhs, rhs))
+
+
+def test_hlo_holds_the_custom_calls(rng):
+    lhs, rhs = normal(rng, (2, 6, 5, 4)), normal(rng, (3, 3, 4, 8))
+    op = _op(jaxdnn.conv_general_dilated, dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC))
+    fwd_hlo = jax.jit(op).lower(lhs, rhs).as_text()
+    assert TARGETS[0] in fwd_hlo and TARGETS[1] not in fwd_hlo and "convolution" not in fwd_hlo
+    assert "transpose" not in fwd_hlo  # channels-last needs none
+    grad = jax.grad(lambda x, w: jnp.sum(op(x, w) ** 2), argnums=(0, 1))
+    grad_hlo = jax.jit(grad).lower(lhs, rhs).as_text()
+    assert all(target in grad_hlo for target in TARGETS) and "convolution" not in grad_hlo
+
+
+def _mesh(kind, devices):
+    if kind == "mesh":
+        return jax.sharding.Mesh(np.array(devices), ("b",))
+    axis_type = getattr(jax.sharding.AxisType, kind.capitalize())
+    return jax.make_mesh((4,), ("b",), axis_types=(axis_type,), devices=devices)
+
+
+@pytest.mark.parametrize("mesh_kind", ["mesh", "auto", "explicit"])
+def test_batch_sharded_runs_per_shard(mesh_kind, devices, rng):
+    kwargs = dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)
+    op = _op(jaxdnn.conv_general_dilated, kwargs)
+    mesh = _mesh(mesh_kind, devices)
+    lhs = jax.device_put(normal(rng, (8, 9, 10, 6)), NamedSharding(mesh, P("b")))
+    rhs = jax.device_put(normal(rng, (3, 3, 6, 5)), NamedSharding(mesh, P()))
+    ct = jax.device_put(normal(rng, (8, 5, 5, 5)), NamedSharding(mesh, P("b")))
+    step = jax.jit(lambda x, w, ct: (lambda y, pullback: (y, *pullback(ct)))(*jax.vjp(op, x, w)))
+    with jax.set_mesh(mesh) if mesh_kind == "explicit" else contextlib.nullcontext():
+        hlo = step.lower(lhs, rhs, ct).compile().as_text()
+        y, dlhs, drhs = step(lhs, rhs, ct)
+    assert "all-gather" not in hlo
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="jaxdnn_' in line]
+    assert len(calls) == 3, calls
+    # Every stage reads or writes lhs's per-shard [2, 1, 9, 10, 6] (the kernels' 3-D form).
+    assert all("f32[2,1,9,10,6]" in line for line in calls), calls
+    want_y, (want_dlhs, want_drhs) = _oracle(kwargs, np.asarray(lhs), np.asarray(rhs), np.asarray(ct))
+    assert_close(y, want_y, 1e-5, "sharded forward")
+    assert_close(dlhs, want_dlhs, 1e-5, "sharded grad lhs")
+    assert_close(drhs, want_drhs, 1e-5, "sharded grad rhs")
+    assert y.sharding.spec[0] == "b" and dlhs.sharding.spec[0] == "b"
+
+
+def test_shard_map_grad(devices, rng):
+    kwargs = dict(window_strides=(1, 1), padding="VALID", dimension_numbers=NHWC)
+    op = _op(jaxdnn.conv_general_dilated, kwargs)
+    mesh = _mesh("mesh", devices)
+    lhs, rhs, ct = normal(rng, (8, 6, 5, 3)), normal(rng, (2, 2, 3, 4)), normal(rng, (8, 5, 4, 4))
+    per_shard = jax.shard_map(lambda x, w, ct: jax.vjp(op, x, w)[1](ct), mesh=mesh,
+                              in_specs=(P("b"), P(), P("b")), out_specs=(P("b"), P()))
+    got = jax.jit(per_shard)(lhs, rhs, ct)
+    _, want = _oracle(kwargs, lhs, rhs, ct)
+    assert_close(got[0], want[0], 1e-5, "shard_map grad lhs")
+    assert_close(got[1], want[1], 1e-5, "shard_map grad rhs (summed over the shards)")
+
+
+def test_export_round_trip(rng):
+    lhs, rhs = normal(rng, (3, 4, 9, 8)), normal(rng, (5, 4, 3, 3))
+    op = _op(jaxdnn.conv_general_dilated, dict(window_strides=(2, 1), padding="SAME"))
+    f = jax.jit(jax.grad(lambda x, w: jnp.sum(op(x, w) ** 2), argnums=(0, 1)))
+    exported = export.export(f, disabled_checks=jaxdnn.export_safety_checks())(lhs, rhs)
+    restored = export.deserialize(exported.serialize())
+    for got, want in zip(restored.call(lhs, rhs), f(lhs, rhs)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_batch_polymorphic_export(rng):
+    kwargs = dict(window_strides=(1, 2), padding="SAME", dimension_numbers=NHWC)
+    op = _op(jaxdnn.conv_general_dilated, kwargs)
+    batch, = export.symbolic_shape("batch")
+    rhs = normal(rng, (3, 2, 4, 5))
+    exported = export.export(jax.jit(op), disabled_checks=jaxdnn.export_safety_checks())(
+        jax.ShapeDtypeStruct((batch, 7, 6, 4), jnp.float32), rhs)
+    restored = export.deserialize(exported.serialize())
+    lhs = normal(rng, (5, 7, 6, 4))
+    for rows in (5, 1):
+        want = _oracle(kwargs, lhs[:rows], rhs)[0]
+        assert_close(restored.call(lhs[:rows], rhs), want, 1e-5, f"batch={rows}")
+
+
+L, R = (2, 6, 6, 4), (3, 3, 4, 8)  # NHWC / HWIO
+LF, RF = (L, jnp.float32), (R, jnp.float32)
+
+
+@pytest.mark.parametrize("lhs,rhs,kwargs,error,message", [
+    ((L, jnp.int32), (R, jnp.int32), {}, TypeError, "lhs must be float32, bfloat16 or float16, got int32"),
+    (LF, (R, jnp.float64), {}, TypeError, "rhs must be float32, bfloat16 or float16, got float64"),
+    (LF, (R, jnp.bfloat16), {}, TypeError, "same dtype"),
+    (LF, ((3, 3, 5, 8), jnp.float32), {}, ValueError, "channel mismatch: lhs has 4 input features"),
+    (LF, ((3, 3, 2, 8), jnp.float32), dict(feature_group_count=3), ValueError,
+     "feature_group_count = 3 must divide lhs's 4 input features"),
+    (LF, ((3, 3, 2, 7), jnp.float32), dict(feature_group_count=2), ValueError,
+     "feature_group_count = 2 must divide rhs's 7 output features"),
+    (LF, RF, dict(batch_group_count=3), ValueError, "batch_group_count = 3 must divide"),
+    (LF, ((4, 3, 2, 8), jnp.float32), dict(feature_group_count=2, batch_group_count=2), ValueError,
+     "at most one of feature_group_count and batch_group_count"),
+    (LF, ((7, 3, 4, 8), jnp.float32), dict(padding="VALID"), ValueError,
+     "rhs's window on spatial axis 0 .* is larger than the dilated, padded lhs"),
+    (LF, RF, dict(padding="VALID", rhs_dilation=(3, 1)), ValueError,
+     "larger than the dilated, padded lhs"),
+    (LF, RF, dict(dimension_numbers=("NHWC", "HWIO")), ValueError,
+     "bad dimension_numbers"),
+    (LF, RF, dict(dimension_numbers=("NHWC", "HWIX", "NHWC")), ValueError,
+     "bad dimension_numbers"),
+    (LF, ((3, 4, 8), jnp.float32), {}, ValueError, "same rank, 3 to 5"),
+    (LF, RF, dict(window_strides=(1,)), ValueError, "window_strides must have 2"),
+    (LF, RF, dict(window_strides=(0, 1)), ValueError, "window_strides entries must be >= 1"),
+    (LF, RF, dict(lhs_dilation=(1, 0)), ValueError, "lhs_dilation entries must be >= 1"),
+    (LF, RF, dict(padding="FULL"), ValueError, "padding must be 'SAME'"),
+    (LF, RF, dict(padding=((1, 1),)), ValueError, "padding must have 2"),
+    (LF, RF, dict(padding=3), TypeError, "padding must be a string or"),
+    (LF, RF, dict(padding="SAME", lhs_dilation=(2, 1)), ValueError,
+     "string padding 'SAME' is not supported with lhs_dilation"),
+    (LF, RF, dict(feature_group_count=0), ValueError, "feature_group_count must be >= 1"),
+    (LF, RF, dict(preferred_element_type=jnp.bfloat16), TypeError,
+     "preferred_element_type must be None or the operands' dtype float32"),
+], ids=["int", "float64", "mixed-dtypes", "channels", "groups-channels", "groups-filters", "batch-groups",
+        "both-groups", "window-too-large", "dilated-window-too-large", "dimension-numbers-length",
+        "dimension-numbers-letters", "rank", "strides-length", "zero-stride", "zero-dilation", "padding-name",
+        "padding-pairs", "padding-type", "string-padding-dilated-lhs", "zero-groups", "preferred-type"])
+def test_bad_input(lhs, rhs, kwargs, error, message):
+    kwargs = dict(dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC), **kwargs)
+    with pytest.raises(error, match=message):
+        jaxdnn.conv_general_dilated(jnp.ones(*lhs), jnp.ones(*rhs), **kwargs)
+
+
+def test_precision_and_preferred_type_are_accepted(rng):
+    lhs, rhs = normal(rng, L, jnp.bfloat16), normal(rng, R, jnp.bfloat16)
+    kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)
+    y = jaxdnn.conv_general_dilated(lhs, rhs, precision=lax.Precision.HIGHEST,
+                                    preferred_element_type=jnp.bfloat16, **kwargs)
+    assert y.dtype == jnp.bfloat16
+    assert_close(y, _oracle(kwargs, lhs, rhs)[0], tolerance(jnp.bfloat16), "precision=HIGHEST")
+    reference = jaxdnn.reference.conv_general_dilated(lhs, rhs, **kwargs)
+    assert reference.dtype == jnp.bfloat16
+    assert_close(reference, _oracle(kwargs, lhs, rhs)[0], tolerance(jnp.bfloat16), "reference")
+
+
+# (lhs shape, rhs shape, kwargs of conv_transpose).
+TRANSPOSE_CASES = [
+    ((2, 5, 6, 4), (3, 3, 4, 6), dict(strides=(2, 2), padding="SAME")),
+    ((2, 5, 6, 4), (4, 3, 4, 3), dict(strides=(2, 3), padding="VALID", rhs_dilation=(1, 2))),
+    ((2, 5, 6, 4), (3, 3, 6, 4), dict(strides=(2, 2), padding="SAME", transpose_kernel=True)),
+    ((2, 5, 6, 4), (3, 3, 4, 5), dict(strides=(2, 1), padding=((1, 2), (0, 1)))),
+    ((2, 5, 6, 4), (3, 3, 4, 5), dict(strides=(2, 2), padding=((1, 1), (1, 0)), use_consistent_padding=True)),
+    ((2, 7, 3), (4, 3, 5), dict(strides=(3,), padding="SAME")),
+    ((1, 3, 4, 5, 2), (2, 3, 2, 2, 3), dict(strides=(2, 1, 2), padding="VALID")),
+    ((2, 4, 6, 5), (3, 4, 3, 3), dict(strides=(2, 2), padding="SAME",
+                                      dimension_numbers=("NCHW", "OIHW", "NCHW"))),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", TRANSPOSE_CASES, ids=str)
+def test_conv_transpose(dtype, lhs_shape, rhs_shape, kwargs, rng):
+    op, oracle = _op(jaxdnn.conv_transpose, kwargs), _op(lax.conv_transpose, kwargs)
+    lhs, rhs = normal(rng, lhs_shape, dtype), normal(rng, rhs_shape, dtype, scale=0.5)
+    y = jax.jit(op)(lhs, rhs)
+    want_y, pullback = jax.vjp(oracle, f64(lhs), f64(rhs))
+    assert y.shape == want_y.shape and y.dtype == lhs.dtype
+    assert_close(y, want_y, tolerance(dtype), "forward")
+    cotangent = normal(rng, y.shape, dtype)
+    got, want = _vjp(op, lhs, rhs, cotangent), pullback(f64(cotangent))
+    assert_close(got[0], want[0], tolerance(dtype, grad=True), "grad lhs")
+    assert_close(got[1], want[1], tolerance(dtype, grad=True), "grad rhs")
+    assert "jaxdnn_conv_fprop_v1" in jax.jit(op).lower(lhs, rhs).as_text()
+
+
+# (x shape, w shape, kwargs of conv), channels last; bias and residual are added by the test.
+FUSED_CASES = [
+    ((2, 9, 8, 6), (3, 3, 6, 10), dict(strides=2, padding="SAME")),
+    ((2, 7, 8, 6), (3, 2, 3, 8), dict(strides=(1, 2), padding="VALID", dilation=(2, 1), groups=2)),
+    ((3, 11, 5), (3, 5, 7), dict(padding=((1, 2),))),
+    ((1, 4, 5, 6, 4), (2, 3, 2, 4, 5), dict(strides=(1, 2, 1))),
+]
+
+
+# Every activation kind in float32; the 16-bit types on a few (the epilogue's math is type-independent).
+FUSED_EPILOGUES = [(jnp.float32, a) for a in (None, "relu", "gelu", "silu", "leaky_relu")] + [
+    (jnp.bfloat16, "relu"), (jnp.bfloat16, "gelu"), (jnp.float16, "silu")]
+
+
+@pytest.mark.parametrize("dtype,activation", FUSED_EPILOGUES, ids=str)
+@pytest.mark.parametrize("x_shape,w_shape,kwargs", FUSED_CASES, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["bias", "bias+residual"])
+def test_conv_fused(dtype, activation, x_shape, w_shape, kwargs, with_residual, rng):
+    x, w = normal(rng, x_shape, dtype), normal(rng, w_shape, dtype, scale=0.5)
+    bias = normal(rng, w_shape[-1:], dtype)
+    out_shape = jax.eval_shape(lambda x, w: jaxdnn.reference.conv(x, w, **kwargs), x, w).shape
+    residual = normal(rng, out_shape, dtype) if with_residual else None
+    args = (x, w, bias, residual)
+
+    def op(fn):
+        return lambda x, w, bias, residual: fn(x, w, bias, activation=activation, residual=residual, **kwargs)
+    y = jax.jit(op(jaxdnn.conv))(*args)
+    want = op(jaxdnn.reference.conv)(*(f64(a) for a in args))
+    assert y.shape == want.shape and y.dtype == dtype
+    assert_close(y, want, tolerance(dtype), "forward")
+    ct = normal(rng, y.shape, dtype)
+    got = jax.jit(lambda args, ct: jax.vjp(op(jaxdnn.conv), *args)[1](ct))(args, ct)
+    want = jax.vjp(op(jaxdnn.reference.conv), *(f64(a) for a in args))[1](f64(ct))
+    for name, g, want_g in zip(("x", "w", "bias", "residual"), got, want):
+        if want_g is None:
+            assert g is None
+            continue
+        assert g.dtype == dtype
+        assert_close(g, want_g, tolerance(dtype, grad=True), f"grad {name}")
+
+
+def test_conv_fused_hlo_and_second_order(rng):
+    x, w, bias = normal(rng, (2, 6, 5, 4)), normal(rng, (3, 3, 4, 6)), normal(rng, (6,))
+    residual = normal(rng, (2, 6, 5, 6))
+
+    def op(fn):
+        return lambda x, w, bias: fn(x, w, bias, activation="silu", residual=residual)
+    infer_hlo = jax.jit(op(jaxdnn.conv)).lower(x, w, bias).as_text()
+    assert "jaxdnn_conv_fprop_fused_v1" in infer_hlo and "jaxdnn_activation" not in infer_hlo
+    assert "convolution" not in infer_hlo
+
+    def penalty(fn, x, w, bias):
+        dx = jax.grad(lambda x: jnp.sum(jnp.sin(op(fn)(x, w, bias))))(x)
+        return jnp.sum(dx ** 2)
+    grad = jax.jit(jax.grad(functools.partial(penalty, jaxdnn.conv), argnums=(0, 1, 2)))
+    want = jax.grad(functools.partial(penalty, jaxdnn.reference.conv), argnums=(0, 1, 2))
+    for name, g, want_g in zip(("x", "w", "bias"), grad(x, w, bias), want(f64(x), f64(w), f64(bias))):
+        assert_close(g, want_g, 1e-5, f"grad of grad {name}")
+    hlo = grad.lower(x, w, bias).as_text()
+    assert all(target in hlo for target in TARGETS + ("jaxdnn_conv_fprop_fused_v1",))
+    assert "convolution" not in hlo
+
+
+@pytest.mark.parametrize("x_axis,w_axis,bias_axis", [(0, None, None), (1, 0, 0), (None, None, 0)], ids=str)
+def test_conv_fused_vmap(x_axis, w_axis, bias_axis, rng):
+    kwargs = dict(strides=(2, 1), groups=2, activation="relu")
+    shapes = [[2, 7, 6, 4], [3, 3, 2, 6], [6]]
+    for shape, axis in zip(shapes, (x_axis, w_axis, bias_axis)):
+        if axis is not None:
+            shape.insert(axis, 3)
+    x, w, bias = (normal(rng, shape) for shape in shapes)
+    residual = normal(rng, (3, 2, 4, 6, 6))  # always batched at 0
+    in_axes = (x_axis, w_axis, bias_axis, 0)
+    def batched(fn):
+        return jax.vmap(lambda x, w, b, r: fn(x, w, b, residual=r, **kwargs), in_axes)
+    got = jax.jit(batched(jaxdnn.conv))(x, w, bias, residual)
+    want = batched(jaxdnn.reference.conv)(f64(x), f64(w), f64(bias), f64(residual))
+    assert_close(got, want, 1e-5, "vmap")
+
+
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+def test_conv_fused_batch_sharded(mesh_kind, devices, rng):
+    mesh = _mesh(mesh_kind, devices)
+    row = NamedSharding(mesh, P("b"))
+    x = jax.device_put(normal(rng, (8, 9, 10, 6)), row)
+    residual = jax.device_put(normal(rng, (8, 9, 10, 5)), row)
+    ct = jax.device_put(normal(rng, (8, 9, 10, 5)), row)
+    w, bias = normal(rng, (3, 3, 6, 5)), normal(rng, (5,))
+
+    def op(fn):
+        return lambda x, w, b, r: fn(x, w, b, activation="relu", residual=r)
+    def train_step(args, ct):
+        y, pullback = jax.vjp(op(jaxdnn.conv), *args)
+        return y, pullback(ct)
+    step = jax.jit(train_step)
+    with jax.set_mesh(mesh) if mesh_kind == "explicit" else contextlib.nullcontext():
+        hlo = step.lower((x, w, bias, residual), ct).compile().as_text()
+        y, grads = step((x, w, bias, residual), ct)
+    assert "all-gather" not in hlo
+    want_y, pullback = jax.vjp(op(jaxdnn.reference.conv), *(f64(np.asarray(a))
+                                                            for a in (x, w, bias, residual)))
+    assert_close(y, want_y, 1e-5, "sharded forward")
+    for name, g, want_g in zip(("x", "w", "bias", "residual"), grads, pullback(f64(np.asarray(ct)))):
+        assert_close(g, want_g, 1e-5, f"sharded grad {name}")
+
+
+X4, W4 = jnp.ones((2, 6, 6, 4), jnp.float32), jnp.ones((3, 3, 4, 8), jnp.float32)
+
+
+@pytest.mark.parametrize("args,kwargs,error,message", [
+    ((X4, W4), dict(activation="swish"), ValueError, "conv: activation must be None or one of"),
+    ((X4, W4, jnp.ones((7,), jnp.float32)), {}, ValueError, r"conv: bias must have shape \(8,\), got \(7,\)"),
+    ((X4, W4, jnp.ones((8,), jnp.int32)), {}, TypeError, "conv: bias must be float32"),
+    ((X4, W4), dict(residual=jnp.ones((2, 6, 6, 7), jnp.float32)), ValueError,
+     r"conv: residual must have shape \(2, 6, 6, 8\)"),
+    ((X4, W4), dict(residual=jnp.ones((2, 6, 6, 8), jnp.bfloat16)), TypeError,
+     "residual must have x's dtype"),
+    ((X4, W4), dict(strides=(1, 2, 3)), ValueError, "conv: strides must have 2 entries"),
+    ((X4, jnp.ones((3, 3, 3, 8), jnp.float32)), dict(groups=2), ValueError,
+     "conv: channel mismatch: x has 4 input features, w 3 per group"),
+    ((jnp.ones((6, 4), jnp.float32), jnp.ones((3, 4), jnp.float32)), {}, ValueError,
+     "conv: x and w must have the same rank, 3 to 5"),
+], ids=["activation", "bias-shape", "bias-dtype", "residual-shape", "residual-dtype", "strides", "groups",
+        "rank"])
+def test_conv_bad_input(args, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        jaxdnn.conv(*args, **kwargs)
