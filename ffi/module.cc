@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 
 #include "activation/activation.h"
+#include "attention/attention.h"
 #include "batch_norm/batch_norm.h"
 #include "group_norm/group_norm.h"
 #include "norm/norm.h"
@@ -47,6 +48,8 @@ const Target kTargets[] = {
     {"jaxdnn_max_pool_bwd_v1", MaxPoolBwdCpu, JAXDNN_CUDA_HANDLER(MaxPoolBwdCuda)},
     {"jaxdnn_avg_pool_fwd_v1", AvgPoolFwdCpu, JAXDNN_CUDA_HANDLER(AvgPoolFwdCuda)},
     {"jaxdnn_avg_pool_bwd_v1", AvgPoolBwdCpu, JAXDNN_CUDA_HANDLER(AvgPoolBwdCuda)},
+    {"jaxdnn_attention_fwd_v1", AttentionFwdCpu, JAXDNN_CUDA_HANDLER(AttentionFwdCuda)},
+    {"jaxdnn_attention_bwd_v1", AttentionBwdCpu, JAXDNN_CUDA_HANDLER(AttentionBwdCuda)},
 };
 
 nb::capsule Capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }

@@ -4,6 +4,7 @@ from jaxdnn._ffi import has_cuda_kernels, target_names
 from jaxdnn._export import export_safety_checks
 from jaxdnn.activation import (elu, gelu, hard_tanh, leaky_relu, relu, relu6, sigmoid, silu, softplus,
                                tanh)
+from jaxdnn.attention import dot_product_attention
 from jaxdnn.batch_norm import batch_norm
 from jaxdnn.group_norm import group_norm
 from jaxdnn.norm import layer_norm, rms_norm
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "avg_pool",
     "batch_norm",
+    "dot_product_attention",
     "elu",
     "export_safety_checks",
     "gelu",
