@@ -20,7 +20,6 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import batching
 
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
 from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front
@@ -117,7 +116,7 @@ def _batch_rule(prim, args, dims, **attrs):
     for out in outs:
         if out.ndim == 1 and out.shape[0] == 0:  # no dbias
             unfolded.append(out)
-            out_dims.append(batching.not_mapped)
+            out_dims.append(None)
         else:
             unfolded.append(out.reshape((size, batch) + out.shape[1:]))
             out_dims.append(0)
