@@ -20,6 +20,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
 from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front
@@ -44,10 +45,10 @@ def _fwd_avals(q, k, v, *optional, **attrs):
     return [jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray((b, n, t), _F32)]
 
 
-def _bwd_avals(d_out, q, k, v, o, lse, bias, *optional, **attrs):
-    """(dq, dk, dv, dbias [B, N, T, S] or [0], workspace delta [B, N, T])."""
+def _bwd_avals(d_out, q, k, v, o, lse, *optional, bias_grad, **attrs):
+    """(dq, dk, dv, dbias [B, N, T, S] (when bias_grad) or [0], workspace delta [B, N, T])."""
     b, t, n, _ = q.shape
-    dbias = (b, n, t, k.shape[1]) if bias.ndim == 4 else (0,)
+    dbias = (b, n, t, k.shape[1]) if bias_grad else (0,)
     return [jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(k.shape, k.dtype),
             jax.core.ShapedArray(v.shape, v.dtype), jax.core.ShapedArray(dbias, _F32),
             jax.core.ShapedArray((b, n, t), _F32)]
@@ -69,16 +70,16 @@ def _optional_specs(batch, optional):
 
 
 @functools.lru_cache(maxsize=None)
-def _stage_primitive(stage: str, optional_specs: tuple):
+def _stage_primitive(stage: str, optional_specs: tuple, bias_grad: bool):
     """The primitive of `stage` ("fwd" or "bwd") for one arrangement of the optional operands (their
-    Shardy specs differ with broadcasting)."""
+    Shardy specs differ with broadcasting) and, for "bwd", whether it returns dbias."""
     q, kv, stat = "... t n h", "... s k h", "... n t"
     opt = ", ".join(optional_specs)
     if stage == "fwd":
         rule = f"{q}, {kv}, {kv}, {opt} -> {q}, {stat}"
         return ffi_primitive("jaxdnn_attention_fwd", "jaxdnn_attention_fwd_v1", result_avals=_fwd_avals,
                              sharding_rule=rule, batch_rule=_batch_rule)
-    dbias = "... n t s" if not optional_specs[0].startswith("z") else "zb"
+    dbias = "... n t s" if bias_grad else "zb"
     rule = f"{q}, {q}, {kv}, {kv}, {q}, {stat}, {opt} -> {q}, {kv}, {kv}, {dbias}"
     return ffi_primitive("jaxdnn_attention_bwd", "jaxdnn_attention_bwd_v1", result_avals=_bwd_avals,
                          sharding_rule=rule, batch_rule=_batch_rule, scratch_results=1)
@@ -88,7 +89,7 @@ def _bind(stage, operands, attrs):
     """Binds the stage's primitive; operands = the fixed ones then the six optional ones ([0] if absent)."""
     batch = operands[0].shape[0]
     specs = tuple(_optional_specs(batch, operands[-len(_OPTIONAL):]))
-    return _stage_primitive(stage, specs).bind(*operands, **attrs)
+    return _stage_primitive(stage, specs, bool(attrs.get("bias_grad", 0))).bind(*operands, **attrs)
 
 
 def _batch_rule(prim, args, dims, **attrs):
@@ -159,16 +160,16 @@ def _fwd_stage(q, k, v, optional, options):
     return _with_reference_vjp(kernel, reference, q, k, v, *optional)
 
 
-def _bwd_stage(d_out, q, k, v, o, lse, optional, options):
-    """(dq, dk, dv, dbias [B, N, T, S] float32 or None)."""
+def _bwd_stage(d_out, q, k, v, o, lse, optional, options, bias_grad):
+    """(dq, dk, dv, dbias [B, N, T, S] float32, or None unless bias_grad)."""
     def kernel(d_out, q, k, v, o, lse, *optional):
         dq, dk, dv, dbias = _bind("bwd", [d_out, q, k, v, o, lse, *_operands(q, optional)],
-                                  _attrs(options, optional))
-        return dq, dk, dv, None if optional[0] is None else dbias
+                                  dict(_attrs(options, optional), bias_grad=np.int64(bias_grad)))
+        return dq, dk, dv, dbias if bias_grad else None
 
     def reference(d_out, q, k, v, o, lse, *optional):
         dq, dk, dv, dbias = _ref.attention_bwd(d_out, q, k, v, o, lse, *optional, options)
-        return dq, dk, dv, None if dbias is None else dbias.astype(_F32)
+        return dq, dk, dv, dbias.astype(_F32) if bias_grad else None
 
     return _with_reference_vjp(kernel, reference, d_out, q, k, v, o, lse, *optional)
 
@@ -189,22 +190,31 @@ def _attention(q, k, v, optional, options):
 
 
 def _attention_fwd(q, k, v, optional, options):
+    """With symbolic zeros, the arguments carry `.value` and `.perturbed`: dbias ([B, N, T, S]
+    float32, the one output that is not linear in T and S) is only computed for a perturbed bias.
+    Whether it is rides in the residuals' structure: () or (None,)."""
+    bias = optional[0]
+    bias_grad = () if bias is None or not bias.perturbed else (None,)
+    q, k, v, optional = jax.tree.map(lambda a: a.value, (q, k, v, optional),
+                                     is_leaf=lambda a: isinstance(a, CustomVJPPrimal))
     o, lse = _fwd_stage(q, k, v, optional, options)
-    return (o, lse), (q, k, v, optional, o, lse)
+    return (o, lse), (q, k, v, optional, o, lse, bias_grad)
 
 
 def _attention_bwd(options, saved, cotangents):
     """lse's cotangent is ignored: the public function stops its gradient (as jax.nn does)."""
-    q, k, v, optional, o, lse = saved
-    dq, dk, dv, dbias = _bwd_stage(cotangents[0], q, k, v, o, lse, optional, options)
-    bias = optional[0]
+    q, k, v, optional, o, lse, bias_grad = saved
+    d_out = cotangents[0]
+    if isinstance(d_out, SymbolicZero):
+        d_out = jnp.zeros(d_out.shape, d_out.dtype)
+    dq, dk, dv, dbias = _bwd_stage(d_out, q, k, v, o, lse, optional, options, bool(bias_grad))
     d_optional = [None] * len(optional)
-    if bias is not None:
-        d_optional[0] = _sum_to_shape(dbias, bias.shape).astype(bias.dtype)
+    if bias_grad:
+        d_optional[0] = _sum_to_shape(dbias, optional[0].shape).astype(optional[0].dtype)
     return dq, dk, dv, tuple(d_optional)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 # --- public API -------------------------------------------------------------------------------

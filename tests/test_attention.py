@@ -319,3 +319,26 @@ def test_bad_input(operands, kw, error, message):
 def test_traced_scale_is_refused():
     with pytest.raises(TypeError, match="scale must be a Python number"):
         jax.jit(lambda s: jaxdnn.dot_product_attention(_Q, _KV, _KV, scale=s))(0.5)
+
+
+def test_bias_gradient_only_when_differentiated(rng):
+    """dbias ([B, N, T, S] float32) is computed only for a bias being differentiated: a constant
+    bias (ALiBi, say) costs the backward no T x S buffer."""
+    q, k, v = _inputs(rng, 2, 24, 40, 2, 2, 16)
+    bias = normal(rng, (1, 2, 24, 40))
+
+    def loss(q, bias):
+        return jnp.sum(jaxdnn.dot_product_attention(q, k, v, bias) ** 2)
+
+    full = "tensor<2x2x24x40xf32>"
+    assert full not in jax.jit(jax.grad(loss)).lower(q, bias).as_text()
+    assert full in jax.jit(jax.grad(loss, argnums=1)).lower(q, bias).as_text()
+    # per-example bias gradients, and second order through the bias
+    got = jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, 0))(q, jnp.stack([bias, -bias]))
+    want = jax.vmap(jax.grad(lambda q, b: jnp.sum(_xla(f64(q), f64(k), f64(v), b) ** 2), argnums=1),
+                    in_axes=(None, 0))(q, f64(jnp.stack([bias, -bias])))
+    assert_close(got, want, 1e-4, "vmap(grad) bias")
+    got = jax.grad(lambda b: jnp.sum(jax.grad(loss)(q, b) ** 2))(bias)
+    want = jax.grad(lambda b: jnp.sum(jax.grad(lambda q, b: jnp.sum(_xla(q, f64(k), f64(v), b) ** 2))(
+        f64(q), b) ** 2))(f64(bias))
+    assert_close(got, want, 1e-4, "grad of grad through the bias")

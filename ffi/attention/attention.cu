@@ -413,7 +413,7 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                             ffi::Result<ffi::Buffer<ffi::F32>> dbias, ffi::Result<ffi::Buffer<ffi::F32>> delta,
                             float scale, float soft_cap, int64_t causal, int64_t window_left,
-                            int64_t window_right, int64_t present) {
+                            int64_t window_right, int64_t present, int64_t bias_grad) {
   AttentionProblem p;
   JAXDNN_RETURN_IF_ERROR(MakeAttentionProblem(
       {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, scale, soft_cap, causal, window_left,
@@ -426,7 +426,7 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
   JAXDNN_RETURN_IF_ERROR(ExpectLike("dv", *dv, k));
   JAXDNN_RETURN_IF_ERROR(ExpectStat("lse", lse.dimensions(), p));
   JAXDNN_RETURN_IF_ERROR(ExpectStat("delta", delta->dimensions(), p));
-  JAXDNN_RETURN_IF_ERROR(ExpectBiasGrad(dbias->dimensions(), p));
+  JAXDNN_RETURN_IF_ERROR(ExpectBiasGrad(dbias->dimensions(), p, bias_grad));
   // dbias entries of keys a query tile never reaches stay 0.
   if (dbias->element_count() > 0) {
     JAXDNN_RETURN_IF_ERROR(
@@ -437,7 +437,7 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
     auto in = [](const ffi::AnyBuffer& x) { return static_cast<const T*>(x.untyped_data()); };
     auto out = [](ffi::Result<ffi::AnyBuffer>& x) { return static_cast<T*>(x->untyped_data()); };
     return AttentionBwdTyped<T>(stream, p, in(d_out), in(q), in(k), in(v), in(o), lse.typed_data(), out(dq),
-                                out(dk), out(dv), p.bias != nullptr ? dbias->typed_data() : nullptr,
+                                out(dk), out(dv), bias_grad != 0 ? dbias->typed_data() : nullptr,
                                 delta->typed_data());
   });
 }

@@ -12,6 +12,7 @@
 //       -> (o [B, T, N, H], lse [B, N, T] float32)
 //   jaxdnn_attention_bwd_v1 (do, q, k, v, o, lse, bias, mask, q_lens, kv_lens, q_seg, kv_seg)
 //       -> (dq, dk, dv, dbias [B, N, T, S] float32 or [0], workspace delta [B, N, T] float32)
+//       dbias is [0] unless the attr bias_grad is 1 (a bias is present and differentiated).
 // Optional operands are always passed; `present` (a bitmask of AttentionOperand) says which are
 // real, the others are [0] placeholders:
 //   bias [Bb, Nb, Tb, Sb] float32, each axis 1 (broadcast) or full; its gradient is returned
@@ -20,7 +21,7 @@
 //   q_lens, kv_lens [B] int32 (query row t / key s takes part iff t < q_lens[b] / s < kv_lens[b]);
 //   q_seg [B, T], kv_seg [B, S] int32 (attend iff the segment ids are equal).
 // attrs: scale, logits_soft_cap (0 = off) float32; is_causal (s <= t), window_left, window_right
-// (t - left <= s <= t + right; -1 = unbounded), present int64.
+// (t - left <= s <= t + right; -1 = unbounded), present int64; the backward also bias_grad int64.
 #pragma once
 
 #include <utility>
@@ -79,7 +80,8 @@ auto BindAttentionBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()                // dk, k's shape and dtype
       .template Ret<ffi::AnyBuffer>()                // dv
       .template Ret<ffi::Buffer<ffi::F32>>()         // dbias [B, N, T, S] or [0]
-      .template Ret<ffi::Buffer<ffi::F32>>());       // workspace: delta = rowsum(do * o) [B, N, T]
+      .template Ret<ffi::Buffer<ffi::F32>>())        // workspace: delta = rowsum(do * o) [B, N, T]
+      .template Attr<int64_t>("bias_grad");
 }
 
 }  // namespace jaxdnn

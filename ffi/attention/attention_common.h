@@ -159,9 +159,10 @@ inline ffi::Error ExpectStat(const char* name, ffi::AnyBuffer::Dimensions dims, 
   return attention_internal::ExpectDims(name, dims, {p.batch, p.heads, p.q_len});
 }
 
-// Checks dbias: [B, N, T, S] with a bias, [0] without.
-inline ffi::Error ExpectBiasGrad(ffi::AnyBuffer::Dimensions dims, const AttentionProblem& p) {
-  if (p.bias == nullptr) return attention_internal::ExpectDims("dbias", dims, {0});
+// Checks dbias: [B, N, T, S] when the bias gradient is asked for, [0] otherwise.
+inline ffi::Error ExpectBiasGrad(ffi::AnyBuffer::Dimensions dims, const AttentionProblem& p, int64_t bias_grad) {
+  if (bias_grad != 0 && p.bias == nullptr) return InvalidArgument("attention: bias_grad without a bias");
+  if (bias_grad == 0) return attention_internal::ExpectDims("dbias", dims, {0});
   return attention_internal::ExpectDims("dbias", dims, {p.batch, p.heads, p.q_len, p.kv_len});
 }
 

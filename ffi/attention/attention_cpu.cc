@@ -247,7 +247,7 @@ ffi::Error AttentionBwdImpl(ffi::AnyBuffer d_out, ffi::AnyBuffer q, ffi::AnyBuff
                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                             ffi::Result<ffi::Buffer<ffi::F32>> dbias, ffi::Result<ffi::Buffer<ffi::F32>> delta,
                             float scale, float soft_cap, int64_t causal, int64_t window_left,
-                            int64_t window_right, int64_t present) {
+                            int64_t window_right, int64_t present, int64_t bias_grad) {
   AttentionProblem p;
   JAXDNN_RETURN_IF_ERROR(MakeAttentionProblem(
       {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, scale, soft_cap, causal, window_left,
@@ -259,7 +259,7 @@ ffi::Error AttentionBwdImpl(ffi::AnyBuffer d_out, ffi::AnyBuffer q, ffi::AnyBuff
   JAXDNN_RETURN_IF_ERROR(ExpectLike("dv", *dv, k));
   JAXDNN_RETURN_IF_ERROR(ExpectStat("lse", lse.dimensions(), p));
   JAXDNN_RETURN_IF_ERROR(ExpectStat("delta", delta->dimensions(), p));
-  JAXDNN_RETURN_IF_ERROR(ExpectBiasGrad(dbias->dimensions(), p));
+  JAXDNN_RETURN_IF_ERROR(ExpectBiasGrad(dbias->dimensions(), p, bias_grad));
   if (dbias->element_count() > 0) std::memset(dbias->typed_data(), 0, dbias->size_bytes());
   return DispatchFloat<float, Bf16, Half>(q.element_type(), "q", [&](auto tag) {
     using T = decltype(tag);
@@ -268,7 +268,7 @@ ffi::Error AttentionBwdImpl(ffi::AnyBuffer d_out, ffi::AnyBuffer q, ffi::AnyBuff
     // dk and dv are written for every key (0 where no query attends); dq for every query row.
     AttentionDelta<T>(p, in(d_out), in(o), delta->typed_data());
     AttentionBwdQuery<T>(p, in(d_out), in(q), in(k), in(v), lse.typed_data(), delta->typed_data(), out(dq),
-                         p.bias != nullptr ? dbias->typed_data() : nullptr);
+                         bias_grad != 0 ? dbias->typed_data() : nullptr);
     AttentionBwdKey<T>(p, in(d_out), in(q), in(k), in(v), lse.typed_data(), delta->typed_data(), out(dk),
                        out(dv));
     return ffi::Error::Success();
