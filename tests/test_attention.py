@@ -342,3 +342,35 @@ def test_bias_gradient_only_when_differentiated(rng):
     want = jax.grad(lambda b: jnp.sum(jax.grad(lambda q, b: jnp.sum(_xla(q, f64(k), f64(v), b) ** 2))(
         f64(q), b) ** 2))(f64(bias))
     assert_close(got, want, 1e-4, "grad of grad through the bias")
+
+
+def test_flax_attention_fn_matches_stock(rng):
+    """jaxdnn.flax.dot_product_attention as the attention_fn of Flax's attention modules, against
+    stock Flax with the same parameters (linen with two batch axes and a causal mask; nnx)."""
+    nn = pytest.importorskip("flax.linen")
+    nnx = pytest.importorskip("flax.nnx")
+    import jaxdnn.flax
+
+    x = normal(rng, (2, 3, 10, 32))
+    mask = nn.make_causal_mask(jnp.ones((2, 3, 10)))
+    stock = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=64)
+    ours = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=64,
+                                           attention_fn=jaxdnn.flax.dot_product_attention)
+    params = stock.init(jax.random.key(0), x, mask=mask)
+    want = stock.apply(params, x, mask=mask)
+    assert_close(ours.apply(params, x, mask=mask), want, 1e-5, "linen")
+    grads = jax.grad(lambda p: jnp.sum(ours.apply(p, x, mask=mask) ** 2))(params)
+    want_grads = jax.grad(lambda p: jnp.sum(stock.apply(p, x, mask=mask) ** 2))(params)
+    # (all leaves at once: the key projection's bias has gradient 0, by the softmax's shift invariance)
+    flat = [jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)]) for t in (grads, want_grads)]
+    assert_close(*flat, 1e-4, "linen grads")
+    with pytest.raises(ValueError, match="dropout is not yet supported"):
+        nn.MultiHeadDotProductAttention(num_heads=4, dropout_rate=0.1, deterministic=False,
+                                        attention_fn=jaxdnn.flax.dot_product_attention).init(
+            {"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+
+    y = normal(rng, (2, 7, 16))
+    stock_nnx = nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False, rngs=nnx.Rngs(0))
+    ours_nnx = nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False, rngs=nnx.Rngs(0),
+                                      attention_fn=jaxdnn.flax.dot_product_attention)
+    assert_close(ours_nnx(y), stock_nnx(y), 1e-5, "nnx")
