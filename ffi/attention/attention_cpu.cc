@@ -24,18 +24,46 @@ void LoadRow(const T* x, int64_t h, float* out) {
   for (int64_t i = 0; i < h; ++i) out[i] = ToFloat(x[i]);
 }
 
-float Dot(const float* a, const float* b, int64_t h) {
-  float sum = 0.f;
-  for (int64_t i = 0; i < h; ++i) sum += a[i] * b[i];
-  return sum;
-}
+// A tile of up to kWidth rows of H values, kept twice: row-major [kWidth][H] (rows scaled into an
+// accumulator) and transposed [H][kWidth] (a row times the tile, vectorized over the tile's rows,
+// as the CUDA kernels spread them over lanes). Rows past `rows` are zero.
+template <int kWidth>
+struct Tile {
+  std::vector<float> rows_major, transposed;
+  explicit Tile(int64_t h) : rows_major(kWidth * h), transposed(kWidth * h) {}
+
+  template <typename T, typename RowPointer>
+  void Load(int64_t rows, int64_t h, RowPointer row_pointer) {
+    std::fill(transposed.begin(), transposed.end(), 0.f);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* x = row_pointer(r);
+      for (int64_t i = 0; i < h; ++i) {
+        const float value = ToFloat(x[i]);
+        rows_major[r * h + i] = value;
+        transposed[i * kWidth + r] = value;
+      }
+    }
+  }
+  const float* Row(int64_t r, int64_t h) const { return &rows_major[r * h]; }
+
+  // out[c] = row . (tile row c) for every c < kWidth, summed over H in order (as the CUDA kernels).
+  void Dots(const float* row, int64_t h, float* out) const {
+    float sums[kWidth] = {};  // local, so they stay in registers (out might alias the tile)
+    const float* column = transposed.data();
+    for (int64_t i = 0; i < h; ++i, column += kWidth) {
+      const float x = row[i];
+      for (int c = 0; c < kWidth; ++c) sums[c] += x * column[c];
+    }
+    for (int c = 0; c < kWidth; ++c) out[c] = sums[c];
+  }
+};
 
 template <typename T>
 void AttentionFwd(const AttentionProblem& p, const T* q, const T* k, const T* v, T* o, float* lse) {
   const int64_t h = p.head_dim;
-  std::vector<float> q_tile(kAttnQueryTile * h), k_tile(kAttnKeyTile * h), v_tile(kAttnKeyTile * h);
-  std::vector<float> acc(kAttnQueryTile * h);
-  float logits[kAttnKeyTile];
+  std::vector<float> q_tile(kAttnQueryTile * h), acc(kAttnQueryTile * h);
+  Tile<kAttnKeyTile> k_tile(h), v_tile(h);
+  float dots[kAttnKeyTile], logits[kAttnKeyTile];
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t n = 0; n < p.heads; ++n) {
       const int64_t kh = n / p.Group();
@@ -48,17 +76,17 @@ void AttentionFwd(const AttentionProblem& p, const T* q, const T* k, const T* v,
         p.KeyRange(b, t0, t0 + rows, &lo, &hi);
         for (int64_t s0 = lo; s0 < hi; s0 += kAttnKeyTile) {
           const int64_t cols = std::min<int64_t>(kAttnKeyTile, hi - s0);
-          for (int64_t c = 0; c < cols; ++c) {
-            LoadRow(k + p.KeyRow(b, s0 + c, kh), h, &k_tile[c * h]);
-            LoadRow(v + p.KeyRow(b, s0 + c, kh), h, &v_tile[c * h]);
-          }
+          auto key_row = [&](int64_t c) { return k + p.KeyRow(b, s0 + c, kh); };
+          auto value_row = [&](int64_t c) { return v + p.KeyRow(b, s0 + c, kh); };
+          k_tile.Load<T>(cols, h, key_row);
+          v_tile.Load<T>(cols, h, value_row);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t t = t0 + r;
+            k_tile.Dots(&q_tile[r * h], h, dots);
             float tile_max = -INFINITY;
             for (int64_t c = 0; c < cols; ++c) {
               const int64_t s = s0 + c;
-              logits[c] = p.Attends(b, n, t, s) ? p.Logit(Dot(&q_tile[r * h], &k_tile[c * h], h), b, n, t, s)
-                                                : -INFINITY;
+              logits[c] = p.Attends(b, n, t, s) ? p.Logit(dots[c], b, n, t, s) : -INFINITY;
               tile_max = std::max(tile_max, logits[c]);
             }
             const float factor = softmax[r].Rescale(tile_max);
@@ -70,7 +98,7 @@ void AttentionFwd(const AttentionProblem& p, const T* q, const T* k, const T* v,
             for (int64_t c = 0; c < cols; ++c) {
               const float prob = softmax[r].Prob(logits[c]);
               softmax[r].sum += prob;
-              const float* vr = &v_tile[c * h];
+              const float* vr = v_tile.Row(c, h);
               for (int64_t i = 0; i < h; ++i) a[i] += prob * vr[i];
             }
           }
@@ -107,7 +135,8 @@ void AttentionBwdQuery(const AttentionProblem& p, const T* d_out, const T* q, co
                        const float* lse, const float* delta, T* dq, float* dbias) {
   const int64_t h = p.head_dim;
   std::vector<float> q_tile(kAttnQueryTile * h), do_tile(kAttnQueryTile * h), acc(kAttnQueryTile * h);
-  std::vector<float> k_tile(kAttnKeyTile * h), v_tile(kAttnKeyTile * h);
+  Tile<kAttnKeyTile> k_tile(h), v_tile(h);
+  float dots[kAttnKeyTile], dp[kAttnKeyTile];
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t n = 0; n < p.heads; ++n) {
       const int64_t kh = n / p.Group();
@@ -122,26 +151,25 @@ void AttentionBwdQuery(const AttentionProblem& p, const T* d_out, const T* q, co
         p.KeyRange(b, t0, t0 + rows, &lo, &hi);
         for (int64_t s0 = lo; s0 < hi; s0 += kAttnKeyTile) {
           const int64_t cols = std::min<int64_t>(kAttnKeyTile, hi - s0);
-          for (int64_t c = 0; c < cols; ++c) {
-            LoadRow(k + p.KeyRow(b, s0 + c, kh), h, &k_tile[c * h]);
-            LoadRow(v + p.KeyRow(b, s0 + c, kh), h, &v_tile[c * h]);
-          }
+          k_tile.Load<T>(cols, h, [&](int64_t c) { return k + p.KeyRow(b, s0 + c, kh); });
+          v_tile.Load<T>(cols, h, [&](int64_t c) { return v + p.KeyRow(b, s0 + c, kh); });
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t t = t0 + r;
             const float row_lse = lse[p.StatIndex(b, n, t)], row_delta = delta[p.StatIndex(b, n, t)];
+            k_tile.Dots(&q_tile[r * h], h, dots);
+            v_tile.Dots(&do_tile[r * h], h, dp);
+            float* a = &acc[r * h];
             for (int64_t c = 0; c < cols; ++c) {
               const int64_t s = s0 + c;
               float ds = 0.f, logit = 0.f;
               if (p.Attends(b, n, t, s)) {
-                logit = p.Logit(Dot(&q_tile[r * h], &k_tile[c * h], h), b, n, t, s);
-                const float prob = ProbFromLse(logit, row_lse);
-                ds = prob * (Dot(&do_tile[r * h], &v_tile[c * h], h) - row_delta);
+                logit = p.Logit(dots[c], b, n, t, s);
+                ds = ProbFromLse(logit, row_lse) * (dp[c] - row_delta);
               }
               if (dbias != nullptr) dbias[p.StatIndex(b, n, t) * p.kv_len + s] = ds;
               if (ds == 0.f) continue;
               const float g = p.DotGrad(ds, logit, b, n, t, s);
-              const float* kr = &k_tile[c * h];
-              float* a = &acc[r * h];
+              const float* kr = k_tile.Row(c, h);
               for (int64_t i = 0; i < h; ++i) a[i] += g * kr[i];
             }
           }
@@ -162,7 +190,8 @@ void AttentionBwdKey(const AttentionProblem& p, const T* d_out, const T* q, cons
   const int64_t h = p.head_dim, group = p.Group();
   std::vector<float> k_tile(kAttnBwdKeyTile * h), v_tile(kAttnBwdKeyTile * h);
   std::vector<float> dk_acc(kAttnBwdKeyTile * h), dv_acc(kAttnBwdKeyTile * h);
-  std::vector<float> q_tile(kAttnBwdQueryTile * h), do_tile(kAttnBwdQueryTile * h);
+  Tile<kAttnBwdQueryTile> q_tile(h), do_tile(h);
+  float dots[kAttnBwdQueryTile], dp[kAttnBwdQueryTile];
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t kh = 0; kh < p.kv_heads; ++kh) {
       for (int64_t s0 = 0; s0 < p.kv_len; s0 += kAttnBwdKeyTile) {
@@ -178,24 +207,23 @@ void AttentionBwdKey(const AttentionProblem& p, const T* d_out, const T* q, cons
         for (int64_t n = kh * group; n < (kh + 1) * group; ++n) {
           for (int64_t t0 = lo; t0 < hi; t0 += kAttnBwdQueryTile) {
             const int64_t rows = std::min<int64_t>(kAttnBwdQueryTile, hi - t0);
-            for (int64_t r = 0; r < rows; ++r) {
-              LoadRow(q + p.QueryRow(b, t0 + r, n), h, &q_tile[r * h]);
-              LoadRow(d_out + p.QueryRow(b, t0 + r, n), h, &do_tile[r * h]);
-            }
+            q_tile.Load<T>(rows, h, [&](int64_t r) { return q + p.QueryRow(b, t0 + r, n); });
+            do_tile.Load<T>(rows, h, [&](int64_t r) { return d_out + p.QueryRow(b, t0 + r, n); });
             for (int64_t c = 0; c < cols; ++c) {
               const int64_t s = s0 + c;
+              q_tile.Dots(&k_tile[c * h], h, dots);
+              do_tile.Dots(&v_tile[c * h], h, dp);
               float* dk_row = &dk_acc[c * h];
               float* dv_row = &dv_acc[c * h];
               for (int64_t r = 0; r < rows; ++r) {
                 const int64_t t = t0 + r;
                 if (!p.Attends(b, n, t, s)) continue;
-                const float logit = p.Logit(Dot(&q_tile[r * h], &k_tile[c * h], h), b, n, t, s);
+                const float logit = p.Logit(dots[r], b, n, t, s);
                 const float prob = ProbFromLse(logit, lse[p.StatIndex(b, n, t)]);
                 if (prob == 0.f) continue;
-                const float ds = prob * (Dot(&do_tile[r * h], &v_tile[c * h], h) - delta[p.StatIndex(b, n, t)]);
-                const float g = p.DotGrad(ds, logit, b, n, t, s);
-                const float* qr = &q_tile[r * h];
-                const float* dor = &do_tile[r * h];
+                const float g = p.DotGrad(prob * (dp[r] - delta[p.StatIndex(b, n, t)]), logit, b, n, t, s);
+                const float* qr = q_tile.Row(r, h);
+                const float* dor = do_tile.Row(r, h);
                 for (int64_t i = 0; i < h; ++i) {
                   dv_row[i] += prob * dor[i];
                   dk_row[i] += g * qr[i];
