@@ -23,7 +23,9 @@ import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
-from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front
+from jax.sharding import PartitionSpec
+
+from jaxdnn._primitive import explicit_row_sharding, ffi_primitive, match_varying, move_to_front
 from jaxdnn.reference import attention as _ref
 from jaxdnn.reference.attention import AttentionOptions
 
@@ -217,6 +219,29 @@ def _attention_bwd(options, saved, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
+def _per_batch_shard(fn, q, k, v, optional):
+    """fn(q, k, v, optional), run per shard of B when query's B axis is sharded over Explicit mesh
+    axes (with Auto axes, or none, the primitives' own sharding rule does it): q, k, v, the lengths
+    and segment ids, and a bias or mask with a B axis, are split over B; the others are replicated
+    (a replicated bias's gradient is summed across the shards by JAX). Other sharded axes are
+    gathered."""
+    sharded = explicit_row_sharding(q, whole_axes=3)
+    if sharded is None:
+        return fn(q, k, v, optional)
+    mesh, q_spec, axes = sharded
+    batch = q.shape[0]
+
+    def spec(x):  # bias and mask [1, ...] stay whole when they broadcast over B
+        split = x.shape[0] == batch and (x.ndim < 4 or batch > 1)
+        return PartitionSpec(q_spec[0] if split else None, *([None] * (x.ndim - 1)))
+
+    rows = PartitionSpec(q_spec[0], None, None, None)
+    stat = PartitionSpec(q_spec[0], None, None)
+    optional_specs = tuple(None if x is None else spec(x) for x in optional)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(rows, rows, rows, optional_specs), out_specs=(rows, stat),
+                         axis_names=set(axes))(q, k, v, optional)
+
+
 # --- public API -------------------------------------------------------------------------------
 
 def _as_array(x):
@@ -381,7 +406,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         is_causal=bool(is_causal), window_left=left, window_right=right, logits_soft_cap=cap)
     # The kernels read the bias as float32; its gradient comes back in its own dtype through astype.
     optional = (None if bias is None else bias.astype(_F32), mask, q_lens, kv_lens, q_seg, kv_seg)
-    o, lse = _attention(q, k, v, optional, options)
+    o, lse = _per_batch_shard(lambda *args: _attention(*args, options), q, k, v, optional)
     o = o.reshape(out_shape)
     if not return_residual:
         return o

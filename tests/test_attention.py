@@ -2,6 +2,8 @@
 in float64: forward and VJP for q, k, v and bias, every mask and their combinations, GQA/MQA, fully
 masked rows, dtypes, transforms, sharding, export, errors, and the custom calls in the HLO."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -236,9 +238,13 @@ def test_hlo_holds_the_custom_calls(rng):
     assert "dot_general" not in hlo  # no T x S matmul: nothing falls back to XLA's attention
 
 
+@pytest.mark.parametrize("mesh_kind", ["mesh", "explicit"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias"])
-def test_batch_sharded_runs_per_shard(with_bias, rng, devices):
-    mesh = jax.sharding.Mesh(np.array(devices), ("b",))
+def test_batch_sharded_runs_per_shard(with_bias, mesh_kind, rng, devices):
+    if mesh_kind == "explicit":
+        mesh = jax.make_mesh((4,), ("b",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
+    else:
+        mesh = jax.sharding.Mesh(np.array(devices), ("b",))
     rows = NamedSharding(mesh, P("b"))
     q, k, v = (jax.device_put(x, rows) for x in _inputs(rng, 8, 12, 16, 4, 2, 16))
     ct = jax.device_put(normal(rng, q.shape), rows)
@@ -249,15 +255,36 @@ def test_batch_sharded_runs_per_shard(with_bias, rng, devices):
         return jaxdnn.dot_product_attention(q, k, v, bias, key_value_seq_lengths=lens, is_causal=True)
 
     step = jax.jit(lambda q, k, v, ct: jax.vjp(lambda *a: ours(*a, bias), q, k, v)[1](ct))
-    hlo = step.lower(q, k, v, ct).compile().as_text()
+    with jax.set_mesh(mesh) if mesh_kind == "explicit" else contextlib.nullcontext():
+        hlo = step.lower(q, k, v, ct).compile().as_text()
+        got = step(q, k, v, ct)
+        out = jax.jit(ours)(q, k, v, bias)
     assert "all-gather" not in hlo
     calls = [line for line in hlo.splitlines() if 'custom_call_target="jaxdnn_attention_' in line]
     assert len(calls) == 2 and all("f32[2,12,4,16]" in line for line in calls), calls
     want = vjp(lambda q, k, v: _xla(q, k, v, f64(bias), key_value_seq_lengths=lens, is_causal=True),
                [f64(q), f64(k), f64(v)], f64(ct))
-    for g, e in zip(step(q, k, v, ct), want):
+    for g, e in zip(got, want):
         assert_close(g, e, 1e-4, "sharded grad")
-    assert jax.jit(ours)(q, k, v, bias).sharding.spec[0] == "b"
+        assert g.sharding.spec[0] == "b"
+    assert out.sharding.spec[0] == "b"
+
+
+def test_shard_map_and_sharded_bias_gradient(rng, devices):
+    """Inside a user's shard_map (per-device kernels), and a bias gradient from batch-sharded inputs."""
+    mesh = jax.sharding.Mesh(np.array(devices), ("b",))
+    rows = NamedSharding(mesh, P("b"))
+    q, k, v = (jax.device_put(x, rows) for x in _inputs(rng, 8, 10, 12, 2, 1, 16))
+    bias = normal(rng, (1, 2, 10, 12))
+    per_shard = jax.shard_map(lambda q, k, v, b: jaxdnn.dot_product_attention(q, k, v, b, is_causal=True),
+                              mesh=mesh, in_specs=(P("b"), P("b"), P("b"), P()), out_specs=P("b"))
+    want = _xla(f64(q), f64(k), f64(v), f64(bias), is_causal=True)
+    assert_close(jax.jit(per_shard)(q, k, v, bias), want, 1e-5, "shard_map")
+    loss = jax.jit(jax.grad(lambda b: jnp.sum(jaxdnn.dot_product_attention(q, k, v, b) ** 2)))
+    hlo = loss.lower(bias).compile().as_text()
+    assert "all-gather" not in hlo
+    want = jax.grad(lambda b: jnp.sum(_xla(f64(q), f64(k), f64(v), b) ** 2))(f64(bias))
+    assert_close(loss(bias), want, 1e-4, "sharded dbias")
 
 
 def test_export_round_trip(rng):
