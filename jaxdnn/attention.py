@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
-
-from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
 from jax.sharding import PartitionSpec
 
+from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
 from jaxdnn._primitive import explicit_row_sharding, ffi_primitive, match_varying, move_to_front
 from jaxdnn.reference import attention as _ref
 from jaxdnn.reference.attention import AttentionOptions
@@ -102,12 +101,12 @@ def _batch_rule(prim, args, dims, **attrs):
     if dims[0] is not None:
         del first[dims[0]]
     batch = first[0]
-    stage = "fwd" if len(args) == 9 else "bwd"
+    stage = "fwd" if len(args) == 3 + len(_OPTIONAL) else "bwd"  # (q, k, v, ...), (do, q, k, v, o, lse, ...)
 
     def fold(x, d):
         if x.ndim == 1 and x.shape[0] == 0 and d is None:  # an absent operand
             return x
-        if d is None and x.ndim == 4 and x.shape[0] == 1 and batch != 1:  # broadcast over B
+        if d is None and x.ndim == 4 and x.shape[0] == 1:  # a bias/mask broadcast over B stays so
             return x
         x = move_to_front(x, d, size)
         if x.shape[1] != batch:  # a mapped bias/mask broadcast over B
