@@ -49,6 +49,8 @@ CASES = {
     "gqa-h72": ((2, 9, 40, 6, 2, 72), {}),
     "mqa-causal": ((1, 33, 33, 4, 1, 64), dict(is_causal=True)),
     "h128": ((1, 5, 70, 2, 2, 128), {}),
+    "h256": ((1, 3, 20, 1, 1, 256), {}),
+    "large-logits": ((2, 20, 70, 2, 1, 16), dict(scale=6.0)),  # the online softmax rescales often
     "causal-t>s": ((2, 40, 19, 2, 1, 16), dict(is_causal=True)),
     "window": ((1, 50, 45, 2, 2, 24), dict(local_window_size=(7, 3))),
     "window-int": ((1, 21, 21, 2, 2, 8), dict(local_window_size=4)),
@@ -401,3 +403,14 @@ def test_flax_attention_fn_matches_stock(rng):
     ours_nnx = nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False, rngs=nnx.Rngs(0),
                                       attention_fn=jaxdnn.flax.dot_product_attention)
     assert_close(ours_nnx(y), stock_nnx(y), 1e-5, "nnx")
+
+
+def test_memory_is_linear_in_sequence_length(rng):
+    """fwd+bwd at T = S = 8192 needs no T x S buffer (256 MiB in float32): compiled, not run."""
+    t = 8192
+    q = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, t, 1, 16), jnp.float32)
+    step = jax.jit(lambda q, k, v, ct: jax.vjp(
+        lambda *a: jaxdnn.dot_product_attention(*a, is_causal=True), q, k, v)[1](ct))
+    memory = step.lower(q, kv, kv, q).compile().memory_analysis()
+    assert memory.temp_size_in_bytes < 4 * 2**20, memory
