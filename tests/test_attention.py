@@ -414,3 +414,32 @@ def test_memory_is_linear_in_sequence_length(rng):
         lambda *a: jaxdnn.dot_product_attention(*a, is_causal=True), q, k, v)[1](ct))
     memory = step.lower(q, kv, kv, q).compile().memory_analysis()
     assert memory.temp_size_in_bytes < 4 * 2**20, memory
+
+
+def test_haiku_usage_matches_stock(rng):
+    """The Haiku usage the README shows: hk.MultiHeadAttention's parameters (query, key, value,
+    linear) around jaxdnn.dot_product_attention, against stock Haiku with the same parameters."""
+    hk = pytest.importorskip("haiku")
+
+    class MultiHeadAttention(hk.Module):
+        def __init__(self, num_heads, key_size, model_size, name="multi_head_attention"):
+            super().__init__(name=name)
+            self.num_heads, self.key_size, self.model_size = num_heads, key_size, model_size
+
+        def __call__(self, query, key, value, mask=None):
+            def heads(x, name):
+                y = hk.Linear(self.num_heads * self.key_size, name=name)(x)
+                return y.reshape(*x.shape[:-1], self.num_heads, self.key_size)
+            q, k, v = heads(query, "query"), heads(key, "key"), heads(value, "value")
+            out = jaxdnn.dot_product_attention(q, k, v, mask=mask)
+            return hk.Linear(self.model_size, name="linear")(out.reshape(*query.shape[:-1], -1))
+
+    x = normal(rng, (2, 9, 24))
+    mask = jnp.tril(jnp.ones((9, 9), bool))[None, None]
+    stock = hk.without_apply_rng(hk.transform(
+        lambda x: hk.MultiHeadAttention(num_heads=4, key_size=8, model_size=24,
+                                        w_init=hk.initializers.VarianceScaling())(x, x, x, mask)))
+    ours = hk.without_apply_rng(hk.transform(lambda x: MultiHeadAttention(4, 8, 24)(x, x, x, mask)))
+    params = stock.init(jax.random.key(0), x)
+    assert jax.tree.structure(params) == jax.tree.structure(ours.init(jax.random.key(0), x))
+    assert_close(ours.apply(params, x), stock.apply(params, x), 1e-5, "haiku")
