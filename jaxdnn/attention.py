@@ -103,17 +103,19 @@ def _batch_rule(prim, args, dims, **attrs):
     batch = first[0]
     stage = "fwd" if len(args) == 3 + len(_OPTIONAL) else "bwd"  # (q, k, v, ...), (do, q, k, v, o, lse, ...)
 
-    def fold(x, d):
+    def fold(x, d, broadcastable):
         if x.ndim == 1 and x.shape[0] == 0 and d is None:  # an absent operand
             return x
-        if d is None and x.ndim == 4 and x.shape[0] == 1:  # a bias/mask broadcast over B stays so
+        if broadcastable and d is None and x.shape[0] == 1:  # a bias/mask broadcast over B stays so
             return x
         x = move_to_front(x, d, size)
         if x.shape[1] != batch:  # a mapped bias/mask broadcast over B
             x = jnp.broadcast_to(x, (size, batch) + x.shape[2:])
         return x.reshape((size * batch,) + x.shape[2:])
 
-    outs = _bind(stage, [fold(a, d) for a, d in zip(args, dims)], attrs)
+    first_optional = len(args) - len(_OPTIONAL)  # bias and mask are the first two optional operands
+    outs = _bind(stage, [fold(a, d, first_optional <= i < first_optional + 2)
+                         for i, (a, d) in enumerate(zip(args, dims))], attrs)
     unfolded, out_dims = [], []
     for out in outs:
         if out.ndim == 1 and out.shape[0] == 0:  # no dbias

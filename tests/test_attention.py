@@ -443,3 +443,33 @@ def test_haiku_usage_matches_stock(rng):
     params = stock.init(jax.random.key(0), x)
     assert jax.tree.structure(params) == jax.tree.structure(ours.init(jax.random.key(0), x))
     assert_close(ours.apply(params, x), stock.apply(params, x), 1e-5, "haiku")
+
+
+def test_batch_polymorphic_export(rng):
+    """Exported once with a symbolic batch, run at two batch sizes."""
+    def loss(q, k, v, lens):
+        return jnp.sum(jaxdnn.dot_product_attention(q, k, v, key_value_seq_lengths=lens, is_causal=True) ** 2)
+
+    f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    b = jax.export.symbolic_shape("b")[0]
+    kv = jax.ShapeDtypeStruct((b, 9, 2, 16), jnp.float32)
+    shapes = [jax.ShapeDtypeStruct((b, 7, 4, 16), jnp.float32), kv, kv, jax.ShapeDtypeStruct((b,), jnp.int32)]
+    exported = jax.export.export(f, disabled_checks=jaxdnn.export_safety_checks())(*shapes)
+    restored = jax.export.deserialize(exported.serialize())
+    for batch in (1, 3):
+        q, k, v = _inputs(rng, batch, 7, 9, 4, 2, 16)
+        lens = jnp.asarray(rng.integers(1, 10, batch), jnp.int32)
+        for got, want in zip(restored.call(q, k, v, lens), f(q, k, v, lens)):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_jacrev(rng):
+    """jacrev = vmap of the VJP over cotangents, the primals unbatched."""
+    q, k, v = _inputs(rng, 1, 3, 5, 2, 1, 8)
+    bias = normal(rng, (1, 2, 3, 5))
+    got = jax.jacrev(lambda q, b: jaxdnn.dot_product_attention(q, k, v, b, is_causal=True),
+                     argnums=(0, 1))(q, bias)
+    want = jax.jacrev(lambda q, b: _xla(q, f64(k), f64(v), b, is_causal=True),
+                      argnums=(0, 1))(f64(q), f64(bias))
+    for g, e in zip(got, want):
+        assert_close(g, e, 1e-4, "jacrev")
