@@ -295,7 +295,7 @@ def _static_number(name, value):
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                           query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                           implementation=None, return_residual=False, q_segment_ids=None,
-                          kv_segment_ids=None, logits_soft_cap=None, dropout_rate=0.0):
+                          kv_segment_ids=None, logits_soft_cap=None, dropout_rate=0.0, dropout_rng=None):
     """Scaled dot-product attention, as `jax.nn.dot_product_attention`, on jaxdnn's fused kernels.
 
     softmax(scale q.k^T + bias) v per query head, with memory linear in T and S (the [B, N, T, S]
@@ -320,7 +320,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       q_segment_ids, kv_segment_ids: None, or int32 [B, T] and [B, S] together: packed sequences,
         query t attends key s only when their ids are equal.
       logits_soft_cap: None or c > 0: logits = c tanh(logits / c) (Gemma 2), before the bias.
-      dropout_rate: must be 0 (dropout is not yet supported).
+      dropout_rate, dropout_rng: must be 0 and None (dropout is not yet supported).
 
     Every masking option combines with the others. A query row with no key left to attend gives
     0 (jax.nn's "xla" path instead averages every value there, and reports a finite logsumexp where
@@ -335,7 +335,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         if q_segment_ids is not None or kv_segment_ids is not None or logits_soft_cap is not None:
             raise ValueError(_WHO + f"implementation={implementation!r} (jax.nn) does not "
                              "take q_segment_ids, kv_segment_ids or logits_soft_cap")
-        if dropout_rate:
+        if dropout_rate or dropout_rng is not None:
             raise ValueError(_WHO + "dropout is not yet supported")
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal,
@@ -345,8 +345,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if implementation not in (None, "jaxdnn"):
         raise ValueError(_WHO + "implementation must be None, 'jaxdnn', 'xla' or 'cudnn', got "
                          f"{implementation!r}")
-    if dropout_rate:
-        raise ValueError(_WHO + f"dropout_rate={dropout_rate!r} is not yet supported (must be 0)")
+    if dropout_rate or dropout_rng is not None:
+        raise ValueError(_WHO + f"dropout is not yet supported (dropout_rate={dropout_rate!r} must be 0, "
+                         "dropout_rng None)")
     query, key, value = _as_array(query), _as_array(key), _as_array(value)
     if query.ndim not in (3, 4):
         raise ValueError(_WHO + f"query must be [B, T, N, H] or [T, N, H], got shape {query.shape}")
