@@ -427,7 +427,7 @@ def attention_cases(quick: bool) -> list[Case]:
     FLOPs (ARCHITECTURE.md): fwd = 4 B N T S H, halved when causal; fwd+bwd = fwd + 2.5 fwd.
     """
     dtype = jnp.bfloat16
-    sets = 2 if quick else 8
+    sets = 2  # each input is >= 128 MiB at full size: no set can be served from the L2 of the one before
     if quick:
         shapes = [(2, 128, 128, 4, 4, 64, False), (2, 128, 128, 4, 4, 64, True), (1, 64, 64, 8, 2, 32, True),
                   (2, 1, 256, 4, 4, 64, False)]
