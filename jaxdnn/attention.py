@@ -34,8 +34,8 @@ _MAX_HEAD_DIM = 256
 _WHO = "dot_product_attention: "  # the start of every error message
 
 # The optional operands in the targets' order, their dtypes, and their bits of the `present` attribute.
-_OPTIONAL = ("bias", "mask", "q_lens", "kv_lens", "q_seg", "kv_seg")
-_OPTIONAL_DTYPES = (jnp.float32, jnp.bool_, jnp.int32, jnp.int32, jnp.int32, jnp.int32)
+_OPTIONAL = ("bias", "mask", "q_lens", "kv_lens", "q_seg", "kv_seg", "dropout_seed")
+_OPTIONAL_DTYPES = (jnp.float32, jnp.bool_, jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.uint32)
 
 
 # --- the kernel stages ------------------------------------------------------------------------
@@ -65,7 +65,7 @@ def _optional_specs(batch, optional):
         elif x.ndim == 4:  # bias, mask [Bb, Nb, Tb, Sb]
             names = [f"{a}{i}" for a in "bnts"]
             specs.append(" ".join(["..."] + names[1:]) if x.shape[0] == batch else " ".join(names))
-        else:  # lengths [B], segment ids [B, T] / [B, S]
+        else:  # lengths [B], segment ids [B, T] / [B, S], dropout seeds [B, 2]
             specs.append(" ".join(["..."] + [f"l{i}"] * (x.ndim - 1)))
     return specs
 
@@ -135,7 +135,8 @@ def _attrs(options: AttentionOptions, optional):
         is_causal=np.int64(options.is_causal),
         window_left=np.int64(-1 if options.window_left is None else options.window_left),
         window_right=np.int64(-1 if options.window_right is None else options.window_right),
-        present=np.int64(present))
+        present=np.int64(present),
+        dropout_keep=np.int64(options.dropout_keep))
 
 
 def _operands(q, optional):
@@ -188,7 +189,7 @@ def _sum_to_shape(x, shape):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attention(q, k, v, optional, options):
     """(o, lse) for q [B, T, N, H], k and v [B, S, K, H]; `optional` = (bias float32, mask, q_lens,
-    kv_lens, q_seg, kv_seg), None where absent."""
+    kv_lens, q_seg, kv_seg, dropout_seed), None where absent."""
     return _fwd_stage(q, k, v, optional, options)
 
 
@@ -320,7 +321,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       q_segment_ids, kv_segment_ids: None, or int32 [B, T] and [B, S] together: packed sequences,
         query t attends key s only when their ids are equal.
       logits_soft_cap: None or c > 0: logits = c tanh(logits / c) (Gemma 2), before the bias.
-      dropout_rate, dropout_rng: must be 0 and None (dropout is not yet supported).
+      dropout_rate: a Python float in [0, 1): each attention probability is zeroed with this
+        probability and the kept ones scaled by 1 / (1 - dropout_rate) (after the softmax, whose
+        normalizer and the logsumexp are undropped), as Flax does.
+      dropout_rng: a `jax.random` key, required when dropout_rate > 0. The mask is a hash of two
+        words drawn from it and of (head, query, key): the same key gives the same mask, in the
+        backward too (which regenerates it rather than storing it).
 
     Every masking option combines with the others. A query row with no key left to attend gives
     0 (jax.nn's "xla" path instead averages every value there, and reports a finite logsumexp where
@@ -336,7 +342,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             raise ValueError(_WHO + f"implementation={implementation!r} (jax.nn) does not "
                              "take q_segment_ids, kv_segment_ids or logits_soft_cap")
         if dropout_rate or dropout_rng is not None:
-            raise ValueError(_WHO + "dropout is not yet supported")
+            raise ValueError(_WHO + f"implementation={implementation!r} (jax.nn) has no dropout")
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -345,9 +351,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if implementation not in (None, "jaxdnn"):
         raise ValueError(_WHO + "implementation must be None, 'jaxdnn', 'xla' or 'cudnn', got "
                          f"{implementation!r}")
-    if dropout_rate or dropout_rng is not None:
-        raise ValueError(_WHO + f"dropout is not yet supported (dropout_rate={dropout_rate!r} must be 0, "
-                         "dropout_rng None)")
     query, key, value = _as_array(query), _as_array(key), _as_array(value)
     if query.ndim not in (3, 4):
         raise ValueError(_WHO + f"query must be [B, T, N, H] or [T, N, H], got shape {query.shape}")
@@ -403,11 +406,20 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         if not cap > 0:
             raise ValueError(_WHO + f"logits_soft_cap must be > 0, got {logits_soft_cap!r}")
     left, right = _window(local_window_size)
+    rate = _static_number("dropout_rate", dropout_rate)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(_WHO + f"dropout_rate must be in [0, 1), got {dropout_rate!r}")
+    seed = None
+    if rate > 0.0:
+        if dropout_rng is None:
+            raise ValueError(_WHO + "dropout_rate > 0 needs a dropout_rng key")
+        seed = jnp.broadcast_to(jax.random.bits(dropout_rng, (2,), jnp.uint32), (b, 2))
     options = AttentionOptions(
         scale=float(1.0 / np.sqrt(h)) if scale is None else _static_number("scale", scale),
-        is_causal=bool(is_causal), window_left=left, window_right=right, logits_soft_cap=cap)
+        is_causal=bool(is_causal), window_left=left, window_right=right, logits_soft_cap=cap,
+        dropout_keep=_ref.dropout_keep(rate))
     # The kernels read the bias as float32; its gradient comes back in its own dtype through astype.
-    optional = (None if bias is None else bias.astype(_F32), mask, q_lens, kv_lens, q_seg, kv_seg)
+    optional = (None if bias is None else bias.astype(_F32), mask, q_lens, kv_lens, q_seg, kv_seg, seed)
     o, lse = _per_batch_shard(lambda *args: _attention(*args, options), q, k, v, optional)
     o = o.reshape(out_shape)
     if not return_residual:

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
-from helpers import DTYPES, assert_close, bit_equal, dtype_id, f64, normal, tolerance, vjp
+from helpers import DTYPES, assert_close, bit_equal, dtype_id, f64, normal, rel_err, tolerance, vjp
 
 dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 
@@ -332,8 +332,10 @@ BAD = [
      r"kv_segment_ids must have shape \(2, 7\)"),
     (lambda: (_Q, _KV, _KV), dict(local_window_size=(1, -2)), ValueError, "local_window_size"),
     (lambda: (_Q, _KV, _KV), dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be > 0"),
-    (lambda: (_Q, _KV, _KV), dict(dropout_rate=0.1), ValueError, "dropout is not yet supported"),
-    (lambda: (_Q, _KV, _KV), dict(dropout_rng=jax.random.key(0)), ValueError, "dropout_rng None"),
+    (lambda: (_Q, _KV, _KV), dict(dropout_rate=0.1), ValueError, "needs a dropout_rng key"),
+    (lambda: (_Q, _KV, _KV), dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError,
+     r"dropout_rate must be in \[0, 1\)"),
+    (lambda: (_Q, _KV, _KV), dict(implementation="xla", dropout_rate=0.1), ValueError, "has no dropout"),
     (lambda: (_Q, _KV, _KV), dict(implementation="flash"), ValueError, "implementation must be"),
     (lambda: (_Q, _KV, _KV), dict(implementation="xla", logits_soft_cap=1.0), ValueError, "does not take"),
     (lambda: (_Q, _KV, _KV), dict(is_causal=1), TypeError, "is_causal must be a bool"),
@@ -474,3 +476,60 @@ def test_jacrev(rng):
                       argnums=(0, 1))(f64(q), f64(bias))
     for g, e in zip(got, want):
         assert_close(g, e, 1e-4, "jacrev")
+
+
+def test_dropout_matches_reference_with_the_same_mask(rng):
+    """The kernels' dropout mask is a hash of (seed, n, t, s) that the reference recomputes: forward
+    and VJP (q, k, v, bias) against the reference in float64 with the same seed."""
+    q, k, v = _inputs(rng, 2, 19, 37, 4, 2, 16)
+    bias = normal(rng, (1, 4, 19, 37))
+    key = jax.random.key(int(rng.integers(1 << 31)))
+    seed = jnp.broadcast_to(jax.random.bits(key, (2,), jnp.uint32), (2, 2))
+    kw = dict(is_causal=True, key_value_seq_lengths=jnp.array([37, 20], jnp.int32))
+
+    def ours(q, k, v, b):
+        return jaxdnn.dot_product_attention(q, k, v, b, dropout_rate=0.3, dropout_rng=key, **kw)
+
+    def oracle(q, k, v, b):
+        return jaxdnn.reference.attention.dot_product_attention(
+            q, k, v, b, dropout_rate=0.3, dropout_seed=seed, **kw)
+
+    assert_close(ours(q, k, v, bias), oracle(f64(q), f64(k), f64(v), f64(bias)), 1e-5, "forward")
+    ct = normal(rng, q.shape)
+    got = vjp(ours, [q, k, v, bias], ct)
+    want = vjp(oracle, [f64(q), f64(k), f64(v), f64(bias)], f64(ct))
+    for name, g, e in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert_close(g, e, 1e-4, name)
+    undropped = jaxdnn.dot_product_attention(q, k, v, bias, **kw)
+    assert rel_err(ours(q, k, v, bias), undropped) > 0.1  # dropout did something
+    np.testing.assert_array_equal(ours(q, k, v, bias), ours(q, k, v, bias))  # same key, same mask
+    other = jaxdnn.dot_product_attention(q, k, v, bias, dropout_rate=0.3, dropout_rng=jax.random.key(7), **kw)
+    assert rel_err(other, ours(q, k, v, bias)) > 0.1
+
+
+def test_dropout_mask_statistics():
+    """About `rate` of the probabilities are dropped, and the kept ones are scaled to keep the mean."""
+    seed = jax.random.bits(jax.random.key(3), (2, 2), jnp.uint32)
+    keep = jaxdnn.reference.attention.dropout_keep(0.25)
+    scale = np.asarray(jaxdnn.reference.attention.dropout_scale(seed, keep, 4, 64, 256, jnp.float32))
+    assert abs(np.mean(scale == 0) - 0.25) < 0.01
+    assert abs(np.mean(scale) - 1.0) < 0.02
+
+
+def test_dropout_under_vmap_over_keys(rng):
+    """Per-example keys (vmap over dropout_rng) fold into the batch: each example as if alone."""
+    q, k, v = _inputs(rng, 1, 9, 11, 2, 1, 16)
+    keys = jax.random.split(jax.random.key(5), 3)
+
+    def f(key):
+        return jaxdnn.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=key)
+
+    batched = jax.vmap(f)(keys)
+    for i in range(3):
+        np.testing.assert_allclose(batched[i], f(keys[i]), rtol=1e-6)
+    grads = jax.vmap(jax.grad(lambda q, key: jnp.sum(jaxdnn.dot_product_attention(
+        q, k, v, dropout_rate=0.5, dropout_rng=key) ** 2)), in_axes=(None, 0))(q, keys)
+    for i in range(3):
+        want = jax.grad(lambda q: jnp.sum(jaxdnn.dot_product_attention(
+            q, k, v, dropout_rate=0.5, dropout_rng=keys[i]) ** 2))(q)
+        np.testing.assert_allclose(grads[i], want, rtol=1e-5, atol=1e-6)

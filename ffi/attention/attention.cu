@@ -114,12 +114,14 @@ __global__ void __launch_bounds__(kThreads)
       if (r >= rows) break;
       const int64_t t = t0 + r, s = s0 + lane;
       float logit = -INFINITY;
-      if (lane < cols && p.Attends(b, n, t, s)) logit = p.Logit(RowDot(q_s + r * h, k_s + lane * (h + 1), h), b, n, t, s);
+      if (lane < cols && p.Attends(b, n, t, s)) {
+        logit = p.Logit(RowDot(q_s + r * h, k_s + lane * (h + 1), h), b, n, t, s);
+      }
       const float factor = softmax[i].Rescale(WarpMax(logit));
       if (softmax[i].max == -INFINITY) continue;  // uniform across the warp
       const float prob = softmax[i].Prob(logit);
-      softmax[i].sum += WarpSum(prob);
-      p_s[lane] = prob;
+      softmax[i].sum += WarpSum(prob);  // the normalizer is undropped
+      p_s[lane] = prob * DropoutScale(p, b, n, t, s);
       __syncwarp();
 #pragma unroll
       for (int c = 0; c < kMaxChunks; ++c) {
@@ -214,7 +216,8 @@ __global__ void __launch_bounds__(kThreads)
       if (lane < cols && p.Attends(b, n, t, s)) {
         logit = p.Logit(RowDot(q_s + r * h, k_s + lane * (h + 1), h), b, n, t, s);
         const float prob = ProbFromLse(logit, row_lse[i]);
-        ds = prob * (RowDot(do_s + r * h, v_s + lane * (h + 1), h) - row_delta[i]);
+        const float dp = RowDot(do_s + r * h, v_s + lane * (h + 1), h) * DropoutScale(p, b, n, t, s);
+        ds = prob * (dp - row_delta[i]);
       }
       if (dbias != nullptr && lane < cols) dbias[p.StatIndex(b, n, t) * p.kv_len + s] = ds;
       g_s[lane] = ds == 0.f ? 0.f : p.DotGrad(ds, logit, b, n, t, s);
@@ -298,8 +301,10 @@ __global__ void __launch_bounds__(kThreads)
           const float logit = p.Logit(RowDot(k_s + c_key * h, q_s + lane * (h + 1), h), b, n, t, s);
           prob = ProbFromLse(logit, lse_s[lane]);
           if (prob != 0.f) {
-            const float ds = prob * (RowDot(v_s + c_key * h, do_s + lane * (h + 1), h) - delta_s[lane]);
-            g = p.DotGrad(ds, logit, b, n, t, s);
+            const float drop = DropoutScale(p, b, n, t, s);
+            const float dp = RowDot(v_s + c_key * h, do_s + lane * (h + 1), h) * drop;
+            g = p.DotGrad(prob * (dp - delta_s[lane]), logit, b, n, t, s);
+            prob *= drop;  // dv takes the dropped probability
           }
         }
         p_s[lane] = prob;
@@ -389,13 +394,15 @@ ffi::Error AttentionBwdTyped(cudaStream_t stream, const AttentionProblem& p, con
 ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
                             ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_seg,
-                            ffi::Buffer<ffi::S32> kv_seg, ffi::Result<ffi::AnyBuffer> o,
+                            ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::U32> dropout_seed,
+                            ffi::Result<ffi::AnyBuffer> o,
                             ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale, float soft_cap,
-                            int64_t causal, int64_t window_left, int64_t window_right, int64_t present) {
+                            int64_t causal, int64_t window_left, int64_t window_right, int64_t present,
+                            int64_t dropout_keep) {
   AttentionProblem p;
   JAXDNN_RETURN_IF_ERROR(MakeAttentionProblem(
-      {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, scale, soft_cap, causal, window_left,
-       window_right, present}, &p));
+      {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, &dropout_seed, scale, soft_cap, causal,
+       window_left, window_right, present, dropout_keep}, &p));
   JAXDNN_RETURN_IF_ERROR(CheckHeadDim(p));
   JAXDNN_RETURN_IF_ERROR(ExpectLike("o", *o, q));
   JAXDNN_RETURN_IF_ERROR(ExpectStat("lse", lse->dimensions(), p));
@@ -409,15 +416,16 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
                             ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse,
                             ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
                             ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_seg,
-                            ffi::Buffer<ffi::S32> kv_seg, ffi::Result<ffi::AnyBuffer> dq,
+                            ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::U32> dropout_seed,
+                            ffi::Result<ffi::AnyBuffer> dq,
                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                             ffi::Result<ffi::Buffer<ffi::F32>> dbias, ffi::Result<ffi::Buffer<ffi::F32>> delta,
                             float scale, float soft_cap, int64_t causal, int64_t window_left,
-                            int64_t window_right, int64_t present, int64_t bias_grad) {
+                            int64_t window_right, int64_t present, int64_t dropout_keep, int64_t bias_grad) {
   AttentionProblem p;
   JAXDNN_RETURN_IF_ERROR(MakeAttentionProblem(
-      {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, scale, soft_cap, causal, window_left,
-       window_right, present}, &p));
+      {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, &dropout_seed, scale, soft_cap, causal,
+       window_left, window_right, present, dropout_keep}, &p));
   JAXDNN_RETURN_IF_ERROR(CheckHeadDim(p));
   JAXDNN_RETURN_IF_ERROR(ExpectLike("do", d_out, q));
   JAXDNN_RETURN_IF_ERROR(ExpectLike("o", o, q));

@@ -63,8 +63,9 @@ struct AttentionInputs {
   const ffi::Buffer<ffi::S32>* kv_lens;
   const ffi::Buffer<ffi::S32>* q_seg;
   const ffi::Buffer<ffi::S32>* kv_seg;
+  const ffi::Buffer<ffi::U32>* dropout_seed;
   float scale, soft_cap;
-  int64_t causal, window_left, window_right, present;
+  int64_t causal, window_left, window_right, present, dropout_keep;
 };
 
 inline ffi::Error MakeAttentionProblem(const AttentionInputs& in, AttentionProblem* p) {
@@ -90,7 +91,10 @@ inline ffi::Error MakeAttentionProblem(const AttentionInputs& in, AttentionProbl
                            " must be a multiple of the key/value heads K = " + std::to_string(p->kv_heads));
   }
   if (p->head_dim < 1) return InvalidArgument("attention: the head size H must be >= 1");
-  if (in.present < 0 || in.present > 63) return InvalidArgument("attention: bad `present` attribute");
+  if (in.present < 0 || in.present > 127) return InvalidArgument("attention: bad `present` attribute");
+  if (in.dropout_keep < 1 || in.dropout_keep > kAttnKeepAll) {
+    return InvalidArgument("attention: dropout_keep must be in [1, 2^24]");
+  }
   if (in.window_left < -1 || in.window_right < -1) {
     return InvalidArgument("attention: window sizes must be >= 0 (or -1 for unbounded)");
   }
@@ -141,6 +145,13 @@ inline ffi::Error MakeAttentionProblem(const AttentionInputs& in, AttentionProbl
   } else {
     JAXDNN_RETURN_IF_ERROR(absent("q_seg", in.q_seg->dimensions()));
     JAXDNN_RETURN_IF_ERROR(absent("kv_seg", in.kv_seg->dimensions()));
+  }
+  if (in.present & kAttentionDropout) {
+    JAXDNN_RETURN_IF_ERROR(ExpectDims("dropout_seed", in.dropout_seed->dimensions(), {p->batch, 2}));
+    p->dropout_seed = in.dropout_seed->typed_data();
+    p->dropout_keep = static_cast<uint32_t>(in.dropout_keep);
+  } else {
+    JAXDNN_RETURN_IF_ERROR(absent("dropout_seed", in.dropout_seed->dimensions()));
   }
   return ffi::Error::Success();
 }

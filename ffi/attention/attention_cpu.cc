@@ -97,9 +97,10 @@ void AttentionFwd(const AttentionProblem& p, const T* q, const T* k, const T* v,
             }
             for (int64_t c = 0; c < cols; ++c) {
               const float prob = softmax[r].Prob(logits[c]);
-              softmax[r].sum += prob;
+              softmax[r].sum += prob;  // the normalizer is undropped
+              const float kept = prob * DropoutScale(p, b, n, t, s0 + c);
               const float* vr = v_tile.Row(c, h);
-              for (int64_t i = 0; i < h; ++i) a[i] += prob * vr[i];
+              for (int64_t i = 0; i < h; ++i) a[i] += kept * vr[i];
             }
           }
         }
@@ -164,7 +165,7 @@ void AttentionBwdQuery(const AttentionProblem& p, const T* d_out, const T* q, co
               float ds = 0.f, logit = 0.f;
               if (p.Attends(b, n, t, s)) {
                 logit = p.Logit(dots[c], b, n, t, s);
-                ds = ProbFromLse(logit, row_lse) * (dp[c] - row_delta);
+                ds = ProbFromLse(logit, row_lse) * (dp[c] * DropoutScale(p, b, n, t, s) - row_delta);
               }
               if (dbias != nullptr) dbias[p.StatIndex(b, n, t) * p.kv_len + s] = ds;
               if (ds == 0.f) continue;
@@ -221,11 +222,14 @@ void AttentionBwdKey(const AttentionProblem& p, const T* d_out, const T* q, cons
                 const float logit = p.Logit(dots[r], b, n, t, s);
                 const float prob = ProbFromLse(logit, lse[p.StatIndex(b, n, t)]);
                 if (prob == 0.f) continue;
-                const float g = p.DotGrad(prob * (dp[r] - delta[p.StatIndex(b, n, t)]), logit, b, n, t, s);
+                const float drop = DropoutScale(p, b, n, t, s);
+                const float ds = prob * (dp[r] * drop - delta[p.StatIndex(b, n, t)]);
+                const float g = p.DotGrad(ds, logit, b, n, t, s);
+                const float kept = prob * drop;
                 const float* qr = q_tile.Row(r, h);
                 const float* dor = do_tile.Row(r, h);
                 for (int64_t i = 0; i < h; ++i) {
-                  dv_row[i] += prob * dor[i];
+                  dv_row[i] += kept * dor[i];
                   dk_row[i] += g * qr[i];
                 }
               }
@@ -248,13 +252,15 @@ void AttentionBwdKey(const AttentionProblem& p, const T* d_out, const T* q, cons
 ffi::Error AttentionFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32> bias,
                             ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
                             ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_seg,
-                            ffi::Buffer<ffi::S32> kv_seg, ffi::Result<ffi::AnyBuffer> o,
+                            ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::U32> dropout_seed,
+                            ffi::Result<ffi::AnyBuffer> o,
                             ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale, float soft_cap,
-                            int64_t causal, int64_t window_left, int64_t window_right, int64_t present) {
+                            int64_t causal, int64_t window_left, int64_t window_right, int64_t present,
+                            int64_t dropout_keep) {
   AttentionProblem p;
   JAXDNN_RETURN_IF_ERROR(MakeAttentionProblem(
-      {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, scale, soft_cap, causal, window_left,
-       window_right, present}, &p));
+      {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, &dropout_seed, scale, soft_cap, causal,
+       window_left, window_right, present, dropout_keep}, &p));
   JAXDNN_RETURN_IF_ERROR(ExpectLike("o", *o, q));
   JAXDNN_RETURN_IF_ERROR(ExpectStat("lse", lse->dimensions(), p));
   if (ElementCount(q.dimensions()) == 0) return ffi::Error::Success();
@@ -271,15 +277,16 @@ ffi::Error AttentionBwdImpl(ffi::AnyBuffer d_out, ffi::AnyBuffer q, ffi::AnyBuff
                             ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> bias,
                             ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
                             ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_seg,
-                            ffi::Buffer<ffi::S32> kv_seg, ffi::Result<ffi::AnyBuffer> dq,
+                            ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::U32> dropout_seed,
+                            ffi::Result<ffi::AnyBuffer> dq,
                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                             ffi::Result<ffi::Buffer<ffi::F32>> dbias, ffi::Result<ffi::Buffer<ffi::F32>> delta,
                             float scale, float soft_cap, int64_t causal, int64_t window_left,
-                            int64_t window_right, int64_t present, int64_t bias_grad) {
+                            int64_t window_right, int64_t present, int64_t dropout_keep, int64_t bias_grad) {
   AttentionProblem p;
   JAXDNN_RETURN_IF_ERROR(MakeAttentionProblem(
-      {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, scale, soft_cap, causal, window_left,
-       window_right, present}, &p));
+      {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, &dropout_seed, scale, soft_cap, causal,
+       window_left, window_right, present, dropout_keep}, &p));
   JAXDNN_RETURN_IF_ERROR(ExpectLike("do", d_out, q));
   JAXDNN_RETURN_IF_ERROR(ExpectLike("o", o, q));
   JAXDNN_RETURN_IF_ERROR(ExpectLike("dq", *dq, q));

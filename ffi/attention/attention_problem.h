@@ -26,7 +26,21 @@ enum AttentionOperand : int64_t {
   kAttentionKeyLengths = 8,
   kAttentionQuerySegments = 16,
   kAttentionKeySegments = 32,
+  kAttentionDropout = 64,
 };
+
+// dropout_keep of "keep every probability" (the hash is 24 bits).
+constexpr int64_t kAttnKeepAll = int64_t(1) << 24;
+
+// A 32-bit integer finalizer (xorshift-multiply; every input bit affects every output bit).
+JAXDNN_ATTN_HD uint32_t MixBits(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21f0aaadu;
+  x ^= x >> 15;
+  x *= 0x735a2d97u;
+  x ^= x >> 15;
+  return x;
+}
 
 // Query rows per tile of the forward and dQ kernels, and keys per tile they stream through; keys
 // per tile of the dK/dV kernel and queries per tile it streams. The CPU kernels use the same tiles.
@@ -50,6 +64,8 @@ struct AttentionProblem {
   const int32_t* kv_lens = nullptr;
   const int32_t* q_seg = nullptr;   // [B, T]
   const int32_t* kv_seg = nullptr;  // [B, S]
+  const uint32_t* dropout_seed = nullptr;  // [B, 2]
+  uint32_t dropout_keep = uint32_t(kAttnKeepAll);
 
   JAXDNN_ATTN_HD int64_t Group() const { return heads / kv_heads; }
   // Offsets of row (b, t, n) of q/o/do and of row (b, s, kh) of k/v, in elements.
@@ -131,6 +147,16 @@ struct AttentionProblem {
     return ds * scale;
   }
 };
+
+// Dropout of (b, n, t, s): 0 for a dropped probability, 1 / keep for a kept one (1 without
+// dropout). jaxdnn/reference/attention.py computes the same hash.
+JAXDNN_ATTN_HD float DropoutScale(const AttentionProblem& p, int64_t b, int64_t n, int64_t t, int64_t s) {
+  if (p.dropout_seed == nullptr) return 1.f;
+  uint32_t h = MixBits(p.dropout_seed[2 * b] ^ uint32_t(n));
+  h = MixBits(h ^ uint32_t(t));
+  h = MixBits((h + uint32_t(s) * 0x9e3779b9u) ^ p.dropout_seed[2 * b + 1]);
+  return (h >> 8) < p.dropout_keep ? float(kAttnKeepAll) / float(p.dropout_keep) : 0.f;
+}
 
 // The running max m and sum l = sum(exp(logit - m)) of one query row over the keys seen so far.
 struct OnlineSoftmax {
