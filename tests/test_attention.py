@@ -396,10 +396,16 @@ def test_flax_attention_fn_matches_stock(rng):
     # (all leaves at once: the key projection's bias has gradient 0, by the softmax's shift invariance)
     flat = [jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)]) for t in (grads, want_grads)]
     assert_close(*flat, 1e-4, "linen grads")
-    with pytest.raises(ValueError, match="dropout is not yet supported"):
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    with pytest.raises(ValueError, match="broadcast_dropout=False"):
         nn.MultiHeadDotProductAttention(num_heads=4, dropout_rate=0.1, deterministic=False,
-                                        attention_fn=jaxdnn.flax.dot_product_attention).init(
-            {"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+                                        attention_fn=jaxdnn.flax.dot_product_attention).init(rngs, x)
+    dropping = nn.MultiHeadDotProductAttention(
+        num_heads=4, qkv_features=64, dropout_rate=0.2, deterministic=False, broadcast_dropout=False,
+        attention_fn=jaxdnn.flax.dot_product_attention)
+    dropped = [dropping.apply(params, x, mask=mask, rngs={"dropout": jax.random.key(2)}) for _ in range(2)]
+    assert np.all(np.isfinite(dropped[0])) and rel_err(dropped[0], want) > 0.05
+    np.testing.assert_array_equal(*dropped)  # the same key, the same mask
 
     y = normal(rng, (2, 7, 16))
     stock_nnx = nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False, rngs=nnx.Rngs(0))

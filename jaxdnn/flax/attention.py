@@ -29,7 +29,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     Args:
       query: [batch..., T, N, H]; key, value: [batch..., S, K, H] (K dividing N).
       bias, mask: None or broadcastable to [batch..., N, T, S] (mask: nonzero attends).
-      dropout_rate: dropout is not yet supported: it must be 0 or `deterministic` True.
+      dropout_rate, dropout_rng, deterministic: dropout as jaxdnn.dot_product_attention's (a mask per
+        batch element and head); needs broadcast_dropout=False, since jaxdnn has no mask shared
+        across the heads (Flax's broadcast_dropout=True) and raises rather than ignore it.
       dtype: None or the dtype to compute in (q, k, v are cast to it).
       precision, force_fp32_for_softmax: met as asked: logits, softmax and sums are always float32.
       module: must be None (`sow_weights` needs the [T, S] weights, which the kernels never form).
@@ -39,10 +41,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
       [batch..., T, N, H]. A query row whose keys are all masked gives 0 (Flax's own function
       averages every value there).
     """
-    del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
+    del precision, force_fp32_for_softmax
+    dropout = {}
     if dropout_rate > 0.0 and not deterministic:
-        raise ValueError("jaxdnn.flax.dot_product_attention: dropout is not yet supported (dropout_rate="
-                         f"{dropout_rate}); use deterministic=True or dropout_rate=0")
+        if broadcast_dropout:
+            raise ValueError("jaxdnn.flax.dot_product_attention: dropout masks are per head; set "
+                             "broadcast_dropout=False")
+        dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     if module is not None:
         raise ValueError("jaxdnn.flax.dot_product_attention: sow_weights is not supported (the kernels never "
                          "form the attention weights)")
@@ -52,8 +57,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
         mask = jnp.asarray(mask).astype(bool)  # Flax's masks are often float 0/1
     batch_shape = query.shape[:-3]
     if len(batch_shape) == 1:
-        return _attention(query, key, value, bias, mask, is_causal=is_causal)
+        return _attention(query, key, value, bias, mask, is_causal=is_causal, **dropout)
     bias, mask = (None if m is None else _fold_batch(jnp.asarray(m), batch_shape, 3) for m in (bias, mask))
     out = _attention(*(_fold_batch(x, batch_shape, 3) for x in (query, key, value)), bias, mask,
-                     is_causal=is_causal)
+                     is_causal=is_causal, **dropout)
     return out.reshape(query.shape)
