@@ -325,8 +325,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         probability and the kept ones scaled by 1 / (1 - dropout_rate) (after the softmax, whose
         normalizer and the logsumexp are undropped), as Flax does.
       dropout_rng: a `jax.random` key, required when dropout_rate > 0. The mask is a hash of two
-        words drawn from it and of (head, query, key): the same key gives the same mask, in the
-        backward too (which regenerates it rather than storing it).
+        words per batch element drawn from it and of (head, query, key): the same key gives the
+        same mask, in the backward too (which regenerates it rather than storing it).
 
     Every masking option combines with the others. A query row with no key left to attend gives
     0 (jax.nn's "xla" path instead averages every value there, and reports a finite logsumexp where
@@ -413,7 +413,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if rate > 0.0:
         if dropout_rng is None:
             raise ValueError(_WHO + "dropout_rate > 0 needs a dropout_rng key")
-        seed = jnp.broadcast_to(jax.random.bits(dropout_rng, (2,), jnp.uint32), (b, 2))
+        # One seed per batch element (the hash leaves b out, so a shard's local b does not matter).
+        seed = jax.random.bits(dropout_rng, (b, 2), jnp.uint32)
     options = AttentionOptions(
         scale=float(1.0 / np.sqrt(h)) if scale is None else _static_number("scale", scale),
         is_causal=bool(is_causal), window_left=left, window_right=right, logits_soft_cap=cap,

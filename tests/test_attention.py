@@ -490,7 +490,7 @@ def test_dropout_matches_reference_with_the_same_mask(rng):
     q, k, v = _inputs(rng, 2, 19, 37, 4, 2, 16)
     bias = normal(rng, (1, 4, 19, 37))
     key = jax.random.key(int(rng.integers(1 << 31)))
-    seed = jnp.broadcast_to(jax.random.bits(key, (2,), jnp.uint32), (2, 2))
+    seed = jax.random.bits(key, (2, 2), jnp.uint32)
     kw = dict(is_causal=True, key_value_seq_lengths=jnp.array([37, 20], jnp.int32))
 
     def ours(q, k, v, b):
@@ -511,6 +511,9 @@ def test_dropout_matches_reference_with_the_same_mask(rng):
     np.testing.assert_array_equal(ours(q, k, v, bias), ours(q, k, v, bias))  # same key, same mask
     other = jaxdnn.dot_product_attention(q, k, v, bias, dropout_rate=0.3, dropout_rng=jax.random.key(7), **kw)
     assert rel_err(other, ours(q, k, v, bias)) > 0.1
+    same_inputs = [jnp.broadcast_to(x[:1], x.shape) for x in (q, k, v)]
+    out = jaxdnn.dot_product_attention(*same_inputs, dropout_rate=0.3, dropout_rng=key)
+    assert rel_err(out[1], out[0]) > 0.1  # each batch element has a mask of its own
 
 
 def test_dropout_mask_statistics():
