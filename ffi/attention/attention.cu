@@ -12,6 +12,8 @@
 // element written by one block) per (b, n, query tile) streaming keys as the forward; dk and dv per
 // (b, kv head, tile of 16 keys), each warp owning 4 keys and the lanes 32 queries of each streamed
 // query tile, over every query head of the group, so the group's sum happens in the block.
+// Dropout scales each probability by DropoutScale (a hash of the seed and (n, t, s)) where it
+// meets v (p v, and dp in the backward), so no mask is stored and the backward regenerates it.
 // Head sizes up to 256: accumulators are arrays of kMaxChunks = 8 columns per lane, bounded at
 // run time, so one instantiation per dtype and kernel serves every H.
 #include <cmath>
