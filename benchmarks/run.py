@@ -488,6 +488,56 @@ def _fused_conv_cases(quick: bool) -> list[Case]:
     ]
 
 
+# --- attention ---------------------------------------------------------------------------------------
+
+
+def _attention_peers() -> dict[str, Callable]:
+    """jax.nn.dot_product_attention's implementations to compare with: cuDNN (GPU only) and XLA."""
+    peers = {"xla": functools.partial(jax.nn.dot_product_attention, implementation="xla")}
+    if jax.default_backend() == "gpu":
+        peers = {"cudnn": functools.partial(jax.nn.dot_product_attention, implementation="cudnn"), **peers}
+    return peers
+
+
+def attention_cases(quick: bool) -> list[Case]:
+    """dot_product_attention against jax.nn.dot_product_attention with implementation "cudnn" (on a
+    GPU) and "xla", bf16, fwd and fwd+bwd (a random cotangent; the primal output is returned too).
+
+    Shapes (issue 5): B*S = 32768 tokens and N*H = 2048 with S in {1024, 4096, 16384} and H in
+    {64, 128, 256}, causal and not (T = S); GQA N=32 K=8 H=128 S=4096; decode T=1 S=32768 B=8.
+    FLOPs (ARCHITECTURE.md): fwd = 4 B N T S H, halved when causal; fwd+bwd = fwd + 2.5 fwd.
+    """
+    dtype = jnp.bfloat16
+    sets = 2  # each input is >= 128 MiB at full size: no set can be served from the L2 of the one before
+    if quick:
+        shapes = [(2, 128, 128, 4, 4, 64, False), (2, 128, 128, 4, 4, 64, True), (1, 64, 64, 8, 2, 32, True),
+                  (2, 1, 256, 4, 4, 64, False)]
+    else:
+        shapes = [(32768 // s, s, s, 2048 // h, 2048 // h, h, causal)
+                  for s in (1024, 4096, 16384) for h in (64, 128, 256) for causal in (False, True)]
+        shapes += [(8, 4096, 4096, 32, 8, 128, causal) for causal in (False, True)]  # GQA
+        shapes += [(8, 1, 32768, 16, 16, 128, False)]  # decode
+    cases = []
+    key = jax.random.key(2)
+    for b, t, s, n, kv_heads, h, causal in shapes:
+        arg_sets = []
+        for _ in range(sets):
+            key, kq, kk, kv, kdy = jax.random.split(key, 5)
+            arg_sets.append((_normal(kq, (b, t, n, h), dtype), _normal(kk, (b, s, kv_heads, h), dtype),
+                             _normal(kv, (b, s, kv_heads, h), dtype), _normal(kdy, (b, t, n, h), dtype)))
+        fwd_flops = 4 * b * n * t * s * h * (0.5 if causal else 1.0)
+        heads = f"N{n}" if kv_heads == n else f"N{n} K{kv_heads}"
+        name = f"attention B{b} T{t} S{s} {heads} H{h}{' causal' if causal else ''}"
+        fn = functools.partial(jaxdnn.dot_product_attention, is_causal=causal)
+        for peer, peer_attention in _attention_peers().items():
+            peer_fn = functools.partial(peer_attention, is_causal=causal)
+            cases.append(Case("attention", f"{name} fwd", lambda q, k, v, dy, f=fn: f(q, k, v), peer,
+                              lambda q, k, v, dy, f=peer_fn: f(q, k, v), arg_sets, fwd_flops, "TFLOP/s"))
+            cases.append(Case("attention", f"{name} fwd+bwd", _fwd_bwd(fn), peer, _fwd_bwd(peer_fn), arg_sets,
+                              3.5 * fwd_flops, "TFLOP/s"))
+    return cases
+
+
 FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
     "norm": norm_cases,
     "softmax": softmax_cases,
@@ -496,6 +546,7 @@ FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
     "pool": pool_cases,
     "group_norm": group_norm_cases,
     "conv": conv_cases,
+    "attention": attention_cases,
 }
 
 

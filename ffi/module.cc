@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 
 #include "activation/activation.h"
+#include "attention/attention.h"
 #include "batch_norm/batch_norm.h"
 #include "conv/conv.h"
 #include "group_norm/group_norm.h"
@@ -52,6 +53,8 @@ const Target kTargets[] = {
     {"jaxdnn_conv_fprop_fused_v1", ConvFpropFusedCpu, JAXDNN_CUDA_HANDLER(ConvFpropFusedCuda)},
     {"jaxdnn_conv_dgrad_v1", ConvDgradCpu, JAXDNN_CUDA_HANDLER(ConvDgradCuda)},
     {"jaxdnn_conv_wgrad_v1", ConvWgradCpu, JAXDNN_CUDA_HANDLER(ConvWgradCuda)},
+    {"jaxdnn_attention_fwd_v1", AttentionFwdCpu, JAXDNN_CUDA_HANDLER(AttentionFwdCuda)},
+    {"jaxdnn_attention_bwd_v1", AttentionBwdCpu, JAXDNN_CUDA_HANDLER(AttentionBwdCuda)},
 };
 
 nb::capsule Capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }

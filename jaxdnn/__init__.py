@@ -4,6 +4,7 @@ from jaxdnn._ffi import has_cuda_kernels, target_names
 from jaxdnn._export import export_safety_checks
 from jaxdnn.activation import (elu, gelu, hard_tanh, leaky_relu, relu, relu6, sigmoid, silu, softplus,
                                tanh)
+from jaxdnn.attention import dot_product_attention
 from jaxdnn.batch_norm import batch_norm
 from jaxdnn.conv import conv, conv_general_dilated, conv_transpose
 from jaxdnn.group_norm import group_norm
@@ -19,6 +20,7 @@ __all__ = [
     "conv",
     "conv_general_dilated",
     "conv_transpose",
+    "dot_product_attention",
     "elu",
     "export_safety_checks",
     "gelu",

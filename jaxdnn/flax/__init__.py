@@ -6,6 +6,7 @@ on first use, since ``flax.nnx`` is a sizeable import of its own)::
 
     from jaxdnn.flax import BatchNorm, GroupNorm, LayerNorm, RMSNorm   # flax.linen modules
     from jaxdnn.flax import nnx as jnnx    # jnnx.BatchNorm, jnnx.GroupNorm, jnnx.LayerNorm, jnnx.RMSNorm
+    from jaxdnn.flax import dot_product_attention  # attention_fn of Flax's attention modules
 
 Both mirror the stock Flax modules' attributes and parameter names (``scale``,
 ``bias``; BatchNorm's ``batch_stats`` ``mean``/``var``), so params made with stock Flax load
@@ -15,9 +16,10 @@ unchanged and vice versa.
 import importlib as _importlib
 
 from jaxdnn.flax import linen
+from jaxdnn.flax.attention import dot_product_attention
 from jaxdnn.flax.linen import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 
-__all__ = ["BatchNorm", "GroupNorm", "LayerNorm", "RMSNorm", "linen", "nnx"]
+__all__ = ["BatchNorm", "GroupNorm", "LayerNorm", "RMSNorm", "dot_product_attention", "linen", "nnx"]
 
 
 def __getattr__(name):

@@ -1,0 +1,465 @@
+// CUDA attention: a CORRECTNESS BASELINE without tensor cores, to be replaced by a wgmma/TMA
+// flash-attention kernel (FlashAttention-3 style: warp specialization, pipelined TMA loads, online
+// softmax in registers). It runs the algorithm of the CPU kernels (attention_cpu.cc) with the
+// per-logit rules of attention_problem.h, in float32, and keeps memory linear in T and S.
+//
+// Forward: one block of 4 warps per (b, n, tile of 16 queries); each warp owns 4 query rows. The
+// keys the tile can reach (causal / window / length block skipping) stream through shared memory
+// in tiles of 32, one key per lane: a lane computes its key's logit, the warp reduces the tile's
+// max and sum (online softmax), and the lanes then own H / 32 output columns each and add p v.
+// Traffic per block: q once, and k, v of the reached keys once per query tile (T / 16 re-reads).
+// Backward (deterministic, no atomics): delta = rowsum(do o) (a warp per row); dq (and dbias, each
+// element written by one block) per (b, n, query tile) streaming keys as the forward; dk and dv per
+// (b, kv head, tile of 16 keys), each warp owning 4 keys and the lanes 32 queries of each streamed
+// query tile, over every query head of the group, so the group's sum happens in the block.
+// Dropout scales each probability by DropoutScale (a hash of the seed and (n, t, s)) where it
+// meets v (p v, and dp in the backward), so no mask is stored and the backward regenerates it.
+// Head sizes up to 256: accumulators are arrays of kMaxChunks = 8 columns per lane, bounded at
+// run time, so one instantiation per dtype and kernel serves every H.
+#include <cmath>
+#include <cstdint>
+
+#include "attention/attention.h"
+#include "attention/attention_common.h"
+#include "attention/attention_problem.h"
+#include "common/cuda_common.cuh"
+
+namespace jaxdnn {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowsPerWarp = kAttnQueryTile / kWarps;     // query rows per warp (fwd, dq)
+constexpr int kKeysPerWarp = kAttnBwdKeyTile / kWarps;    // keys per warp (dk, dv)
+constexpr int kMaxChunks = 8;                             // H <= 256 = 8 * 32 columns per lane
+static_assert(kAttnKeyTile == 32 && kAttnBwdQueryTile == 32, "one key / query per lane");
+
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Copies `rows` rows of H values (global rows found by row_offset(r)) into shared memory as float32,
+// `stride` floats apart (H + 1 where lanes read different rows at once: no bank conflicts).
+template <typename T, typename RowOffset>
+__device__ __forceinline__ void LoadTile(const T* __restrict__ x, int rows, int h, int stride, float* tile,
+                                         RowOffset row_offset) {
+  for (int i = threadIdx.x; i < rows * h; i += kThreads) {
+    const int r = i / h, c = i % h;
+    tile[r * stride + c] = ToFloat(x[row_offset(r) + c]);
+  }
+}
+
+// Dot product of a row read by the whole warp (broadcast) and one read per lane.
+__device__ __forceinline__ float RowDot(const float* shared_row, const float* lane_row, int h) {
+  float sum = 0.f;
+  for (int c = 0; c < h; ++c) sum += shared_row[c] * lane_row[c];
+  return sum;
+}
+
+// Shared memory (floats) of each kernel for head size h.
+inline size_t FwdSharedFloats(int h) {
+  return kAttnQueryTile * h + kAttnKeyTile * (h + 1) + kAttnKeyTile * h + kWarps * kAttnKeyTile;
+}
+inline size_t BwdQuerySharedFloats(int h) {
+  return 2 * kAttnQueryTile * h + 2 * kAttnKeyTile * (h + 1) + kWarps * kAttnKeyTile;
+}
+inline size_t BwdKeySharedFloats(int h) {
+  return 2 * kAttnBwdKeyTile * h + 2 * kAttnBwdQueryTile * (h + 1) + 2 * kAttnBwdQueryTile +
+         2 * kWarps * kAttnBwdQueryTile;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    AttentionFwdKernel(AttentionProblem p, const T* __restrict__ q, const T* __restrict__ k,
+                       const T* __restrict__ v, T* __restrict__ o, float* __restrict__ lse) {
+  extern __shared__ float smem[];
+  const int h = static_cast<int>(p.head_dim);
+  float* q_s = smem;                                  // [16][h]
+  float* k_s = q_s + kAttnQueryTile * h;              // [32][h + 1]
+  float* v_s = k_s + kAttnKeyTile * (h + 1);          // [32][h]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* p_s = v_s + kAttnKeyTile * h + warp * kAttnKeyTile;  // this warp's probabilities [32]
+
+  const int64_t tiles = (p.q_len + kAttnQueryTile - 1) / kAttnQueryTile;
+  const int64_t t0 = (blockIdx.x % tiles) * kAttnQueryTile;
+  const int64_t n = (blockIdx.x / tiles) % p.heads, b = blockIdx.x / tiles / p.heads;
+  const int64_t kh = n / p.Group();
+  const int rows = static_cast<int>(p.q_len - t0 < kAttnQueryTile ? p.q_len - t0 : kAttnQueryTile);
+
+  LoadTile(q, rows, h, h, q_s, [&](int r) { return p.QueryRow(b, t0 + r, n); });
+  OnlineSoftmax softmax[kRowsPerWarp];
+  float acc[kRowsPerWarp][kMaxChunks];
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) acc[i][c] = 0.f;
+  }
+  int64_t lo, hi;
+  p.KeyRange(b, t0, t0 + rows, &lo, &hi);
+  for (int64_t s0 = lo; s0 < hi; s0 += kAttnKeyTile) {
+    const int cols = static_cast<int>(hi - s0 < kAttnKeyTile ? hi - s0 : kAttnKeyTile);
+    __syncthreads();  // the previous tile is consumed (and q_s is loaded)
+    LoadTile(k, cols, h, h + 1, k_s, [&](int r) { return p.KeyRow(b, s0 + r, kh); });
+    LoadTile(v, cols, h, h, v_s, [&](int r) { return p.KeyRow(b, s0 + r, kh); });
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const int r = warp * kRowsPerWarp + i;
+      if (r >= rows) break;
+      const int64_t t = t0 + r, s = s0 + lane;
+      float logit = -INFINITY;
+      if (lane < cols && p.Attends(b, n, t, s)) {
+        logit = p.Logit(RowDot(q_s + r * h, k_s + lane * (h + 1), h), b, n, t, s);
+      }
+      const float factor = softmax[i].Rescale(WarpMax(logit));
+      if (softmax[i].max == -INFINITY) continue;  // uniform across the warp
+      const float prob = softmax[i].Prob(logit);
+      softmax[i].sum += WarpSum(prob);  // the normalizer is undropped
+      p_s[lane] = prob * DropoutScale(p, b, n, t, s);
+      __syncwarp();
+#pragma unroll
+      for (int c = 0; c < kMaxChunks; ++c) {
+        const int col = c * 32 + lane;
+        if (col < h) {
+          float sum = acc[i][c] * factor;
+          for (int j = 0; j < cols; ++j) sum += p_s[j] * v_s[j * h + col];
+          acc[i][c] = sum;
+        }
+      }
+      __syncwarp();  // p_s is read before the next row overwrites it
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int r = warp * kRowsPerWarp + i;
+    if (r >= rows) break;
+    const float inv_sum = softmax[i].InvSum();
+    T* out = o + p.QueryRow(b, t0 + r, n);
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) {
+      const int col = c * 32 + lane;
+      if (col < h) out[col] = FromFloat<T>(acc[i][c] * inv_sum);
+    }
+    if (lane == 0) lse[p.StatIndex(b, n, t0 + r)] = softmax[i].LogSumExp();
+  }
+}
+
+// delta[b, n, t] = sum over H of do * o: one warp per (b, t, n) row.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    AttentionDeltaKernel(AttentionProblem p, const T* __restrict__ d_out, const T* __restrict__ o,
+                         float* __restrict__ delta) {
+  const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;  // (b * T + t) * N + n
+  if (row >= p.batch * p.q_len * p.heads) return;
+  const int lane = threadIdx.x % 32;
+  float sum = 0.f;
+  for (int64_t c = lane; c < p.head_dim; c += 32) {
+    sum += ToFloat(d_out[row * p.head_dim + c]) * ToFloat(o[row * p.head_dim + c]);
+  }
+  sum = WarpSum(sum);
+  const int64_t n = row % p.heads, t = (row / p.heads) % p.q_len, b = row / p.heads / p.q_len;
+  if (lane == 0) delta[p.StatIndex(b, n, t)] = sum;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    AttentionBwdQueryKernel(AttentionProblem p, const T* __restrict__ d_out, const T* __restrict__ q,
+                            const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ lse,
+                            const float* __restrict__ delta, T* __restrict__ dq, float* __restrict__ dbias) {
+  extern __shared__ float smem[];
+  const int h = static_cast<int>(p.head_dim);
+  float* q_s = smem;                                  // [16][h]
+  float* do_s = q_s + kAttnQueryTile * h;             // [16][h]
+  float* k_s = do_s + kAttnQueryTile * h;             // [32][h + 1]
+  float* v_s = k_s + kAttnKeyTile * (h + 1);          // [32][h + 1]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* g_s = v_s + kAttnKeyTile * (h + 1) + warp * kAttnKeyTile;  // d logit -> d dot, per key
+
+  const int64_t tiles = (p.q_len + kAttnQueryTile - 1) / kAttnQueryTile;
+  const int64_t t0 = (blockIdx.x % tiles) * kAttnQueryTile;
+  const int64_t n = (blockIdx.x / tiles) % p.heads, b = blockIdx.x / tiles / p.heads;
+  const int64_t kh = n / p.Group();
+  const int rows = static_cast<int>(p.q_len - t0 < kAttnQueryTile ? p.q_len - t0 : kAttnQueryTile);
+
+  LoadTile(q, rows, h, h, q_s, [&](int r) { return p.QueryRow(b, t0 + r, n); });
+  LoadTile(d_out, rows, h, h, do_s, [&](int r) { return p.QueryRow(b, t0 + r, n); });
+  float acc[kRowsPerWarp][kMaxChunks];
+  float row_lse[kRowsPerWarp], row_delta[kRowsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int r = warp * kRowsPerWarp + i;
+    row_lse[i] = r < rows ? lse[p.StatIndex(b, n, t0 + r)] : -INFINITY;
+    row_delta[i] = r < rows ? delta[p.StatIndex(b, n, t0 + r)] : 0.f;
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) acc[i][c] = 0.f;
+  }
+  int64_t lo, hi;
+  p.KeyRange(b, t0, t0 + rows, &lo, &hi);
+  for (int64_t s0 = lo; s0 < hi; s0 += kAttnKeyTile) {
+    const int cols = static_cast<int>(hi - s0 < kAttnKeyTile ? hi - s0 : kAttnKeyTile);
+    __syncthreads();
+    LoadTile(k, cols, h, h + 1, k_s, [&](int r) { return p.KeyRow(b, s0 + r, kh); });
+    LoadTile(v, cols, h, h + 1, v_s, [&](int r) { return p.KeyRow(b, s0 + r, kh); });
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const int r = warp * kRowsPerWarp + i;
+      if (r >= rows) break;
+      const int64_t t = t0 + r, s = s0 + lane;
+      float ds = 0.f, logit = 0.f;
+      if (lane < cols && p.Attends(b, n, t, s)) {
+        logit = p.Logit(RowDot(q_s + r * h, k_s + lane * (h + 1), h), b, n, t, s);
+        const float prob = ProbFromLse(logit, row_lse[i]);
+        const float dp = RowDot(do_s + r * h, v_s + lane * (h + 1), h) * DropoutScale(p, b, n, t, s);
+        ds = prob * (dp - row_delta[i]);
+      }
+      if (dbias != nullptr && lane < cols) dbias[p.StatIndex(b, n, t) * p.kv_len + s] = ds;
+      g_s[lane] = ds == 0.f ? 0.f : p.DotGrad(ds, logit, b, n, t, s);
+      __syncwarp();
+#pragma unroll
+      for (int c = 0; c < kMaxChunks; ++c) {
+        const int col = c * 32 + lane;
+        if (col < h) {
+          float sum = acc[i][c];
+          for (int j = 0; j < cols; ++j) sum += g_s[j] * k_s[j * (h + 1) + col];
+          acc[i][c] = sum;
+        }
+      }
+      __syncwarp();
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int r = warp * kRowsPerWarp + i;
+    if (r >= rows) break;
+    T* out = dq + p.QueryRow(b, t0 + r, n);
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) {
+      const int col = c * 32 + lane;
+      if (col < h) out[col] = FromFloat<T>(acc[i][c]);
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    AttentionBwdKeyKernel(AttentionProblem p, const T* __restrict__ d_out, const T* __restrict__ q,
+                          const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ lse,
+                          const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv) {
+  extern __shared__ float smem[];
+  const int h = static_cast<int>(p.head_dim);
+  float* k_s = smem;                                   // [16][h]
+  float* v_s = k_s + kAttnBwdKeyTile * h;              // [16][h]
+  float* q_s = v_s + kAttnBwdKeyTile * h;              // [32][h + 1]
+  float* do_s = q_s + kAttnBwdQueryTile * (h + 1);     // [32][h + 1]
+  float* lse_s = do_s + kAttnBwdQueryTile * (h + 1);   // [32]
+  float* delta_s = lse_s + kAttnBwdQueryTile;          // [32]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* p_s = delta_s + kAttnBwdQueryTile + warp * 2 * kAttnBwdQueryTile;  // this warp's probabilities
+  float* g_s = p_s + kAttnBwdQueryTile;                                       // and d dot, per query
+
+  const int64_t tiles = (p.kv_len + kAttnBwdKeyTile - 1) / kAttnBwdKeyTile;
+  const int64_t s0 = (blockIdx.x % tiles) * kAttnBwdKeyTile;
+  const int64_t kh = (blockIdx.x / tiles) % p.kv_heads, b = blockIdx.x / tiles / p.kv_heads;
+  const int cols = static_cast<int>(p.kv_len - s0 < kAttnBwdKeyTile ? p.kv_len - s0 : kAttnBwdKeyTile);
+  const int64_t group = p.Group();
+
+  LoadTile(k, cols, h, h, k_s, [&](int r) { return p.KeyRow(b, s0 + r, kh); });
+  LoadTile(v, cols, h, h, v_s, [&](int r) { return p.KeyRow(b, s0 + r, kh); });
+  float dk_acc[kKeysPerWarp][kMaxChunks], dv_acc[kKeysPerWarp][kMaxChunks];
+#pragma unroll
+  for (int i = 0; i < kKeysPerWarp; ++i) {
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) dk_acc[i][c] = dv_acc[i][c] = 0.f;
+  }
+  int64_t lo, hi;
+  p.QueryRange(b, s0, s0 + cols, &lo, &hi);
+  for (int64_t n = kh * group; n < (kh + 1) * group; ++n) {
+    for (int64_t t0 = lo; t0 < hi; t0 += kAttnBwdQueryTile) {
+      const int rows = static_cast<int>(hi - t0 < kAttnBwdQueryTile ? hi - t0 : kAttnBwdQueryTile);
+      __syncthreads();
+      LoadTile(q, rows, h, h + 1, q_s, [&](int r) { return p.QueryRow(b, t0 + r, n); });
+      LoadTile(d_out, rows, h, h + 1, do_s, [&](int r) { return p.QueryRow(b, t0 + r, n); });
+      if (threadIdx.x < rows) {
+        lse_s[threadIdx.x] = lse[p.StatIndex(b, n, t0 + threadIdx.x)];
+        delta_s[threadIdx.x] = delta[p.StatIndex(b, n, t0 + threadIdx.x)];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < kKeysPerWarp; ++i) {
+        const int c_key = warp * kKeysPerWarp + i;
+        if (c_key >= cols) break;
+        const int64_t s = s0 + c_key, t = t0 + lane;
+        float prob = 0.f, g = 0.f;
+        if (lane < rows && p.Attends(b, n, t, s)) {
+          const float logit = p.Logit(RowDot(k_s + c_key * h, q_s + lane * (h + 1), h), b, n, t, s);
+          prob = ProbFromLse(logit, lse_s[lane]);
+          if (prob != 0.f) {
+            const float drop = DropoutScale(p, b, n, t, s);
+            const float dp = RowDot(v_s + c_key * h, do_s + lane * (h + 1), h) * drop;
+            g = p.DotGrad(prob * (dp - delta_s[lane]), logit, b, n, t, s);
+            prob *= drop;  // dv takes the dropped probability
+          }
+        }
+        p_s[lane] = prob;
+        g_s[lane] = g;
+        __syncwarp();
+#pragma unroll
+        for (int c = 0; c < kMaxChunks; ++c) {
+          const int col = c * 32 + lane;
+          if (col < h) {
+            float dk_sum = dk_acc[i][c], dv_sum = dv_acc[i][c];
+            for (int j = 0; j < rows; ++j) {
+              dv_sum += p_s[j] * do_s[j * (h + 1) + col];
+              dk_sum += g_s[j] * q_s[j * (h + 1) + col];
+            }
+            dk_acc[i][c] = dk_sum;
+            dv_acc[i][c] = dv_sum;
+          }
+        }
+        __syncwarp();
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kKeysPerWarp; ++i) {
+    const int c_key = warp * kKeysPerWarp + i;
+    if (c_key >= cols) break;
+    T* dk_out = dk + p.KeyRow(b, s0 + c_key, kh);
+    T* dv_out = dv + p.KeyRow(b, s0 + c_key, kh);
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) {
+      const int col = c * 32 + lane;
+      if (col < h) {
+        dk_out[col] = FromFloat<T>(dk_acc[i][c]);
+        dv_out[col] = FromFloat<T>(dv_acc[i][c]);
+      }
+    }
+  }
+}
+
+// Launches `kernel` on `blocks` blocks with `floats` floats of dynamic shared memory (opting in
+// beyond 48 KiB); no launch for an empty grid.
+template <typename Kernel, typename... Args>
+ffi::Error Launch(const char* name, Kernel kernel, int64_t blocks, size_t floats, cudaStream_t stream,
+                  Args... args) {
+  if (blocks == 0) return ffi::Error::Success();
+  if (blocks > 0x7fffffff) return InvalidArgument(std::string("attention: too many blocks for ") + name);
+  const size_t bytes = floats * sizeof(float);
+  JAXDNN_RETURN_IF_ERROR(CudaError(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), name));
+  kernel<<<static_cast<unsigned>(blocks), kThreads, bytes, stream>>>(args...);
+  return LaunchError(name);
+}
+
+ffi::Error CheckHeadDim(const AttentionProblem& p) {
+  if (p.head_dim > kMaxChunks * 32) {
+    return InvalidArgument("attention: the CUDA kernels take head sizes up to 256, got " +
+                           std::to_string(p.head_dim));
+  }
+  return ffi::Error::Success();
+}
+
+template <typename T>
+ffi::Error AttentionFwdTyped(cudaStream_t stream, const AttentionProblem& p, const ffi::AnyBuffer& q,
+                             const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, ffi::AnyBuffer& o, float* lse) {
+  const int64_t blocks = (p.q_len + kAttnQueryTile - 1) / kAttnQueryTile * p.heads * p.batch;
+  return Launch("AttentionFwdKernel", AttentionFwdKernel<T>, blocks, FwdSharedFloats(int(p.head_dim)), stream, p,
+                static_cast<const T*>(q.untyped_data()), static_cast<const T*>(k.untyped_data()),
+                static_cast<const T*>(v.untyped_data()), static_cast<T*>(o.untyped_data()), lse);
+}
+
+template <typename T>
+ffi::Error AttentionBwdTyped(cudaStream_t stream, const AttentionProblem& p, const T* d_out, const T* q,
+                             const T* k, const T* v, const T* o, const float* lse, T* dq, T* dk, T* dv,
+                             float* dbias, float* delta) {
+  const int64_t rows = p.batch * p.q_len * p.heads;
+  JAXDNN_RETURN_IF_ERROR(Launch("AttentionDeltaKernel", AttentionDeltaKernel<T>, (rows + kWarps - 1) / kWarps, 0,
+                                stream, p, d_out, o, delta));
+  const int64_t query_blocks = (p.q_len + kAttnQueryTile - 1) / kAttnQueryTile * p.heads * p.batch;
+  JAXDNN_RETURN_IF_ERROR(Launch("AttentionBwdQueryKernel", AttentionBwdQueryKernel<T>, query_blocks,
+                                BwdQuerySharedFloats(int(p.head_dim)), stream, p, d_out, q, k, v, lse,
+                                static_cast<const float*>(delta), dq, dbias));
+  const int64_t key_blocks = (p.kv_len + kAttnBwdKeyTile - 1) / kAttnBwdKeyTile * p.kv_heads * p.batch;
+  return Launch("AttentionBwdKeyKernel", AttentionBwdKeyKernel<T>, key_blocks, BwdKeySharedFloats(int(p.head_dim)),
+                stream, p, d_out, q, k, v, lse, static_cast<const float*>(delta), dk, dv);
+}
+
+ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
+                            ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_seg,
+                            ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::U32> dropout_seed,
+                            ffi::Result<ffi::AnyBuffer> o,
+                            ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale, float soft_cap,
+                            int64_t causal, int64_t window_left, int64_t window_right, int64_t present,
+                            int64_t dropout_keep) {
+  AttentionProblem p;
+  JAXDNN_RETURN_IF_ERROR(MakeAttentionProblem(
+      {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, &dropout_seed, scale, soft_cap, causal,
+       window_left, window_right, present, dropout_keep}, &p));
+  JAXDNN_RETURN_IF_ERROR(CheckHeadDim(p));
+  JAXDNN_RETURN_IF_ERROR(ExpectLike("o", *o, q));
+  JAXDNN_RETURN_IF_ERROR(ExpectStat("lse", lse->dimensions(), p));
+  if (ElementCount(q.dimensions()) == 0) return ffi::Error::Success();
+  return DispatchFloat<float, __nv_bfloat16, __half>(q.element_type(), "q", [&](auto tag) {
+    return AttentionFwdTyped<decltype(tag)>(stream, p, q, k, v, *o, lse->typed_data());
+  });
+}
+
+ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse,
+                            ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> q_lens,
+                            ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_seg,
+                            ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::U32> dropout_seed,
+                            ffi::Result<ffi::AnyBuffer> dq,
+                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                            ffi::Result<ffi::Buffer<ffi::F32>> dbias, ffi::Result<ffi::Buffer<ffi::F32>> delta,
+                            float scale, float soft_cap, int64_t causal, int64_t window_left,
+                            int64_t window_right, int64_t present, int64_t dropout_keep, int64_t bias_grad) {
+  AttentionProblem p;
+  JAXDNN_RETURN_IF_ERROR(MakeAttentionProblem(
+      {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, &dropout_seed, scale, soft_cap, causal,
+       window_left, window_right, present, dropout_keep}, &p));
+  JAXDNN_RETURN_IF_ERROR(CheckHeadDim(p));
+  JAXDNN_RETURN_IF_ERROR(ExpectLike("do", d_out, q));
+  JAXDNN_RETURN_IF_ERROR(ExpectLike("o", o, q));
+  JAXDNN_RETURN_IF_ERROR(ExpectLike("dq", *dq, q));
+  JAXDNN_RETURN_IF_ERROR(ExpectLike("dk", *dk, k));
+  JAXDNN_RETURN_IF_ERROR(ExpectLike("dv", *dv, k));
+  JAXDNN_RETURN_IF_ERROR(ExpectStat("lse", lse.dimensions(), p));
+  JAXDNN_RETURN_IF_ERROR(ExpectStat("delta", delta->dimensions(), p));
+  JAXDNN_RETURN_IF_ERROR(ExpectBiasGrad(dbias->dimensions(), p, bias_grad));
+  // dbias entries of keys a query tile never reaches stay 0.
+  if (dbias->element_count() > 0) {
+    JAXDNN_RETURN_IF_ERROR(
+        CudaError(cudaMemsetAsync(dbias->typed_data(), 0, dbias->size_bytes(), stream), "cudaMemsetAsync"));
+  }
+  return DispatchFloat<float, __nv_bfloat16, __half>(q.element_type(), "q", [&](auto tag) {
+    using T = decltype(tag);
+    auto in = [](const ffi::AnyBuffer& x) { return static_cast<const T*>(x.untyped_data()); };
+    auto out = [](ffi::Result<ffi::AnyBuffer>& x) { return static_cast<T*>(x->untyped_data()); };
+    return AttentionBwdTyped<T>(stream, p, in(d_out), in(q), in(k), in(v), in(o), lse.typed_data(), out(dq),
+                                out(dk), out(dv), bias_grad != 0 ? dbias->typed_data() : nullptr,
+                                delta->typed_data());
+  });
+}
+
+}  // namespace
+}  // namespace jaxdnn
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwdCuda, jaxdnn::AttentionFwdImpl,
+                              jaxdnn::BindAttentionFwd(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwdCuda, jaxdnn::AttentionBwdImpl,
+                              jaxdnn::BindAttentionBwd(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
