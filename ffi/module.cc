@@ -6,6 +6,7 @@
 #include "group_norm/group_norm.h"
 #include "norm/norm.h"
 #include "pool/pool.h"
+#include "rnn/rnn.h"
 #include "softmax/softmax.h"
 
 namespace nb = nanobind;
@@ -47,6 +48,8 @@ const Target kTargets[] = {
     {"jaxdnn_max_pool_bwd_v1", MaxPoolBwdCpu, JAXDNN_CUDA_HANDLER(MaxPoolBwdCuda)},
     {"jaxdnn_avg_pool_fwd_v1", AvgPoolFwdCpu, JAXDNN_CUDA_HANDLER(AvgPoolFwdCuda)},
     {"jaxdnn_avg_pool_bwd_v1", AvgPoolBwdCpu, JAXDNN_CUDA_HANDLER(AvgPoolBwdCuda)},
+    {"jaxdnn_lstm_fwd_v1", LstmFwdCpu, JAXDNN_CUDA_HANDLER(LstmFwdCuda)},
+    {"jaxdnn_lstm_bwd_v1", LstmBwdCpu, JAXDNN_CUDA_HANDLER(LstmBwdCuda)},
 };
 
 nb::capsule Capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }

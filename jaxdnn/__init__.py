@@ -8,6 +8,7 @@ from jaxdnn.batch_norm import batch_norm
 from jaxdnn.group_norm import group_norm
 from jaxdnn.norm import layer_norm, rms_norm
 from jaxdnn.pool import avg_pool, max_pool
+from jaxdnn.rnn import lstm
 from jaxdnn.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "layer_norm",
     "leaky_relu",
     "log_softmax",
+    "lstm",
     "max_pool",
     "relu",
     "relu6",
