@@ -24,9 +24,10 @@ import operator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
-from jaxdnn._primitive import ffi_primitive, move_to_front
+from jaxdnn._primitive import explicit_row_sharding, ffi_primitive, match_varying, move_to_front
 from jaxdnn.reference import rnn as _ref
 
 _FLOAT_TYPES = [jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
@@ -248,5 +249,24 @@ def lstm(x, h_0, c_0, weights, seq_lengths, input_size, hidden_size, num_layers,
     if seq_lengths.shape != (batch,):
         raise ValueError(f"lstm: seq_lengths must have shape (B,) = ({batch},), got {seq_lengths.shape}")
     sizes = (input_size, hidden_size, num_layers, bidirectional)
-    y, h_n, c_n = _lstm_stack(x, h_0.astype(_F32), c_0.astype(_F32), weights, seq_lengths, sizes, precision)
+
+    def run(x, h_0, c_0, weights, seq_lengths):
+        # Inside shard_map the weights (and replicated states) vary like x, so their gradients are
+        # summed over the devices' rows by the transpose of that cast.
+        h_0, c_0, weights = match_varying(x, h_0.astype(_F32), c_0.astype(_F32), weights)
+        return _lstm_stack(x, h_0, c_0, weights, seq_lengths, sizes, precision)
+
+    # Batch rows sharded over Explicit mesh axes (part of x's type): each device runs its rows. Other
+    # cases (no mesh, Auto axes) are partitioned by the primitives' own rule.
+    explicit = explicit_row_sharding(x, whole_axes=2)
+    if explicit is None:
+        y, h_n, c_n = run(x, h_0, c_0, weights, seq_lengths)
+    else:
+        mesh, x_spec, axes = explicit
+        rows = x_spec[0]
+        state_spec = PartitionSpec(None, rows, None)
+        y, h_n, c_n = jax.shard_map(
+            run, mesh=mesh, in_specs=(x_spec, state_spec, state_spec, PartitionSpec(), PartitionSpec(rows)),
+            out_specs=(x_spec, state_spec, state_spec),
+            axis_names=set(axes))(x, h_0, c_0, weights, seq_lengths)
     return y, h_n.astype(h_0.dtype), c_n.astype(c_0.dtype)
