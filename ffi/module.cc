@@ -50,6 +50,8 @@ const Target kTargets[] = {
     {"jaxdnn_avg_pool_bwd_v1", AvgPoolBwdCpu, JAXDNN_CUDA_HANDLER(AvgPoolBwdCuda)},
     {"jaxdnn_lstm_fwd_v1", LstmFwdCpu, JAXDNN_CUDA_HANDLER(LstmFwdCuda)},
     {"jaxdnn_lstm_bwd_v1", LstmBwdCpu, JAXDNN_CUDA_HANDLER(LstmBwdCuda)},
+    {"jaxdnn_gru_fwd_v1", GruFwdCpu, JAXDNN_CUDA_HANDLER(GruFwdCuda)},
+    {"jaxdnn_gru_bwd_v1", GruBwdCpu, JAXDNN_CUDA_HANDLER(GruBwdCuda)},
 };
 
 nb::capsule Capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }

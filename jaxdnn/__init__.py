@@ -8,7 +8,7 @@ from jaxdnn.batch_norm import batch_norm
 from jaxdnn.group_norm import group_norm
 from jaxdnn.norm import layer_norm, rms_norm
 from jaxdnn.pool import avg_pool, max_pool
-from jaxdnn.rnn import lstm
+from jaxdnn.rnn import gru, lstm
 from jaxdnn.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
@@ -20,6 +20,7 @@ __all__ = [
     "export_safety_checks",
     "gelu",
     "group_norm",
+    "gru",
     "hard_tanh",
     "has_cuda_kernels",
     "layer_norm",

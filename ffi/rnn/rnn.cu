@@ -1,23 +1,24 @@
-// CUDA LSTM recurrence (see rnn.h): a CORRECTNESS BASELINE, without tensor cores. Later sessions
-// replace it with a persistent kernel that keeps W_hh on chip across the SMs of a cluster/grid.
+// CUDA LSTM and GRU recurrences (see rnn.h): a CORRECTNESS BASELINE, without tensor cores. Later
+// sessions replace it with a persistent kernel that keeps W_hh on chip across the SMs of a
+// cluster/grid.
 //
 // One block per batch row steps through that row's valid time steps; the row's state (h, c, or
 // the recurrent gradients in the backward) lives in shared memory, so no grid-wide sync is needed.
 // W_hh [G, H] is read from global memory (L2-resident after the first step) every step:
 // - forward, per step: warps take the G gate rows of W_hh in turn, lanes stride along a row
 //   (coalesced) for the dot product with h, a shuffle reduction gives pre[k]; then each thread
-//   updates its hidden units j (the cell math of lstm_cell.h, shared with the CPU kernel).
-// - backward, per step: each thread computes its units' gate gradients (lstm_cell.h), then
+//   updates its hidden units j (the cell math of rnn_cell.h, shared with the CPU kernel).
+// - backward, per step: each thread computes its units' gate gradients (rnn_cell.h), then
 //   dh_prev[j] = sum_k W_hh[k, j] dgates[k] with threads along j (coalesced columns).
-// Traffic: per step and row G H elements of W_hh from L2, plus the G + 2H (forward) or G + 3H
-// (backward) float32 values of that step in HBM. The B blocks share W_hh through L2; with B far
+// Traffic: per step and row G H elements of W_hh from L2, plus that step's per-unit float32 values
+// in HBM (LSTM: G + 2H forward, G + 3H backward; GRU: G + 5H forward, 2G + 6H backward). The B blocks share W_hh through L2; with B far
 // below the SM count most of the GPU idles, which is why this is only a baseline.
 #include <algorithm>
 #include <cstdint>
 
 #include "common/cuda_common.cuh"
-#include "rnn/lstm_cell.h"
 #include "rnn/rnn.h"
+#include "rnn/rnn_cell.h"
 #include "rnn/rnn_common.h"
 
 namespace jaxdnn {
@@ -26,8 +27,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
-// Shared memory per block: six float vectors of H (h, c and G pre-activations in the forward;
-// dh, dc and G gate gradients in the backward).
+// Shared memory per block, at most six float vectors of H: LSTM h, c and 4H pre-activations (dh, dc
+// and 4H gate gradients in the backward); GRU h and 3H recurrent pre-activations (dh, the bypass
+// part of dh_prev and 3H gradients).
 size_t SharedBytes(int64_t hidden) { return size_t(6 * hidden) * sizeof(float); }
 
 __device__ __forceinline__ float WarpSum(float v) {
@@ -143,6 +145,88 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <typename W>
+__global__ void __launch_bounds__(kThreads)
+    GruFwdKernel(const float* __restrict__ gates_x, const W* __restrict__ w_hh, const float* __restrict__ b_hh,
+                 const float* __restrict__ h0, const int32_t* __restrict__ seq_lengths, RecurrenceShape s, bool reverse,
+                 float* __restrict__ h_seq, float* __restrict__ saved, float* __restrict__ h_n) {
+  extern __shared__ float smem[];
+  const int64_t H = s.hidden, G = s.gates(), T = s.steps, b = blockIdx.x;
+  float* h = smem;
+  float* hp = smem + H;  // W_hh h + b_hh
+  const int64_t len = ValidSteps(seq_lengths[b], T);
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) h[j] = h0[b * H + j];
+  ZeroPastEnd(h_seq, b, T, len, H);
+  ZeroPastEnd(saved, b, T, len, 4 * H);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t step = 0; step < len; ++step) {
+    const int64_t row = b * T + StepTime(step, len, reverse);
+    __syncthreads();  // h of the previous step is complete (and hp no longer read)
+    for (int64_t k = warp; k < G; k += kWarps) {
+      const W* w = w_hh + k * H;
+      float sum = 0.f;
+      for (int64_t j = lane; j < H; j += 32) sum += ToFloat(w[j]) * h[j];
+      sum = WarpSum(sum);
+      if (lane == 0) hp[k] = sum + b_hh[k];
+    }
+    __syncthreads();  // every hp[k] is written, every read of h is done
+    const float* gx = gates_x + row * G;
+    float* keep = saved + row * 4 * H;
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
+      const GruGates a = GruActivate(gx[j], gx[H + j], gx[2 * H + j], hp[j], hp[H + j], hp[2 * H + j]);
+      h[j] = GruOutput(a, h[j]);
+      keep[j] = a.r;
+      keep[H + j] = a.z;
+      keep[2 * H + j] = a.n;
+      keep[3 * H + j] = hp[2 * H + j];
+      h_seq[row * H + j] = h[j];
+    }
+  }
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) h_n[b * H + j] = h[j];
+}
+
+template <typename W>
+__global__ void __launch_bounds__(kThreads)
+    GruBwdKernel(const float* __restrict__ dh_seq, const float* __restrict__ dh_n, const float* __restrict__ saved,
+                 const float* __restrict__ h_seq, const float* __restrict__ h0, const W* __restrict__ w_hh,
+                 const int32_t* __restrict__ seq_lengths, RecurrenceShape s, bool reverse,
+                 float* __restrict__ dgates_x, float* __restrict__ dgates_h, float* __restrict__ dh0) {
+  extern __shared__ float smem[];
+  const int64_t H = s.hidden, G = s.gates(), T = s.steps, b = blockIdx.x;
+  float* dh = smem;           // gradient reaching h from the next step
+  float* bypass = smem + H;   // the part of dh_prev that does not go through W_hh (dh z)
+  float* dgh = smem + 2 * H;  // gradients of the recurrent pre-activations
+  const int64_t len = ValidSteps(seq_lengths[b], T);
+  // Every thread owns the same units j in both phases, so dh[j] and bypass[j] need no sync of their own.
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) dh[j] = dh_n[b * H + j];
+  ZeroPastEnd(dgates_x, b, T, len, G);
+  ZeroPastEnd(dgates_h, b, T, len, G);
+  for (int64_t step = len - 1; step >= 0; --step) {
+    const int64_t row = b * T + StepTime(step, len, reverse);
+    const float* h_prev = step > 0 ? h_seq + (b * T + StepTime(step - 1, len, reverse)) * H : h0 + b * H;
+    const float* keep = saved + row * 4 * H;
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
+      float d_x[3], d_h[3];
+      bypass[j] = GruCellGrad(GruGates{keep[j], keep[H + j], keep[2 * H + j]}, keep[3 * H + j], h_prev[j],
+                              dh_seq[row * H + j] + dh[j], d_x, d_h);
+#pragma unroll
+      for (int q = 0; q < 3; ++q) {
+        dgh[q * H + j] = d_h[q];
+        dgates_x[row * G + q * H + j] = d_x[q];
+        dgates_h[row * G + q * H + j] = d_h[q];
+      }
+    }
+    __syncthreads();  // every dgh[k] is written
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
+      float sum = bypass[j];
+      for (int64_t k = 0; k < G; ++k) sum += ToFloat(w_hh[k * H + j]) * dgh[k];
+      dh[j] = sum;
+    }
+    __syncthreads();  // every read of dgh is done before the next step overwrites it
+  }
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) dh0[b * H + j] = dh[j];
+}
+
 // Lets `kernel` use `bytes` of dynamic shared memory (above 48 KiB needs an opt-in), or says why not.
 template <typename Kernel>
 ffi::Error AllowSharedMemory(Kernel kernel, size_t bytes) {
@@ -151,7 +235,7 @@ ffi::Error AllowSharedMemory(Kernel kernel, size_t bytes) {
   JAXDNN_RETURN_IF_ERROR(
       CudaError(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute"));
   if (bytes > size_t(limit)) {
-    return InvalidArgument("lstm: hidden_size " + std::to_string(bytes / (6 * sizeof(float))) +
+    return InvalidArgument("rnn: hidden_size " + std::to_string(bytes / (6 * sizeof(float))) +
                            " needs more shared memory per block than this GPU has");
   }
   if (bytes <= 48 * 1024) return ffi::Error::Success();
@@ -159,17 +243,18 @@ ffi::Error AllowSharedMemory(Kernel kernel, size_t bytes) {
                    "cudaFuncSetAttribute");
 }
 
-ffi::Error FwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::AnyBuffer w_hh, ffi::Buffer<ffi::F32> h0,
+ffi::Error LstmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::AnyBuffer w_hh, ffi::Buffer<ffi::F32> h0,
                    ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::S32> seq_lengths, ffi::Result<ffi::Buffer<ffi::F32>> h_seq,
                    ffi::Result<ffi::Buffer<ffi::F32>> c_seq, ffi::Result<ffi::Buffer<ffi::F32>> acts,
                    ffi::Result<ffi::Buffer<ffi::F32>> h_n, ffi::Result<ffi::Buffer<ffi::F32>> c_n, int64_t reverse) {
   RecurrenceShape s;
-  JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), &s));
+  JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 4, 4, &s));
   JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(
       s, w_hh, {h0.dimensions(), c0.dimensions(), h_n->dimensions(), c_n->dimensions()}, seq_lengths.dimensions()));
-  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, {h_seq->dimensions(), c_seq->dimensions()}, {acts->dimensions()}));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {h_seq->dimensions(), c_seq->dimensions()}));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 4, {acts->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
-  if (s.batch > INT32_MAX) return InvalidArgument("lstm: more than 2^31 - 1 batch rows");
+  if (s.batch > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
     const size_t bytes = SharedBytes(s.hidden);
@@ -182,19 +267,20 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::AnyB
   });
 }
 
-ffi::Error BwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Buffer<ffi::F32> dh_n,
+ffi::Error LstmBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Buffer<ffi::F32> dh_n,
                    ffi::Buffer<ffi::F32> dc_n, ffi::Buffer<ffi::F32> acts, ffi::Buffer<ffi::F32> c_seq,
                    ffi::Buffer<ffi::F32> c0, ffi::AnyBuffer w_hh, ffi::Buffer<ffi::S32> seq_lengths,
                    ffi::Result<ffi::Buffer<ffi::F32>> dgates, ffi::Result<ffi::Buffer<ffi::F32>> dh0,
                    ffi::Result<ffi::Buffer<ffi::F32>> dc0, int64_t reverse) {
   RecurrenceShape s;
-  JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(acts.dimensions(), &s));
+  JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(acts.dimensions(), 4, 4, &s));
   JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(
       s, w_hh, {dh_n.dimensions(), dc_n.dimensions(), c0.dimensions(), dh0->dimensions(), dc0->dimensions()},
       seq_lengths.dimensions()));
-  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, {dh_seq.dimensions(), c_seq.dimensions()}, {dgates->dimensions()}));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {dh_seq.dimensions(), c_seq.dimensions()}));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 4, {dgates->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
-  if (s.batch > INT32_MAX) return InvalidArgument("lstm: more than 2^31 - 1 batch rows");
+  if (s.batch > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
     const size_t bytes = SharedBytes(s.hidden);
@@ -207,12 +293,65 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Buffe
   });
 }
 
+ffi::Error GruFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::AnyBuffer w_hh,
+                      ffi::Buffer<ffi::F32> b_hh, ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::S32> seq_lengths,
+                      ffi::Result<ffi::Buffer<ffi::F32>> h_seq, ffi::Result<ffi::Buffer<ffi::F32>> saved,
+                      ffi::Result<ffi::Buffer<ffi::F32>> h_n, int64_t reverse) {
+  RecurrenceShape s;
+  JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 3, 3, &s));
+  JAXDNN_RETURN_IF_ERROR(
+      CheckRecurrenceOperands(s, w_hh, {h0.dimensions(), h_n->dimensions()}, seq_lengths.dimensions()));
+  JAXDNN_RETURN_IF_ERROR(ExpectShape("b_hh", b_hh.dimensions(), {s.gates()}));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {h_seq->dimensions()}));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 4, {saved->dimensions()}));
+  if (s.empty()) return ffi::Error::Success();
+  if (s.batch > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
+  return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
+    using W = decltype(tag);
+    const size_t bytes = SharedBytes(s.hidden);
+    JAXDNN_RETURN_IF_ERROR(AllowSharedMemory(GruFwdKernel<W>, bytes));
+    GruFwdKernel<W><<<unsigned(s.batch), kThreads, bytes, stream>>>(
+        gates_x.typed_data(), static_cast<const W*>(w_hh.untyped_data()), b_hh.typed_data(), h0.typed_data(),
+        seq_lengths.typed_data(), s, reverse != 0, h_seq->typed_data(), saved->typed_data(), h_n->typed_data());
+    return LaunchError("gru forward");
+  });
+}
+
+ffi::Error GruBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Buffer<ffi::F32> dh_n,
+                      ffi::Buffer<ffi::F32> saved, ffi::Buffer<ffi::F32> h_seq, ffi::Buffer<ffi::F32> h0,
+                      ffi::AnyBuffer w_hh, ffi::Buffer<ffi::S32> seq_lengths,
+                      ffi::Result<ffi::Buffer<ffi::F32>> dgates_x, ffi::Result<ffi::Buffer<ffi::F32>> dgates_h,
+                      ffi::Result<ffi::Buffer<ffi::F32>> dh0, int64_t reverse) {
+  RecurrenceShape s;
+  JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(saved.dimensions(), 4, 3, &s));
+  JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(s, w_hh, {dh_n.dimensions(), h0.dimensions(), dh0->dimensions()},
+                                                 seq_lengths.dimensions()));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {dh_seq.dimensions(), h_seq.dimensions()}));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 3, {dgates_x->dimensions(), dgates_h->dimensions()}));
+  if (s.empty()) return ffi::Error::Success();
+  if (s.batch > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
+  return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
+    using W = decltype(tag);
+    const size_t bytes = SharedBytes(s.hidden);
+    JAXDNN_RETURN_IF_ERROR(AllowSharedMemory(GruBwdKernel<W>, bytes));
+    GruBwdKernel<W><<<unsigned(s.batch), kThreads, bytes, stream>>>(
+        dh_seq.typed_data(), dh_n.typed_data(), saved.typed_data(), h_seq.typed_data(), h0.typed_data(),
+        static_cast<const W*>(w_hh.untyped_data()), seq_lengths.typed_data(), s, reverse != 0,
+        dgates_x->typed_data(), dgates_h->typed_data(), dh0->typed_data());
+    return LaunchError("gru backward");
+  });
+}
+
 }  // namespace
 }  // namespace jaxdnn
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCuda, jaxdnn::FwdImpl, jaxdnn::BindLstmFwd(jaxdnn::BindCuda()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCuda, jaxdnn::LstmFwdImpl, jaxdnn::BindLstmFwd(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCuda, jaxdnn::BwdImpl, jaxdnn::BindLstmBwd(jaxdnn::BindCuda()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCuda, jaxdnn::LstmBwdImpl, jaxdnn::BindLstmBwd(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCuda, jaxdnn::GruFwdImpl, jaxdnn::BindGruFwd(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCuda, jaxdnn::GruBwdImpl, jaxdnn::BindGruBwd(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,20 +1,21 @@
-// Operand checks shared by the CPU and CUDA LSTM handlers (see rnn.h for the shapes).
+// Operand checks shared by the CPU and CUDA recurrence handlers (see rnn.h for the shapes).
 #pragma once
 
 #include <initializer_list>
 #include <string>
 
 #include "common/ffi_common.h"
-#include "rnn/lstm_cell.h"  // RecurrenceShape
+#include "rnn/rnn_cell.h"  // RecurrenceShape
 
 namespace jaxdnn {
 
-// Reads B, T and G = 4H off a [B, T, G] operand (gates_x in the forward, acts in the backward).
-inline ffi::Error DecodeRecurrenceShape(ffi::AnyBuffer::Dimensions dims, RecurrenceShape* shape) {
-  if (dims.size() != 3 || dims[2] % 4 != 0) {
-    return InvalidArgument("lstm: the gates operand must be [B, T, 4H]");
+// Reads B, T and H off a [B, T, width_per_unit * H] operand (the gates, or the saved residuals).
+inline ffi::Error DecodeRecurrenceShape(ffi::AnyBuffer::Dimensions dims, int64_t width_per_unit,
+                                        int64_t gates_per_unit, RecurrenceShape* shape) {
+  if (dims.size() != 3 || dims[2] % width_per_unit != 0) {
+    return InvalidArgument("rnn: the gates operand must be [B, T, " + std::to_string(width_per_unit) + "H]");
   }
-  *shape = RecurrenceShape{dims[0], dims[1], dims[2] / 4};
+  *shape = RecurrenceShape{dims[0], dims[1], dims[2] / width_per_unit, gates_per_unit};
   return ffi::Error::Success();
 }
 
@@ -26,12 +27,12 @@ inline ffi::Error ExpectShape(const char* name, ffi::AnyBuffer::Dimensions dims,
   if (!same) {
     std::string want;
     for (int64_t e : expected) want += (want.empty() ? "" : ", ") + std::to_string(e);
-    return InvalidArgument(std::string("lstm: ") + name + " must have shape [" + want + "]");
+    return InvalidArgument(std::string("rnn: ") + name + " must have shape [" + want + "]");
   }
   return ffi::Error::Success();
 }
 
-// Checks w_hh [G, H] (a float type), the per-row operands [B, H] and seq_lengths [B].
+// Checks w_hh [G, H], the per-row states [B, H] and seq_lengths [B].
 inline ffi::Error CheckRecurrenceOperands(const RecurrenceShape& s, const ffi::AnyBuffer& w_hh,
                                           std::initializer_list<ffi::AnyBuffer::Dimensions> states,
                                           ffi::AnyBuffer::Dimensions seq_lengths) {
@@ -40,11 +41,12 @@ inline ffi::Error CheckRecurrenceOperands(const RecurrenceShape& s, const ffi::A
   return ExpectShape("seq_lengths", seq_lengths, {s.batch});
 }
 
-// Checks the per-step operands and results: per_unit ones are [B, T, H], per_gate ones [B, T, G].
-inline ffi::Error CheckSequences(const RecurrenceShape& s, std::initializer_list<ffi::AnyBuffer::Dimensions> per_unit,
-                                 std::initializer_list<ffi::AnyBuffer::Dimensions> per_gate) {
-  for (auto dims : per_unit) JAXDNN_RETURN_IF_ERROR(ExpectShape("a per-step operand", dims, {s.batch, s.steps, s.hidden}));
-  for (auto dims : per_gate) JAXDNN_RETURN_IF_ERROR(ExpectShape("a per-step gates operand", dims, {s.batch, s.steps, s.gates()}));
+// Checks per-step operands and results [B, T, width_per_unit * H].
+inline ffi::Error CheckSequences(const RecurrenceShape& s, int64_t width_per_unit,
+                                 std::initializer_list<ffi::AnyBuffer::Dimensions> sequences) {
+  for (auto dims : sequences) {
+    JAXDNN_RETURN_IF_ERROR(ExpectShape("a per-step operand", dims, {s.batch, s.steps, width_per_unit * s.hidden}));
+  }
   return ffi::Error::Success();
 }
 
