@@ -28,6 +28,7 @@ CASES = [
     (1, 9, 3, 5, 1, True, None),
     (5, 4, 2, 7, 1, False, [0, 4, 1, 0, 2]),  # empty sequences keep their initial state
     (3, 5, 3, 4, 1, True, [-2, 9, 3]),         # out of range: clamped to [0, T]
+    (19, 6, 3, 4, 1, True, [6, 1, 0, 5, 3, 6, 2, 4, 6, 6, 1, 3, 5, 0, 2, 6, 4, 3, 6]),  # 2 CPU row chunks
 ]
 case_param = pytest.mark.parametrize("case", CASES, ids=str)
 
