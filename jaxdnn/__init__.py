@@ -8,7 +8,7 @@ from jaxdnn.batch_norm import batch_norm
 from jaxdnn.group_norm import group_norm
 from jaxdnn.norm import layer_norm, rms_norm
 from jaxdnn.pool import avg_pool, max_pool
-from jaxdnn.rnn import gru, lstm
+from jaxdnn.rnn import gru, gru_cell, lstm, lstm_cell
 from jaxdnn.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
@@ -21,12 +21,14 @@ __all__ = [
     "gelu",
     "group_norm",
     "gru",
+    "gru_cell",
     "hard_tanh",
     "has_cuda_kernels",
     "layer_norm",
     "leaky_relu",
     "log_softmax",
     "lstm",
+    "lstm_cell",
     "max_pool",
     "relu",
     "relu6",

@@ -361,3 +361,94 @@ def gru(x, h_0, weights, seq_lengths, input_size, hidden_size, num_layers, dropo
     """
     return _rnn("gru", x, {"h_0": h_0}, weights, seq_lengths, input_size, hidden_size, num_layers, dropout,
                 bidirectional, precision)
+
+
+# --- single steps (cells) ---------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cell(mode, x, states, params):
+    """One step of one layer: the new states (h, c) or (h,), float32; x [B, I], states float32."""
+    return _cell_fwd(mode, x, states, params)[0]
+
+
+def _cell_fwd(mode, x, states, params):
+    one_step = jnp.ones(x.shape[:1], jnp.int32)
+    h_seq, residuals, last = _layer_fwd(mode, x[:, None], params, states, one_step, False, None)
+    return last, (x, states, params, h_seq, residuals, one_step)
+
+
+def _cell_bwd(mode, saved, d_last):
+    x, states, params, h_seq, residuals, one_step = saved
+    w_ih, w_hh, _, _ = params
+    no_output_grad = jnp.zeros_like(h_seq)  # the new h's gradient arrives as d_last[0]
+    dgates_x, dgates_h, d_states = _layer_bwd(mode, no_output_grad, d_last, h_seq, residuals, states, w_hh,
+                                              one_step, False)
+    dgates_x, dgates_h = dgates_x[:, 0], dgates_h[:, 0]
+    grads = (jnp.einsum("bg,bi->gi", dgates_x, x.astype(_F32)), jnp.einsum("bg,bh->gh", dgates_h, states[0]),
+             jnp.sum(dgates_x, axis=0), jnp.sum(dgates_h, axis=0))
+    dx = jnp.einsum("bg,gi->bi", dgates_x, w_ih.astype(_F32))
+    return (dx.astype(x.dtype), tuple(d_states), tuple(g.astype(p.dtype) for g, p in zip(grads, params)))
+
+
+_cell.defvjp(_cell_fwd, _cell_bwd)
+
+
+def _check_cell(mode, x, states, w_ih, w_hh, b_ih, b_hh):
+    gates_per_unit = _ref.GATES[mode]
+    x = _float_array(mode + "_cell", "x", x)
+    states = {n: _float_array(mode + "_cell", n, s) for n, s in states.items()}
+    params = {n: _float_array(mode + "_cell", n, p) for n, p in
+              (("w_ih", w_ih), ("w_hh", w_hh), ("b_ih", b_ih), ("b_hh", b_hh))}
+    if x.ndim != 2:
+        raise ValueError(f"{mode}_cell: x must have shape (B, I), got {x.shape}")
+    batch, inputs = x.shape
+    hidden = states["h"].shape[-1] if states["h"].ndim == 2 else None
+    for name, state in states.items():
+        if state.shape != (batch, hidden):
+            raise ValueError(f"{mode}_cell: {name} must have shape (B, H) = ({batch}, H), one H for every "
+                             f"state, got {state.shape}")
+    gates = gates_per_unit * hidden
+    expected = {"w_ih": (gates, inputs), "w_hh": (gates, hidden), "b_ih": (gates,), "b_hh": (gates,)}
+    for name, shape in expected.items():
+        if params[name].shape != shape:
+            raise ValueError(f"{mode}_cell: {name} must have shape {shape} (G = {gates_per_unit}H rows), got "
+                             f"{params[name].shape}")
+    return x, states, tuple(params.values())
+
+
+def lstm_cell(x, h, c, w_ih, w_hh, b_ih, b_hh):
+    """One LSTM step for a user's own `lax.scan` loop: `lstm`'s math on one time step.
+
+    Args:
+      x: [B, I] float32, bfloat16 or float16.
+      h, c: [B, H] the state (float32 or a 16-bit float; carried in float32).
+      w_ih [4H, I], w_hh [4H, H], b_ih [4H], b_hh [4H]: one pseudo-layer of `lstm`'s weights (as
+        `jax.experimental.rnn.unpack_lstm_weights` gives them), gates (i, f, g, o).
+
+    Returns:
+      (h, c) after the step, in the dtypes of the given h and c.
+
+    The recurrence is the `lstm` kernel run over one step (a custom call per step); the input
+    projection and the weight gradients are XLA's. Differentiable to any order (not with `jax.jvp`).
+    """
+    x, states, params = _check_cell("lstm", x, {"h": h, "c": c}, w_ih, w_hh, b_ih, b_hh)
+    initial = tuple(states.values())
+    new = _cell("lstm", x, tuple(s.astype(_F32) for s in initial), params)
+    return tuple(n.astype(s.dtype) for n, s in zip(new, initial))
+
+
+def gru_cell(x, h, w_ih, w_hh, b_ih, b_hh):
+    """One GRU step (cuDNN's formulation, see `gru`) for a user's own `lax.scan` loop.
+
+    Args:
+      x: [B, I] float32, bfloat16 or float16.
+      h: [B, H] the state (carried in float32).
+      w_ih [3H, I], w_hh [3H, H], b_ih [3H], b_hh [3H]: one pseudo-layer of `gru`'s weights, gates
+        (r, z, n).
+
+    Returns:
+      h after the step, in the given h's dtype. Differentiable to any order (not with `jax.jvp`).
+    """
+    x, states, params = _check_cell("gru", x, {"h": h}, w_ih, w_hh, b_ih, b_hh)
+    (new,) = _cell("gru", x, (states["h"].astype(_F32),), params)
+    return new.astype(states["h"].dtype)

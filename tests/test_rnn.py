@@ -374,3 +374,91 @@ def test_bad_lstm_cell_state():
         _bad_call("lstm", c_0=jnp.ones((1, 3, 5), jnp.float32))
     with pytest.raises(ValueError, match="weights must be a flat vector of 220 elements"):
         _bad_call("lstm", weights=jnp.ones((165,), jnp.float32))  # a GRU's weights
+
+
+def _scan_cells(mode, x, states, params, cell):
+    """cell scanned over x [B, T, I] from states: (y [B, T, H], final states)."""
+    def step(carry, xt):
+        new = cell(xt, *carry, *params)
+        new = new if isinstance(new, tuple) else (new,)
+        return new, new[0]
+    final, ys = jax.lax.scan(step, tuple(states), jnp.swapaxes(x, 0, 1))
+    return jnp.swapaxes(ys, 0, 1), final
+
+
+def _reference_cell(mode):
+    """One step of the float64 reference (a one-step, one-layer sequence)."""
+    def cell(x, *rest):
+        *states, w_ih, w_hh, b_ih, b_hh = rest
+        inputs, hidden = x.shape[1], states[0].shape[1]
+        weights = ref.pack_weights([(w_ih, w_hh, b_ih, b_hh)])
+        _, *new = getattr(ref, mode)(x[:, None], *(s[None] for s in states), weights,
+                                     jnp.ones(x.shape[:1], jnp.int32), inputs, hidden, 1, 0.0, False)
+        new = tuple(n[0] for n in new)
+        return new if mode == "lstm" else new[0]
+    return cell
+
+
+@mode_param
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+def test_cell_in_a_scan(mode, dtype, rng):
+    """lstm_cell / gru_cell scanned over a sequence: the values and gradients of the reference."""
+    args, sizes = _inputs(rng, mode, (3, 6, 4, 5, 1, False, None), dtype)
+    x, states, weights, _ = args
+    states = tuple(s[0] for s in states)
+    params = ref.unpack_weights(weights, mode, *sizes[:3], False)[0]
+    cell = getattr(jaxdnn, f"{mode}_cell")
+    ct = normal(rng, x.shape[:2] + (5,))
+
+    def loss(cell, x, states, params):
+        y, final = _scan_cells(mode, x, states, params, cell)
+        return jnp.sum(y * ct.astype(y.dtype)) + sum(jnp.sum(jnp.sin(f)) for f in final)
+
+    got = jax.jit(jax.value_and_grad(functools.partial(loss, cell), argnums=(0, 1, 2)))(x, states, params)
+    want = jax.jit(jax.value_and_grad(functools.partial(loss, _reference_cell(mode)), argnums=(0, 1, 2)))(
+        f64(x), tuple(map(f64, states)), tuple(map(f64, params)))
+    assert_close(got[0], want[0], tolerance(dtype), "loss")
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        assert g.dtype == dtype or g.dtype == jnp.float32
+        assert_close(g, w, tolerance(dtype, grad=True), "cell gradient")
+    hlo = jax.jit(jax.grad(functools.partial(loss, cell))).lower(x, states, params).as_text()
+    assert f"jaxdnn_{mode}_fwd_v1" in hlo and f"jaxdnn_{mode}_bwd_v1" in hlo
+
+
+@mode_param
+def test_cell_vmap_and_grad_of_grad(mode, rng):
+    args, sizes = _inputs(rng, mode, (3, 1, 4, 5, 1, False, None))
+    x, states, weights, _ = args
+    x, states = x[:, 0], tuple(s[0] for s in states)
+    params = ref.unpack_weights(weights, mode, *sizes[:3], False)[0]
+    cell, oracle = getattr(jaxdnn, f"{mode}_cell"), _reference_cell(mode)
+    xs = normal(rng, (2,) + x.shape)
+    got = jax.vmap(lambda x: cell(x, *states, *params))(xs)
+    want = jax.vmap(lambda x: oracle(x, *map(f64, states), *map(f64, params)))(f64(xs))
+    assert_close(jax.tree.leaves(got)[0], jax.tree.leaves(want)[0], 1e-5, "vmap")
+
+    def penalty(cell, x, params):
+        g = jax.grad(lambda x, p: sum(jnp.sum(jnp.sin(t)) for t in jax.tree.leaves(cell(x, *states, *p))),
+                     argnums=(0, 1))(x, params)
+        return sum(jnp.sum(t ** 2) for t in jax.tree.leaves(g))
+
+    got = jax.grad(functools.partial(penalty, cell), argnums=(0, 1))(x, params)
+    want = jax.grad(functools.partial(penalty, oracle), argnums=(0, 1))(f64(x), tuple(map(f64, params)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, w, 1e-4, "cell grad of grad")
+
+
+def test_cell_bad_input():
+    f32 = jnp.float32
+    x, h = jnp.ones((2, 4), f32), jnp.ones((2, 5), f32)
+    w_ih, w_hh, b = jnp.ones((20, 4), f32), jnp.ones((20, 5), f32), jnp.ones((20,), f32)
+    with pytest.raises(ValueError, match=r"lstm_cell: c must have shape \(B, H\)"):
+        jaxdnn.lstm_cell(x, h, jnp.ones((3, 5), f32), w_ih, w_hh, b, b)
+    with pytest.raises(ValueError, match=r"lstm_cell: w_hh must have shape \(20, 5\)"):
+        jaxdnn.lstm_cell(x, h, h, w_ih, jnp.ones((20, 4), f32), b, b)
+    with pytest.raises(ValueError, match=r"gru_cell: w_ih must have shape \(15, 4\)"):
+        jaxdnn.gru_cell(x, h, w_ih, w_hh, b, b)
+    with pytest.raises(ValueError, match=r"gru_cell: x must have shape \(B, I\)"):
+        jaxdnn.gru_cell(x[None], h, w_ih, w_hh, b, b)
+    with pytest.raises(TypeError, match="gru_cell: h must be float32"):
+        jaxdnn.gru_cell(x, h.astype(jnp.int32), w_ih, w_hh, b, b)
