@@ -10,9 +10,10 @@
 //   updates its hidden units j (the cell math of rnn_cell.h, shared with the CPU kernel).
 // - backward, per step: each thread computes its units' gate gradients (rnn_cell.h), then
 //   dh_prev[j] = sum_k W_hh[k, j] dgates[k] with threads along j (coalesced columns).
-// Traffic: per step and row G H elements of W_hh from L2, plus that step's per-unit float32 values
-// in HBM (LSTM: G + 2H forward, G + 3H backward; GRU: G + 5H forward, 2G + 6H backward). The B blocks share W_hh through L2; with B far
-// below the SM count most of the GPU idles, which is why this is only a baseline.
+// Traffic: per step and row, G H elements of W_hh from L2, plus that step's float32 values in HBM
+// (LSTM: 2G + 2H forward, 2G + 3H backward; GRU: G + 5H forward, 2G + 6H backward). The B blocks share
+// W_hh through L2, but each step waits on a full pass over it, and with B far below the SM count most
+// of the GPU idles: this is only a baseline.
 #include <algorithm>
 #include <cstdint>
 
@@ -233,7 +234,8 @@ ffi::Error AllowSharedMemory(Kernel kernel, size_t bytes) {
   int device = 0, limit = 0;
   JAXDNN_RETURN_IF_ERROR(CudaError(cudaGetDevice(&device), "cudaGetDevice"));
   JAXDNN_RETURN_IF_ERROR(
-      CudaError(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute"));
+      CudaError(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                "cudaDeviceGetAttribute"));
   if (bytes > size_t(limit)) {
     return InvalidArgument("rnn: hidden_size " + std::to_string(bytes / (6 * sizeof(float))) +
                            " needs more shared memory per block than this GPU has");
@@ -243,10 +245,11 @@ ffi::Error AllowSharedMemory(Kernel kernel, size_t bytes) {
                    "cudaFuncSetAttribute");
 }
 
-ffi::Error LstmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::AnyBuffer w_hh, ffi::Buffer<ffi::F32> h0,
-                   ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::S32> seq_lengths, ffi::Result<ffi::Buffer<ffi::F32>> h_seq,
-                   ffi::Result<ffi::Buffer<ffi::F32>> c_seq, ffi::Result<ffi::Buffer<ffi::F32>> acts,
-                   ffi::Result<ffi::Buffer<ffi::F32>> h_n, ffi::Result<ffi::Buffer<ffi::F32>> c_n, int64_t reverse) {
+ffi::Error LstmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::AnyBuffer w_hh,
+                       ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::S32> seq_lengths,
+                       ffi::Result<ffi::Buffer<ffi::F32>> h_seq, ffi::Result<ffi::Buffer<ffi::F32>> c_seq,
+                       ffi::Result<ffi::Buffer<ffi::F32>> acts, ffi::Result<ffi::Buffer<ffi::F32>> h_n,
+                       ffi::Result<ffi::Buffer<ffi::F32>> c_n, int64_t reverse) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 4, 4, &s));
   JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(
@@ -268,10 +271,10 @@ ffi::Error LstmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::
 }
 
 ffi::Error LstmBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Buffer<ffi::F32> dh_n,
-                   ffi::Buffer<ffi::F32> dc_n, ffi::Buffer<ffi::F32> acts, ffi::Buffer<ffi::F32> c_seq,
-                   ffi::Buffer<ffi::F32> c0, ffi::AnyBuffer w_hh, ffi::Buffer<ffi::S32> seq_lengths,
-                   ffi::Result<ffi::Buffer<ffi::F32>> dgates, ffi::Result<ffi::Buffer<ffi::F32>> dh0,
-                   ffi::Result<ffi::Buffer<ffi::F32>> dc0, int64_t reverse) {
+                       ffi::Buffer<ffi::F32> dc_n, ffi::Buffer<ffi::F32> acts, ffi::Buffer<ffi::F32> c_seq,
+                       ffi::Buffer<ffi::F32> c0, ffi::AnyBuffer w_hh, ffi::Buffer<ffi::S32> seq_lengths,
+                       ffi::Result<ffi::Buffer<ffi::F32>> dgates, ffi::Result<ffi::Buffer<ffi::F32>> dh0,
+                       ffi::Result<ffi::Buffer<ffi::F32>> dc0, int64_t reverse) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(acts.dimensions(), 4, 4, &s));
   JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(

@@ -28,7 +28,9 @@ ffi::Error WeightsAsFloat(const ffi::AnyBuffer& w_hh, bool transpose, std::vecto
     const int64_t gates = w_hh.dimensions()[0], hidden = w_hh.dimensions()[1];
     out->resize(gates * hidden);
     for (int64_t k = 0; k < gates; ++k) {
-      for (int64_t j = 0; j < hidden; ++j) (*out)[transpose ? j * gates + k : k * hidden + j] = ToFloat(w[k * hidden + j]);
+      for (int64_t j = 0; j < hidden; ++j) {
+        (*out)[transpose ? j * gates + k : k * hidden + j] = ToFloat(w[k * hidden + j]);
+      }
     }
     return ffi::Error::Success();
   });
@@ -44,7 +46,9 @@ struct RowChunk {
 RowChunk MakeChunk(const int32_t* seq_lengths, int64_t begin, int64_t batch, int64_t steps) {
   RowChunk chunk;
   chunk.begin = begin;
-  for (int64_t b = begin; b < std::min(batch, begin + kChunkRows); ++b) chunk.lens.push_back(ValidSteps(seq_lengths[b], steps));
+  for (int64_t b = begin; b < std::min(batch, begin + kChunkRows); ++b) {
+    chunk.lens.push_back(ValidSteps(seq_lengths[b], steps));
+  }
   return chunk;
 }
 
@@ -83,7 +87,8 @@ void TransposedProducts(const std::vector<float>& w, const float* d, const RowCh
 }
 
 ffi::Error LstmFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, F32 c0, ffi::Buffer<ffi::S32> seq_lengths,
-                       F32Result h_seq, F32Result c_seq, F32Result acts, F32Result h_n, F32Result c_n, int64_t reverse) {
+                       F32Result h_seq, F32Result c_seq, F32Result acts, F32Result h_n, F32Result c_n,
+                       int64_t reverse) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 4, 4, &s));
   JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(
