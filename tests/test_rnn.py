@@ -462,3 +462,42 @@ def test_cell_bad_input():
         jaxdnn.gru_cell(x[None], h, w_ih, w_hh, b, b)
     with pytest.raises(TypeError, match="gru_cell: h must be float32"):
         jaxdnn.gru_cell(x, h.astype(jnp.int32), w_ih, w_hh, b, b)
+
+
+@mode_param
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_kernel_stages_match_their_references(mode, reverse, rng):
+    """Each kernel stage (the FFI targets' contract, every result incl. the saved residuals and the
+    zeros past each row's end) against its reference stage in float64, with bf16 W_hh."""
+    from jaxdnn import rnn as stages
+    batch, steps, hidden = 5, 6, 7
+    gates = ref.GATES[mode] * hidden
+    lengths = jnp.asarray([6, 0, 3, 9, 1], jnp.int32)
+    gates_x = normal(rng, (batch, steps, gates))
+    w_hh = normal(rng, (gates, hidden), jnp.bfloat16, scale=0.4)
+    h0, c0 = normal(rng, (batch, hidden)), normal(rng, (batch, hidden))
+    if mode == "lstm":
+        fwd_args = (gates_x, w_hh, h0, c0, lengths)
+        fwd_prim, fwd_ref, bwd_prim, bwd_ref = stages._lstm_fwd, ref.lstm_fwd, stages._lstm_bwd, ref.lstm_bwd
+    else:
+        fwd_args = (gates_x, w_hh, normal(rng, (gates,)), h0, lengths)
+        fwd_prim, fwd_ref, bwd_prim, bwd_ref = stages._gru_fwd, ref.gru_fwd, stages._gru_bwd, ref.gru_bwd
+    attrs = dict(reverse=np.int64(reverse))
+    to64 = lambda args: [a if a.dtype == jnp.int32 else f64(a) for a in args]  # noqa: E731
+    got = jax.jit(lambda *a: fwd_prim.bind(*a, **attrs))(*fwd_args)
+    want = fwd_ref(*to64(fwd_args), reverse)
+    for g, w in zip(got, want):
+        assert_close(g, w, 1e-5, f"{mode} fwd stage")
+    if mode == "lstm":
+        h_seq, c_seq, acts = got[:3]
+        cotangents = (normal(rng, h_seq.shape), normal(rng, h0.shape), normal(rng, c0.shape))
+        bwd_args = (*cotangents, acts, c_seq, c0, w_hh, lengths)
+    else:
+        h_seq, saved = got[:2]
+        bwd_args = (normal(rng, h_seq.shape), normal(rng, h0.shape), saved, h_seq, h0, w_hh, lengths)
+    got = jax.jit(lambda *a: bwd_prim.bind(*a, **attrs))(*bwd_args)
+    want = bwd_ref(*to64(bwd_args), reverse)
+    for g, w in zip(got, want):
+        assert_close(g, w, 1e-5, f"{mode} bwd stage")
+    past_end = np.arange(steps)[None, :] >= np.minimum(np.asarray(lengths), steps)[:, None]
+    assert np.all(np.asarray(got[0])[past_end] == 0)
