@@ -535,6 +535,64 @@ def attention_cases(quick: bool) -> list[Case]:
                               lambda q, k, v, dy, f=peer_fn: f(q, k, v), arg_sets, fwd_flops, "TFLOP/s"))
             cases.append(Case("attention", f"{name} fwd+bwd", _fwd_bwd(fn), peer, _fwd_bwd(peer_fn), arg_sets,
                               3.5 * fwd_flops, "TFLOP/s"))
+
+
+def rnn_cases(quick: bool) -> list[Case]:
+    """jaxdnn.lstm and jaxdnn.gru against a lax.scan LSTM/GRU (`jaxdnn.reference.lstm`/`gru`: the same
+    math and seq_lengths handling, XLA) in bf16 and fp32, and the LSTM against cuDNN through
+    `jax.experimental.rnn.lstm` (GPU only; it takes fp32 alone): fwd, and fwd+bwd (passes separated,
+    w.r.t. x, the initial states and the weights).
+
+    Shapes (T, B, I, H) of issue 6: (512, 16, 512, 512), (256, 64, 1024, 1024), the (100, 1, 256, 256)
+    latency case, and a 2-layer bidirectional (256, 32, 512, 512); every sequence full length; weights
+    uniform in +-1/sqrt(H) as `init_lstm_weight`. FLOPs: fwd = 2 B T G (I_l + H) summed over layers and
+    directions (G = 4H for the LSTM, 3H for the GRU; I_l = I, then D H); fwd+bwd = 3x.
+    """
+    from jax.experimental import rnn as jax_rnn
+
+    shapes = [(16, 2, 8, 8, 1, False)] if quick else [
+        (512, 16, 512, 512, 1, False), (256, 64, 1024, 1024, 1, False), (100, 1, 256, 256, 1, False),
+        (256, 32, 512, 512, 2, True)]
+    sets = 2 if quick else 8
+    on_gpu = jax.default_backend() == "gpu"
+    cases = []
+    for mode, gates, state_count in (("lstm", 4, 2), ("gru", 3, 1)):
+        for steps, batch, inputs, hidden, layers, bidirectional in shapes:
+            directions = 2 if bidirectional else 1
+            sizes = (inputs, hidden, layers, 0.0, bidirectional)
+            widths = [inputs] * directions + [directions * hidden] * (layers - 1) * directions
+            flops = sum(2 * batch * steps * gates * hidden * (width + hidden) for width in widths)
+            lengths = jnp.full((batch,), steps, jnp.int32)
+            name = (f"{mode} T{steps} B{batch} I{inputs} H{hidden}" + (f" L{layers}" if layers > 1 else "")
+                    + (" bidirectional" if bidirectional else ""))
+
+            def call(fn, sizes=sizes, lengths=lengths):
+                """(x, *states, weights) -> y of fn (jaxdnn's, the reference or jax's)."""
+                return lambda x, *rest: fn(x, *rest, lengths, *sizes)[0]
+
+            ours, scan = call(getattr(jaxdnn, mode)), call(getattr(jaxdnn.reference, mode))
+            count = jaxdnn.reference.rnn.weight_count(mode, inputs, hidden, layers, bidirectional)
+            for dtype in (jnp.bfloat16, jnp.float32):
+                key = jax.random.key(steps * batch + hidden)
+                primal_sets, dys = [], []
+                for _ in range(sets):
+                    key, kx, ks, kw, kdy = jax.random.split(key, 5)
+                    states = [_normal(k, (layers * directions, batch, hidden), jnp.float32)
+                              for k in jax.random.split(ks, state_count)]
+                    bound = 1 / math.sqrt(hidden)
+                    weights = jax.random.uniform(kw, (count,), jnp.float32, -bound, bound).astype(dtype)
+                    primal_sets.append((_normal(kx, (batch, steps, inputs), dtype), *states, weights))
+                    dys.append(_normal(kdy, (batch, steps, directions * hidden), dtype))
+                fwd_bwd_sets = [(*p, dy) for p, dy in zip(primal_sets, dys)]
+                label = f"{name} {jnp.dtype(dtype).name}"
+                peers = [("xla", scan)]
+                if mode == "lstm" and on_gpu and dtype == jnp.float32:
+                    peers.append(("cudnn", call(jax_rnn.lstm)))
+                for peer, peer_fn in peers:
+                    cases.append(Case("rnn", f"{label} fwd vs {peer}", ours, peer, peer_fn, primal_sets,
+                                      flops, "TFLOP/s"))
+                    cases.append(Case("rnn", f"{label} fwd+bwd vs {peer}", _fwd_bwd(ours), peer,
+                                      _fwd_bwd(peer_fn), fwd_bwd_sets, 3 * flops, "TFLOP/s"))
     return cases
 
 
@@ -547,6 +605,7 @@ FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
     "group_norm": group_norm_cases,
     "conv": conv_cases,
     "attention": attention_cases,
+    "rnn": rnn_cases,
 }
 
 

@@ -8,6 +8,7 @@
 #include "group_norm/group_norm.h"
 #include "norm/norm.h"
 #include "pool/pool.h"
+#include "rnn/rnn.h"
 #include "softmax/softmax.h"
 
 namespace nb = nanobind;
@@ -55,6 +56,10 @@ const Target kTargets[] = {
     {"jaxdnn_conv_wgrad_v1", ConvWgradCpu, JAXDNN_CUDA_HANDLER(ConvWgradCuda)},
     {"jaxdnn_attention_fwd_v1", AttentionFwdCpu, JAXDNN_CUDA_HANDLER(AttentionFwdCuda)},
     {"jaxdnn_attention_bwd_v1", AttentionBwdCpu, JAXDNN_CUDA_HANDLER(AttentionBwdCuda)},
+    {"jaxdnn_lstm_fwd_v1", LstmFwdCpu, JAXDNN_CUDA_HANDLER(LstmFwdCuda)},
+    {"jaxdnn_lstm_bwd_v1", LstmBwdCpu, JAXDNN_CUDA_HANDLER(LstmBwdCuda)},
+    {"jaxdnn_gru_fwd_v1", GruFwdCpu, JAXDNN_CUDA_HANDLER(GruFwdCuda)},
+    {"jaxdnn_gru_bwd_v1", GruBwdCpu, JAXDNN_CUDA_HANDLER(GruBwdCuda)},
 };
 
 nb::capsule Capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }

@@ -1,0 +1,112 @@
+// Recurrent-network FFI handlers: the time recurrence of one LSTM or GRU layer in one direction. The
+// input projection of every time step (x W_ih^T + biases) is a GEMM done before, in XLA, and the
+// weight gradients after (jaxdnn/rnn.py); these targets are the sequential part only.
+// Shapes: B batch rows, T time steps, H hidden units, G gate rows: 4H for the LSTM, in the order
+// (i, f, g, o), 3H for the GRU, (r, z, n), as cuDNN and PyTorch order them. State and accumulation
+// are float32; W_hh is float32, bfloat16 or float16. Row b runs over its first
+// len_b = clamp(seq_lengths[b], 0, T) steps, in time order or (reverse = 1) from t = len_b - 1 down to
+// 0; steps t >= len_b hold zeros in every per-step result.
+// Targets (the ABI of exported programs, hence versioned):
+//   jaxdnn_lstm_fwd_v1 (gates_x, w_hh, h0, c0, seq_lengths) -> (h_seq, c_seq, acts, h_n, c_n)
+//       gates_x = x W_ih^T + b_ih + b_hh [B, T, 4H]; acts[b, t] = (sigmoid(i), sigmoid(f), tanh(g),
+//       sigmoid(o)) of gates_x[b, t] + W_hh h_prev; c = f c_prev + i g, h = o tanh(c); h_n, c_n are the
+//       states after the last valid step (h0, c0 when len_b = 0). attrs: reverse.
+//   jaxdnn_lstm_bwd_v1 (dh_seq, dh_n, dc_n, acts, c_seq, c0, w_hh, seq_lengths) -> (dgates, dh0, dc0)
+//       backward through time: dgates = d(loss)/d(gates_x) (zero past each row's end), dh0 and dc0
+//       the gradients reaching the initial state. attrs: reverse.
+//   jaxdnn_gru_fwd_v1 (gates_x, w_hh, b_hh, h0, seq_lengths) -> (h_seq, saved, h_n)
+//       gates_x = x W_ih^T + b_ih [B, T, 3H]; with hp = W_hh h_prev + b_hh: r = sigmoid(x_r + hp_r),
+//       z = sigmoid(x_z + hp_z), n = tanh(x_n + r hp_n), h = (1 - z) n + z h_prev (cuDNN's GRU);
+//       saved[b, t] = (r, z, n, hp_n) [4H], the backward's residuals. attrs: reverse.
+//   jaxdnn_gru_bwd_v1 (dh_seq, dh_n, saved, h_seq, h0, w_hh, seq_lengths) -> (dgates_x, dgates_h, dh0)
+//       dgates_x = d(loss)/d(gates_x), dgates_h = d(loss)/d(hp) [B, T, 3H] (they differ in n: the
+//       reset gate scales hp_n), dh0. attrs: reverse.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxdnn {
+
+template <typename Binding>
+auto BindLstmFwd(Binding binding) {
+  namespace ffi = xla::ffi;
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::F32>>()   // gates_x [B, T, G]: x W_ih^T + b_ih + b_hh
+      .template Arg<ffi::AnyBuffer>()          // w_hh [G, H]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // h0 [B, H]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // c0 [B, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // seq_lengths [B]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // h_seq [B, T, H]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // c_seq [B, T, H]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // acts [B, T, G]: the gate activations
+      .template Ret<ffi::Buffer<ffi::F32>>()   // h_n [B, H]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // c_n [B, H]
+      .template Attr<int64_t>("reverse");
+}
+
+template <typename Binding>
+auto BindLstmBwd(Binding binding) {
+  namespace ffi = xla::ffi;
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::F32>>()   // dh_seq [B, T, H]: cotangent of h_seq
+      .template Arg<ffi::Buffer<ffi::F32>>()   // dh_n [B, H]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // dc_n [B, H]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // acts [B, T, G] from the forward
+      .template Arg<ffi::Buffer<ffi::F32>>()   // c_seq [B, T, H] from the forward
+      .template Arg<ffi::Buffer<ffi::F32>>()   // c0 [B, H]
+      .template Arg<ffi::AnyBuffer>()          // w_hh [G, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // seq_lengths [B]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // dgates [B, T, G]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // dh0 [B, H]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // dc0 [B, H]
+      .template Attr<int64_t>("reverse");
+}
+
+template <typename Binding>
+auto BindGruFwd(Binding binding) {
+  namespace ffi = xla::ffi;
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::F32>>()   // gates_x [B, T, G]: x W_ih^T + b_ih
+      .template Arg<ffi::AnyBuffer>()          // w_hh [G, H]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // b_hh [G]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // h0 [B, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // seq_lengths [B]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // h_seq [B, T, H]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // saved [B, T, 4H]: r, z, n, hp_n
+      .template Ret<ffi::Buffer<ffi::F32>>()   // h_n [B, H]
+      .template Attr<int64_t>("reverse");
+}
+
+template <typename Binding>
+auto BindGruBwd(Binding binding) {
+  namespace ffi = xla::ffi;
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::F32>>()   // dh_seq [B, T, H]: cotangent of h_seq
+      .template Arg<ffi::Buffer<ffi::F32>>()   // dh_n [B, H]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // saved [B, T, 4H] from the forward
+      .template Arg<ffi::Buffer<ffi::F32>>()   // h_seq [B, T, H] from the forward
+      .template Arg<ffi::Buffer<ffi::F32>>()   // h0 [B, H]
+      .template Arg<ffi::AnyBuffer>()          // w_hh [G, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // seq_lengths [B]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // dgates_x [B, T, G]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // dgates_h [B, T, G]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // dh0 [B, H]
+      .template Attr<int64_t>("reverse");
+}
+
+}  // namespace jaxdnn
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LstmFwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LstmBwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GruFwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GruBwdCpu);
+
+#ifdef JAXDNN_WITH_CUDA
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LstmFwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LstmBwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GruFwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GruBwdCuda);
+#endif

@@ -1,0 +1,287 @@
+// CPU LSTM and GRU recurrences: the CUDA kernels' decomposition, with a chunk of up to kChunkRows batch
+// rows (instead of one) stepping through time together, so each row of W_hh read from cache serves
+// every row of the chunk. Per step: the recurrent products of the chunk's running rows (rows past
+// their length drop out), then the per-unit cell math of rnn_cell.h. W_hh is converted to float32
+// (and, for the forward, transposed) once per call, so every inner loop is an axpy over contiguous
+// floats that the compiler vectorizes.
+#include <algorithm>
+#include <vector>
+
+#include "common/half_cpu.h"
+#include "rnn/rnn.h"
+#include "rnn/rnn_cell.h"
+#include "rnn/rnn_common.h"
+
+namespace jaxdnn {
+namespace {
+
+using F32 = ffi::Buffer<ffi::F32>;
+using F32Result = ffi::Result<ffi::Buffer<ffi::F32>>;
+
+constexpr int64_t kChunkRows = 16;
+
+// W_hh [G, H] as float32, or its transpose [H, G].
+ffi::Error WeightsAsFloat(const ffi::AnyBuffer& w_hh, bool transpose, std::vector<float>* out) {
+  return DispatchFloat<float, Bf16, Half>(w_hh.element_type(), "w_hh", [&](auto tag) {
+    using W = decltype(tag);
+    const W* w = static_cast<const W*>(w_hh.untyped_data());
+    const int64_t gates = w_hh.dimensions()[0], hidden = w_hh.dimensions()[1];
+    out->resize(gates * hidden);
+    for (int64_t k = 0; k < gates; ++k) {
+      for (int64_t j = 0; j < hidden; ++j) {
+        (*out)[transpose ? j * gates + k : k * hidden + j] = ToFloat(w[k * hidden + j]);
+      }
+    }
+    return ffi::Error::Success();
+  });
+}
+
+// A chunk of batch rows [begin, begin + count) and their valid step counts.
+struct RowChunk {
+  int64_t begin = 0;
+  std::vector<int64_t> lens;
+  int64_t MaxSteps() const { return lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end()); }
+};
+
+RowChunk MakeChunk(const int32_t* seq_lengths, int64_t begin, int64_t batch, int64_t steps) {
+  RowChunk chunk;
+  chunk.begin = begin;
+  for (int64_t b = begin; b < std::min(batch, begin + kChunkRows); ++b) {
+    chunk.lens.push_back(ValidSteps(seq_lengths[b], steps));
+  }
+  return chunk;
+}
+
+// out[r, k] = sum_j W[k, j] h[r, j] for the chunk rows r still running at `step`; wt is W^T [H, G].
+void RecurrentProducts(const std::vector<float>& wt, const float* h, const RowChunk& chunk, int64_t step,
+                       int64_t hidden, int64_t gates, float* out) {
+  const int64_t rows = int64_t(chunk.lens.size());
+  for (int64_t r = 0; r < rows; ++r) std::fill_n(out + r * gates, gates, 0.f);
+  for (int64_t j = 0; j < hidden; ++j) {
+    const float* w = wt.data() + j * gates;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (step >= chunk.lens[r]) continue;
+      const float hj = h[r * hidden + j];
+      float* o = out + r * gates;
+      for (int64_t k = 0; k < gates; ++k) o[k] += hj * w[k];
+    }
+  }
+}
+
+// out[r, j] = sum_k W[k, j] d[r, k] for the chunk rows r still running at `step`; w is W [G, H].
+void TransposedProducts(const std::vector<float>& w, const float* d, const RowChunk& chunk, int64_t step,
+                        int64_t hidden, int64_t gates, float* out) {
+  const int64_t rows = int64_t(chunk.lens.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    if (step < chunk.lens[r]) std::fill_n(out + r * hidden, hidden, 0.f);
+  }
+  for (int64_t k = 0; k < gates; ++k) {
+    const float* wk = w.data() + k * hidden;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (step >= chunk.lens[r]) continue;
+      const float dk = d[r * gates + k];
+      float* o = out + r * hidden;
+      for (int64_t j = 0; j < hidden; ++j) o[j] += dk * wk[j];
+    }
+  }
+}
+
+ffi::Error LstmFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, F32 c0, ffi::Buffer<ffi::S32> seq_lengths,
+                       F32Result h_seq, F32Result c_seq, F32Result acts, F32Result h_n, F32Result c_n,
+                       int64_t reverse) {
+  RecurrenceShape s;
+  JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 4, 4, &s));
+  JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(
+      s, w_hh, {h0.dimensions(), c0.dimensions(), h_n->dimensions(), c_n->dimensions()}, seq_lengths.dimensions()));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {h_seq->dimensions(), c_seq->dimensions()}));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 4, {acts->dimensions()}));
+  if (s.empty()) return ffi::Error::Success();
+  std::vector<float> wt;
+  JAXDNN_RETURN_IF_ERROR(WeightsAsFloat(w_hh, /*transpose=*/true, &wt));
+  const int64_t H = s.hidden, G = s.gates(), T = s.steps;
+  std::fill_n(h_seq->typed_data(), s.batch * T * H, 0.f);  // steps past each row's end stay zero
+  std::fill_n(c_seq->typed_data(), s.batch * T * H, 0.f);
+  std::fill_n(acts->typed_data(), s.batch * T * G, 0.f);
+  std::vector<float> h(kChunkRows * H), c(kChunkRows * H), pre(kChunkRows * G);
+  for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) {
+    const RowChunk chunk = MakeChunk(seq_lengths.typed_data(), begin, s.batch, T);
+    const int64_t rows = int64_t(chunk.lens.size());
+    std::copy_n(h0.typed_data() + begin * H, rows * H, h.begin());
+    std::copy_n(c0.typed_data() + begin * H, rows * H, c.begin());
+    for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
+      RecurrentProducts(wt, h.data(), chunk, step, H, G, pre.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        if (step >= chunk.lens[r]) continue;
+        const int64_t row = (begin + r) * T + StepTime(step, chunk.lens[r], reverse != 0);
+        const float* gx = gates_x.typed_data() + row * G;
+        const float* p = pre.data() + r * G;
+        float* a = acts->typed_data() + row * G;
+        float *hr = h.data() + r * H, *cr = c.data() + r * H;
+        for (int64_t j = 0; j < H; ++j) {
+          const LstmGates g = LstmActivate(gx[j] + p[j], gx[H + j] + p[H + j], gx[2 * H + j] + p[2 * H + j],
+                                           gx[3 * H + j] + p[3 * H + j]);
+          cr[j] = g.f * cr[j] + g.i * g.g;
+          hr[j] = g.o * tanhf(cr[j]);
+          a[j] = g.i, a[H + j] = g.f, a[2 * H + j] = g.g, a[3 * H + j] = g.o;
+          h_seq->typed_data()[row * H + j] = hr[j];
+          c_seq->typed_data()[row * H + j] = cr[j];
+        }
+      }
+    }
+    std::copy_n(h.begin(), rows * H, h_n->typed_data() + begin * H);
+    std::copy_n(c.begin(), rows * H, c_n->typed_data() + begin * H);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error LstmBwdImpl(F32 dh_seq, F32 dh_n, F32 dc_n, F32 acts, F32 c_seq, F32 c0, ffi::AnyBuffer w_hh,
+                       ffi::Buffer<ffi::S32> seq_lengths, F32Result dgates, F32Result dh0, F32Result dc0,
+                       int64_t reverse) {
+  RecurrenceShape s;
+  JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(acts.dimensions(), 4, 4, &s));
+  JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(
+      s, w_hh, {dh_n.dimensions(), dc_n.dimensions(), c0.dimensions(), dh0->dimensions(), dc0->dimensions()},
+      seq_lengths.dimensions()));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {dh_seq.dimensions(), c_seq.dimensions()}));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 4, {dgates->dimensions()}));
+  if (s.empty()) return ffi::Error::Success();
+  std::vector<float> w;
+  JAXDNN_RETURN_IF_ERROR(WeightsAsFloat(w_hh, /*transpose=*/false, &w));
+  const int64_t H = s.hidden, G = s.gates(), T = s.steps;
+  std::fill_n(dgates->typed_data(), s.batch * T * G, 0.f);
+  std::vector<float> dh(kChunkRows * H), dc(kChunkRows * H), dg(kChunkRows * G);
+  for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) {
+    const RowChunk chunk = MakeChunk(seq_lengths.typed_data(), begin, s.batch, T);
+    const int64_t rows = int64_t(chunk.lens.size());
+    std::copy_n(dh_n.typed_data() + begin * H, rows * H, dh.begin());
+    std::copy_n(dc_n.typed_data() + begin * H, rows * H, dc.begin());
+    for (int64_t step = chunk.MaxSteps() - 1; step >= 0; --step) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t len = chunk.lens[r], b = begin + r;
+        if (step >= len) continue;
+        const int64_t row = b * T + StepTime(step, len, reverse != 0);
+        const float* a = acts.typed_data() + row * G;
+        const float* c = c_seq.typed_data() + row * H;
+        const float* c_prev = step > 0 ? c_seq.typed_data() + (b * T + StepTime(step - 1, len, reverse != 0)) * H
+                                       : c0.typed_data() + b * H;
+        const float* dy = dh_seq.typed_data() + row * H;
+        float* out = dgates->typed_data() + row * G;
+        float *dgr = dg.data() + r * G, *dhr = dh.data() + r * H, *dcr = dc.data() + r * H;
+        for (int64_t j = 0; j < H; ++j) {
+          float d_pre[4];
+          dcr[j] = LstmCellGrad(LstmGates{a[j], a[H + j], a[2 * H + j], a[3 * H + j]}, c[j], c_prev[j],
+                                dy[j] + dhr[j], dcr[j], d_pre);
+          for (int q = 0; q < 4; ++q) out[q * H + j] = dgr[q * H + j] = d_pre[q];
+        }
+      }
+      TransposedProducts(w, dg.data(), chunk, step, H, G, dh.data());
+    }
+    std::copy_n(dh.begin(), rows * H, dh0->typed_data() + begin * H);
+    std::copy_n(dc.begin(), rows * H, dc0->typed_data() + begin * H);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GruFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 b_hh, F32 h0, ffi::Buffer<ffi::S32> seq_lengths,
+                      F32Result h_seq, F32Result saved, F32Result h_n, int64_t reverse) {
+  RecurrenceShape s;
+  JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 3, 3, &s));
+  JAXDNN_RETURN_IF_ERROR(
+      CheckRecurrenceOperands(s, w_hh, {h0.dimensions(), h_n->dimensions()}, seq_lengths.dimensions()));
+  JAXDNN_RETURN_IF_ERROR(ExpectShape("b_hh", b_hh.dimensions(), {s.gates()}));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {h_seq->dimensions()}));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 4, {saved->dimensions()}));
+  if (s.empty()) return ffi::Error::Success();
+  std::vector<float> wt;
+  JAXDNN_RETURN_IF_ERROR(WeightsAsFloat(w_hh, /*transpose=*/true, &wt));
+  const int64_t H = s.hidden, G = s.gates(), T = s.steps;
+  std::fill_n(h_seq->typed_data(), s.batch * T * H, 0.f);
+  std::fill_n(saved->typed_data(), s.batch * T * 4 * H, 0.f);
+  std::vector<float> h(kChunkRows * H), hp(kChunkRows * G);
+  const float* bias = b_hh.typed_data();
+  for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) {
+    const RowChunk chunk = MakeChunk(seq_lengths.typed_data(), begin, s.batch, T);
+    const int64_t rows = int64_t(chunk.lens.size());
+    std::copy_n(h0.typed_data() + begin * H, rows * H, h.begin());
+    for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
+      RecurrentProducts(wt, h.data(), chunk, step, H, G, hp.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        if (step >= chunk.lens[r]) continue;
+        const int64_t row = (begin + r) * T + StepTime(step, chunk.lens[r], reverse != 0);
+        const float* gx = gates_x.typed_data() + row * G;
+        const float* p = hp.data() + r * G;
+        float* keep = saved->typed_data() + row * 4 * H;
+        float* hr = h.data() + r * H;
+        for (int64_t j = 0; j < H; ++j) {
+          const float hp_n = p[2 * H + j] + bias[2 * H + j];
+          const GruGates a = GruActivate(gx[j], gx[H + j], gx[2 * H + j], p[j] + bias[j], p[H + j] + bias[H + j], hp_n);
+          hr[j] = GruOutput(a, hr[j]);
+          keep[j] = a.r, keep[H + j] = a.z, keep[2 * H + j] = a.n, keep[3 * H + j] = hp_n;
+          h_seq->typed_data()[row * H + j] = hr[j];
+        }
+      }
+    }
+    std::copy_n(h.begin(), rows * H, h_n->typed_data() + begin * H);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GruBwdImpl(F32 dh_seq, F32 dh_n, F32 saved, F32 h_seq, F32 h0, ffi::AnyBuffer w_hh,
+                      ffi::Buffer<ffi::S32> seq_lengths, F32Result dgates_x, F32Result dgates_h, F32Result dh0,
+                      int64_t reverse) {
+  RecurrenceShape s;
+  JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(saved.dimensions(), 4, 3, &s));
+  JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(s, w_hh, {dh_n.dimensions(), h0.dimensions(), dh0->dimensions()},
+                                                 seq_lengths.dimensions()));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {dh_seq.dimensions(), h_seq.dimensions()}));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 3, {dgates_x->dimensions(), dgates_h->dimensions()}));
+  if (s.empty()) return ffi::Error::Success();
+  std::vector<float> w;
+  JAXDNN_RETURN_IF_ERROR(WeightsAsFloat(w_hh, /*transpose=*/false, &w));
+  const int64_t H = s.hidden, G = s.gates(), T = s.steps;
+  std::fill_n(dgates_x->typed_data(), s.batch * T * G, 0.f);
+  std::fill_n(dgates_h->typed_data(), s.batch * T * G, 0.f);
+  std::vector<float> dh(kChunkRows * H), bypass(kChunkRows * H), dgh(kChunkRows * G);
+  for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) {
+    const RowChunk chunk = MakeChunk(seq_lengths.typed_data(), begin, s.batch, T);
+    const int64_t rows = int64_t(chunk.lens.size());
+    std::copy_n(dh_n.typed_data() + begin * H, rows * H, dh.begin());
+    for (int64_t step = chunk.MaxSteps() - 1; step >= 0; --step) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t len = chunk.lens[r], b = begin + r;
+        if (step >= len) continue;
+        const int64_t row = b * T + StepTime(step, len, reverse != 0);
+        const float* keep = saved.typed_data() + row * 4 * H;
+        const float* h_prev = step > 0 ? h_seq.typed_data() + (b * T + StepTime(step - 1, len, reverse != 0)) * H
+                                       : h0.typed_data() + b * H;
+        const float* dy = dh_seq.typed_data() + row * H;
+        float* out_x = dgates_x->typed_data() + row * G;
+        float* out_h = dgates_h->typed_data() + row * G;
+        float *dgr = dgh.data() + r * G, *dhr = dh.data() + r * H;
+        for (int64_t j = 0; j < H; ++j) {
+          float d_x[3], d_h[3];
+          bypass[r * H + j] = GruCellGrad(GruGates{keep[j], keep[H + j], keep[2 * H + j]}, keep[3 * H + j],
+                                          h_prev[j], dy[j] + dhr[j], d_x, d_h);
+          for (int q = 0; q < 3; ++q) out_x[q * H + j] = d_x[q], out_h[q * H + j] = dgr[q * H + j] = d_h[q];
+        }
+      }
+      TransposedProducts(w, dgh.data(), chunk, step, H, G, dh.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        if (step >= chunk.lens[r]) continue;
+        for (int64_t j = 0; j < H; ++j) dh[r * H + j] += bypass[r * H + j];
+      }
+    }
+    std::copy_n(dh.begin(), rows * H, dh0->typed_data() + begin * H);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxdnn
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCpu, jaxdnn::LstmFwdImpl, jaxdnn::BindLstmFwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCpu, jaxdnn::LstmBwdImpl, jaxdnn::BindLstmBwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCpu, jaxdnn::GruFwdImpl, jaxdnn::BindGruFwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCpu, jaxdnn::GruBwdImpl, jaxdnn::BindGruBwd(ffi::Ffi::Bind()));

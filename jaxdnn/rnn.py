@@ -1,0 +1,454 @@
+"""Recurrent networks over whole sequences with cuDNN's flat weight layout: a multi-layer, optionally
+bidirectional LSTM (a drop-in for `jax.experimental.rnn.lstm`) and GRU (cuDNN's formulation), on CPU
+and GPU, in float32, bfloat16 and float16.
+
+Shapes: B batch rows, T time steps, I input features, H hidden units, G gate rows (LSTM 4H: i, f,
+g, o; GRU 3H: r, z, n), L layers, D directions (2 when bidirectional); pseudo-layer p = l D + d.
+
+Per layer and direction:
+- the input projection of every time step, gates_x = x W_ih^T + biases [B, T, G], is one GEMM done
+  by XLA (`jnp.einsum`, float32 results);
+- the recurrence is a kernel stage (`jaxdnn_lstm_fwd_v1`, `jaxdnn_gru_fwd_v1`): the hidden states,
+  the gate activations the backward needs, and the final states;
+- backward through time is a kernel stage (`jaxdnn_lstm_bwd_v1`, `jaxdnn_gru_bwd_v1`): the gradients
+  of gates_x, of the recurrent pre-activations (the same for the LSTM) and of the initial states; the
+  weight and bias gradients and the input gradient are GEMMs / sums over those, done by XLA after.
+Each stage is a primitive differentiated through `jaxdnn.reference.rnn` (second order works); the
+whole stack is one `jax.custom_vjp`.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
+from jaxdnn._primitive import explicit_row_sharding, ffi_primitive, match_varying, move_to_front
+from jaxdnn.reference import rnn as _ref
+
+_FLOAT_TYPES = [jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
+_F32 = jnp.float32
+
+
+# --- the kernel stages ------------------------------------------------------------------------
+
+def _fwd_avals(gates_x, w_hh, h0, c0, seq_lengths, **attrs):
+    """(h_seq, c_seq [B, T, H], acts [B, T, G], h_n, c_n [B, H]), all float32."""
+    batch, steps, gates = gates_x.shape
+    per_unit = jax.core.ShapedArray((batch, steps, gates // 4), _F32)
+    state = jax.core.ShapedArray((batch, gates // 4), _F32)
+    return [per_unit, per_unit, jax.core.ShapedArray(gates_x.shape, _F32), state, state]
+
+
+def _bwd_avals(dh_seq, dh_n, dc_n, acts, c_seq, c0, w_hh, seq_lengths, **attrs):
+    """(dgates [B, T, G], dh0, dc0 [B, H]), all float32."""
+    state = jax.core.ShapedArray(dh_n.shape, _F32)
+    return [jax.core.ShapedArray(acts.shape, _F32), state, state]
+
+
+def _gru_fwd_avals(gates_x, w_hh, b_hh, h0, seq_lengths, **attrs):
+    """(h_seq [B, T, H], saved [B, T, 4H], h_n [B, H]), all float32."""
+    batch, steps, gates = gates_x.shape
+    hidden = gates // 3
+    return [jax.core.ShapedArray((batch, steps, hidden), _F32),
+            jax.core.ShapedArray((batch, steps, 4 * hidden), _F32),
+            jax.core.ShapedArray((batch, hidden), _F32)]
+
+
+def _gru_bwd_avals(dh_seq, dh_n, saved, h_seq, h0, w_hh, seq_lengths, **attrs):
+    """(dgates_x, dgates_h [B, T, 3H], dh0 [B, H]), all float32."""
+    gates = jax.core.ShapedArray(h_seq.shape[:2] + (3 * h_seq.shape[2],), _F32)
+    return [gates, gates, jax.core.ShapedArray(dh_n.shape, _F32)]
+
+
+def _fold_rows_batch_rule(prim, args, dims, *, shared, reference, **attrs):
+    """vmap folds the mapped axis into the batch rows, [V, B, ...] -> [V B, ...] (unbatched operands
+    broadcast), with the operands at indices `shared` (W_hh, b_hh) shared. Batched ones (vmap over
+    the weights) have no kernel: the stage runs through its reference in XLA."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    if any(dims[i] is not None for i in shared):
+        outs = jax.vmap(lambda *a: reference(*a, bool(attrs["reverse"])), in_axes=tuple(dims))(*args)
+        return list(outs), [0] * len(outs)
+
+    def fold(a, d):
+        a = move_to_front(a, d, size)
+        return a.reshape((size * a.shape[1],) + a.shape[2:])
+
+    outs = prim.bind(*(a if i in shared else fold(a, d) for i, (a, d) in enumerate(zip(args, dims))), **attrs)
+    return [o.reshape((size, -1) + o.shape[1:]) for o in outs], [0] * len(outs)
+
+
+def _primitive(name, result_avals, shared, reference, sharding_rule):
+    batch_rule = functools.partial(_fold_rows_batch_rule, shared=shared, reference=reference)
+    return ffi_primitive(f"jaxdnn_{name}", f"jaxdnn_{name}_v1", result_avals=result_avals,
+                         batch_rule=batch_rule, sharding_rule=sharding_rule)
+
+
+_lstm_fwd = _primitive("lstm_fwd", _fwd_avals, (1,), _ref.lstm_fwd,
+                       "... t g, g h, ... h, ... h, ... -> ... t h, ... t h, ... t g, ... h, ... h")
+_lstm_bwd = _primitive("lstm_bwd", _bwd_avals, (6,), _ref.lstm_bwd,
+                       "... t h, ... h, ... h, ... t g, ... t h, ... h, g h, ... -> ... t g, ... h, ... h")
+_gru_fwd = _primitive("gru_fwd", _gru_fwd_avals, (1, 2), _ref.gru_fwd,
+                      "... t g, g h, g, ... h, ... -> ... t h, ... t s, ... h")
+_gru_bwd = _primitive("gru_bwd", _gru_bwd_avals, (5,), _ref.gru_bwd,
+                      "... t h, ... h, ... t s, ... t h, ... h, g h, ... -> ... t g, ... t g, ... h")
+
+
+def _with_reference_vjp(kernel, reference, *args):
+    """kernel(*args), differentiated through reference(*args) (grad of grad of the whole op)."""
+    fn = jax.custom_vjp(kernel)
+    fn.defvjp(lambda *a: (kernel(*a), a), lambda a, ct: jax.vjp(reference, *a)[1](ct))
+    return fn(*args)
+
+
+def _stage(prim, reference, reverse, *operands):
+    """A kernel stage of one layer and direction, differentiated through its reference."""
+    return _with_reference_vjp(lambda *a: tuple(prim.bind(*a, reverse=np.int64(reverse))),
+                               lambda *a: reference(*a, reverse), *operands)
+
+
+# --- the differentiable stack -----------------------------------------------------------------
+
+def _previous_states(h_seq, h0, seq_lengths, reverse):
+    """h_prev [B, T, H]: the state each step started from (h0 at a row's first step), the right
+    operand of dW_hh = sum_t dgates_t^T h_prev_t. Steps past a row's end have dgates = 0."""
+    steps = h_seq.shape[1]
+    zero = jnp.zeros_like(h_seq[:, :1])
+    if reverse:
+        shifted = jnp.concatenate([h_seq[:, 1:], zero], axis=1)
+        first = jnp.arange(steps)[None, :] == _ref.valid_steps(seq_lengths, steps)[:, None] - 1
+    else:
+        shifted = jnp.concatenate([zero, h_seq[:, :-1]], axis=1)
+        first = jnp.broadcast_to(jnp.arange(steps)[None, :] == 0, h_seq.shape[:2])
+    return jnp.where(first[..., None], h0[:, None], shifted)
+
+
+def _layer_fwd(mode, layer_in, params, inits, seq_lengths, reverse, precision):
+    """One layer and direction: (h_seq [B, T, H], residuals, final states)."""
+    w_ih, w_hh, b_ih, b_hh = params
+    if mode == "lstm":  # both biases fold into the projection
+        gates_x = _ref.project_inputs(layer_in, w_ih, b_ih + b_hh, precision)
+        h_seq, c_seq, acts, h_n, c_n = _stage(_lstm_fwd, _ref.lstm_fwd, reverse, gates_x, w_hh, *inits,
+                                              seq_lengths)
+        return h_seq, (c_seq, acts), (h_n, c_n)
+    gates_x = _ref.project_inputs(layer_in, w_ih, b_ih, precision)  # b_hh is inside the reset gate
+    h_seq, saved, h_n = _stage(_gru_fwd, _ref.gru_fwd, reverse, gates_x, w_hh, b_hh.astype(_F32), inits[0],
+                               seq_lengths)
+    return h_seq, (saved,), (h_n,)
+
+
+def _layer_bwd(mode, dh_seq, d_finals, h_seq, residuals, inits, w_hh, seq_lengths, reverse):
+    """Backward through time of one layer and direction: (dgates_x, dgates_h, d_inits), dgates_h the
+    gradient of the recurrent pre-activations W_hh h_prev + b_hh."""
+    if mode == "lstm":
+        c_seq, acts = residuals
+        dgates, dh0, dc0 = _stage(_lstm_bwd, _ref.lstm_bwd, reverse, dh_seq, *d_finals, acts, c_seq, inits[1],
+                                  w_hh, seq_lengths)
+        return dgates, dgates, (dh0, dc0)
+    dgates_x, dgates_h, dh0 = _stage(_gru_bwd, _ref.gru_bwd, reverse, dh_seq, d_finals[0], residuals[0],
+                                     h_seq, inits[0], w_hh, seq_lengths)
+    return dgates_x, dgates_h, (dh0,)
+
+
+def _previous_states(h_seq, h0, seq_lengths, reverse):
+    """h_prev [B, T, H]: the state each step started from (h0 at a row's first step), the right
+    operand of dW_hh = sum_t dgates_h_t^T h_prev_t. Steps past a row's end have zero gradients."""
+    steps = h_seq.shape[1]
+    zero = jnp.zeros_like(h_seq[:, :1])
+    if reverse:
+        shifted = jnp.concatenate([h_seq[:, 1:], zero], axis=1)
+        first = jnp.arange(steps)[None, :] == _ref.valid_steps(seq_lengths, steps)[:, None] - 1
+    else:
+        shifted = jnp.concatenate([zero, h_seq[:, :-1]], axis=1)
+        first = jnp.broadcast_to(jnp.arange(steps)[None, :] == 0, h_seq.shape[:2])
+    return jnp.where(first[..., None], h0[:, None], shifted)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _rnn_stack(x, states, weights, seq_lengths, mode, sizes, precision):
+    """(y [B, T, D H] in x's dtype, final states [L D, B, H] float32, one per initial state); states
+    = (h_0, c_0) for the LSTM, (h_0,) for the GRU, float32. sizes = (I, H, L, bidirectional)."""
+    return _rnn_stack_fwd(x, states, weights, seq_lengths, mode, sizes, precision)[0]
+
+
+def _rnn_stack_fwd(x, states, weights, seq_lengths, mode, sizes, precision):
+    directions = 2 if sizes[3] else 1
+    params = _ref.unpack_weights(weights, mode, *sizes)
+    layer_in, inputs, saved, finals = x, [], [], [[] for _ in states]
+    for layer in range(sizes[2]):
+        inputs.append(layer_in)
+        outputs = []
+        for d in range(directions):
+            p = layer * directions + d
+            inits = [s[p] for s in states]
+            h_seq, residuals, last = _layer_fwd(mode, layer_in, params[p], inits, seq_lengths, d == 1,
+                                                precision)
+            saved.append((h_seq, residuals))
+            for final, state in zip(finals, last):
+                final.append(state)
+            outputs.append(h_seq.astype(x.dtype))
+        layer_in = outputs[0] if directions == 1 else jnp.concatenate(outputs, axis=-1)
+    results = (layer_in, tuple(jnp.stack(f) for f in finals))
+    return results, (inputs, saved, states, weights, seq_lengths)
+
+
+def _rnn_stack_bwd(mode, sizes, precision, residuals, cotangents):
+    inputs, saved, states, weights, seq_lengths = residuals
+    dy, d_finals = cotangents
+    hidden, layers, directions = sizes[1], sizes[2], 2 if sizes[3] else 1
+    params = _ref.unpack_weights(weights, mode, *sizes)
+    grads = [None] * (layers * directions)
+    d_states = [[None] * len(grads) for _ in states]
+    d_out = dy.astype(_F32)
+    dot = functools.partial(jnp.einsum, precision=precision, preferred_element_type=_F32)
+    for layer in reversed(range(layers)):
+        layer_in, d_in = inputs[layer], []
+        for d in range(directions):
+            p = layer * directions + d
+            w_ih, w_hh, _, _ = params[p]
+            h_seq, layer_saved = saved[p]
+            inits = [s[p] for s in states]
+            dh_seq = d_out[..., d * hidden:(d + 1) * hidden]
+            d_last = [f[p] for f in d_finals]
+            dgates_x, dgates_h, d_inits = _layer_bwd(mode, dh_seq, d_last, h_seq, layer_saved, inits, w_hh,
+                                                     seq_lengths, d == 1)
+            for d_state, d_init in zip(d_states, d_inits):
+                d_state[p] = d_init
+            h_prev = _previous_states(h_seq, inits[0], seq_lengths, d == 1)
+            grads[p] = (dot("btg,bti->gi", dgates_x, layer_in.astype(_F32)),
+                        dot("btg,bth->gh", dgates_h, h_prev),
+                        jnp.sum(dgates_x, axis=(0, 1)), jnp.sum(dgates_h, axis=(0, 1)))
+            d_in.append(dot("btg,gi->bti", dgates_x, w_ih.astype(_F32)))
+        d_out = functools.reduce(operator.add, d_in)
+    dweights = _ref.pack_weights(grads).astype(weights.dtype)
+    return (d_out.astype(inputs[0].dtype), tuple(jnp.stack(s) for s in d_states), dweights, None)
+
+
+_rnn_stack.defvjp(_rnn_stack_fwd, _rnn_stack_bwd)
+
+
+# --- public API -------------------------------------------------------------------------------
+
+def _as_array(v):
+    return v if hasattr(v, "shape") and hasattr(v, "dtype") else jnp.asarray(v)
+
+
+def _positive_int(mode, name, value):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{mode}: {name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def _float_array(mode, name, value):
+    value = _as_array(value)
+    if value.dtype not in _FLOAT_TYPES:
+        raise TypeError(f"{mode}: {name} must be float32, bfloat16 or float16, got {value.dtype}")
+    return value
+
+
+def _rnn(mode, x, states, weights, seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional,
+         precision):
+    """Checks the arguments of `lstm` / `gru` and runs the stack; states is {name: initial state}."""
+    x, weights = _float_array(mode, "x", x), _float_array(mode, "weights", weights)
+    states = {name: _float_array(mode, name, s) for name, s in states.items()}
+    seq_lengths = _as_array(seq_lengths)
+    named = (("input_size", input_size), ("hidden_size", hidden_size), ("num_layers", num_layers))
+    sizes = tuple(_positive_int(mode, n, v) for n, v in named)
+    if not isinstance(bidirectional, (bool, np.bool_)):
+        raise TypeError(f"{mode}: bidirectional must be a bool, got {bidirectional!r}")
+    sizes += (bool(bidirectional),)
+    if dropout != 0:
+        raise ValueError(f"{mode}: dropout must be 0, got {dropout!r}: dropout between layers needs a PRNG "
+                         "key, which jax.experimental.rnn's signature has no place for")
+    if x.ndim != 3 or x.shape[2] != sizes[0]:
+        raise ValueError(f"{mode}: x must have shape (B, T, input_size) = (B, T, {sizes[0]}), got {x.shape}")
+    batch = x.shape[0]
+    state_shape = (sizes[2] * (2 if sizes[3] else 1), batch, sizes[1])
+    for name, state in states.items():
+        if state.shape != state_shape:
+            raise ValueError(f"{mode}: {name} must have shape (num_layers * directions, B, hidden_size) = "
+                             f"{state_shape}, got {state.shape}")
+    count = _ref.weight_count(mode, *sizes)
+    if weights.shape != (count,):
+        raise ValueError(f"{mode}: weights must be a flat vector of {count} elements for "
+                         f"input_size={sizes[0]}, hidden_size={sizes[1]}, num_layers={sizes[2]}, "
+                         f"bidirectional={sizes[3]}, got shape {weights.shape}")
+    if seq_lengths.dtype != jnp.int32:
+        raise TypeError(f"{mode}: seq_lengths must be int32, got {seq_lengths.dtype}")
+    if seq_lengths.shape != (batch,):
+        raise ValueError(f"{mode}: seq_lengths must have shape (B,) = ({batch},), got {seq_lengths.shape}")
+    initial = tuple(states.values())
+
+    def run(x, initial, weights, seq_lengths):
+        # Inside shard_map the weights (and replicated states) vary like x, so their gradients are
+        # summed over the devices' rows by the transpose of that cast.
+        *initial, weights = match_varying(x, *(s.astype(_F32) for s in initial), weights)
+        return _rnn_stack(x, tuple(initial), weights, seq_lengths, mode, sizes, precision)
+
+    # Batch rows sharded over Explicit mesh axes (part of x's type): each device runs its rows. Other
+    # cases (no mesh, Auto axes) are partitioned by the primitives' own rule.
+    explicit = explicit_row_sharding(x, whole_axes=2)
+    if explicit is None:
+        y, finals = run(x, initial, weights, seq_lengths)
+    else:
+        mesh, x_spec, axes = explicit
+        rows = x_spec[0]
+        state_specs = (PartitionSpec(None, rows, None),) * len(initial)
+        y, finals = jax.shard_map(
+            run, mesh=mesh, in_specs=(x_spec, state_specs, PartitionSpec(), PartitionSpec(rows)),
+            out_specs=(x_spec, state_specs), axis_names=set(axes))(x, initial, weights, seq_lengths)
+    return (y,) + tuple(f.astype(s.dtype) for f, s in zip(finals, initial))
+
+
+def lstm(x, h_0, c_0, weights, seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional,
+         precision=None):
+    """A multi-layer LSTM over whole sequences, with `jax.experimental.rnn.lstm`'s signature and
+    results, so its `init_lstm_weight` and `unpack_lstm_weights` work unchanged.
+
+    Args:
+      x: [B, T, I] float32, bfloat16 or float16 (batch first).
+      h_0, c_0: [L D, B, H] initial states, float32 (or bfloat16/float16; the state is carried in
+        float32 either way).
+      weights: [P] cuDNN's flat vector (see `jax.experimental.rnn`): (W_ih, W_hh) of every
+        pseudo-layer, then (b_ih, b_hh) of every pseudo-layer; G = 4H gate rows in the order
+        (i, f, g, o). float32, bfloat16 or float16.
+      seq_lengths: [B] int32. Row b runs over its first len_b = clip(seq_lengths[b], 0, T) steps:
+        y is zero past them, h_n and c_n are the states after the last valid step (h_0 and c_0 when
+        len_b = 0), and the reverse direction runs over each row's valid part from its end.
+      input_size, hidden_size, num_layers: I, H, L.
+      dropout: must be 0 (or False). Dropout between layers needs a PRNG key, which this signature
+        has no place for: a ValueError until a keyed variant exists.
+      bidirectional: D = 2 when True; y concatenates the directions' outputs on the last axis.
+      precision: `lax.Precision` of the input-projection and weight-gradient GEMMs (XLA); the
+        recurrence always multiplies exactly and accumulates in float32.
+
+    Returns:
+      (y [B, T, D H] in x's dtype, h_n [L D, B, H] in h_0's dtype, c_n [L D, B, H] in c_0's dtype).
+
+    Differentiable with `jax.grad`/`jax.vjp` to any order (not with `jax.jvp`); the backward pass
+    through time is a kernel, deterministic.
+    """
+    return _rnn("lstm", x, {"h_0": h_0, "c_0": c_0}, weights, seq_lengths, input_size, hidden_size,
+                num_layers, dropout, bidirectional, precision)
+
+
+def gru(x, h_0, weights, seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional,
+        precision=None):
+    """A multi-layer GRU over whole sequences in cuDNN's formulation, with `lstm`'s conventions.
+
+    Per step, with the input projections x_* = W_i* x + b_i* and the recurrent ones
+    h_* = W_h* h_prev + b_h*: r = sigmoid(x_r + h_r), z = sigmoid(x_z + h_z),
+    n = tanh(x_n + r h_n) (the reset gate applied after the recurrent matmul, as in cuDNN and
+    PyTorch), h = (1 - z) n + z h_prev.
+
+    Args:
+      x: [B, T, I] float32, bfloat16 or float16 (batch first).
+      h_0: [L D, B, H] initial state, float32 (or bfloat16/float16; carried in float32 either way).
+      weights: [P] cuDNN's flat vector, laid out as `lstm`'s with G = 3H gate rows in the order
+        (r, z, n): (W_ih, W_hh) of every pseudo-layer, then (b_ih, b_hh) of every pseudo-layer.
+      seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional, precision: as `lstm`.
+
+    Returns:
+      (y [B, T, D H] in x's dtype, h_n [L D, B, H] in h_0's dtype).
+
+    Differentiable with `jax.grad`/`jax.vjp` to any order (not with `jax.jvp`); the backward pass
+    through time is a kernel, deterministic.
+    """
+    return _rnn("gru", x, {"h_0": h_0}, weights, seq_lengths, input_size, hidden_size, num_layers, dropout,
+                bidirectional, precision)
+
+
+# --- single steps (cells) ---------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cell(mode, x, states, params):
+    """One step of one layer: the new states (h, c) or (h,), float32; x [B, I], states float32."""
+    return _cell_fwd(mode, x, states, params)[0]
+
+
+def _cell_fwd(mode, x, states, params):
+    one_step = jnp.ones(x.shape[:1], jnp.int32)
+    h_seq, residuals, last = _layer_fwd(mode, x[:, None], params, states, one_step, False, None)
+    return last, (x, states, params, h_seq, residuals, one_step)
+
+
+def _cell_bwd(mode, saved, d_last):
+    x, states, params, h_seq, residuals, one_step = saved
+    w_ih, w_hh, _, _ = params
+    no_output_grad = jnp.zeros_like(h_seq)  # the new h's gradient arrives as d_last[0]
+    dgates_x, dgates_h, d_states = _layer_bwd(mode, no_output_grad, d_last, h_seq, residuals, states, w_hh,
+                                              one_step, False)
+    dgates_x, dgates_h = dgates_x[:, 0], dgates_h[:, 0]
+    grads = (jnp.einsum("bg,bi->gi", dgates_x, x.astype(_F32)), jnp.einsum("bg,bh->gh", dgates_h, states[0]),
+             jnp.sum(dgates_x, axis=0), jnp.sum(dgates_h, axis=0))
+    dx = jnp.einsum("bg,gi->bi", dgates_x, w_ih.astype(_F32))
+    return (dx.astype(x.dtype), tuple(d_states), tuple(g.astype(p.dtype) for g, p in zip(grads, params)))
+
+
+_cell.defvjp(_cell_fwd, _cell_bwd)
+
+
+def _check_cell(mode, x, states, w_ih, w_hh, b_ih, b_hh):
+    gates_per_unit = _ref.GATES[mode]
+    x = _float_array(mode + "_cell", "x", x)
+    states = {n: _float_array(mode + "_cell", n, s) for n, s in states.items()}
+    params = {n: _float_array(mode + "_cell", n, p) for n, p in
+              (("w_ih", w_ih), ("w_hh", w_hh), ("b_ih", b_ih), ("b_hh", b_hh))}
+    if x.ndim != 2:
+        raise ValueError(f"{mode}_cell: x must have shape (B, I), got {x.shape}")
+    batch, inputs = x.shape
+    hidden = states["h"].shape[-1] if states["h"].ndim == 2 else None
+    for name, state in states.items():
+        if state.shape != (batch, hidden):
+            raise ValueError(f"{mode}_cell: {name} must have shape (B, H) = ({batch}, H), one H for every "
+                             f"state, got {state.shape}")
+    gates = gates_per_unit * hidden
+    expected = {"w_ih": (gates, inputs), "w_hh": (gates, hidden), "b_ih": (gates,), "b_hh": (gates,)}
+    for name, shape in expected.items():
+        if params[name].shape != shape:
+            raise ValueError(f"{mode}_cell: {name} must have shape {shape} (G = {gates_per_unit}H rows), got "
+                             f"{params[name].shape}")
+    return x, states, tuple(params.values())
+
+
+def lstm_cell(x, h, c, w_ih, w_hh, b_ih, b_hh):
+    """One LSTM step for a user's own `lax.scan` loop: `lstm`'s math on one time step.
+
+    Args:
+      x: [B, I] float32, bfloat16 or float16.
+      h, c: [B, H] the state (float32 or a 16-bit float; carried in float32).
+      w_ih [4H, I], w_hh [4H, H], b_ih [4H], b_hh [4H]: one pseudo-layer of `lstm`'s weights (as
+        `jax.experimental.rnn.unpack_lstm_weights` gives them), gates (i, f, g, o).
+
+    Returns:
+      (h, c) after the step, in the dtypes of the given h and c.
+
+    The recurrence is the `lstm` kernel run over one step (a custom call per step); the input
+    projection and the weight gradients are XLA's. Differentiable to any order (not with `jax.jvp`).
+    """
+    x, states, params = _check_cell("lstm", x, {"h": h, "c": c}, w_ih, w_hh, b_ih, b_hh)
+    initial = tuple(states.values())
+    new = _cell("lstm", x, tuple(s.astype(_F32) for s in initial), params)
+    return tuple(n.astype(s.dtype) for n, s in zip(new, initial))
+
+
+def gru_cell(x, h, w_ih, w_hh, b_ih, b_hh):
+    """One GRU step (cuDNN's formulation, see `gru`) for a user's own `lax.scan` loop.
+
+    Args:
+      x: [B, I] float32, bfloat16 or float16.
+      h: [B, H] the state (carried in float32).
+      w_ih [3H, I], w_hh [3H, H], b_ih [3H], b_hh [3H]: one pseudo-layer of `gru`'s weights, gates
+        (r, z, n).
+
+    Returns:
+      h after the step, in the given h's dtype. Differentiable to any order (not with `jax.jvp`).
+    """
+    x, states, params = _check_cell("gru", x, {"h": h}, w_ih, w_hh, b_ih, b_hh)
+    (new,) = _cell("gru", x, (states["h"].astype(_F32),), params)
+    return new.astype(states["h"].dtype)

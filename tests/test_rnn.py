@@ -1,0 +1,503 @@
+"""lstm and gru against the float64 reference (itself checked against jax.experimental.rnn.lstm_ref
+and flax.linen.GRUCell): forward and VJP of every input over layers, directions, ragged, empty and
+out-of-range seq_lengths, dtypes; transforms, batch sharding, export, errors, and the custom calls in
+the HLO."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import rnn as jax_rnn
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxdnn
+from helpers import assert_close, dtype_id, f64, normal, tolerance
+from jaxdnn.reference import rnn as ref
+
+MODES = ("lstm", "gru")
+mode_param = pytest.mark.parametrize("mode", MODES)
+# (B, T, I, H, L, bidirectional, seq_lengths or None for all T)
+CASES = [
+    (3, 7, 5, 6, 1, False, None),
+    (4, 6, 4, 3, 2, False, [6, 1, 3, 4]),
+    (3, 7, 5, 6, 1, True, [7, 2, 5]),
+    (2, 5, 3, 4, 2, True, [5, 3]),
+    (1, 9, 3, 5, 1, True, None),
+    (5, 4, 2, 7, 1, False, [0, 4, 1, 0, 2]),  # empty sequences keep their initial state
+    (3, 5, 3, 4, 1, True, [-2, 9, 3]),         # out of range: clamped to [0, T]
+    (19, 6, 3, 4, 1, True, [6, 1, 0, 5, 3, 6, 2, 4, 6, 6, 1, 3, 5, 0, 2, 6, 4, 3, 6]),  # 2 CPU row chunks
+]
+case_param = pytest.mark.parametrize("case", CASES, ids=str)
+
+
+def _state_names(mode):
+    return ("h_0", "c_0") if mode == "lstm" else ("h_0",)
+
+
+def _inputs(rng, mode, case, dtype=jnp.float32, state_dtype=jnp.float32):
+    """((x, states, weights, seq_lengths), sizes) for `case`; states = (h_0, c_0) or (h_0,)."""
+    batch, steps, inputs, hidden, layers, bidirectional, lengths = case
+    shape = (layers * (2 if bidirectional else 1), batch, hidden)
+    x = normal(rng, (batch, steps, inputs), dtype)
+    states = tuple(normal(rng, shape, state_dtype) for _ in _state_names(mode))
+    count = ref.weight_count(mode, inputs, hidden, layers, bidirectional)
+    weights = jnp.asarray(rng.uniform(-0.6, 0.6, count), dtype)
+    seq_lengths = jnp.asarray([steps] * batch if lengths is None else lengths, jnp.int32)
+    return (x, states, weights, seq_lengths), (inputs, hidden, layers, 0.0, bidirectional)
+
+
+def _ours(mode, x, states, weights, seq_lengths, sizes):
+    """(y, *final states) of jaxdnn.lstm / jaxdnn.gru."""
+    return getattr(jaxdnn, mode)(x, *states, weights, seq_lengths, *sizes)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _oracle(mode, x, states, weights, seq_lengths, sizes):
+    """The reference in float64."""
+    out = getattr(ref, mode)(f64(x), *map(f64, states), f64(weights), seq_lengths, *sizes)
+    return out
+
+
+def _to64(args):
+    x, states, weights, seq_lengths = args
+    return f64(x), tuple(map(f64, states)), f64(weights), seq_lengths
+
+
+def _cotangents(rng, outputs):
+    return tuple(normal(rng, o.shape, o.dtype) for o in outputs)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 4))
+def _vjp(fn, mode, args, cts, sizes):
+    """(outputs, grads of (x, states, weights)) of fn for the cotangents cts, under jit."""
+    x, states, weights, seq_lengths = args
+    out, pullback = jax.vjp(lambda *a: fn(mode, *a, seq_lengths, sizes), x, states, weights)
+    return out, pullback(tuple(c.astype(o.dtype) for c, o in zip(cts, out)))
+
+
+def _check(mode, args, sizes, cts, tol, grad_tol):
+    out, grads = _vjp(_ours, mode, args, cts, sizes)
+    want, want_grads = _vjp(_oracle, mode, _to64(args), cts, sizes)
+    inputs = [args[0], *args[1], args[2]]
+    for name, o, w, a in zip(("y",) + _state_names(mode), out, want, inputs):
+        assert o.dtype == a.dtype, name
+        assert_close(o, w, tol, name)
+    names = ("x",) + _state_names(mode) + ("weights",)
+    for name, g, w, a in zip(names, jax.tree.leaves(grads), jax.tree.leaves(want_grads), inputs):
+        assert g.dtype == a.dtype, name
+        assert_close(g, w, grad_tol, f"d{name}")
+
+
+@case_param
+def test_reference_matches_jax_lstm_ref(case, rng):
+    """The LSTM oracle is jax.experimental.rnn's own reference wherever that is defined (len >= 1)."""
+    args, sizes = _inputs(rng, "lstm", case)
+    x, (h_0, c_0), weights, seq_lengths = _to64(args)
+    lengths = np.asarray(seq_lengths)
+    if lengths.min() < 1 or lengths.max() > x.shape[1]:
+        pytest.skip("lstm_ref indexes step len - 1: defined for 1 <= len <= T only")
+    unpacked = jax_rnn.unpack_lstm_weights(weights, sizes[0], sizes[1], sizes[2], sizes[4])
+    want = jax_rnn.lstm_ref(x, h_0, c_0, *unpacked, seq_lengths, *sizes)
+    for name, o, w in zip(["y", "h_n", "c_n"], _oracle("lstm", *args, sizes), want):
+        assert_close(o, w, 1e-12, name)
+
+
+def test_gru_matches_flax_gru_cell(rng):
+    """cuDNN's GRU is flax.linen.GRUCell's math with b_ir = b_iz = 0 (Flax has no recurrent r, z
+    biases): one layer scanned by Flax in float64 against jaxdnn.gru with the converted weights."""
+    batch, steps, inputs, hidden = 3, 8, 5, 6
+    cell = nn.GRUCell(features=hidden, dtype=jnp.float64, param_dtype=jnp.float64)
+    x, h_0 = normal(rng, (batch, steps, inputs)), normal(rng, (batch, hidden))
+    params = cell.init(jax.random.PRNGKey(0), f64(h_0), f64(x[:, 0]))["params"]
+    params = jax.tree.map(lambda p: p + 0.3 * normal(rng, p.shape, jnp.float64), params)
+    step = lambda h, xt: cell.apply({"params": params}, h, xt)  # noqa: E731
+    h_n, ys = jax.lax.scan(step, f64(h_0), jnp.swapaxes(f64(x), 0, 1))
+    zero = jnp.zeros((hidden,), jnp.float64)
+    kernels = lambda names: jnp.concatenate([params[n]["kernel"].T for n in names])  # noqa: E731
+    weights = ref.pack_weights([(kernels(["ir", "iz", "in"]), kernels(["hr", "hz", "hn"]),
+                                 jnp.concatenate([params[n]["bias"] for n in ["ir", "iz", "in"]]),
+                                 jnp.concatenate([zero, zero, params["hn"]["bias"]]))])
+    y, h = jaxdnn.gru(x, h_0[None], weights.astype(jnp.float32), jnp.full((batch,), steps, jnp.int32), inputs,
+                      hidden, 1, 0.0, False)
+    assert_close(y, jnp.swapaxes(ys, 0, 1), 1e-5, "y")
+    assert_close(h[0], h_n, 1e-5, "h_n")
+
+
+@mode_param
+@case_param
+def test_forward_and_grad_f32(mode, case, rng):
+    args, sizes = _inputs(rng, mode, case)
+    cts = _cotangents(rng, _ours(mode, *args, sizes))
+    _check(mode, args, sizes, cts, tolerance(jnp.float32), tolerance(jnp.float32, grad=True))
+
+
+@mode_param
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=dtype_id)
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=str)
+def test_forward_and_grad_half(mode, case, dtype, rng):
+    """Half-precision x and weights; the state stays float32 (h_0, c_0 float32 here)."""
+    args, sizes = _inputs(rng, mode, case, dtype)
+    cts = _cotangents(rng, _ours(mode, *args, sizes))
+    _check(mode, args, sizes, cts, tolerance(dtype), tolerance(dtype, grad=True))
+
+
+@mode_param
+def test_half_states_and_mixed_weights(mode, rng):
+    """bfloat16 states come back in bfloat16; float32 weights (init_lstm_weight's) with bf16 x."""
+    args, sizes = _inputs(rng, mode, CASES[2], jnp.bfloat16, state_dtype=jnp.bfloat16)
+    args = (args[0], args[1], args[2].astype(jnp.float32), args[3])
+    cts = _cotangents(rng, _ours(mode, *args, sizes))
+    _check(mode, args, sizes, cts, tolerance(jnp.bfloat16), tolerance(jnp.bfloat16, grad=True))
+
+
+def test_init_lstm_weight_and_long_sequence(rng):
+    """jax.experimental.rnn's own initializer, a longer sequence and a wider layer."""
+    batch, steps, inputs, hidden = 2, 40, 24, 33
+    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    weights = jax_rnn.init_lstm_weight(key, inputs, hidden, 1, True)
+    args, sizes = _inputs(rng, "lstm", (batch, steps, inputs, hidden, 1, True, [40, 17]))
+    args = (args[0], args[1], weights, args[3])
+    cts = _cotangents(rng, _ours("lstm", *args, sizes))
+    _check("lstm", args, sizes, cts, tolerance(jnp.float32), tolerance(jnp.float32, grad=True))
+
+
+@mode_param
+@pytest.mark.parametrize("batch,steps", [(0, 4), (3, 0)], ids=["no-rows", "no-steps"])
+def test_empty(mode, batch, steps, rng):
+    args, sizes = _inputs(rng, mode, (batch, steps, 3, 4, 2, True, [steps] * batch))
+    x, states, weights, seq_lengths = args
+    y, *finals = jax.jit(lambda *a: _ours(mode, *a, sizes))(*args)
+    assert y.shape == (batch, steps, 8)
+    for final, state in zip(finals, states):  # no step ran: the final states are the initial ones
+        np.testing.assert_array_equal(final, state)
+    grad = jax.grad(lambda s: jnp.sum(_ours(mode, x, s, weights, seq_lengths, sizes)[1]))(states)
+    np.testing.assert_array_equal(grad[0], jnp.ones_like(states[0]))
+
+
+@mode_param
+def test_transforms(mode, rng):
+    args, sizes = _inputs(rng, mode, (3, 5, 4, 5, 1, True, [5, 2, 4]))  # layers: test_forward_and_grad
+    x, states, weights, seq_lengths = args
+    xs = normal(rng, (3, 2) + x.shape[1:])  # vmapped axis 1: [B, V, T, I]
+
+    def y_of(fn, x, states, weights):
+        return fn(mode, x, states, weights, seq_lengths, sizes)[0]
+
+    ours, oracle = functools.partial(y_of, _ours), functools.partial(y_of, _oracle)
+    over_x = dict(in_axes=(1, None, None), out_axes=1)
+    got = jax.vmap(ours, **over_x)(xs, states, weights)
+    want = jax.vmap(oracle, **over_x)(f64(xs), states, weights)
+    assert_close(got, want, 1e-5, "vmap over x (axis 1), states and weights unbatched")
+    many_weights = jnp.stack([weights, weights[::-1]])
+    got = jax.vmap(ours, in_axes=(None, None, 0))(x, states, many_weights)
+    want = jax.vmap(oracle, in_axes=(None, None, 0))(x, states, f64(many_weights))
+    assert_close(got, want, 1e-5, "vmap over the weights (reference path)")
+    ct = normal(rng, (2,) + x.shape[:2] + (10,))
+
+    def loss(fn, x, states, weights, ct):
+        return jnp.sum(jnp.sin(y_of(fn, x, states, weights)) * ct.astype(x.dtype))
+
+    over_examples = dict(in_axes=(1, None, None, 0))
+    per_example = jax.vmap(jax.grad(functools.partial(loss, _ours), argnums=(0, 2)), **over_examples)
+    per_example_want = jax.vmap(jax.grad(functools.partial(loss, _oracle), argnums=(0, 2)), **over_examples)
+    for name, g, w in zip(["x", "weights"], per_example(xs, states, weights, ct),
+                          per_example_want(f64(xs), tuple(map(f64, states)), f64(weights), f64(ct))):
+        assert_close(g, w, 1e-4, f"vmap(grad) {name}")
+
+    def penalty(fn, *a):
+        g = jax.grad(lambda *a: loss(fn, *a, ct[0]), argnums=(0, 1, 2))(*a)
+        return sum(jnp.sum(t ** 2) for t in jax.tree.leaves(g))
+
+    got = jax.jit(jax.grad(functools.partial(penalty, _ours), argnums=(0, 1, 2)))(x, states, weights)
+    want = jax.jit(jax.grad(functools.partial(penalty, _oracle), argnums=(0, 1, 2)))(*_to64(args)[:3])
+    names = ("x",) + _state_names(mode) + ("weights",)
+    for name, g, w in zip(names, jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, w, 1e-4, f"grad of grad {name}")
+
+    wide_sizes = (10, 5, 1, 0.0, True)  # input = the bidirectional output, fed back
+
+    def scanned(fn, x, weights):
+        step = jax.checkpoint(lambda h: fn(mode, h, tuple(s.astype(h.dtype) for s in states), weights,
+                                           seq_lengths, wide_sizes)[0])
+        h, _ = jax.lax.scan(lambda h, _: (step(h), None), x, None, length=2)
+        return jnp.sum(h * ct[0].astype(h.dtype))
+
+    wide = normal(rng, x.shape[:2] + (10,))
+    wide_count = ref.weight_count(mode, *wide_sizes[:3], True)
+    wide_weights = jnp.asarray(rng.uniform(-0.5, 0.5, wide_count), jnp.float32)
+    got = jax.grad(functools.partial(scanned, _ours), argnums=(0, 1))(wide, wide_weights)
+    want = jax.grad(functools.partial(scanned, _oracle), argnums=(0, 1))(f64(wide), f64(wide_weights))
+    for name, g, w in zip(["x", "weights"], got, want):
+        assert_close(g, w, 1e-4, f"scan(checkpoint) {name}")
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(lambda x: _ours(mode, x, states, weights, seq_lengths, sizes)[0], (x,), (x,))
+
+
+@mode_param
+def test_hlo_holds_the_custom_calls(mode, rng):
+    args, sizes = _inputs(rng, mode, CASES[2])
+    x, states, weights, seq_lengths = args
+    hlo = jax.jit(jax.grad(lambda x, w: jnp.sum(_ours(mode, x, states, w, seq_lengths, sizes)[0] ** 2),
+                           argnums=(0, 1))).lower(x, weights).as_text()
+    for target in [f"jaxdnn_{mode}_fwd_v1", f"jaxdnn_{mode}_bwd_v1"]:
+        assert hlo.count(target) >= 2, target  # one per direction
+
+
+@mode_param
+def test_deterministic(mode, rng):
+    args, sizes = _inputs(rng, mode, (6, 8, 5, 9, 2, True, [8, 3, 7, 1, 8, 5]))
+    cts = _cotangents(rng, _ours(mode, *args, sizes))
+    first, second = _vjp(_ours, mode, args, cts, sizes), _vjp(_ours, mode, args, cts, sizes)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(a, b)
+
+
+def _sharded_inputs(rng, mode, mesh):
+    """Inputs with the batch (x's axis 0, the states' axis 1, seq_lengths) over the mesh axis "b"."""
+    args, sizes = _inputs(rng, mode, (8, 4, 3, 5, 1, True, [4, 1, 3, 4, 0, 2, 4, 4]))
+    x, states, weights, seq_lengths = args
+    rows, per_row = NamedSharding(mesh, P("b")), NamedSharding(mesh, P(None, "b"))
+    placed = (jax.device_put(x, rows), tuple(jax.device_put(s, per_row) for s in states), weights,
+              jax.device_put(seq_lengths, rows))
+    return args, placed, sizes
+
+
+def _check_sharded(mode, out, grads, args, sizes, cts):
+    want, want_grads = _vjp(_oracle, mode, _to64(args), cts, sizes)
+    for name, o, w in zip(("y",) + _state_names(mode), out, want):
+        assert_close(o, w, 1e-5, f"sharded {name}")
+    names = ("x",) + _state_names(mode) + ("weights",)
+    for name, g, w in zip(names, jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        assert_close(g, w, 1e-4, f"sharded d{name}")
+
+
+@mode_param
+def test_batch_sharded_runs_per_shard(mode, rng, devices):
+    mesh = jax.sharding.Mesh(np.array(devices), ("b",))
+    args, placed, sizes = _sharded_inputs(rng, mode, mesh)
+    cts = _cotangents(rng, _ours(mode, *args, sizes))
+    placed_cts = (jax.device_put(cts[0], placed[0].sharding),) + tuple(
+        jax.device_put(c, s.sharding) for c, s in zip(cts[1:], placed[1]))
+    hlo = _vjp.lower(_ours, mode, placed, placed_cts, sizes).compile().as_text()
+    assert "all-gather" not in hlo
+    calls = [line for line in hlo.splitlines() if f'custom_call_target="jaxdnn_{mode}_' in line]
+    assert calls and all("f32[2,4,5]" in line for line in calls), calls  # 2 rows [T, H] per device
+    out, grads = _vjp(_ours, mode, placed, placed_cts, sizes)
+    _check_sharded(mode, out, grads, args, sizes, cts)
+    assert out[0].sharding.spec[0] == "b"
+
+
+@mode_param
+def test_explicit_mesh_runs_per_shard(mode, rng, devices):
+    if not hasattr(jax.sharding, "AxisType"):
+        pytest.skip("needs Explicit mesh axes")
+    mesh = jax.make_mesh((4,), ("b",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
+    args, placed, sizes = _sharded_inputs(rng, mode, mesh)
+    cts = _cotangents(rng, _ours(mode, *args, sizes))
+    with jax.set_mesh(mesh):
+        out, grads = _vjp(_ours, mode, placed, cts, sizes)
+    assert out[0].sharding.spec[0] == "b"
+    _check_sharded(mode, out, grads, args, sizes, cts)
+
+
+@mode_param
+def test_inside_shard_map(mode, rng, devices):
+    """Called inside the user's shard_map: each device runs its rows; the weight gradient of the
+    whole batch is the sum over devices (the weights are replicated)."""
+    mesh = jax.sharding.Mesh(np.array(devices), ("b",))
+    args, _, sizes = _sharded_inputs(rng, mode, mesh)
+    per_row = (P(None, "b"),) * len(args[1])
+    per_device = jax.shard_map(lambda *a: _ours(mode, *a, sizes), mesh=mesh,
+                               in_specs=(P("b"), per_row, P(), P("b")), out_specs=(P("b"), *per_row))
+    cts = _cotangents(rng, _ours(mode, *args, sizes))
+    out, grads = _vjp(lambda mode, *a: per_device(*a[:4]), mode, args, cts, sizes)
+    _check_sharded(mode, out, grads, args, sizes, cts)
+
+
+@mode_param
+def test_export_round_trip(mode, rng):
+    args, sizes = _inputs(rng, mode, CASES[3])
+    x, states, weights, seq_lengths = args
+    f = jax.jit(jax.grad(lambda x, w: jnp.sum(_ours(mode, x, states, w, seq_lengths, sizes)[0] ** 2),
+                         argnums=(0, 1)))
+    exported = jax.export.export(f, disabled_checks=jaxdnn.export_safety_checks())(x, weights)
+    restored = jax.export.deserialize(exported.serialize())
+    for got, want in zip(restored.call(x, weights), f(x, weights)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _bad_call(mode, **overrides):
+    """lstm / gru on valid inputs (B=2, T=3, I=4, H=5, one layer, one direction) with some replaced."""
+    f32 = jnp.float32
+    args = dict(x=jnp.ones((2, 3, 4), f32), h_0=jnp.ones((1, 2, 5), f32),
+                weights=jnp.ones((ref.weight_count(mode, 4, 5, 1, False),), f32),
+                seq_lengths=jnp.full((2,), 3, jnp.int32), input_size=4, hidden_size=5, num_layers=1,
+                dropout=0.0, bidirectional=False)
+    if mode == "lstm":
+        args["c_0"] = jnp.ones((1, 2, 5), f32)
+    args.update(overrides)
+    return getattr(jaxdnn, mode)(**args)
+
+
+BAD_INPUTS = [
+    (dict(x=jnp.ones((2, 3, 4), jnp.int32)), TypeError, "x must be float32, bfloat16 or float16, got int32"),
+    (dict(x=jnp.ones((2, 3, 6), jnp.float32)), ValueError, r"x must have shape \(B, T, input_size\)"),
+    (dict(x=jnp.ones((3, 4), jnp.float32)), ValueError, "x must have shape"),
+    (dict(h_0=jnp.ones((2, 2, 5), jnp.float32)), ValueError, r"h_0 must have shape .* = \(1, 2, 5\)"),
+    (dict(h_0=jnp.ones((1, 2, 5), jnp.int32)), TypeError, "h_0 must be float32"),
+    (dict(weights=jnp.ones((7,), jnp.float32)), ValueError, "weights must be a flat vector of"),
+    (dict(bidirectional=True), ValueError, "h_0 must have shape"),
+    (dict(seq_lengths=jnp.full((2,), 3, jnp.int64)), TypeError, "seq_lengths must be int32, got int64"),
+    (dict(seq_lengths=jnp.full((3,), 3, jnp.int32)), ValueError,
+     r"seq_lengths must have shape \(B,\) = \(2,\)"),
+    (dict(dropout=0.5), ValueError, "dropout must be 0"),
+    (dict(hidden_size=0), ValueError, "hidden_size must be an int >= 1"),
+    (dict(num_layers=1.0), ValueError, "num_layers must be an int"),
+    (dict(bidirectional=1), TypeError, "bidirectional must be a bool"),
+]
+
+
+@mode_param
+@pytest.mark.parametrize("overrides,error,message", BAD_INPUTS, ids=[
+    "x-int", "x-width", "x-rank", "h0-shape", "h0-dtype", "weights-size", "directions", "lengths-dtype",
+    "lengths-shape", "dropout", "hidden", "layers", "bidirectional"])
+def test_bad_input(mode, overrides, error, message):
+    with pytest.raises(error, match=f"{mode}: {message}"):
+        _bad_call(mode, **overrides)
+
+
+def test_bad_lstm_cell_state():
+    with pytest.raises(ValueError, match="lstm: c_0 must have shape"):
+        _bad_call("lstm", c_0=jnp.ones((1, 3, 5), jnp.float32))
+    with pytest.raises(ValueError, match="weights must be a flat vector of 220 elements"):
+        _bad_call("lstm", weights=jnp.ones((165,), jnp.float32))  # a GRU's weights
+
+
+def _scan_cells(mode, x, states, params, cell):
+    """cell scanned over x [B, T, I] from states: (y [B, T, H], final states)."""
+    def step(carry, xt):
+        new = cell(xt, *carry, *params)
+        new = new if isinstance(new, tuple) else (new,)
+        return new, new[0]
+    final, ys = jax.lax.scan(step, tuple(states), jnp.swapaxes(x, 0, 1))
+    return jnp.swapaxes(ys, 0, 1), final
+
+
+def _reference_cell(mode):
+    """One step of the float64 reference (a one-step, one-layer sequence)."""
+    def cell(x, *rest):
+        *states, w_ih, w_hh, b_ih, b_hh = rest
+        inputs, hidden = x.shape[1], states[0].shape[1]
+        weights = ref.pack_weights([(w_ih, w_hh, b_ih, b_hh)])
+        _, *new = getattr(ref, mode)(x[:, None], *(s[None] for s in states), weights,
+                                     jnp.ones(x.shape[:1], jnp.int32), inputs, hidden, 1, 0.0, False)
+        new = tuple(n[0] for n in new)
+        return new if mode == "lstm" else new[0]
+    return cell
+
+
+@mode_param
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+def test_cell_in_a_scan(mode, dtype, rng):
+    """lstm_cell / gru_cell scanned over a sequence: the values and gradients of the reference."""
+    args, sizes = _inputs(rng, mode, (3, 6, 4, 5, 1, False, None), dtype)
+    x, states, weights, _ = args
+    states = tuple(s[0] for s in states)
+    params = ref.unpack_weights(weights, mode, *sizes[:3], False)[0]
+    cell = getattr(jaxdnn, f"{mode}_cell")
+    ct = normal(rng, x.shape[:2] + (5,))
+
+    def loss(cell, x, states, params):
+        y, final = _scan_cells(mode, x, states, params, cell)
+        return jnp.sum(y * ct.astype(y.dtype)) + sum(jnp.sum(jnp.sin(f)) for f in final)
+
+    got = jax.jit(jax.value_and_grad(functools.partial(loss, cell), argnums=(0, 1, 2)))(x, states, params)
+    want = jax.jit(jax.value_and_grad(functools.partial(loss, _reference_cell(mode)), argnums=(0, 1, 2)))(
+        f64(x), tuple(map(f64, states)), tuple(map(f64, params)))
+    assert_close(got[0], want[0], tolerance(dtype), "loss")
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        assert g.dtype == dtype or g.dtype == jnp.float32
+        assert_close(g, w, tolerance(dtype, grad=True), "cell gradient")
+    hlo = jax.jit(jax.grad(functools.partial(loss, cell))).lower(x, states, params).as_text()
+    assert f"jaxdnn_{mode}_fwd_v1" in hlo and f"jaxdnn_{mode}_bwd_v1" in hlo
+
+
+@mode_param
+def test_cell_vmap_and_grad_of_grad(mode, rng):
+    args, sizes = _inputs(rng, mode, (3, 1, 4, 5, 1, False, None))
+    x, states, weights, _ = args
+    x, states = x[:, 0], tuple(s[0] for s in states)
+    params = ref.unpack_weights(weights, mode, *sizes[:3], False)[0]
+    cell, oracle = getattr(jaxdnn, f"{mode}_cell"), _reference_cell(mode)
+    xs = normal(rng, (2,) + x.shape)
+    got = jax.vmap(lambda x: cell(x, *states, *params))(xs)
+    want = jax.vmap(lambda x: oracle(x, *map(f64, states), *map(f64, params)))(f64(xs))
+    assert_close(jax.tree.leaves(got)[0], jax.tree.leaves(want)[0], 1e-5, "vmap")
+
+    def penalty(cell, x, params):
+        g = jax.grad(lambda x, p: sum(jnp.sum(jnp.sin(t)) for t in jax.tree.leaves(cell(x, *states, *p))),
+                     argnums=(0, 1))(x, params)
+        return sum(jnp.sum(t ** 2) for t in jax.tree.leaves(g))
+
+    got = jax.grad(functools.partial(penalty, cell), argnums=(0, 1))(x, params)
+    want = jax.grad(functools.partial(penalty, oracle), argnums=(0, 1))(f64(x), tuple(map(f64, params)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, w, 1e-4, "cell grad of grad")
+
+
+def test_cell_bad_input():
+    f32 = jnp.float32
+    x, h = jnp.ones((2, 4), f32), jnp.ones((2, 5), f32)
+    w_ih, w_hh, b = jnp.ones((20, 4), f32), jnp.ones((20, 5), f32), jnp.ones((20,), f32)
+    with pytest.raises(ValueError, match=r"lstm_cell: c must have shape \(B, H\)"):
+        jaxdnn.lstm_cell(x, h, jnp.ones((3, 5), f32), w_ih, w_hh, b, b)
+    with pytest.raises(ValueError, match=r"lstm_cell: w_hh must have shape \(20, 5\)"):
+        jaxdnn.lstm_cell(x, h, h, w_ih, jnp.ones((20, 4), f32), b, b)
+    with pytest.raises(ValueError, match=r"gru_cell: w_ih must have shape \(15, 4\)"):
+        jaxdnn.gru_cell(x, h, w_ih, w_hh, b, b)
+    with pytest.raises(ValueError, match=r"gru_cell: x must have shape \(B, I\)"):
+        jaxdnn.gru_cell(x[None], h, w_ih, w_hh, b, b)
+    with pytest.raises(TypeError, match="gru_cell: h must be float32"):
+        jaxdnn.gru_cell(x, h.astype(jnp.int32), w_ih, w_hh, b, b)
+
+
+@mode_param
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_kernel_stages_match_their_references(mode, reverse, rng):
+    """Each kernel stage (the FFI targets' contract, every result incl. the saved residuals and the
+    zeros past each row's end) against its reference stage in float64, with bf16 W_hh."""
+    from jaxdnn import rnn as stages
+    batch, steps, hidden = 5, 6, 7
+    gates = ref.GATES[mode] * hidden
+    lengths = jnp.asarray([6, 0, 3, 9, 1], jnp.int32)
+    gates_x = normal(rng, (batch, steps, gates))
+    w_hh = normal(rng, (gates, hidden), jnp.bfloat16, scale=0.4)
+    h0, c0 = normal(rng, (batch, hidden)), normal(rng, (batch, hidden))
+    if mode == "lstm":
+        fwd_args = (gates_x, w_hh, h0, c0, lengths)
+        fwd_prim, fwd_ref, bwd_prim, bwd_ref = stages._lstm_fwd, ref.lstm_fwd, stages._lstm_bwd, ref.lstm_bwd
+    else:
+        fwd_args = (gates_x, w_hh, normal(rng, (gates,)), h0, lengths)
+        fwd_prim, fwd_ref, bwd_prim, bwd_ref = stages._gru_fwd, ref.gru_fwd, stages._gru_bwd, ref.gru_bwd
+    attrs = dict(reverse=np.int64(reverse))
+    to64 = lambda args: [a if a.dtype == jnp.int32 else f64(a) for a in args]  # noqa: E731
+    got = jax.jit(lambda *a: fwd_prim.bind(*a, **attrs))(*fwd_args)
+    want = fwd_ref(*to64(fwd_args), reverse)
+    for g, w in zip(got, want):
+        assert_close(g, w, 1e-5, f"{mode} fwd stage")
+    if mode == "lstm":
+        h_seq, c_seq, acts = got[:3]
+        cotangents = (normal(rng, h_seq.shape), normal(rng, h0.shape), normal(rng, c0.shape))
+        bwd_args = (*cotangents, acts, c_seq, c0, w_hh, lengths)
+    else:
+        h_seq, saved = got[:2]
+        bwd_args = (normal(rng, h_seq.shape), normal(rng, h0.shape), saved, h_seq, h0, w_hh, lengths)
+    got = jax.jit(lambda *a: bwd_prim.bind(*a, **attrs))(*bwd_args)
+    want = bwd_ref(*to64(bwd_args), reverse)
+    for g, w in zip(got, want):
+        assert_close(g, w, 1e-5, f"{mode} bwd stage")
+    past_end = np.arange(steps)[None, :] >= np.minimum(np.asarray(lengths), steps)[:, None]
+    assert np.all(np.asarray(got[0])[past_end] == 0)
