@@ -10,7 +10,7 @@ from jaxdnn.conv import conv, conv_general_dilated, conv_transpose
 from jaxdnn.group_norm import group_norm
 from jaxdnn.norm import layer_norm, rms_norm
 from jaxdnn.pool import avg_pool, max_pool
-from jaxdnn.rnn import gru, gru_cell, lstm, lstm_cell
+from jaxdnn.recurrent import gru, gru_cell, lstm, lstm_cell
 from jaxdnn.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"

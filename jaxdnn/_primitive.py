@@ -239,6 +239,15 @@ def ffi_primitive(
     return prim
 
 
+def with_reference_vjp(kernel, reference, *args):
+    """`kernel(*args)` (a kernel stage), differentiated through `reference(*args)`, the pure-JAX
+    function of the same operands and results: second-order derivatives of an op whose own VJP is
+    made of kernel stages (grad of grad) then run through the reference."""
+    fn = jax.custom_vjp(kernel)
+    fn.defvjp(lambda *a: (kernel(*a), a), lambda a, ct: jax.vjp(reference, *a)[1](ct))
+    return fn(*args)
+
+
 def move_to_front(x, dim, size):
     """Returns `x` with its vmapped axis `dim` first, broadcasting an unbatched `x` to `size`."""
     if dim is None:

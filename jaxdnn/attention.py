@@ -24,7 +24,8 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.sharding import PartitionSpec
 
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
-from jaxdnn._primitive import explicit_row_sharding, ffi_primitive, match_varying, move_to_front
+from jaxdnn._primitive import (explicit_row_sharding, ffi_primitive, match_varying, move_to_front,
+                               with_reference_vjp)
 from jaxdnn.reference import attention as _ref
 from jaxdnn.reference.attention import AttentionOptions
 
@@ -146,13 +147,6 @@ def _operands(q, optional):
     return match_varying(q, *filled)
 
 
-def _with_reference_vjp(kernel, reference, *args):
-    """kernel(*args), differentiated through reference(*args) (grad of grad of the whole op)."""
-    fn = jax.custom_vjp(kernel)
-    fn.defvjp(lambda *a: (kernel(*a), a), lambda a, ct: jax.vjp(reference, *a)[1](ct))
-    return fn(*args)
-
-
 def _fwd_stage(q, k, v, optional, options):
     def kernel(q, k, v, *optional):
         return tuple(_bind("fwd", [q, k, v, *_operands(q, optional)], _attrs(options, optional)))
@@ -161,7 +155,7 @@ def _fwd_stage(q, k, v, optional, options):
         o, lse = _ref.attention_fwd(q, k, v, *optional, options)
         return o, lse.astype(_F32)
 
-    return _with_reference_vjp(kernel, reference, q, k, v, *optional)
+    return with_reference_vjp(kernel, reference, q, k, v, *optional)
 
 
 def _bwd_stage(d_out, q, k, v, o, lse, optional, options, bias_grad):
@@ -175,7 +169,7 @@ def _bwd_stage(d_out, q, k, v, o, lse, optional, options, bias_grad):
         dq, dk, dv, dbias = _ref.attention_bwd(d_out, q, k, v, o, lse, *optional, options)
         return dq, dk, dv, dbias.astype(_F32) if bias_grad else None
 
-    return _with_reference_vjp(kernel, reference, d_out, q, k, v, o, lse, *optional)
+    return with_reference_vjp(kernel, reference, d_out, q, k, v, o, lse, *optional)
 
 
 # --- the differentiable op --------------------------------------------------------------------

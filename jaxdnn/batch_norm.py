@@ -27,7 +27,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
-from jaxdnn._primitive import explicit_row_sharding, ffi_primitive, match_varying, move_to_front
+from jaxdnn._primitive import (explicit_row_sharding, ffi_primitive, match_varying, move_to_front,
+                               with_reference_vjp)
 from jaxdnn.activation import epilogue, epilogue_attrs
 from jaxdnn.reference import batch_norm as _ref
 
@@ -96,21 +97,14 @@ _bwd_dx = {r: _primitive("bwd_dx", f"{_X}, {_X}, c, c, c, c, c{', ' + _X if r el
            for r in (False, True)}
 
 
-def _with_reference_vjp(kernel, reference, *args):
-    """kernel(*args), differentiated through reference(*args) (grad of grad of the whole op)."""
-    fn = jax.custom_vjp(kernel)
-    fn.defvjp(lambda *a: (kernel(*a), a), lambda a, ct: jax.vjp(reference, *a)[1](ct))
-    return fn(*args)
-
-
 def _stats_stage(x, shift):
-    return _with_reference_vjp(lambda x, s: tuple(_stats.bind(x, s)), _ref.stats, x, *match_varying(x, shift))
+    return with_reference_vjp(lambda x, s: tuple(_stats.bind(x, s)), _ref.stats, x, *match_varying(x, shift))
 
 
 def _fwd_stage(x, a, mean, bias, residual, kind, param):
     attrs = epilogue_attrs(kind, param)
     ops = (x, *match_varying(x, a, mean, bias)) + (() if residual is None else (residual,))
-    return _with_reference_vjp(
+    return with_reference_vjp(
         lambda *ops: _fwd[residual is not None].bind(*ops, **attrs)[0],
         lambda x, a, mean, bias, r=None: _ref.fwd(x, a, mean, bias, r, kind, param), *ops)
 
@@ -118,7 +112,7 @@ def _fwd_stage(x, a, mean, bias, residual, kind, param):
 def _bwd_sums_stage(dy, x, a, mean, bias, residual, kind, param):
     attrs = epilogue_attrs(kind, param)
     ops = (dy, x, *match_varying(x, a, mean, bias)) + (() if residual is None else (residual,))
-    return _with_reference_vjp(
+    return with_reference_vjp(
         lambda *ops: tuple(_bwd_sums[residual is not None].bind(*ops, **attrs)),
         lambda dy, x, a, mean, bias, r=None: _ref.bwd_sums(dy, x, a, mean, bias, r, kind, param), *ops)
 
@@ -128,10 +122,10 @@ def _bwd_dx_stage(dy, x, a, mean, bias, k1, k0, residual, kind, param):
     attrs = epilogue_attrs(kind, param)
     a, mean, bias, k1, k0 = match_varying(x, a, mean, bias, k1, k0)
     if residual is None:
-        return _with_reference_vjp(
+        return with_reference_vjp(
             lambda *ops: _bwd_dx[False].bind(*ops, **attrs)[0],
             lambda *ops: _ref.bwd_dx(*ops, None, kind, param)[0], dy, x, a, mean, bias, k1, k0), None
-    return _with_reference_vjp(lambda *ops: tuple(_bwd_dx[True].bind(*ops, **attrs)),
+    return with_reference_vjp(lambda *ops: tuple(_bwd_dx[True].bind(*ops, **attrs)),
                                lambda *ops: _ref.bwd_dx(*ops, kind, param), dy, x, a, mean, bias, k1, k0,
                                residual)
 

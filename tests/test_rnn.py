@@ -469,7 +469,7 @@ def test_cell_bad_input():
 def test_kernel_stages_match_their_references(mode, reverse, rng):
     """Each kernel stage (the FFI targets' contract, every result incl. the saved residuals and the
     zeros past each row's end) against its reference stage in float64, with bf16 W_hh."""
-    from jaxdnn import rnn as stages
+    from jaxdnn import recurrent as stages
     batch, steps, hidden = 5, 6, 7
     gates = ref.GATES[mode] * hidden
     lengths = jnp.asarray([6, 0, 3, 9, 1], jnp.int32)

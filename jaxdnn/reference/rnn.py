@@ -1,5 +1,5 @@
 """Reference LSTM and GRU: `jax.experimental.rnn.lstm`'s math on cuDNN's flat weight layout, cuDNN's
-GRU on the same layout, and the kernel stages of jaxdnn.rnn.
+GRU on the same layout, and the kernel stages of jaxdnn.recurrent.
 
 Shapes: B batch rows, T time steps, I input features, H hidden units, G gate pre-activations (LSTM:
 4H in the order (i, f, g, o); GRU: 3H, (r, z, n)), L layers, D directions (2 when bidirectional).

@@ -28,7 +28,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
-from jaxdnn._primitive import explicit_row_sharding, ffi_primitive, match_varying, move_to_front
+from jaxdnn._primitive import (explicit_row_sharding, ffi_primitive, match_varying, move_to_front,
+                               with_reference_vjp)
 from jaxdnn.reference import rnn as _ref
 
 _FLOAT_TYPES = [jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
@@ -99,16 +100,9 @@ _gru_bwd = _primitive("gru_bwd", _gru_bwd_avals, (5,), _ref.gru_bwd,
                       "... t h, ... h, ... t s, ... t h, ... h, g h, ... -> ... t g, ... t g, ... h")
 
 
-def _with_reference_vjp(kernel, reference, *args):
-    """kernel(*args), differentiated through reference(*args) (grad of grad of the whole op)."""
-    fn = jax.custom_vjp(kernel)
-    fn.defvjp(lambda *a: (kernel(*a), a), lambda a, ct: jax.vjp(reference, *a)[1](ct))
-    return fn(*args)
-
-
 def _stage(prim, reference, reverse, *operands):
     """A kernel stage of one layer and direction, differentiated through its reference."""
-    return _with_reference_vjp(lambda *a: tuple(prim.bind(*a, reverse=np.int64(reverse))),
+    return with_reference_vjp(lambda *a: tuple(prim.bind(*a, reverse=np.int64(reverse))),
                                lambda *a: reference(*a, reverse), *operands)
 
 
