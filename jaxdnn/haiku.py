@@ -38,8 +38,9 @@ import jax
 import jax.numpy as jnp
 
 import jaxdnn
+from jaxdnn.haiku_conv import Conv2D, ConvND
 
-__all__ = ["BatchNorm", "GroupNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["BatchNorm", "Conv2D", "ConvND", "GroupNorm", "LayerNorm", "RMSNorm"]
 
 Initializer = Callable[..., Any]
 

@@ -5,6 +5,7 @@ modules are re-exported here; the NNX ones live in ``jaxdnn.flax.nnx`` (imported
 on first use, since ``flax.nnx`` is a sizeable import of its own)::
 
     from jaxdnn.flax import BatchNorm, GroupNorm, LayerNorm, RMSNorm   # flax.linen modules
+    from jaxdnn.flax import Conv, ConvTranspose    # flax.linen modules on jaxdnn's convolution
     from jaxdnn.flax import nnx as jnnx    # jnnx.BatchNorm, jnnx.GroupNorm, jnnx.LayerNorm, jnnx.RMSNorm
     from jaxdnn.flax import dot_product_attention  # attention_fn of Flax's attention modules
 
@@ -17,9 +18,10 @@ import importlib as _importlib
 
 from jaxdnn.flax import linen
 from jaxdnn.flax.attention import dot_product_attention
-from jaxdnn.flax.linen import BatchNorm, GroupNorm, LayerNorm, RMSNorm
+from jaxdnn.flax.linen import BatchNorm, Conv, ConvTranspose, GroupNorm, LayerNorm, RMSNorm
 
-__all__ = ["BatchNorm", "GroupNorm", "LayerNorm", "RMSNorm", "dot_product_attention", "linen", "nnx"]
+__all__ = ["BatchNorm", "Conv", "ConvTranspose", "GroupNorm", "LayerNorm", "RMSNorm", "dot_product_attention",
+           "linen", "nnx"]
 
 
 def __getattr__(name):

@@ -45,8 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdnn
+from jaxdnn.flax.conv import Conv, ConvTranspose
 
-__all__ = ["BatchNorm", "GroupNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["BatchNorm", "Conv", "ConvTranspose", "GroupNorm", "LayerNorm", "RMSNorm"]
 
 Dtype = Any
 Initializer = Any
