@@ -13,10 +13,11 @@ CNN block, a transformer block, an LSTM...), write its model and a
 Parts:
   mlp  digits (8x8 images, 10 classes) with an MLP:
        Dense -> jaxdnn LayerNorm -> relu -> Dense -> jaxdnn RMSNorm -> relu -> Dense.
-  cnn  the same digits as 8x8x1 images with a small ResNet-style CNN (convolutions are XLA's):
-       Conv -> jaxdnn BatchNorm -> jaxdnn relu -> residual block (Conv -> BatchNorm -> relu -> Conv ->
-       BatchNorm fused with the skip add and relu) -> jaxdnn max_pool -> Conv -> BatchNorm + relu
-       -> jaxdnn avg_pool -> Dense. Batch statistics are trained and used at test time.
+  cnn  the same digits as 8x8x1 images with a small ResNet-style CNN, every layer but the final
+       Dense on jaxdnn kernels: jaxdnn Conv -> jaxdnn BatchNorm -> jaxdnn relu -> residual block
+       (Conv -> BatchNorm -> relu -> Conv -> BatchNorm fused with the skip add and relu) -> jaxdnn
+       max_pool -> Conv -> BatchNorm + relu -> jaxdnn avg_pool -> Dense.
+       Batch statistics are trained and used at test time.
 """
 
 from __future__ import annotations
@@ -182,37 +183,39 @@ def _batch_norm(train: bool) -> nn.Module:
 
 
 class ResidualBlock(nn.Module):
-    """relu(x + bn(conv(relu(bn(conv(x)))))): the second batch norm runs fused with the skip add
-    and the relu (one jaxdnn kernel forward, two backward)."""
+    """relu(x + bn(conv(relu(bn(conv(x)))))) with jaxdnn's Conv (flax.linen.Conv's params): the
+    second batch norm runs fused with the skip add and the relu (one jaxdnn kernel forward, two
+    backward)."""
     channels: int
 
     @nn.compact
     def __call__(self, x, train: bool):
-        y = nn.Conv(self.channels, (3, 3), use_bias=False)(x)
+        y = jflax.Conv(self.channels, (3, 3), use_bias=False)(x)
         y = _batch_norm(train)(y, activation="relu")
-        y = nn.Conv(self.channels, (3, 3), use_bias=False)(y)
+        y = jflax.Conv(self.channels, (3, 3), use_bias=False)(y)
         return _batch_norm(train)(y, residual=x, activation="relu")
 
 
 class DigitsCNN(nn.Module):
-    """[B, 8, 8, 1] -> [B, 10] logits; every norm, activation and pooling is jaxdnn's."""
+    """[B, 8, 8, 1] -> [B, 10] logits; every convolution, norm, activation and pooling is jaxdnn's
+    (the convolutions through ``jaxdnn.flax.Conv``, a drop-in ``flax.linen.Conv``)."""
     channels: int = 32
     classes: int = 10
 
     @nn.compact
     def __call__(self, x, train: bool = False):
-        x = nn.Conv(self.channels, (3, 3), use_bias=False)(x)
+        x = jflax.Conv(self.channels, (3, 3), use_bias=False)(x)
         x = jaxdnn.relu(_batch_norm(train)(x))
         x = ResidualBlock(self.channels)(x, train)
         x = jaxdnn.max_pool(x, (2, 2), strides=(2, 2))  # 8x8 -> 4x4
-        x = nn.Conv(2 * self.channels, (3, 3), use_bias=False)(x)
+        x = jflax.Conv(2 * self.channels, (3, 3), use_bias=False)(x)
         x = _batch_norm(train)(x, activation="relu")
         x = jaxdnn.avg_pool(x, (4, 4))  # global average pool, 4x4 -> 1x1
         return nn.Dense(self.classes)(x.reshape(x.shape[0], -1))
 
 
 def demo_cnn(args: argparse.Namespace) -> PartResult:
-    print("[cnn] digits CNN: Conv -> jaxdnn BatchNorm -> relu -> residual block (BatchNorm fused with "
+    print("[cnn] digits CNN: jaxdnn Conv -> jaxdnn BatchNorm -> relu -> residual block (BatchNorm fused with "
           "add + relu) -> jaxdnn max_pool -> Conv -> BatchNorm + relu -> jaxdnn avg_pool -> Dense")
     data = digits_split(args.seed, image=True)
     print(f"[cnn] {len(data.x_train)} train / {len(data.x_test)} test examples, "

@@ -1,0 +1,171 @@
+"""jaxdnn's Flax linen Conv/ConvTranspose and Haiku ConvND/Conv2D against the stock modules.
+
+Same params tree (names, shapes, dtypes) as the stock module; outputs and gradients (w.r.t. params and
+inputs, random cotangent) within tests/helpers.py's tolerances of the stock module run in float64 on
+the same params; the jaxdnn convolution custom call in the HLO; unsupported options raise.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_close, normal, tolerance
+
+nn = pytest.importorskip("flax.linen")
+hk = pytest.importorskip("haiku")
+
+import jaxdnn.flax as jflax  # noqa: E402
+import jaxdnn.haiku as jhk  # noqa: E402
+
+F32 = jnp.float32
+FPROP = "jaxdnn_conv_fprop_v1"
+
+
+def _f64(tree):
+    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), tree)
+
+
+def _randomize(rng, tree):
+    """Every leaf replaced by random normals (so a zero-initialized bias is exercised too)."""
+    return jax.tree.map(lambda a: normal(rng, a.shape, a.dtype), tree)
+
+
+def _same_structure(a, b):
+    spec = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)  # noqa: E731
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    assert spec(a) == spec(b)
+
+
+def _check_against(apply, apply_stock, params, x, rng):
+    """apply(params, x) and its VJP against apply_stock run in float64 on the same params."""
+    y, vjp = jax.vjp(jax.jit(apply), params, x)
+    y_ref, vjp_ref = jax.vjp(apply_stock, _f64(params), _f64(x))
+    assert y.dtype == F32
+    assert_close(y, y_ref, tolerance(F32), "output")
+    ct = normal(rng, y.shape, F32)
+    grads, grads_ref = vjp(ct), vjp_ref(_f64(ct))
+    for path, g, g_ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads),
+                              jax.tree.leaves(grads_ref)):
+        assert_close(g, g_ref, tolerance(F32, grad=True), f"grad {jax.tree_util.keystr(path[0])}")
+    assert FPROP in jax.jit(apply).lower(params, x).as_text()
+
+
+# --- Flax linen ---------------------------------------------------------------------------------
+
+CONV_CASES = [
+    ((2, 9, 7, 6), dict(features=5, kernel_size=(3, 3))),
+    ((3, 11, 6), dict(features=8, kernel_size=(3, 2), strides=(2, 1), padding="VALID",
+                      feature_group_count=2)),
+    ((2, 10, 8, 4), dict(features=4, kernel_size=(2, 3), padding=((1, 0), (2, 1)), kernel_dilation=(2, 1),
+                         input_dilation=(1, 2), use_bias=False)),
+    ((2, 3, 8, 7, 4), dict(features=4, kernel_size=(3, 3), feature_group_count=4, padding="CIRCULAR")),
+    ((1, 10, 3), dict(features=2, kernel_size=(3,), kernel_dilation=2, padding="CAUSAL")),
+    ((5, 6, 3), dict(features=3, kernel_size=(3, 3), padding=1, strides=2)),  # unbatched
+]
+
+
+@pytest.mark.parametrize("shape,kw", CONV_CASES, ids=[str(i) for i in range(len(CONV_CASES))])
+def test_flax_conv_matches_stock(rng, shape, kw):
+    x = normal(rng, shape, F32)
+    params = jflax.Conv(**kw).init(jax.random.key(0), x)
+    _same_structure(params, nn.Conv(**kw).init(jax.random.key(0), x))
+    params = _randomize(rng, params)
+    _check_against(jflax.Conv(**kw).apply, nn.Conv(**kw).apply, params, x, rng)
+
+
+TRANSPOSE_CASES = [
+    ((2, 5, 4, 6), dict(features=5, kernel_size=(3, 3), strides=(2, 2))),
+    ((2, 6, 3), dict(features=4, kernel_size=(4,), strides=(3,), padding="VALID", kernel_dilation=(2,))),
+    ((1, 4, 5, 3), dict(features=2, kernel_size=(3, 2), strides=(2, 1), padding=((2, 1), (0, 1)),
+                        transpose_kernel=True)),
+]
+
+
+@pytest.mark.parametrize("shape,kw", TRANSPOSE_CASES, ids=[str(i) for i in range(len(TRANSPOSE_CASES))])
+def test_flax_conv_transpose_matches_stock(rng, shape, kw):
+    x = normal(rng, shape, F32)
+    params = jflax.ConvTranspose(**kw).init(jax.random.key(0), x)
+    _same_structure(params, nn.ConvTranspose(**kw).init(jax.random.key(0), x))
+    params = _randomize(rng, params)
+    _check_against(jflax.ConvTranspose(**kw).apply, nn.ConvTranspose(**kw).apply, params, x, rng)
+
+
+def test_flax_conv_dtype_promotion(rng):
+    """bfloat16 inputs with float32 params compute in float32, as stock Flax; dtype= sets it."""
+    x = normal(rng, (2, 6, 6, 3), jnp.bfloat16)
+    params = nn.Conv(4, (3, 3)).init(jax.random.key(0), x)
+    assert jflax.Conv(4, (3, 3)).apply(params, x).dtype == nn.Conv(4, (3, 3)).apply(params, x).dtype == F32
+    y = jflax.Conv(4, (3, 3), dtype=jnp.bfloat16).apply(params, x)
+    y_ref = nn.Conv(4, (3, 3), dtype=jnp.bfloat16).apply(params, x)
+    assert y.dtype == y_ref.dtype == jnp.bfloat16
+    assert_close(y.astype(F32), y_ref.astype(F32), tolerance(jnp.bfloat16))
+
+
+def test_flax_conv_in_models_share_params(rng):
+    """The modules slot into a model under the stock names (Conv_0, ConvTranspose_0)."""
+
+    def model(conv, conv_transpose):
+        class Net(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                return conv_transpose(3, (2, 2), strides=(2, 2))(nn.relu(conv(6, (3, 3), strides=2)(x)))
+        return Net()
+
+    x = normal(rng, (2, 8, 8, 3), F32)
+    params = _randomize(rng, model(nn.Conv, nn.ConvTranspose).init(jax.random.key(0), x))
+    _same_structure(params, model(jflax.Conv, jflax.ConvTranspose).init(jax.random.key(0), x))
+    _check_against(model(jflax.Conv, jflax.ConvTranspose).apply, model(nn.Conv, nn.ConvTranspose).apply,
+                   params, x, rng)
+
+
+@pytest.mark.parametrize("module,kw,match", [
+    (jflax.ConvTranspose, dict(features=2, kernel_size=(3, 3), padding="CIRCULAR"), "CIRCULAR"),
+    (jflax.Conv, dict(features=2, kernel_size=(3, 3), padding="CAUSAL"), "CAUSAL"),
+    (jflax.Conv, dict(features=2, kernel_size=(3, 3), feature_group_count=2), "feature_group_count"),
+    (jflax.Conv, dict(features=2, kernel_size=(3, 3), mask=jnp.ones((2, 2, 3, 2))), "mask"),
+    (jflax.Conv, dict(features=2, kernel_size=(3, 3), padding="BOGUS"), "padding"),
+])
+def test_flax_bad_options_raise(rng, module, kw, match):
+    with pytest.raises(ValueError, match=match):
+        module(**kw).init(jax.random.key(0), normal(rng, (1, 6, 6, 3), F32))
+
+
+# --- Haiku --------------------------------------------------------------------------------------
+
+HAIKU_CASES = [
+    ((2, 9, 7, 6), dict(output_channels=5, kernel_shape=3)),
+    ((2, 9, 7, 6), dict(output_channels=6, kernel_shape=(3, 2), stride=(2, 1), padding="VALID",
+                        feature_group_count=3)),
+    ((2, 6, 10, 8), dict(output_channels=4, kernel_shape=(2, 3), rate=2, padding=((1, 0), (2, 1)),
+                         data_format="NCHW")),
+    ((7, 5, 4), dict(output_channels=3, kernel_shape=3, stride=2, with_bias=False)),  # unbatched
+]
+
+
+@pytest.mark.parametrize("shape,kw", HAIKU_CASES, ids=[str(i) for i in range(len(HAIKU_CASES))])
+def test_haiku_conv2d_matches_stock(rng, shape, kw):
+    x = normal(rng, shape, F32)
+    ours = hk.without_apply_rng(hk.transform(lambda x: jhk.Conv2D(**kw)(x)))
+    stock = hk.without_apply_rng(hk.transform(lambda x: hk.Conv2D(**kw)(x)))
+    params = ours.init(jax.random.key(0), x)
+    _same_structure(params, stock.init(jax.random.key(0), x))
+    _check_against(ours.apply, stock.apply, _randomize(rng, params), x, rng)
+
+
+def test_haiku_conv_nd_matches_stock(rng):
+    x = normal(rng, (2, 5, 6, 4, 3), F32)
+    kw = dict(num_spatial_dims=3, output_channels=4, kernel_shape=(3, 1, 2), stride=(1, 2, 1))
+    ours = hk.without_apply_rng(hk.transform(lambda x: jhk.ConvND(**kw)(x)))
+    stock = hk.without_apply_rng(hk.transform(lambda x: hk.ConvND(**kw)(x)))
+    params = ours.init(jax.random.key(0), x)
+    _same_structure(params, stock.init(jax.random.key(0), x))
+    _check_against(ours.apply, stock.apply, _randomize(rng, params), x, rng)
+
+
+@pytest.mark.parametrize("shape,kw,match", [
+    ((1, 6, 6, 3), dict(output_channels=2, kernel_shape=3, feature_group_count=2), "feature_group_count"),
+    ((6, 3), dict(output_channels=2, kernel_shape=3), "rank"),
+])
+def test_haiku_bad_options_raise(rng, shape, kw, match):
+    f = hk.transform(lambda x: jhk.Conv2D(**kw)(x))
+    with pytest.raises(ValueError, match=match):
+        f.init(jax.random.key(0), normal(rng, shape, F32))
