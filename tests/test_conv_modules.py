@@ -169,3 +169,42 @@ def test_haiku_bad_options_raise(rng, shape, kw, match):
     f = hk.transform(lambda x: jhk.Conv2D(**kw)(x))
     with pytest.raises(ValueError, match=match):
         f.init(jax.random.key(0), normal(rng, shape, F32))
+
+
+# --- Flax NNX -----------------------------------------------------------------------------------
+
+NNX_CASES = [
+    ((2, 9, 7, 6), dict(in_features=6, out_features=5, kernel_size=(3, 3))),
+    ((2, 3, 11, 6), dict(in_features=6, out_features=4, kernel_size=(3, 2), strides=(2, 1), padding="REFLECT",
+                         feature_group_count=2, kernel_dilation=(1, 2))),
+    ((1, 10, 3), dict(in_features=3, out_features=2, kernel_size=(3,), padding="CAUSAL", use_bias=False)),
+]
+
+
+@pytest.mark.parametrize("shape,kw", NNX_CASES, ids=[str(i) for i in range(len(NNX_CASES))])
+def test_nnx_conv_matches_stock(rng, shape, kw):
+    nnx = pytest.importorskip("flax.nnx")
+    from jaxdnn.flax import nnx as jnnx
+
+    x = normal(rng, shape, F32)
+    ours, stock = jnnx.Conv(**kw, rngs=nnx.Rngs(0)), nnx.Conv(**kw, rngs=nnx.Rngs(0))
+    params = _randomize(rng, nnx.state(stock, nnx.Param))
+    _same_structure(params, nnx.state(ours, nnx.Param))
+    graph, _ = nnx.split(ours)
+    stock_graph, _ = nnx.split(stock)
+
+    def apply(graph):
+        return lambda params, x: nnx.merge(graph, params)(x)
+
+    _check_against(apply(graph), apply(stock_graph), params, x, rng)
+
+
+def test_nnx_conv_bad_options_raise(rng):
+    nnx = pytest.importorskip("flax.nnx")
+    from jaxdnn.flax import nnx as jnnx
+
+    conv = jnnx.Conv(4, 2, (3, 3), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="in_features"):
+        conv(normal(rng, (1, 5, 5, 3), F32))
+    with pytest.raises(ValueError, match="out_sharding"):
+        conv(normal(rng, (1, 5, 5, 4), F32), out_sharding=jax.sharding.PartitionSpec())

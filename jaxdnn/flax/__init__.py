@@ -6,7 +6,7 @@ on first use, since ``flax.nnx`` is a sizeable import of its own)::
 
     from jaxdnn.flax import BatchNorm, GroupNorm, LayerNorm, RMSNorm   # flax.linen modules
     from jaxdnn.flax import Conv, ConvTranspose    # flax.linen modules on jaxdnn's convolution
-    from jaxdnn.flax import nnx as jnnx    # jnnx.BatchNorm, jnnx.GroupNorm, jnnx.LayerNorm, jnnx.RMSNorm
+    from jaxdnn.flax import nnx as jnnx    # jnnx.BatchNorm, .Conv, .GroupNorm, .LayerNorm, .RMSNorm
     from jaxdnn.flax import dot_product_attention  # attention_fn of Flax's attention modules
 
 Both mirror the stock Flax modules' attributes and parameter names (``scale``,

@@ -59,14 +59,14 @@ def _flatten_batch(module: str, inputs, spatial: int):
     return flat, lambda y: y.reshape(batch + y.shape[1:])
 
 
-def _pad_input(inputs, padding, window, kernel_dilation):
+def _pad_input(module: str, inputs, padding, window, kernel_dilation):
     """Flax's non-lax paddings done on the input (then convolved with "VALID"): "CIRCULAR" wraps
     and "REFLECT" mirrors, centred on the dilated window; "CAUSAL" left-pads a 1-D axis."""
     dilated = [(k - 1) * d + 1 for k, d in zip(window, kernel_dilation)]
     if padding == "CAUSAL":
         if len(window) != 1:
-            raise ValueError("jaxdnn flax.linen.Conv: padding='CAUSAL' is only defined for 1-D "
-                             f"convolutions, got kernel_size {window}")
+            raise ValueError(f"jaxdnn {module}: padding='CAUSAL' is only defined for 1-D convolutions, "
+                             f"got kernel_size {window}")
         pads = [(dilated[0] - 1, 0)]
         mode = "constant"
     else:
@@ -77,6 +77,35 @@ def _pad_input(inputs, padding, window, kernel_dilation):
 
 def _add_bias(y, bias):
     return y if bias is None else y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+def conv_input(module: str, inputs, window, padding, kernel_dilation):
+    """The input of a Flax-style Conv as the kernels take it: (inputs (N, *spatial, C), its lax
+    padding, the function restoring the caller's batch axes on the output). Shared with the NNX Conv."""
+    inputs, restore = _flatten_batch(module, inputs, len(window))
+    padding = canonicalize_padding(padding, len(window))
+    if padding in ("CIRCULAR", "REFLECT", "CAUSAL"):
+        inputs = _pad_input(module, inputs, padding, window, kernel_dilation)
+        padding = "VALID"
+    return inputs, padding, restore
+
+
+def check_kernel(module: str, inputs, groups: int, kernel_shape, mask) -> None:
+    """ValueError unless G divides C and the mask (if any) has the kernel's shape."""
+    if groups < 1 or inputs.shape[-1] % groups:
+        raise ValueError(f"jaxdnn {module}: feature_group_count ({groups}) must divide the input features "
+                         f"C = {inputs.shape[-1]} (inputs shape {inputs.shape})")
+    if mask is not None and mask.shape != tuple(kernel_shape):
+        raise ValueError(f"jaxdnn {module}: mask must have the kernel's shape {tuple(kernel_shape)}, got "
+                         f"{mask.shape}")
+
+
+def conv_with_bias(inputs, kernel, bias, strides, padding, input_dilation, kernel_dilation, groups):
+    """jaxdnn.conv_general_dilated on inputs (N, *spatial, C) and kernel (*window, C/G, K), + bias (K,)."""
+    y = jaxdnn.conv_general_dilated(inputs, kernel, strides, padding, lhs_dilation=input_dilation,
+                                    rhs_dilation=kernel_dilation, dimension_numbers=_LAYOUTS[kernel.ndim - 2],
+                                    feature_group_count=groups)
+    return _add_bias(y, bias)
 
 
 class Conv(nn.Conv):
@@ -95,33 +124,21 @@ class Conv(nn.Conv):
                              "must be None (this module always runs jaxdnn.conv_general_dilated)")
         window = _window(self.kernel_size)
         spatial = len(window)
-        inputs, restore = _flatten_batch("flax.linen.Conv", inputs, spatial)
-        strides = _per_axis(self.strides, spatial)
-        input_dilation = _per_axis(self.input_dilation, spatial)
         kernel_dilation = _per_axis(self.kernel_dilation, spatial)
-        padding = canonicalize_padding(self.padding, spatial)
-        if padding in ("CIRCULAR", "REFLECT", "CAUSAL"):
-            inputs = _pad_input(inputs, padding, window, kernel_dilation)
-            padding = "VALID"
-        in_features = inputs.shape[-1]
+        inputs, padding, restore = conv_input("flax.linen.Conv", inputs, window, self.padding,
+                                              kernel_dilation)
         groups = self.feature_group_count
-        if groups < 1 or in_features % groups:
-            raise ValueError(f"jaxdnn flax.linen.Conv: feature_group_count ({groups}) must divide the "
-                             f"input features C = {in_features} (inputs shape {inputs.shape})")
-        kernel_shape = window + (in_features // groups, self.features)
-        if self.mask is not None and self.mask.shape != kernel_shape:
-            raise ValueError(f"jaxdnn flax.linen.Conv: mask must have the kernel's shape {kernel_shape}, "
-                             f"got {self.mask.shape}")
+        kernel_shape = window + (inputs.shape[-1] // max(groups, 1), self.features)
+        check_kernel("flax.linen.Conv", inputs, groups, kernel_shape, self.mask)
         kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
         if self.mask is not None:
             kernel = kernel * self.mask
         bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
                 if self.use_bias else None)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        y = jaxdnn.conv_general_dilated(inputs, kernel, strides, padding, lhs_dilation=input_dilation,
-                                        rhs_dilation=kernel_dilation, dimension_numbers=_LAYOUTS[spatial],
-                                        feature_group_count=groups)
-        return restore(_add_bias(y, bias))
+        y = conv_with_bias(inputs, kernel, bias, _per_axis(self.strides, spatial), padding,
+                           _per_axis(self.input_dilation, spatial), kernel_dilation, groups)
+        return restore(y)
 
 
 class ConvTranspose(nn.ConvTranspose):
@@ -148,9 +165,7 @@ class ConvTranspose(nn.ConvTranspose):
         in_features = inputs.shape[-1]
         kernel_shape = window + ((self.features, in_features) if self.transpose_kernel
                                  else (in_features, self.features))
-        if self.mask is not None and self.mask.shape != kernel_shape:
-            raise ValueError("jaxdnn flax.linen.ConvTranspose: mask must have the kernel's shape "
-                             f"{kernel_shape}, got {self.mask.shape}")
+        check_kernel("flax.linen.ConvTranspose", inputs, 1, kernel_shape, self.mask)
         kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
         if self.mask is not None:
             kernel = kernel * self.mask
