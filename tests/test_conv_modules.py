@@ -2,7 +2,7 @@
 
 Same params tree (names, shapes, dtypes) as the stock module; outputs and gradients (w.r.t. params and
 inputs, random cotangent) within tests/helpers.py's tolerances of the stock module run in float64 on
-the same params; the jaxdnn convolution custom call in the HLO; unsupported options raise.
+the same params; jaxdnn's fprop/dgrad/wgrad custom calls in the HLO; unsupported options raise.
 """
 
 import jax
@@ -17,7 +17,7 @@ import jaxdnn.flax as jflax  # noqa: E402
 import jaxdnn.haiku as jhk  # noqa: E402
 
 F32 = jnp.float32
-FPROP = "jaxdnn_conv_fprop_v1"
+TARGETS = ("jaxdnn_conv_fprop_v1", "jaxdnn_conv_dgrad_v1", "jaxdnn_conv_wgrad_v1")
 
 
 def _f64(tree):
@@ -35,18 +35,28 @@ def _same_structure(a, b):
     assert spec(a) == spec(b)
 
 
+def _output_and_grads(apply):
+    """jit of (params, x, ct) -> (apply(params, x), its VJP of ct): one compile per module."""
+    def run(params, x, ct):
+        y, vjp = jax.vjp(apply, params, x)
+        return y, vjp(ct)
+    return jax.jit(run)
+
+
 def _check_against(apply, apply_stock, params, x, rng):
-    """apply(params, x) and its VJP against apply_stock run in float64 on the same params."""
-    y, vjp = jax.vjp(jax.jit(apply), params, x)
-    y_ref, vjp_ref = jax.vjp(apply_stock, _f64(params), _f64(x))
+    """apply(params, x) and its VJP (random cotangent) against apply_stock run in float64 on the
+    same params, and jaxdnn's fprop, dgrad and wgrad kernels in the HLO."""
+    ct = normal(rng, jax.eval_shape(apply, params, x).shape, F32)
+    run = _output_and_grads(apply)
+    y, grads = run(params, x, ct)
+    y_ref, grads_ref = _output_and_grads(apply_stock)(_f64(params), _f64(x), _f64(ct))
     assert y.dtype == F32
     assert_close(y, y_ref, tolerance(F32), "output")
-    ct = normal(rng, y.shape, F32)
-    grads, grads_ref = vjp(ct), vjp_ref(_f64(ct))
     for path, g, g_ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads),
                               jax.tree.leaves(grads_ref)):
         assert_close(g, g_ref, tolerance(F32, grad=True), f"grad {jax.tree_util.keystr(path[0])}")
-    assert FPROP in jax.jit(apply).lower(params, x).as_text()
+    hlo = run.lower(params, x, ct).as_text()
+    assert all(f"@{target}(" in hlo for target in TARGETS), "jaxdnn's conv kernels missing from the HLO"
 
 
 # --- Flax linen ---------------------------------------------------------------------------------
@@ -56,7 +66,7 @@ CONV_CASES = [
     ((3, 11, 6), dict(features=8, kernel_size=(3, 2), strides=(2, 1), padding="VALID",
                       feature_group_count=2)),
     ((2, 10, 8, 4), dict(features=4, kernel_size=(2, 3), padding=((1, 0), (2, 1)), kernel_dilation=(2, 1),
-                         input_dilation=(1, 2), use_bias=False)),
+                         input_dilation=(1, 2), use_bias=False, mask=jnp.tril(jnp.ones((2, 3, 4, 4))))),
     ((2, 3, 8, 7, 4), dict(features=4, kernel_size=(3, 3), feature_group_count=4, padding="CIRCULAR")),
     ((1, 10, 3), dict(features=2, kernel_size=(3,), kernel_dilation=2, padding="CAUSAL")),
     ((5, 6, 3), dict(features=3, kernel_size=(3, 3), padding=1, strides=2)),  # unbatched
