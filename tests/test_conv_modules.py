@@ -66,7 +66,7 @@ CONV_CASES = [
     ((3, 11, 6), dict(features=8, kernel_size=(3, 2), strides=(2, 1), padding="VALID",
                       feature_group_count=2)),
     ((2, 10, 8, 4), dict(features=4, kernel_size=(2, 3), padding=((1, 0), (2, 1)), kernel_dilation=(2, 1),
-                         input_dilation=(1, 2), use_bias=False, mask=jnp.tril(jnp.ones((2, 3, 4, 4))))),
+                         input_dilation=(1, 2), use_bias=False, mask=jnp.tril(jnp.ones((2, 3, 4, 4), F32)))),
     ((2, 3, 8, 7, 4), dict(features=4, kernel_size=(3, 3), feature_group_count=4, padding="CIRCULAR")),
     ((1, 10, 3), dict(features=2, kernel_size=(3,), kernel_dilation=2, padding="CAUSAL")),
     ((5, 6, 3), dict(features=3, kernel_size=(3, 3), padding=1, strides=2)),  # unbatched
