@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 
 import jaxdnn
-from jaxdnn.haiku_conv import Conv2D, ConvND
+from jaxdnn.haiku_conv import Conv1D, Conv2D, Conv3D, ConvND
 
-__all__ = ["BatchNorm", "Conv2D", "ConvND", "GroupNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["BatchNorm", "Conv1D", "Conv2D", "Conv3D", "ConvND", "GroupNorm", "LayerNorm", "RMSNorm"]
 
 Initializer = Callable[..., Any]
 

@@ -1,8 +1,9 @@
 """Haiku convolution modules over ``jaxdnn.conv_general_dilated``.
 
-``ConvND`` subclasses ``hk.ConvND`` and ``Conv2D`` is it with two spatial axes, as in Haiku, keeping
-Haiku's constructor (and so its argument handling: ints or per-axis sequences, "SAME"/"VALID", (low, high)
-pairs or ``hk.pad`` functions, ``data_format``) and its names: the module ``conv2_d`` (``conv_nd``)
+``ConvND`` subclasses ``hk.ConvND``, and ``Conv1D``/``Conv2D``/``Conv3D`` are it with 1/2/3 spatial
+axes, as in Haiku. They keep Haiku's constructor (and so its argument handling: ints or per-axis
+sequences, "SAME"/"VALID", (low, high) pairs or ``hk.pad`` functions, ``data_format``) and its
+names: the module ``conv2_d`` (``conv1_d``, ``conv3_d``, ``conv_nd``)
 holds ``w`` ``(*window, C / feature_group_count, K)`` and ``b`` (``(K,)`` channels last,
 ``(K, 1, ..., 1)`` channels first), created in the input's dtype, so params made with stock Haiku
 load unchanged. Only ``__call__`` differs: the convolution runs on jaxdnn's kernels (float32,
@@ -22,15 +23,15 @@ import numpy as np
 
 import jaxdnn
 
-__all__ = ["Conv2D", "ConvND"]
+__all__ = ["Conv1D", "Conv2D", "Conv3D", "ConvND"]
 
 
 class ConvND(hk.ConvND):
     """``hk.ConvND`` (same constructor, module and param names) on ``jaxdnn.conv_general_dilated``."""
 
     def __call__(self, inputs, *, precision=None):
-        """inputs ``(N, *spatial, C)`` (channels last) or ``(*spatial, C)`` unbatched -> the same
-        layout with ``output_channels`` K channels."""
+        """inputs ``(N, *spatial, C)`` (``(N, C, *spatial)`` channels first), or without ``N`` for one
+        example -> the same layout with ``output_channels`` K channels."""
         del precision  # the kernels accumulate in float32
         inputs = jnp.asarray(inputs)
         module = f"jaxdnn haiku {type(self).__name__}"
@@ -65,6 +66,18 @@ class ConvND(hk.ConvND):
         return out[0] if unbatched else out
 
 
+class Conv1D(ConvND):
+    """``hk.Conv1D`` (same constructor, module and param names) on ``jaxdnn.conv_general_dilated``."""
+
+    def __init__(self, output_channels, kernel_shape, stride=1, rate=1, padding="SAME", with_bias=True,
+                 w_init=None, b_init=None, data_format="NWC", mask=None, feature_group_count=1, name=None):
+        """As ``hk.Conv1D``: ``data_format`` is "NWC" (default) or "NCW"."""
+        super().__init__(num_spatial_dims=1, output_channels=output_channels, kernel_shape=kernel_shape,
+                         stride=stride, rate=rate, padding=padding, with_bias=with_bias, w_init=w_init,
+                         b_init=b_init, data_format=data_format, mask=mask,
+                         feature_group_count=feature_group_count, name=name)
+
+
 class Conv2D(ConvND):
     """``hk.Conv2D`` (same constructor, module and param names) on ``jaxdnn.conv_general_dilated``."""
 
@@ -72,6 +85,18 @@ class Conv2D(ConvND):
                  w_init=None, b_init=None, data_format="NHWC", mask=None, feature_group_count=1, name=None):
         """As ``hk.Conv2D``: ``data_format`` is "NHWC" (default) or "NCHW"."""
         super().__init__(num_spatial_dims=2, output_channels=output_channels, kernel_shape=kernel_shape,
+                         stride=stride, rate=rate, padding=padding, with_bias=with_bias, w_init=w_init,
+                         b_init=b_init, data_format=data_format, mask=mask,
+                         feature_group_count=feature_group_count, name=name)
+
+
+class Conv3D(ConvND):
+    """``hk.Conv3D`` (same constructor, module and param names) on ``jaxdnn.conv_general_dilated``."""
+
+    def __init__(self, output_channels, kernel_shape, stride=1, rate=1, padding="SAME", with_bias=True,
+                 w_init=None, b_init=None, data_format="NDHWC", mask=None, feature_group_count=1, name=None):
+        """As ``hk.Conv3D``: ``data_format`` is "NDHWC" (default) or "NCDHW"."""
+        super().__init__(num_spatial_dims=3, output_channels=output_channels, kernel_shape=kernel_shape,
                          stride=stride, rate=rate, padding=padding, with_bias=with_bias, w_init=w_init,
                          b_init=b_init, data_format=data_format, mask=mask,
                          feature_group_count=feature_group_count, name=name)

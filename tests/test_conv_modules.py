@@ -161,11 +161,16 @@ def test_haiku_conv2d_matches_stock(rng, shape, kw):
     _check_against(ours.apply, stock.apply, _randomize(rng, params), x, rng)
 
 
-def test_haiku_conv_nd_matches_stock(rng):
-    x = normal(rng, (2, 5, 6, 4, 3), F32)
-    kw = dict(num_spatial_dims=3, output_channels=4, kernel_shape=(3, 1, 2), stride=(1, 2, 1))
-    ours = hk.without_apply_rng(hk.transform(lambda x: jhk.ConvND(**kw)(x)))
-    stock = hk.without_apply_rng(hk.transform(lambda x: hk.ConvND(**kw)(x)))
+@pytest.mark.parametrize("name,shape,kw", [
+    ("ConvND", (2, 5, 6, 4, 3), dict(num_spatial_dims=3, output_channels=4, kernel_shape=(3, 1, 2),
+                                     stride=(1, 2, 1))),
+    ("Conv1D", (3, 4, 11), dict(output_channels=4, kernel_shape=3, rate=2, data_format="NCW")),
+    ("Conv3D", (1, 4, 5, 3, 2), dict(output_channels=3, kernel_shape=(2, 2, 1), padding="VALID")),
+])
+def test_haiku_conv_nd_matches_stock(rng, name, shape, kw):
+    x = normal(rng, shape, F32)
+    ours = hk.without_apply_rng(hk.transform(lambda x: getattr(jhk, name)(**kw)(x)))
+    stock = hk.without_apply_rng(hk.transform(lambda x: getattr(hk, name)(**kw)(x)))
     params = ours.init(jax.random.key(0), x)
     _same_structure(params, stock.init(jax.random.key(0), x))
     _check_against(ours.apply, stock.apply, _randomize(rng, params), x, rng)
