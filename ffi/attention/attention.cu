@@ -429,14 +429,8 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
       {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, &dropout_seed, scale, soft_cap, causal,
        window_left, window_right, present, dropout_keep}, &p));
   JAXDNN_RETURN_IF_ERROR(CheckHeadDim(p));
-  JAXDNN_RETURN_IF_ERROR(ExpectLike("do", d_out, q));
-  JAXDNN_RETURN_IF_ERROR(ExpectLike("o", o, q));
-  JAXDNN_RETURN_IF_ERROR(ExpectLike("dq", *dq, q));
-  JAXDNN_RETURN_IF_ERROR(ExpectLike("dk", *dk, k));
-  JAXDNN_RETURN_IF_ERROR(ExpectLike("dv", *dv, k));
-  JAXDNN_RETURN_IF_ERROR(ExpectStat("lse", lse.dimensions(), p));
-  JAXDNN_RETURN_IF_ERROR(ExpectStat("delta", delta->dimensions(), p));
-  JAXDNN_RETURN_IF_ERROR(ExpectBiasGrad(dbias->dimensions(), p, bias_grad));
+  JAXDNN_RETURN_IF_ERROR(CheckAttentionBwd(p, d_out, q, k, o, lse.dimensions(), *dq, *dk, *dv, dbias->dimensions(),
+                                           delta->dimensions(), bias_grad));
   // dbias entries of keys a query tile never reaches stay 0.
   if (dbias->element_count() > 0) {
     JAXDNN_RETURN_IF_ERROR(

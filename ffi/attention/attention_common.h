@@ -177,4 +177,22 @@ inline ffi::Error ExpectBiasGrad(ffi::AnyBuffer::Dimensions dims, const Attentio
   return attention_internal::ExpectDims("dbias", dims, {p.batch, p.heads, p.q_len, p.kv_len});
 }
 
+// The backward's buffers beyond the problem's own: do, o and dq like q, dk and dv like k, lse and
+// delta [B, N, T], dbias as bias_grad asks.
+inline ffi::Error CheckAttentionBwd(const AttentionProblem& p, const ffi::AnyBuffer& d_out, const ffi::AnyBuffer& q,
+                                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& o,
+                                    ffi::AnyBuffer::Dimensions lse, const ffi::AnyBuffer& dq,
+                                    const ffi::AnyBuffer& dk, const ffi::AnyBuffer& dv,
+                                    ffi::AnyBuffer::Dimensions dbias, ffi::AnyBuffer::Dimensions delta,
+                                    int64_t bias_grad) {
+  JAXDNN_RETURN_IF_ERROR(ExpectLike("do", d_out, q));
+  JAXDNN_RETURN_IF_ERROR(ExpectLike("o", o, q));
+  JAXDNN_RETURN_IF_ERROR(ExpectLike("dq", dq, q));
+  JAXDNN_RETURN_IF_ERROR(ExpectLike("dk", dk, k));
+  JAXDNN_RETURN_IF_ERROR(ExpectLike("dv", dv, k));
+  JAXDNN_RETURN_IF_ERROR(ExpectStat("lse", lse, p));
+  JAXDNN_RETURN_IF_ERROR(ExpectStat("delta", delta, p));
+  return ExpectBiasGrad(dbias, p, bias_grad);
+}
+
 }  // namespace jaxdnn

@@ -287,14 +287,8 @@ ffi::Error AttentionBwdImpl(ffi::AnyBuffer d_out, ffi::AnyBuffer q, ffi::AnyBuff
   JAXDNN_RETURN_IF_ERROR(MakeAttentionProblem(
       {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, &dropout_seed, scale, soft_cap, causal,
        window_left, window_right, present, dropout_keep}, &p));
-  JAXDNN_RETURN_IF_ERROR(ExpectLike("do", d_out, q));
-  JAXDNN_RETURN_IF_ERROR(ExpectLike("o", o, q));
-  JAXDNN_RETURN_IF_ERROR(ExpectLike("dq", *dq, q));
-  JAXDNN_RETURN_IF_ERROR(ExpectLike("dk", *dk, k));
-  JAXDNN_RETURN_IF_ERROR(ExpectLike("dv", *dv, k));
-  JAXDNN_RETURN_IF_ERROR(ExpectStat("lse", lse.dimensions(), p));
-  JAXDNN_RETURN_IF_ERROR(ExpectStat("delta", delta->dimensions(), p));
-  JAXDNN_RETURN_IF_ERROR(ExpectBiasGrad(dbias->dimensions(), p, bias_grad));
+  JAXDNN_RETURN_IF_ERROR(CheckAttentionBwd(p, d_out, q, k, o, lse.dimensions(), *dq, *dk, *dv, dbias->dimensions(),
+                                           delta->dimensions(), bias_grad));
   if (dbias->element_count() > 0) std::memset(dbias->typed_data(), 0, dbias->size_bytes());
   return DispatchFloat<float, Bf16, Half>(q.element_type(), "q", [&](auto tag) {
     using T = decltype(tag);

@@ -349,11 +349,6 @@ ffi::Error LaunchApply(cudaStream_t stream, const T* dy, const T* x, const T* re
   return LaunchError(what);
 }
 
-template <typename T>
-const T* DataOrNull(const std::optional<ffi::AnyBuffer>& buffer) {
-  return buffer.has_value() ? static_cast<const T*>(buffer->untyped_data()) : nullptr;
-}
-
 // Zero sums for an empty batch (every output is written, even then).
 ffi::Error ZeroSums(cudaStream_t stream, float* out1, float* out2, int64_t channels) {
   JAXDNN_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(out1, 0, channels * sizeof(float), stream), "batch_norm"));
@@ -364,8 +359,8 @@ ffi::Error StatsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32
                      ffi::Result<ffi::Buffer<ffi::F32>> s1, ffi::Result<ffi::Buffer<ffi::F32>> s2,
                      ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
   ChannelShape s;
-  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
-  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {}, {shift.dimensions(), s1->dimensions(), s2->dimensions()}));
+  JAXDNN_RETURN_IF_ERROR(
+      CheckBatchNormStage(x, {}, {shift.dimensions(), s1->dimensions(), s2->dimensions()}, 0, &s));
   if (s.channels == 0) return ffi::Error::Success();
   if (s.elements() == 0) return ZeroSums(stream, s1->typed_data(), s2->typed_data(), s.channels);
   int64_t blocks = 0;
@@ -387,10 +382,8 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> 
                    ffi::Buffer<ffi::F32> bias, std::optional<ffi::AnyBuffer> residual, ffi::Result<ffi::AnyBuffer> y, int64_t act,
                    float param) {
   ChannelShape s;
-  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
-  JAXDNN_RETURN_IF_ERROR(CheckActivationKind(act));
-  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*y}, {a.dimensions(), mean.dimensions(), bias.dimensions()}));
-  if (residual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*residual}, {}));
+  JAXDNN_RETURN_IF_ERROR(CheckBatchNormStage(
+      x, {&*y, OrNull(residual)}, {a.dimensions(), mean.dimensions(), bias.dimensions()}, act, &s));
   if (s.elements() == 0) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
@@ -411,11 +404,9 @@ ffi::Error BwdSumsImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                        ffi::Result<ffi::Buffer<ffi::F32>> sg, ffi::Result<ffi::Buffer<ffi::F32>> sgx,
                        ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t act, float param) {
   ChannelShape s;
-  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
-  JAXDNN_RETURN_IF_ERROR(CheckActivationKind(act));
-  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(
-      x, s, {&dy}, {a.dimensions(), mean.dimensions(), bias.dimensions(), sg->dimensions(), sgx->dimensions()}));
-  if (residual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*residual}, {}));
+  JAXDNN_RETURN_IF_ERROR(CheckBatchNormStage(
+      x, {&dy, OrNull(residual)},
+      {a.dimensions(), mean.dimensions(), bias.dimensions(), sg->dimensions(), sgx->dimensions()}, act, &s));
   if (s.channels == 0) return ffi::Error::Success();
   if (s.elements() == 0) return ZeroSums(stream, sg->typed_data(), sgx->typed_data(), s.channels);
   int64_t blocks = 0;
@@ -440,12 +431,9 @@ ffi::Error BwdDxImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, f
                      std::optional<ffi::AnyBuffer> residual, ffi::Result<ffi::AnyBuffer> dx,
                      std::optional<ffi::Result<ffi::AnyBuffer>> dresidual, int64_t act, float param) {
   ChannelShape s;
-  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
-  JAXDNN_RETURN_IF_ERROR(CheckActivationKind(act));
-  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(
-      x, s, {&dy, &*dx}, {a.dimensions(), mean.dimensions(), bias.dimensions(), k1.dimensions(), k0.dimensions()}));
-  if (residual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*residual}, {}));
-  if (dresidual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&**dresidual}, {}));
+  JAXDNN_RETURN_IF_ERROR(CheckBatchNormStage(
+      x, {&dy, &*dx, OrNull(residual), OrNull(dresidual)},
+      {a.dimensions(), mean.dimensions(), bias.dimensions(), k1.dimensions(), k0.dimensions()}, act, &s));
   if (s.elements() == 0) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);

@@ -19,35 +19,44 @@ struct ChannelShape {
   int64_t per_channel() const { return outer * inner; }
 };
 
-inline ffi::Error DecodeChannelShape(const ffi::AnyBuffer& x, ChannelShape* shape) {
+// What every stage's handler checks first: x is [O, C, I] (decoded into `shape`), every buffer in
+// `full` (null for an absent optional one: residual, dresidual) has x's dtype and shape, every one in
+// `per_channel` has C elements, and `act` names an activation.
+inline ffi::Error CheckBatchNormStage(const ffi::AnyBuffer& x, std::initializer_list<const ffi::AnyBuffer*> full,
+                                      std::initializer_list<ffi::AnyBuffer::Dimensions> per_channel, int64_t act,
+                                      ChannelShape* shape) {
   auto dims = x.dimensions();
   if (dims.size() != 3) {
     return InvalidArgument("batch_norm: x must be [O, C, I], got rank " + std::to_string(dims.size()));
   }
   *shape = ChannelShape{dims[0], dims[1], dims[2]};
-  return ffi::Error::Success();
-}
-
-// Every buffer in `full` has x's dtype and shape; every one in `per_channel` has C elements.
-inline ffi::Error CheckBatchNormOperands(const ffi::AnyBuffer& x, const ChannelShape& shape,
-                                         std::initializer_list<const ffi::AnyBuffer*> full,
-                                         std::initializer_list<ffi::AnyBuffer::Dimensions> per_channel) {
+  if (act < 0 || act >= kNumActivations) {
+    return InvalidArgument("batch_norm: unknown activation " + std::to_string(act));
+  }
   for (const ffi::AnyBuffer* b : full) {
-    if (b->element_type() != x.element_type() || ElementCount(b->dimensions()) != shape.elements()) {
+    if (b != nullptr &&
+        (b->element_type() != x.element_type() || ElementCount(b->dimensions()) != shape->elements())) {
       return InvalidArgument("batch_norm: dy, residual and the results must have x's shape and dtype");
     }
   }
-  for (auto dims : per_channel) {
-    JAXDNN_RETURN_IF_ERROR(ExpectElements("batch_norm: a per-channel operand", dims, shape.channels));
+  for (auto channel_dims : per_channel) {
+    JAXDNN_RETURN_IF_ERROR(ExpectElements("batch_norm: a per-channel operand", channel_dims, shape->channels));
   }
   return ffi::Error::Success();
 }
 
-inline ffi::Error CheckActivationKind(int64_t kind) {
-  if (kind < 0 || kind >= kNumActivations) {
-    return InvalidArgument("batch_norm: unknown activation " + std::to_string(kind));
-  }
-  return ffi::Error::Success();
+// The optional residual operand / dresidual result, or null.
+inline const ffi::AnyBuffer* OrNull(const std::optional<ffi::AnyBuffer>& buffer) {
+  return buffer.has_value() ? &*buffer : nullptr;
+}
+inline const ffi::AnyBuffer* OrNull(std::optional<ffi::Result<ffi::AnyBuffer>>& buffer) {
+  return buffer.has_value() ? &**buffer : nullptr;  // Result's operator* is non-const
+}
+
+// The optional residual's data, or null.
+template <typename T>
+const T* DataOrNull(const std::optional<ffi::AnyBuffer>& buffer) {
+  return buffer.has_value() ? static_cast<const T*>(buffer->untyped_data()) : nullptr;
 }
 
 // The workspace [P, 2, C] of the sum stages; returns P (at least 1).

@@ -10,11 +10,6 @@
 namespace jaxdnn {
 namespace {
 
-template <typename T>
-const T* DataOrNull(const std::optional<ffi::AnyBuffer>& buffer) {
-  return buffer.has_value() ? static_cast<const T*>(buffer->untyped_data()) : nullptr;
-}
-
 // Calls fn(element offset, channel) for every element of x in memory order.
 template <typename Fn>
 void ForEachElement(const ChannelShape& s, Fn&& fn) {
@@ -29,9 +24,8 @@ void ForEachElement(const ChannelShape& s, Fn&& fn) {
 ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> shift, ffi::Result<ffi::Buffer<ffi::F32>> s1,
                      ffi::Result<ffi::Buffer<ffi::F32>> s2, ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
   ChannelShape s;
-  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
-  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(
-      x, s, {}, {shift.dimensions(), s1->dimensions(), s2->dimensions()}));
+  JAXDNN_RETURN_IF_ERROR(
+      CheckBatchNormStage(x, {}, {shift.dimensions(), s1->dimensions(), s2->dimensions()}, 0, &s));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* xs = static_cast<const T*>(x.untyped_data());
@@ -54,10 +48,8 @@ ffi::Error FwdImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F
                    ffi::Buffer<ffi::F32> bias, std::optional<ffi::AnyBuffer> residual, ffi::Result<ffi::AnyBuffer> y, int64_t act,
                    float param) {
   ChannelShape s;
-  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
-  JAXDNN_RETURN_IF_ERROR(CheckActivationKind(act));
-  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*y}, {a.dimensions(), mean.dimensions(), bias.dimensions()}));
-  if (residual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*residual}, {}));
+  JAXDNN_RETURN_IF_ERROR(CheckBatchNormStage(
+      x, {&*y, OrNull(residual)}, {a.dimensions(), mean.dimensions(), bias.dimensions()}, act, &s));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* xs = static_cast<const T*>(x.untyped_data());
@@ -77,11 +69,9 @@ ffi::Error BwdSumsImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32
                        ffi::Result<ffi::Buffer<ffi::F32>> sg, ffi::Result<ffi::Buffer<ffi::F32>> sgx,
                        ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t act, float param) {
   ChannelShape s;
-  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
-  JAXDNN_RETURN_IF_ERROR(CheckActivationKind(act));
-  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(
-      x, s, {&dy}, {a.dimensions(), mean.dimensions(), bias.dimensions(), sg->dimensions(), sgx->dimensions()}));
-  if (residual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*residual}, {}));
+  JAXDNN_RETURN_IF_ERROR(CheckBatchNormStage(
+      x, {&dy, OrNull(residual)},
+      {a.dimensions(), mean.dimensions(), bias.dimensions(), sg->dimensions(), sgx->dimensions()}, act, &s));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* gs = static_cast<const T*>(dy.untyped_data());
@@ -108,12 +98,9 @@ ffi::Error BwdDxImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> 
                      ffi::Result<ffi::AnyBuffer> dx, std::optional<ffi::Result<ffi::AnyBuffer>> dresidual,
                      int64_t act, float param) {
   ChannelShape s;
-  JAXDNN_RETURN_IF_ERROR(DecodeChannelShape(x, &s));
-  JAXDNN_RETURN_IF_ERROR(CheckActivationKind(act));
-  JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(
-      x, s, {&dy, &*dx}, {a.dimensions(), mean.dimensions(), bias.dimensions(), k1.dimensions(), k0.dimensions()}));
-  if (residual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&*residual}, {}));
-  if (dresidual.has_value()) JAXDNN_RETURN_IF_ERROR(CheckBatchNormOperands(x, s, {&**dresidual}, {}));
+  JAXDNN_RETURN_IF_ERROR(CheckBatchNormStage(
+      x, {&dy, &*dx, OrNull(residual), OrNull(dresidual)},
+      {a.dimensions(), mean.dimensions(), bias.dimensions(), k1.dimensions(), k0.dimensions()}, act, &s));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* gs = static_cast<const T*>(dy.untyped_data());

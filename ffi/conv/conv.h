@@ -88,58 +88,35 @@ auto BindConvWgrad(Binding binding) {
 
 }  // namespace jaxdnn
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    jaxdnn::ConvAttrs,
-    StructMember<int64_t>("in_d"),
-    StructMember<int64_t>("in_h"),
-    StructMember<int64_t>("in_w"),
-    StructMember<int64_t>("out_d"),
-    StructMember<int64_t>("out_h"),
-    StructMember<int64_t>("out_w"),
-    StructMember<int64_t>("window_d"),
-    StructMember<int64_t>("window_h"),
-    StructMember<int64_t>("window_w"),
-    StructMember<int64_t>("stride_d"),
-    StructMember<int64_t>("stride_h"),
-    StructMember<int64_t>("stride_w"),
-    StructMember<int64_t>("pad_d"),
-    StructMember<int64_t>("pad_h"),
-    StructMember<int64_t>("pad_w"),
-    StructMember<int64_t>("lhs_dilation_d"),
-    StructMember<int64_t>("lhs_dilation_h"),
-    StructMember<int64_t>("lhs_dilation_w"),
-    StructMember<int64_t>("rhs_dilation_d"),
-    StructMember<int64_t>("rhs_dilation_h"),
-    StructMember<int64_t>("rhs_dilation_w"),
-    StructMember<int64_t>("groups"));
+// ConvAttrs' members by name, in order (also the first members of ConvFusedAttrs).
+#define JAXDNN_CONV_ATTR_MEMBERS \
+  StructMember<int64_t>("in_d"),  \
+  StructMember<int64_t>("in_h"),  \
+  StructMember<int64_t>("in_w"),  \
+  StructMember<int64_t>("out_d"),  \
+  StructMember<int64_t>("out_h"),  \
+  StructMember<int64_t>("out_w"),  \
+  StructMember<int64_t>("window_d"),  \
+  StructMember<int64_t>("window_h"),  \
+  StructMember<int64_t>("window_w"),  \
+  StructMember<int64_t>("stride_d"),  \
+  StructMember<int64_t>("stride_h"),  \
+  StructMember<int64_t>("stride_w"),  \
+  StructMember<int64_t>("pad_d"),  \
+  StructMember<int64_t>("pad_h"),  \
+  StructMember<int64_t>("pad_w"),  \
+  StructMember<int64_t>("lhs_dilation_d"),  \
+  StructMember<int64_t>("lhs_dilation_h"),  \
+  StructMember<int64_t>("lhs_dilation_w"),  \
+  StructMember<int64_t>("rhs_dilation_d"),  \
+  StructMember<int64_t>("rhs_dilation_h"),  \
+  StructMember<int64_t>("rhs_dilation_w"),  \
+  StructMember<int64_t>("groups")
 
-// The same members, then the epilogue's.
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    jaxdnn::ConvFusedAttrs,
-    StructMember<int64_t>("in_d"),
-    StructMember<int64_t>("in_h"),
-    StructMember<int64_t>("in_w"),
-    StructMember<int64_t>("out_d"),
-    StructMember<int64_t>("out_h"),
-    StructMember<int64_t>("out_w"),
-    StructMember<int64_t>("window_d"),
-    StructMember<int64_t>("window_h"),
-    StructMember<int64_t>("window_w"),
-    StructMember<int64_t>("stride_d"),
-    StructMember<int64_t>("stride_h"),
-    StructMember<int64_t>("stride_w"),
-    StructMember<int64_t>("pad_d"),
-    StructMember<int64_t>("pad_h"),
-    StructMember<int64_t>("pad_w"),
-    StructMember<int64_t>("lhs_dilation_d"),
-    StructMember<int64_t>("lhs_dilation_h"),
-    StructMember<int64_t>("lhs_dilation_w"),
-    StructMember<int64_t>("rhs_dilation_d"),
-    StructMember<int64_t>("rhs_dilation_h"),
-    StructMember<int64_t>("rhs_dilation_w"),
-    StructMember<int64_t>("groups"),
-    StructMember<int64_t>("activation"),
-    StructMember<float>("activation_param"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxdnn::ConvAttrs, JAXDNN_CONV_ATTR_MEMBERS);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxdnn::ConvFusedAttrs, JAXDNN_CONV_ATTR_MEMBERS,
+                                      StructMember<int64_t>("activation"),
+                                      StructMember<float>("activation_param"));
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvFpropCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ConvFpropFusedCpu);

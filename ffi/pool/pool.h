@@ -83,41 +83,26 @@ auto BindAvgPoolBwd(Binding binding) {
 }  // namespace jaxdnn
 
 // Both structs are decoded from the attribute dictionary by name (every attribute must be there).
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    jaxdnn::PoolAttrs,
-    StructMember<int64_t>("window_d"),
-    StructMember<int64_t>("window_h"),
-    StructMember<int64_t>("window_w"),
-    StructMember<int64_t>("stride_d"),
-    StructMember<int64_t>("stride_h"),
-    StructMember<int64_t>("stride_w"),
-    StructMember<int64_t>("pad_d"),
-    StructMember<int64_t>("pad_h"),
-    StructMember<int64_t>("pad_w"),
-    StructMember<int64_t>("in_d"),
-    StructMember<int64_t>("in_h"),
-    StructMember<int64_t>("in_w"),
-    StructMember<int64_t>("out_d"),
-    StructMember<int64_t>("out_h"),
-    StructMember<int64_t>("out_w"));
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    jaxdnn::AvgPoolAttrs,
-    StructMember<int64_t>("window_d"),
-    StructMember<int64_t>("window_h"),
-    StructMember<int64_t>("window_w"),
-    StructMember<int64_t>("stride_d"),
-    StructMember<int64_t>("stride_h"),
-    StructMember<int64_t>("stride_w"),
-    StructMember<int64_t>("pad_d"),
-    StructMember<int64_t>("pad_h"),
-    StructMember<int64_t>("pad_w"),
-    StructMember<int64_t>("in_d"),
-    StructMember<int64_t>("in_h"),
-    StructMember<int64_t>("in_w"),
-    StructMember<int64_t>("out_d"),
-    StructMember<int64_t>("out_h"),
-    StructMember<int64_t>("out_w"),
-    StructMember<bool>("count_include_pad"));
+#define JAXDNN_POOL_ATTR_MEMBERS \
+  StructMember<int64_t>("window_d"),  \
+  StructMember<int64_t>("window_h"),  \
+  StructMember<int64_t>("window_w"),  \
+  StructMember<int64_t>("stride_d"),  \
+  StructMember<int64_t>("stride_h"),  \
+  StructMember<int64_t>("stride_w"),  \
+  StructMember<int64_t>("pad_d"),  \
+  StructMember<int64_t>("pad_h"),  \
+  StructMember<int64_t>("pad_w"),  \
+  StructMember<int64_t>("in_d"),  \
+  StructMember<int64_t>("in_h"),  \
+  StructMember<int64_t>("in_w"),  \
+  StructMember<int64_t>("out_d"),  \
+  StructMember<int64_t>("out_h"),  \
+  StructMember<int64_t>("out_w")
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxdnn::PoolAttrs, JAXDNN_POOL_ATTR_MEMBERS);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxdnn::AvgPoolAttrs, JAXDNN_POOL_ATTR_MEMBERS,
+                                      StructMember<bool>("count_include_pad"));
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MaxPoolInferCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MaxPoolFwdCpu);
