@@ -27,7 +27,9 @@ dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 
 # (inputs shape, window_shape, strides, padding). Channel counts with and without a 16-byte vector
 # path (and a scalar tail on CPU), strides above and below the window, one window of more than
-# 256 elements (int32 argmax), an empty batch, no batch axis and two batch axes.
+# 256 elements (int32 argmax), an empty batch, no batch axis and two batch axes. 3x3 and 2x2 windows
+# of stride 2 have their own unrolled kernels (pool_window.h's SquareWindow): odd sizes and uneven
+# padding check their clamped loads.
 CASES = [
     ((2, 11, 10, 64), (3, 3), (2, 2), "SAME"),
     ((3, 9, 8, 3), (3, 3), (2, 2), "SAME"),
@@ -42,6 +44,8 @@ CASES = [
     ((9, 10, 5), (3, 3), (2, 2), "SAME"),
     ((2, 3, 7, 6, 4), (3, 2), (2, 2), "SAME"),
     ((2, 6, 6, 5), (1, 1), (3, 2), "VALID"),
+    ((2, 7, 9, 16), (2, 2), (2, 2), "SAME"),
+    ((1, 10, 11, 8), (3, 3), (2, 2), ((0, 2), (1, 0))),
 ]
 case_param = pytest.mark.parametrize("shape,window,strides,padding", CASES, ids=str)
 

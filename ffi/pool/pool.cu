@@ -1,5 +1,6 @@
 // CUDA pooling: one thread per (pixel, group of V channels), grid-stride, running the per-pixel
-// functions of pool_window.h (shared with the CPU kernels).
+// functions of pool_window.h (shared with the CPU kernels). The vector path is instantiated for the
+// common square windows too (DispatchWindow), whose unrolled window loops keep the loads in flight.
 //
 // Channels are contiguous, so a group is one 16-byte access (V = 8 for 16-bit types, 4 for float32)
 // when C is a multiple of V and the buffers are aligned; otherwise V = 1. Consecutive threads take
@@ -64,35 +65,35 @@ __device__ __forceinline__ void ForEachItem(int64_t pixels, const int sizes[3], 
   }
 }
 
-template <typename T, typename Idx, int V>
+template <typename T, typename Idx, int V, typename W>
 __global__ void __launch_bounds__(kBlock)
     MaxPoolFwdKernel(const PoolGeometry g, const T* __restrict__ x, T* __restrict__ y, Idx* __restrict__ argmax) {
   ForEachItem<V>(g.OutPixels(), g.out, g.channels, [&](int64_t n, const int* o, int64_t c) {
-    MaxPoolPixel<V>(g, x, y, argmax, n, o, c);
+    MaxPoolPixel<V, W>(g, x, y, argmax, n, o, c);
   });
 }
 
-template <typename T, typename Idx, int V>
+template <typename T, typename Idx, int V, typename W>
 __global__ void __launch_bounds__(kBlock) MaxPoolBwdKernel(const PoolGeometry g, const T* __restrict__ dy,
                                                            const Idx* __restrict__ argmax, T* __restrict__ dx) {
   ForEachItem<V>(g.InPixels(), g.in, g.channels, [&](int64_t n, const int* i, int64_t c) {
-    MaxPoolBwdPixel<V>(g, dy, argmax, dx, n, i, c);
+    MaxPoolBwdPixel<V, W>(g, dy, argmax, dx, n, i, c);
   });
 }
 
-template <typename T, int V>
+template <typename T, int V, typename W>
 __global__ void __launch_bounds__(kBlock)
     AvgPoolFwdKernel(const PoolGeometry g, const T* __restrict__ x, T* __restrict__ y, bool count_include_pad) {
   ForEachItem<V>(g.OutPixels(), g.out, g.channels, [&](int64_t n, const int* o, int64_t c) {
-    AvgPoolPixel<V>(g, x, y, count_include_pad, n, o, c);
+    AvgPoolPixel<V, W>(g, x, y, count_include_pad, n, o, c);
   });
 }
 
-template <typename T, int V>
+template <typename T, int V, typename W>
 __global__ void __launch_bounds__(kBlock)
     AvgPoolBwdKernel(const PoolGeometry g, const T* __restrict__ dy, T* __restrict__ dx, bool count_include_pad) {
   ForEachItem<V>(g.InPixels(), g.in, g.channels, [&](int64_t n, const int* i, int64_t c) {
-    AvgPoolBwdPixel<V>(g, dy, dx, count_include_pad, n, i, c);
+    AvgPoolBwdPixel<V, W>(g, dy, dx, count_include_pad, n, i, c);
   });
 }
 
@@ -118,9 +119,12 @@ template <typename T, typename Idx>
 ffi::Error LaunchMaxPoolFwd(cudaStream_t stream, const PoolGeometry& g, const T* x, T* y, Idx* argmax) {
   constexpr int kV = kVec16<T>;
   if (VectorGroups<T>(g.channels, x, y, argmax, sizeof(Idx))) {
-    MaxPoolFwdKernel<T, Idx, kV><<<Blocks(g.OutPixels() * (g.channels / kV)), kBlock, 0, stream>>>(g, x, y, argmax);
+    DispatchWindow(g, [&](auto window) {
+      MaxPoolFwdKernel<T, Idx, kV, decltype(window)>
+          <<<Blocks(g.OutPixels() * (g.channels / kV)), kBlock, 0, stream>>>(g, x, y, argmax);
+    });
   } else {
-    MaxPoolFwdKernel<T, Idx, 1><<<Blocks(g.OutPixels() * g.channels), kBlock, 0, stream>>>(g, x, y, argmax);
+    MaxPoolFwdKernel<T, Idx, 1, RuntimeWindow><<<Blocks(g.OutPixels() * g.channels), kBlock, 0, stream>>>(g, x, y, argmax);
   }
   return LaunchError("max pool forward");
 }
@@ -171,10 +175,12 @@ ffi::Error MaxPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
       const Idx* chosen = static_cast<const Idx*>(argmax.untyped_data());
       T* out = static_cast<T*>(dx->untyped_data());
       if (VectorGroups<T>(g.channels, grad, out, chosen, sizeof(Idx))) {
-        MaxPoolBwdKernel<T, Idx, kV><<<Blocks(g.InPixels() * (g.channels / kV)), kBlock, 0, stream>>>(
-            g, grad, chosen, out);
+        DispatchWindow(g, [&](auto window) {
+          MaxPoolBwdKernel<T, Idx, kV, decltype(window)>
+              <<<Blocks(g.InPixels() * (g.channels / kV)), kBlock, 0, stream>>>(g, grad, chosen, out);
+        });
       } else {
-        MaxPoolBwdKernel<T, Idx, 1><<<Blocks(g.InPixels() * g.channels), kBlock, 0, stream>>>(g, grad, chosen, out);
+        MaxPoolBwdKernel<T, Idx, 1, RuntimeWindow><<<Blocks(g.InPixels() * g.channels), kBlock, 0, stream>>>(g, grad, chosen, out);
       }
       return LaunchError("max pool backward");
     });
@@ -193,10 +199,12 @@ ffi::Error AvgPoolFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
     const T* in = static_cast<const T*>(x.untyped_data());
     T* out = static_cast<T*>(y->untyped_data());
     if (VectorGroups<T>(g.channels, in, out)) {
-      AvgPoolFwdKernel<T, kV><<<Blocks(g.OutPixels() * (g.channels / kV)), kBlock, 0, stream>>>(
-          g, in, out, attrs.count_include_pad);
+      DispatchWindow(g, [&](auto window) {
+        AvgPoolFwdKernel<T, kV, decltype(window)><<<Blocks(g.OutPixels() * (g.channels / kV)), kBlock, 0, stream>>>(
+            g, in, out, attrs.count_include_pad);
+      });
     } else {
-      AvgPoolFwdKernel<T, 1><<<Blocks(g.OutPixels() * g.channels), kBlock, 0, stream>>>(g, in, out,
+      AvgPoolFwdKernel<T, 1, RuntimeWindow><<<Blocks(g.OutPixels() * g.channels), kBlock, 0, stream>>>(g, in, out,
                                                                                       attrs.count_include_pad);
     }
     return LaunchError("avg pool forward");
@@ -215,10 +223,12 @@ ffi::Error AvgPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Result<ff
     const T* grad = static_cast<const T*>(dy.untyped_data());
     T* out = static_cast<T*>(dx->untyped_data());
     if (VectorGroups<T>(g.channels, grad, out)) {
-      AvgPoolBwdKernel<T, kV><<<Blocks(g.InPixels() * (g.channels / kV)), kBlock, 0, stream>>>(
-          g, grad, out, attrs.count_include_pad);
+      DispatchWindow(g, [&](auto window) {
+        AvgPoolBwdKernel<T, kV, decltype(window)><<<Blocks(g.InPixels() * (g.channels / kV)), kBlock, 0, stream>>>(
+            g, grad, out, attrs.count_include_pad);
+      });
     } else {
-      AvgPoolBwdKernel<T, 1><<<Blocks(g.InPixels() * g.channels), kBlock, 0, stream>>>(g, grad, out,
+      AvgPoolBwdKernel<T, 1, RuntimeWindow><<<Blocks(g.InPixels() * g.channels), kBlock, 0, stream>>>(g, grad, out,
                                                                                      attrs.count_include_pad);
     }
     return LaunchError("avg pool backward");

@@ -1,5 +1,5 @@
-// CPU pooling: the per-pixel functions of pool_window.h (the CUDA kernels' own), looped over the
-// pixels in order (N, spatial, channel groups of kLanes, then a scalar tail).
+// CPU pooling: the per-pixel functions of pool_window.h (the CUDA kernels' own, with the same window
+// policies), looped over the pixels in order (N, spatial, channel groups of kLanes, then a scalar tail).
 #include <cstdint>
 #include <type_traits>
 
@@ -40,8 +40,10 @@ ffi::Error DispatchArgmax(ffi::DataType dtype, Fn&& fn) {
 
 template <typename T, typename Idx>
 void MaxPoolForward(const PoolGeometry& g, const T* x, T* y, Idx* argmax) {
-  ForEachPixel(g.batch, g.out, g.channels, [&](int64_t n, const int* o, int64_t c, auto lanes) {
-    MaxPoolPixel<decltype(lanes)::value>(g, x, y, argmax, n, o, c);
+  DispatchWindow(g, [&](auto window) {
+    ForEachPixel(g.batch, g.out, g.channels, [&](int64_t n, const int* o, int64_t c, auto lanes) {
+      MaxPoolPixel<decltype(lanes)::value, decltype(window)>(g, x, y, argmax, n, o, c);
+    });
   });
 }
 
@@ -87,8 +89,10 @@ ffi::Error MaxPoolBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer argmax, ffi::Result<
       const T* grad = static_cast<const T*>(dy.untyped_data());
       const Idx* chosen = static_cast<const Idx*>(argmax.untyped_data());
       T* out = static_cast<T*>(dx->untyped_data());
-      ForEachPixel(g.batch, g.in, g.channels, [&](int64_t n, const int* i, int64_t c, auto lanes) {
-        MaxPoolBwdPixel<decltype(lanes)::value>(g, grad, chosen, out, n, i, c);
+      DispatchWindow(g, [&](auto window) {
+        ForEachPixel(g.batch, g.in, g.channels, [&](int64_t n, const int* i, int64_t c, auto lanes) {
+          MaxPoolBwdPixel<decltype(lanes)::value, decltype(window)>(g, grad, chosen, out, n, i, c);
+        });
       });
       return ffi::Error::Success();
     });
@@ -103,8 +107,10 @@ ffi::Error AvgPoolFwdImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, AvgPo
     using T = decltype(type_tag);
     const T* in = static_cast<const T*>(x.untyped_data());
     T* out = static_cast<T*>(y->untyped_data());
-    ForEachPixel(g.batch, g.out, g.channels, [&](int64_t n, const int* o, int64_t c, auto lanes) {
-      AvgPoolPixel<decltype(lanes)::value>(g, in, out, attrs.count_include_pad, n, o, c);
+    DispatchWindow(g, [&](auto window) {
+      ForEachPixel(g.batch, g.out, g.channels, [&](int64_t n, const int* o, int64_t c, auto lanes) {
+        AvgPoolPixel<decltype(lanes)::value, decltype(window)>(g, in, out, attrs.count_include_pad, n, o, c);
+      });
     });
     return ffi::Error::Success();
   });
@@ -118,8 +124,10 @@ ffi::Error AvgPoolBwdImpl(ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, Avg
     using T = decltype(type_tag);
     const T* grad = static_cast<const T*>(dy.untyped_data());
     T* out = static_cast<T*>(dx->untyped_data());
-    ForEachPixel(g.batch, g.in, g.channels, [&](int64_t n, const int* i, int64_t c, auto lanes) {
-      AvgPoolBwdPixel<decltype(lanes)::value>(g, grad, out, attrs.count_include_pad, n, i, c);
+    DispatchWindow(g, [&](auto window) {
+      ForEachPixel(g.batch, g.in, g.channels, [&](int64_t n, const int* i, int64_t c, auto lanes) {
+        AvgPoolBwdPixel<decltype(lanes)::value, decltype(window)>(g, grad, out, attrs.count_include_pad, n, i, c);
+      });
     });
     return ffi::Error::Success();
   });

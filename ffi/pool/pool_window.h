@@ -94,13 +94,70 @@ JAXDNN_POOL_FN void StoreLanes(T* p, const Lanes<T, V>& lanes) {
 #endif
 }
 
+// Window shapes known at compile time. The common 2-D poolings (3x3 stride 2 and 2x2 stride 2,
+// depth 1) get their own instantiations, whose loops over a window (and over the windows covering an
+// input element) have constant trip counts: unrolled, a thread issues all of a window's loads before
+// it uses the first, so it keeps several accesses in flight instead of waiting on each in turn.
+// RuntimeWindow reads every extent from the geometry.
+struct RuntimeWindow {
+  static constexpr int kSize = 0, kStride = 0;
+};
+template <int K, int S>
+struct SquareWindow {
+  static constexpr int kSize = K, kStride = S;
+};
+
+// Calls fn(W{}) with the policy that serves g: a SquareWindow when g's window and stride are one
+// and no axis is empty (its loads are clamped into the arrays, see LoadAt).
+template <typename Fn>
+auto DispatchWindow(const PoolGeometry& g, Fn&& fn) {
+  bool square = g.window[0] == 1 && g.window[1] == g.window[2] && g.stride[1] == g.stride[2];
+  for (int a = 0; a < 3; ++a) square = square && g.in[a] > 0 && g.out[a] > 0;
+  if (square && g.window[1] == 3 && g.stride[1] == 2) return fn(SquareWindow<3, 2>{});
+  if (square && g.window[1] == 2 && g.stride[1] == 2) return fn(SquareWindow<2, 2>{});
+  return fn(RuntimeWindow{});
+}
+
+// The window's extent along axis a (0: depth).
+template <typename W>
+JAXDNN_POOL_HD int WindowExtent(const PoolGeometry& g, int a) {
+  if constexpr (W::kSize > 0) {
+    return a == 0 ? 1 : W::kSize;
+  } else {
+    return g.window[a];
+  }
+}
+
+// Where along an axis of `size` a load for coordinate i goes: i itself (the caller loads only inside),
+// or for a SquareWindow i clamped into [0, size), so that the unrolled loads need no branch and all
+// issue at once; the caller discards what a load outside the window's real extent reads.
+template <typename W>
+JAXDNN_POOL_HD int LoadAt(int i, int size) {
+  if constexpr (W::kSize > 0) {
+    return i < 0 ? 0 : (i < size ? i : size - 1);
+  } else {
+    return i;
+  }
+}
+
+// How many windows to visit along axis a for an input element covered by [first, last]: that count,
+// or for a SquareWindow the most there can be (the caller skips the ones past `last`).
+template <typename W>
+JAXDNN_POOL_HD int CoverCount(int a, const int first[3], const int last[3]) {
+  if constexpr (W::kSize > 0) {
+    return a == 0 ? 1 : (W::kSize + W::kStride - 1) / W::kStride;
+  } else {
+    return last[a] - first[a] + 1;
+  }
+}
+
 // Max pool of output pixel (n, o) for channels [c, c + V): writes y and, unless `argmax` is null,
 // the window offset (row-major over the window) of the element chosen for the gradient.
 // The window is visited in row-major order with padding as -inf candidates, and a candidate replaces
 // the best so far when !(best >= v): the rule of XLA's select_and_scatter(ge), which JAX's gradient
 // of max pooling uses, so ties (and NaNs) send the gradient where JAX sends it. y is NaN when the
 // window holds a NaN, as lax.max propagates it.
-template <int V, typename T, typename Idx>
+template <int V, typename W = RuntimeWindow, typename T, typename Idx>
 JAXDNN_POOL_FN void MaxPoolPixel(const PoolGeometry& g, const T* __restrict__ x, T* __restrict__ y,
                                  Idx* __restrict__ argmax, int64_t n, const int o[3], int64_t c) {
   float best[V];
@@ -114,23 +171,28 @@ JAXDNN_POOL_UNROLL
   }
   const int d0 = o[0] * g.stride[0] - g.pad[0], h0 = o[1] * g.stride[1] - g.pad[1],
             w0 = o[2] * g.stride[2] - g.pad[2];
-  int k = 0;
-  for (int kd = 0; kd < g.window[0]; ++kd) {
+  const int extent_d = WindowExtent<W>(g, 0), extent_h = WindowExtent<W>(g, 1), extent_w = WindowExtent<W>(g, 2);
+JAXDNN_POOL_UNROLL
+  for (int kd = 0; kd < extent_d; ++kd) {
     const int d = d0 + kd;
     const bool d_inside = 0 <= d && d < g.in[0];
-    for (int kh = 0; kh < g.window[1]; ++kh) {
+JAXDNN_POOL_UNROLL
+    for (int kh = 0; kh < extent_h; ++kh) {
       const int h = h0 + kh;
       const bool dh_inside = d_inside && 0 <= h && h < g.in[1];
-      for (int kw = 0; kw < g.window[2]; ++kw, ++k) {
+JAXDNN_POOL_UNROLL
+      for (int kw = 0; kw < extent_w; ++kw) {
+        const int k = (kd * extent_h + kh) * extent_w + kw;  // the offset in the window, row-major
         const int w = w0 + kw;
+        const bool inside = dh_inside && 0 <= w && w < g.in[2];
         float v[V];
-        if (dh_inside && 0 <= w && w < g.in[2]) {
-          const Lanes<T, V> in = LoadLanes<V>(x + g.InOffset(n, d, h, w) + c);
 JAXDNN_POOL_UNROLL
-          for (int l = 0; l < V; ++l) v[l] = ToFloat(in.v[l]);
-        } else {
+        for (int l = 0; l < V; ++l) v[l] = -INFINITY;  // padding
+        if (W::kSize > 0 || inside) {
+          const Lanes<T, V> in = LoadLanes<V>(
+              x + g.InOffset(n, LoadAt<W>(d, g.in[0]), LoadAt<W>(h, g.in[1]), LoadAt<W>(w, g.in[2])) + c);
 JAXDNN_POOL_UNROLL
-          for (int l = 0; l < V; ++l) v[l] = -INFINITY;
+          for (int l = 0; l < V; ++l) v[l] = inside ? ToFloat(in.v[l]) : v[l];
         }
 JAXDNN_POOL_UNROLL
         for (int l = 0; l < V; ++l) {
@@ -157,7 +219,7 @@ JAXDNN_POOL_UNROLL
 
 // Max pool backward of input pixel (n, i) for channels [c, c + V): dx = the sum of the dy of the
 // covering windows whose argmax is this element's offset in them.
-template <int V, typename T, typename Idx>
+template <int V, typename W = RuntimeWindow, typename T, typename Idx>
 JAXDNN_POOL_FN void MaxPoolBwdPixel(const PoolGeometry& g, const T* __restrict__ dy,
                                     const Idx* __restrict__ argmax, T* __restrict__ dx, int64_t n,
                                     const int i[3], int64_t c) {
@@ -167,18 +229,30 @@ JAXDNN_POOL_UNROLL
   int first[3], last[3];
   JAXDNN_POOL_UNROLL
   for (int a = 0; a < 3; ++a) g.CoveringWindows(a, i[a], &first[a], &last[a]);
-  for (int p = first[0]; p <= last[0]; ++p) {
+  const int extent_h = WindowExtent<W>(g, 1), extent_w = WindowExtent<W>(g, 2);
+  const int count_d = CoverCount<W>(0, first, last), count_h = CoverCount<W>(1, first, last),
+            count_w = CoverCount<W>(2, first, last);
+JAXDNN_POOL_UNROLL
+  for (int jp = 0; jp < count_d; ++jp) {
+    const int p = first[0] + jp;
     const int kd = i[0] + g.pad[0] - p * g.stride[0];
-    for (int q = first[1]; q <= last[1]; ++q) {
-      const int kdh = kd * g.window[1] + i[1] + g.pad[1] - q * g.stride[1];
-      for (int r = first[2]; r <= last[2]; ++r) {
-        const int k = kdh * g.window[2] + i[2] + g.pad[2] - r * g.stride[2];
-        const int64_t offset = g.OutOffset(n, p, q, r) + c;
+JAXDNN_POOL_UNROLL
+    for (int jq = 0; jq < count_h; ++jq) {
+      const int q = first[1] + jq;
+      const int kdh = kd * extent_h + i[1] + g.pad[1] - q * g.stride[1];
+JAXDNN_POOL_UNROLL
+      for (int jr = 0; jr < count_w; ++jr) {
+        const int r = first[2] + jr;
+        const bool covers = p <= last[0] && q <= last[1] && r <= last[2];  // false only past W's bound
+        if (!(W::kSize > 0 || covers)) continue;
+        const int k = kdh * extent_w + i[2] + g.pad[2] - r * g.stride[2];
+        const int64_t offset =
+            g.OutOffset(n, LoadAt<W>(p, g.out[0]), LoadAt<W>(q, g.out[1]), LoadAt<W>(r, g.out[2])) + c;
         const Lanes<Idx, V> chosen = LoadLanes<V>(argmax + offset);
         const Lanes<T, V> grad = LoadLanes<V>(dy + offset);
 JAXDNN_POOL_UNROLL
         for (int l = 0; l < V; ++l) {
-          if (int(chosen.v[l]) == k) sum[l] += ToFloat(grad.v[l]);
+          if (covers && int(chosen.v[l]) == k) sum[l] += ToFloat(grad.v[l]);
         }
       }
     }
@@ -191,25 +265,32 @@ JAXDNN_POOL_UNROLL
 
 // Average pool of output pixel (n, o) for channels [c, c + V): the sum of the window's elements
 // inside x (padding adds zeros) over the divisor.
-template <int V, typename T>
+template <int V, typename W = RuntimeWindow, typename T>
 JAXDNN_POOL_FN void AvgPoolPixel(const PoolGeometry& g, const T* __restrict__ x, T* __restrict__ y,
                                  bool count_include_pad, int64_t n, const int o[3], int64_t c) {
   float sum[V];
 JAXDNN_POOL_UNROLL
   for (int l = 0; l < V; ++l) sum[l] = 0.f;
-  int lo[3], hi[3];  // the window clipped to the input
-  JAXDNN_POOL_UNROLL
-  for (int a = 0; a < 3; ++a) {
-    const int start = o[a] * g.stride[a] - g.pad[a];
-    lo[a] = start > 0 ? start : 0;
-    hi[a] = start + g.window[a] < g.in[a] ? start + g.window[a] : g.in[a];
-  }
-  for (int d = lo[0]; d < hi[0]; ++d) {
-    for (int h = lo[1]; h < hi[1]; ++h) {
-      for (int w = lo[2]; w < hi[2]; ++w) {
-        const Lanes<T, V> in = LoadLanes<V>(x + g.InOffset(n, d, h, w) + c);
+  const int d0 = o[0] * g.stride[0] - g.pad[0], h0 = o[1] * g.stride[1] - g.pad[1],
+            w0 = o[2] * g.stride[2] - g.pad[2];
+  const int extent_d = WindowExtent<W>(g, 0), extent_h = WindowExtent<W>(g, 1), extent_w = WindowExtent<W>(g, 2);
 JAXDNN_POOL_UNROLL
-        for (int l = 0; l < V; ++l) sum[l] += ToFloat(in.v[l]);
+  for (int kd = 0; kd < extent_d; ++kd) {
+    const int d = d0 + kd;
+    const bool d_inside = 0 <= d && d < g.in[0];
+JAXDNN_POOL_UNROLL
+    for (int kh = 0; kh < extent_h; ++kh) {
+      const int h = h0 + kh;
+      const bool dh_inside = d_inside && 0 <= h && h < g.in[1];
+JAXDNN_POOL_UNROLL
+      for (int kw = 0; kw < extent_w; ++kw) {
+        const int w = w0 + kw;
+        const bool inside = dh_inside && 0 <= w && w < g.in[2];  // padding adds nothing
+        if (!(W::kSize > 0 || inside)) continue;
+        const Lanes<T, V> in = LoadLanes<V>(
+            x + g.InOffset(n, LoadAt<W>(d, g.in[0]), LoadAt<W>(h, g.in[1]), LoadAt<W>(w, g.in[2])) + c);
+JAXDNN_POOL_UNROLL
+        for (int l = 0; l < V; ++l) sum[l] = inside ? sum[l] + ToFloat(in.v[l]) : sum[l];
       }
     }
   }
@@ -222,7 +303,7 @@ JAXDNN_POOL_UNROLL
 
 // Average pool backward of input pixel (n, i) for channels [c, c + V): the sum over the covering
 // windows of dy / divisor.
-template <int V, typename T>
+template <int V, typename W = RuntimeWindow, typename T>
 JAXDNN_POOL_FN void AvgPoolBwdPixel(const PoolGeometry& g, const T* __restrict__ dy, T* __restrict__ dx,
                                     bool count_include_pad, int64_t n, const int i[3], int64_t c) {
   float sum[V];
@@ -231,14 +312,22 @@ JAXDNN_POOL_UNROLL
   int first[3], last[3];
   JAXDNN_POOL_UNROLL
   for (int a = 0; a < 3; ++a) g.CoveringWindows(a, i[a], &first[a], &last[a]);
-  int o[3];
-  for (o[0] = first[0]; o[0] <= last[0]; ++o[0]) {
-    for (o[1] = first[1]; o[1] <= last[1]; ++o[1]) {
-      for (o[2] = first[2]; o[2] <= last[2]; ++o[2]) {
-        const float divisor = float(g.Divisor(o, count_include_pad));  // >= 1: the window covers i
-        const Lanes<T, V> grad = LoadLanes<V>(dy + g.OutOffset(n, o[0], o[1], o[2]) + c);
+  const int count_d = CoverCount<W>(0, first, last), count_h = CoverCount<W>(1, first, last),
+            count_w = CoverCount<W>(2, first, last);
 JAXDNN_POOL_UNROLL
-        for (int l = 0; l < V; ++l) sum[l] += ToFloat(grad.v[l]) / divisor;
+  for (int jp = 0; jp < count_d; ++jp) {
+JAXDNN_POOL_UNROLL
+    for (int jq = 0; jq < count_h; ++jq) {
+JAXDNN_POOL_UNROLL
+      for (int jr = 0; jr < count_w; ++jr) {
+        const int o[3] = {first[0] + jp, first[1] + jq, first[2] + jr};
+        const bool covers = o[0] <= last[0] && o[1] <= last[1] && o[2] <= last[2];  // false only past W's bound
+        if (!(W::kSize > 0 || covers)) continue;
+        const float divisor = float(g.Divisor(o, count_include_pad));  // >= 1 where the window covers i
+        const Lanes<T, V> grad = LoadLanes<V>(
+            dy + g.OutOffset(n, LoadAt<W>(o[0], g.out[0]), LoadAt<W>(o[1], g.out[1]), LoadAt<W>(o[2], g.out[2])) + c);
+JAXDNN_POOL_UNROLL
+        for (int l = 0; l < V; ++l) sum[l] = covers ? sum[l] + ToFloat(grad.v[l]) / divisor : sum[l];
       }
     }
   }
