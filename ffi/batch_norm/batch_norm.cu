@@ -46,11 +46,36 @@ __device__ __forceinline__ LastLayoutThread MakeLastLayoutThread(int64_t channel
   return t;
 }
 
+// Channels-last rows a thread loads before it uses the first: each thread then has kRowsInFlight
+// 16-byte loads per operand outstanding, enough bytes in flight per SM to cover DRAM latency (one
+// load at a time left the stages ~20% under copy bandwidth).
+constexpr int kRowsInFlight = 4;
+
+// The raw packs of one element group: x, and dy and residual where the stage reads them.
 template <typename T, int V>
-__device__ __forceinline__ void LoadPack(const T* p, float (&out)[V]) {
-  const Pack<T, V> v = *reinterpret_cast<const Pack<T, V>*>(p);
+struct Packs {
+  Pack<T, V> x, dy, r;
+};
+
+template <typename T, int V>
+__device__ __forceinline__ Packs<T, V> LoadPacks(const T* dy, const T* x, const T* residual, int64_t e) {
+  Packs<T, V> p;
+  p.x = *reinterpret_cast<const Pack<T, V>*>(x + e);
+  if (dy != nullptr) p.dy = *reinterpret_cast<const Pack<T, V>*>(dy + e);
+  if (residual != nullptr) p.r = *reinterpret_cast<const Pack<T, V>*>(residual + e);
+  return p;
+}
+
+// The float values of loaded packs (0 for the operands the stage does not read).
+template <typename T, int V>
+__device__ __forceinline__ void Unpack(const Packs<T, V>& p, bool dy, bool residual, float (&xv)[V], float (&gv)[V],
+                                       float (&rv)[V]) {
 #pragma unroll
-  for (int k = 0; k < V; ++k) out[k] = ToFloat(v.v[k]);
+  for (int k = 0; k < V; ++k) {
+    xv[k] = ToFloat(p.x.v[k]);
+    gv[k] = dy ? ToFloat(p.dy.v[k]) : 0.f;
+    rv[k] = residual ? ToFloat(p.r.v[k]) : 0.f;
+  }
 }
 
 template <typename T, int V>
@@ -124,17 +149,24 @@ __global__ void __launch_bounds__(kThreads) SumsLastKernel(const T* __restrict__
   for (int k = 0; k < V; ++k) sum[k] = make_float2(0.f, 0.f);
   if (t.active) {
     const auto ch = op.template Load<V>(t.channel, 1);
-    for (int64_t r = int64_t(blockIdx.x) * t.row_lanes + t.row_lane; r < rows; r += int64_t(gridDim.x) * t.row_lanes) {
-      const int64_t e = r * channels + t.channel;
-      float xv[V], gv[V] = {}, rv[V] = {};
-      LoadPack<T, V>(x + e, xv);
-      if (dy != nullptr) LoadPack<T, V>(dy + e, gv);
-      if (residual != nullptr) LoadPack<T, V>(residual + e, rv);
+    const int64_t step = int64_t(gridDim.x) * t.row_lanes;
+    for (int64_t r = int64_t(blockIdx.x) * t.row_lanes + t.row_lane; r < rows; r += kRowsInFlight * step) {
+      Packs<T, V> packs[kRowsInFlight];
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        const float2 term = op.template Terms<V>(ch, k, gv[k], xv[k], rv[k]);
-        sum[k].x += term.x;
-        sum[k].y += term.y;
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        if (r + u * step < rows) packs[u] = LoadPacks<T, V>(dy, x, residual, (r + u * step) * channels + t.channel);
+      }
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) {  // rows in order: the sums' bits do not depend on kRowsInFlight
+        if (r + u * step >= rows) break;
+        float xv[V], gv[V], rv[V];
+        Unpack(packs[u], dy != nullptr, residual != nullptr, xv, gv, rv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const float2 term = op.template Terms<V>(ch, k, gv[k], xv[k], rv[k]);
+          sum[k].x += term.x;
+          sum[k].y += term.y;
+        }
       }
     }
   }
@@ -170,10 +202,8 @@ __global__ void __launch_bounds__(kThreads) SumsFirstKernel(const T* __restrict_
     for (int64_t o = blockIdx.x; o < s.outer; o += gridDim.x) {
       const int64_t base = (o * s.channels + c) * s.inner;
       for (int64_t i = int64_t(threadIdx.x) * V; i < s.inner; i += int64_t(kThreads) * V) {
-        float xv[V], gv[V] = {}, rv[V] = {};
-        LoadPack<T, V>(x + base + i, xv);
-        if (dy != nullptr) LoadPack<T, V>(dy + base + i, gv);
-        if (residual != nullptr) LoadPack<T, V>(residual + base + i, rv);
+        float xv[V], gv[V], rv[V];
+        Unpack(LoadPacks<T, V>(dy, x, residual, base + i), dy != nullptr, residual != nullptr, xv, gv, rv);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           const float2 term = op.template Terms<V>(ch, k, gv[k], xv[k], rv[k]);
@@ -238,14 +268,12 @@ struct BwdDxOp : Affine {
   }
 };
 
-// One element pack of an elementwise stage: loads, op.Apply, stores (out2 only when requested).
+// One element pack of an elementwise stage, loaded: op.Apply, stores (out2 only when requested).
 template <typename T, int V, typename Op, typename Channels>
-__device__ __forceinline__ void ApplyPack(const Op& op, const Channels& ch, const T* dy, const T* x,
-                                          const T* residual, T* out, T* out2, int64_t e) {
-  float xv[V], gv[V] = {}, rv[V] = {}, o1[V], o2[V];
-  LoadPack<T, V>(x + e, xv);
-  if (dy != nullptr) LoadPack<T, V>(dy + e, gv);
-  if (residual != nullptr) LoadPack<T, V>(residual + e, rv);
+__device__ __forceinline__ void ApplyPacks(const Op& op, const Channels& ch, const Packs<T, V>& p, bool dy,
+                                           bool residual, T* out, T* out2, int64_t e) {
+  float xv[V], gv[V], rv[V], o1[V], o2[V];
+  Unpack(p, dy, residual, xv, gv, rv);
   op.template Apply<V>(ch, gv, xv, rv, o1, o2);
   StorePack<T, V>(out + e, o1);
   if (out2 != nullptr) StorePack<T, V>(out2 + e, o2);
@@ -259,9 +287,20 @@ __global__ void __launch_bounds__(kThreads) ApplyLastKernel(const T* __restrict_
   const LastLayoutThread t = MakeLastLayoutThread<V>(channels);
   if (!t.active) return;
   const auto ch = op.template Load<V>(t.channel, 1);
-  for (int64_t step = int64_t(blockIdx.x) * t.row_lanes + t.row_lane; step < rows;
-       step += int64_t(gridDim.x) * t.row_lanes) {
-    ApplyPack<T, V>(op, ch, dy, x, residual, out, out2, (rows - 1 - step) * channels + t.channel);
+  const int64_t stride = int64_t(gridDim.x) * t.row_lanes;
+  for (int64_t step = int64_t(blockIdx.x) * t.row_lanes + t.row_lane; step < rows; step += kRowsInFlight * stride) {
+    Packs<T, V> packs[kRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const int64_t row = rows - 1 - (step + u * stride);
+      if (row >= 0) packs[u] = LoadPacks<T, V>(dy, x, residual, row * channels + t.channel);
+    }
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const int64_t row = rows - 1 - (step + u * stride);
+      if (row < 0) break;
+      ApplyPacks<T, V>(op, ch, packs[u], dy != nullptr, residual != nullptr, out, out2, row * channels + t.channel);
+    }
   }
 }
 
@@ -274,7 +313,8 @@ __global__ void __launch_bounds__(kThreads) ApplyFirstKernel(const T* __restrict
     for (int64_t step = blockIdx.x; step < s.outer; step += gridDim.x) {
       const int64_t base = ((s.outer - 1 - step) * s.channels + c) * s.inner;
       for (int64_t i = int64_t(threadIdx.x) * V; i < s.inner; i += int64_t(kThreads) * V) {
-        ApplyPack<T, V>(op, ch, dy, x, residual, out, out2, base + i);
+        ApplyPacks<T, V>(op, ch, LoadPacks<T, V>(dy, x, residual, base + i), dy != nullptr, residual != nullptr, out,
+                         out2, base + i);
       }
     }
   }
