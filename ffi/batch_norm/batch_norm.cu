@@ -46,10 +46,21 @@ __device__ __forceinline__ LastLayoutThread MakeLastLayoutThread(int64_t channel
   return t;
 }
 
-// Channels-last rows a thread loads before it uses the first: each thread then has kRowsInFlight
-// 16-byte loads per operand outstanding, enough bytes in flight per SM to cover DRAM latency (one
-// load at a time left the stages ~20% under copy bandwidth).
-constexpr int kRowsInFlight = 4;
+// The channels-last stages stage their 16-byte packs through shared memory with cp.async,
+// kStages rows ahead of the row a thread computes on: loads in flight without holding registers.
+// (These kernels hold a pack's channel coefficients in registers, so only 2-4 blocks fit an SM; one
+// load at a time per thread left them ~20% under copy bandwidth, and register-staged rows ahead
+// spilled.) Slots: [kStages][3 operands: x, dy, residual][kThreads] packs of 16 bytes.
+constexpr int kStages = 4;
+constexpr int kStagedBytes = kStages * 3 * kThreads * 16;
+
+// Dynamic shared memory of a channels-last kernel: the row slots (16-byte packs), which the sum
+// stage then reuses for its block reduction (float2 per channel lane).
+template <typename T, int V>
+constexpr int LastSharedBytes() {
+  constexpr int reduction = kThreads * V * int(sizeof(float2));
+  return sizeof(Pack<T, V>) == 16 && kStagedBytes > reduction ? kStagedBytes : reduction;
+}
 
 // The raw packs of one element group: x, and dy and residual where the stage reads them.
 template <typename T, int V>
@@ -75,6 +86,46 @@ __device__ __forceinline__ void Unpack(const Packs<T, V>& p, bool dy, bool resid
     xv[k] = ToFloat(p.x.v[k]);
     gv[k] = dy ? ToFloat(p.dy.v[k]) : 0.f;
     rv[k] = residual ? ToFloat(p.r.v[k]) : 0.f;
+  }
+}
+
+// Calls fn(packs, row) for rows first, first + step, ... < rows in that order (row counted from the
+// end when `reverse`), with the row's packs of x, dy and residual (the non-null ones) at
+// row * channels + channel. 16-byte packs come through `slots` (kStagedBytes of shared memory, this
+// thread's own slots only, so no block barrier is needed); narrower ones are loaded directly.
+template <typename T, int V, typename Fn>
+__device__ __forceinline__ void ForEachRow(const T* dy, const T* x, const T* residual, int64_t first, int64_t step,
+                                           int64_t rows, int64_t channels, int64_t channel, bool reverse,
+                                           Pack<T, V>* slots, Fn&& fn) {
+  auto element = [&](int64_t r) { return (reverse ? rows - 1 - r : r) * channels + channel; };
+  if constexpr (sizeof(Pack<T, V>) != 16) {
+    for (int64_t r = first; r < rows; r += step) fn(LoadPacks<T, V>(dy, x, residual, element(r)), element(r));
+  } else {
+    const T* sources[3] = {x, dy, residual};
+    auto slot = [&](int stage, int operand) { return slots + (stage * 3 + operand) * kThreads + threadIdx.x; };
+    auto issue = [&](int stage, int64_t r) {
+      if (r < rows) {
+#pragma unroll
+        for (int operand = 0; operand < 3; ++operand) {
+          if (sources[operand] != nullptr) CpAsync16(slot(stage, operand), sources[operand] + element(r));
+        }
+      }
+      CpAsyncCommit();  // an empty group past the end keeps the wait count uniform
+    };
+#pragma unroll
+    for (int stage = 0; stage < kStages - 1; ++stage) issue(stage, first + stage * step);
+    int stage = 0;
+    for (int64_t r = first; r < rows; r += step) {
+      issue((stage + kStages - 1) % kStages, r + (kStages - 1) * step);  // the slot read last iteration
+      CpAsyncWait<kStages - 1>();  // row r's copies have landed
+      Packs<T, V> packs;
+      packs.x = *slot(stage, 0);
+      if (dy != nullptr) packs.dy = *slot(stage, 1);
+      if (residual != nullptr) packs.r = *slot(stage, 2);
+      fn(packs, element(r));
+      stage = (stage + 1) % kStages;
+    }
+    CpAsyncWait<0>();
   }
 }
 
@@ -142,34 +193,28 @@ template <typename T, int V, typename Op>
 __global__ void __launch_bounds__(kThreads) SumsLastKernel(const T* __restrict__ dy, const T* __restrict__ x,
                                                            const T* __restrict__ residual, Op op, int64_t rows,
                                                            int64_t channels, float* __restrict__ partials) {
-  __shared__ float2 staged[kThreads * V];
+  extern __shared__ __align__(16) unsigned char shared[];  // LastSharedBytes<T, V>()
   const LastLayoutThread t = MakeLastLayoutThread<V>(channels);
   float2 sum[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) sum[k] = make_float2(0.f, 0.f);
   if (t.active) {
     const auto ch = op.template Load<V>(t.channel, 1);
-    const int64_t step = int64_t(gridDim.x) * t.row_lanes;
-    for (int64_t r = int64_t(blockIdx.x) * t.row_lanes + t.row_lane; r < rows; r += kRowsInFlight * step) {
-      Packs<T, V> packs[kRowsInFlight];
+    ForEachRow<T, V>(dy, x, residual, int64_t(blockIdx.x) * t.row_lanes + t.row_lane, int64_t(gridDim.x) * t.row_lanes,
+                     rows, channels, t.channel, false, reinterpret_cast<Pack<T, V>*>(shared),
+                     [&](const Packs<T, V>& packs, int64_t) {
+                       float xv[V], gv[V], rv[V];
+                       Unpack(packs, dy != nullptr, residual != nullptr, xv, gv, rv);
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {
-        if (r + u * step < rows) packs[u] = LoadPacks<T, V>(dy, x, residual, (r + u * step) * channels + t.channel);
-      }
-#pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {  // rows in order: the sums' bits do not depend on kRowsInFlight
-        if (r + u * step >= rows) break;
-        float xv[V], gv[V], rv[V];
-        Unpack(packs[u], dy != nullptr, residual != nullptr, xv, gv, rv);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-          const float2 term = op.template Terms<V>(ch, k, gv[k], xv[k], rv[k]);
-          sum[k].x += term.x;
-          sum[k].y += term.y;
-        }
-      }
-    }
+                       for (int k = 0; k < V; ++k) {
+                         const float2 term = op.template Terms<V>(ch, k, gv[k], xv[k], rv[k]);
+                         sum[k].x += term.x;
+                         sum[k].y += term.y;
+                       }
+                     });
   }
+  float2* staged = reinterpret_cast<float2*>(shared);  // the row slots, free once every thread is done
+  __syncthreads();
 #pragma unroll
   for (int k = 0; k < V; ++k) staged[threadIdx.x * V + k] = sum[k];
   __syncthreads();
@@ -286,22 +331,13 @@ __global__ void __launch_bounds__(kThreads) ApplyLastKernel(const T* __restrict_
                                                             T* __restrict__ out2) {
   const LastLayoutThread t = MakeLastLayoutThread<V>(channels);
   if (!t.active) return;
+  extern __shared__ __align__(16) unsigned char shared[];  // LastSharedBytes<T, V>()
   const auto ch = op.template Load<V>(t.channel, 1);
-  const int64_t stride = int64_t(gridDim.x) * t.row_lanes;
-  for (int64_t step = int64_t(blockIdx.x) * t.row_lanes + t.row_lane; step < rows; step += kRowsInFlight * stride) {
-    Packs<T, V> packs[kRowsInFlight];
-#pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
-      const int64_t row = rows - 1 - (step + u * stride);
-      if (row >= 0) packs[u] = LoadPacks<T, V>(dy, x, residual, row * channels + t.channel);
-    }
-#pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
-      const int64_t row = rows - 1 - (step + u * stride);
-      if (row < 0) break;
-      ApplyPacks<T, V>(op, ch, packs[u], dy != nullptr, residual != nullptr, out, out2, row * channels + t.channel);
-    }
-  }
+  ForEachRow<T, V>(dy, x, residual, int64_t(blockIdx.x) * t.row_lanes + t.row_lane, int64_t(gridDim.x) * t.row_lanes,
+                   rows, channels, t.channel, true, reinterpret_cast<Pack<T, V>*>(shared),
+                   [&](const Packs<T, V>& packs, int64_t e) {
+                     ApplyPacks<T, V>(op, ch, packs, dy != nullptr, residual != nullptr, out, out2, e);
+                   });
 }
 
 template <typename T, int V, typename Op>
@@ -359,10 +395,11 @@ ffi::Error LaunchSums(cudaStream_t stream, const T* dy, const T* x, const T* res
   if (last && s.channels / V > int64_t(kThreads) * 65535) return InvalidArgument("batch_norm: too many channels");
   auto kernel_last = SumsLastKernel<T, V, Op>;
   auto kernel_first = SumsFirstKernel<T, V, Op>;
-  const int resident = last ? ResidentBlocks(kernel_last, kThreads, 0) : ResidentBlocks(kernel_first, kThreads, 0);
+  constexpr int kShared = LastSharedBytes<T, V>();
+  const int resident = last ? ResidentBlocks(kernel_last, kThreads, kShared) : ResidentBlocks(kernel_first, kThreads, 0);
   const dim3 grid = LaunchGrid<V>(s, resident, workspace_blocks);
   if (last) {
-    kernel_last<<<grid, kThreads, 0, stream>>>(dy, x, residual, op, s.outer, s.channels, workspace);
+    kernel_last<<<grid, kThreads, kShared, stream>>>(dy, x, residual, op, s.outer, s.channels, workspace);
   } else {
     kernel_first<<<grid, kThreads, 0, stream>>>(dy, x, residual, op, s, workspace);
   }
@@ -379,10 +416,11 @@ ffi::Error LaunchApply(cudaStream_t stream, const T* dy, const T* x, const T* re
   if (last && s.channels / V > int64_t(kThreads) * 65535) return InvalidArgument("batch_norm: too many channels");
   auto kernel_last = ApplyLastKernel<T, V, Op>;
   auto kernel_first = ApplyFirstKernel<T, V, Op>;
-  const int resident = last ? ResidentBlocks(kernel_last, kThreads, 0) : ResidentBlocks(kernel_first, kThreads, 0);
+  constexpr int kShared = LastSharedBytes<T, V>();
+  const int resident = last ? ResidentBlocks(kernel_last, kThreads, kShared) : ResidentBlocks(kernel_first, kThreads, 0);
   const dim3 grid = LaunchGrid<V>(s, 4 * resident, int64_t(1) << 30);
   if (last) {
-    kernel_last<<<grid, kThreads, 0, stream>>>(dy, x, residual, op, s.outer, s.channels, out, out2);
+    kernel_last<<<grid, kThreads, kShared, stream>>>(dy, x, residual, op, s.outer, s.channels, out, out2);
   } else {
     kernel_first<<<grid, kThreads, 0, stream>>>(dy, x, residual, op, s, out, out2);
   }
