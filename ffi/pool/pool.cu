@@ -1,6 +1,7 @@
 // CUDA pooling: one thread per (pixel, group of V channels), grid-stride, running the per-pixel
-// functions of pool_window.h (shared with the CPU kernels). The vector path is instantiated for the
-// common square windows too (DispatchWindow), whose unrolled window loops keep the loads in flight.
+// functions of pool_window.h (shared with the CPU kernels). The vector path has its own kernels for
+// the common square windows (DispatchWindow): unrolled forward windows, and a backward thread per
+// block of input pixels (PoolBwdBlock).
 //
 // Channels are contiguous, so a group is one 16-byte access (V = 8 for 16-bit types, 4 for float32)
 // when C is a multiple of V and the buffers are aligned; otherwise V = 1. Consecutive threads take
@@ -73,11 +74,11 @@ __global__ void __launch_bounds__(kBlock)
   });
 }
 
-template <typename T, typename Idx, int V, typename W>
+template <typename T, typename Idx, int V>
 __global__ void __launch_bounds__(kBlock) MaxPoolBwdKernel(const PoolGeometry g, const T* __restrict__ dy,
                                                            const Idx* __restrict__ argmax, T* __restrict__ dx) {
   ForEachItem<V>(g.InPixels(), g.in, g.channels, [&](int64_t n, const int* i, int64_t c) {
-    MaxPoolBwdPixel<V, W>(g, dy, argmax, dx, n, i, c);
+    MaxPoolBwdPixel<V>(g, dy, argmax, dx, n, i, c);
   });
 }
 
@@ -89,11 +90,42 @@ __global__ void __launch_bounds__(kBlock)
   });
 }
 
-template <typename T, int V, typename W>
+template <typename T, int V>
 __global__ void __launch_bounds__(kBlock)
     AvgPoolBwdKernel(const PoolGeometry g, const T* __restrict__ dy, T* __restrict__ dx, bool count_include_pad) {
   ForEachItem<V>(g.InPixels(), g.in, g.channels, [&](int64_t n, const int* i, int64_t c) {
-    AvgPoolBwdPixel<V, W>(g, dy, dx, count_include_pad, n, i, c);
+    AvgPoolBwdPixel<V>(g, dy, dx, count_include_pad, n, i, c);
+  });
+}
+
+// The backward of a SquareWindow pooling (max with argmax, average without): a thread per block of
+// S x S input pixels and group of V channels (PoolBwdBlock).
+template <typename T, typename Idx, int V, typename W>
+__global__ void __launch_bounds__(kBlock)
+    PoolBwdBlockKernel(const PoolGeometry g, const BlockGrid b, const T* __restrict__ dy, const Idx* __restrict__ argmax,
+                       T* __restrict__ dx, bool count_include_pad) {
+  const int64_t blocks = g.batch * b.sizes[0] * b.sizes[1] * int64_t(b.sizes[2]);
+  ForEachItem<V>(blocks, b.sizes, g.channels, [&](int64_t n, const int* at, int64_t c) {
+    const int m[2] = {b.first[0] + at[1], b.first[1] + at[2]};
+    PoolBwdBlock<V, W>(g, dy, argmax, dx, count_include_pad, n, at[0], m, c);
+  });
+}
+
+// The vector path of a backward: the block kernel for a SquareWindow, else the per-pixel `kernel`.
+template <typename T, typename Idx, typename Kernel, typename... Args>
+void LaunchVectorBwd(cudaStream_t stream, const PoolGeometry& g, Kernel per_pixel, const T* dy, const Idx* argmax,
+                     T* dx, bool count_include_pad, Args... args) {
+  constexpr int kV = kVec16<T>;
+  DispatchWindow(g, [&](auto window) {
+    using W = decltype(window);
+    if constexpr (W::kSize > 0) {
+      const BlockGrid b = MakeBlockGrid<W>(g);
+      const int64_t blocks = g.batch * b.sizes[0] * b.sizes[1] * int64_t(b.sizes[2]);
+      PoolBwdBlockKernel<T, Idx, kV, W><<<Blocks(blocks * (g.channels / kV)), kBlock, 0, stream>>>(
+          g, b, dy, argmax, dx, count_include_pad);
+    } else {
+      per_pixel<<<Blocks(g.InPixels() * (g.channels / kV)), kBlock, 0, stream>>>(g, args...);
+    }
   });
 }
 
@@ -175,12 +207,9 @@ ffi::Error MaxPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
       const Idx* chosen = static_cast<const Idx*>(argmax.untyped_data());
       T* out = static_cast<T*>(dx->untyped_data());
       if (VectorGroups<T>(g.channels, grad, out, chosen, sizeof(Idx))) {
-        DispatchWindow(g, [&](auto window) {
-          MaxPoolBwdKernel<T, Idx, kV, decltype(window)>
-              <<<Blocks(g.InPixels() * (g.channels / kV)), kBlock, 0, stream>>>(g, grad, chosen, out);
-        });
+        LaunchVectorBwd(stream, g, MaxPoolBwdKernel<T, Idx, kV>, grad, chosen, out, false, grad, chosen, out);
       } else {
-        MaxPoolBwdKernel<T, Idx, 1, RuntimeWindow><<<Blocks(g.InPixels() * g.channels), kBlock, 0, stream>>>(g, grad, chosen, out);
+        MaxPoolBwdKernel<T, Idx, 1><<<Blocks(g.InPixels() * g.channels), kBlock, 0, stream>>>(g, grad, chosen, out);
       }
       return LaunchError("max pool backward");
     });
@@ -223,12 +252,10 @@ ffi::Error AvgPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Result<ff
     const T* grad = static_cast<const T*>(dy.untyped_data());
     T* out = static_cast<T*>(dx->untyped_data());
     if (VectorGroups<T>(g.channels, grad, out)) {
-      DispatchWindow(g, [&](auto window) {
-        AvgPoolBwdKernel<T, kV, decltype(window)><<<Blocks(g.InPixels() * (g.channels / kV)), kBlock, 0, stream>>>(
-            g, grad, out, attrs.count_include_pad);
-      });
+      LaunchVectorBwd(stream, g, AvgPoolBwdKernel<T, kV>, grad, static_cast<const uint8_t*>(nullptr), out,
+                      attrs.count_include_pad, grad, out, attrs.count_include_pad);
     } else {
-      AvgPoolBwdKernel<T, 1, RuntimeWindow><<<Blocks(g.InPixels() * g.channels), kBlock, 0, stream>>>(g, grad, out,
+      AvgPoolBwdKernel<T, 1><<<Blocks(g.InPixels() * g.channels), kBlock, 0, stream>>>(g, grad, out,
                                                                                      attrs.count_include_pad);
     }
     return LaunchError("avg pool backward");

@@ -38,6 +38,24 @@ ffi::Error DispatchArgmax(ffi::DataType dtype, Fn&& fn) {
   return dtype == ffi::DataType::U8 ? fn(uint8_t{}) : fn(int32_t{});
 }
 
+// A backward as the CUDA kernels run it: blocks of input pixels for a SquareWindow (PoolBwdBlock,
+// max when `argmax` is non-null), else per_pixel(n, pixel, channel offset, lanes tag) per pixel.
+template <typename T, typename Idx, typename Fn>
+void PoolBackward(const PoolGeometry& g, const T* dy, const Idx* argmax, T* dx, bool count_include_pad, Fn&& per_pixel) {
+  DispatchWindow(g, [&](auto window) {
+    using W = decltype(window);
+    if constexpr (W::kSize > 0) {
+      const BlockGrid b = MakeBlockGrid<W>(g);
+      ForEachPixel(g.batch, b.sizes, g.channels, [&](int64_t n, const int* at, int64_t c, auto lanes) {
+        const int m[2] = {b.first[0] + at[1], b.first[1] + at[2]};
+        PoolBwdBlock<decltype(lanes)::value, W>(g, dy, argmax, dx, count_include_pad, n, at[0], m, c);
+      });
+    } else {
+      ForEachPixel(g.batch, g.in, g.channels, per_pixel);
+    }
+  });
+}
+
 template <typename T, typename Idx>
 void MaxPoolForward(const PoolGeometry& g, const T* x, T* y, Idx* argmax) {
   DispatchWindow(g, [&](auto window) {
@@ -89,10 +107,8 @@ ffi::Error MaxPoolBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer argmax, ffi::Result<
       const T* grad = static_cast<const T*>(dy.untyped_data());
       const Idx* chosen = static_cast<const Idx*>(argmax.untyped_data());
       T* out = static_cast<T*>(dx->untyped_data());
-      DispatchWindow(g, [&](auto window) {
-        ForEachPixel(g.batch, g.in, g.channels, [&](int64_t n, const int* i, int64_t c, auto lanes) {
-          MaxPoolBwdPixel<decltype(lanes)::value, decltype(window)>(g, grad, chosen, out, n, i, c);
-        });
+      PoolBackward(g, grad, chosen, out, false, [&](int64_t n, const int* i, int64_t c, auto lanes) {
+        MaxPoolBwdPixel<decltype(lanes)::value>(g, grad, chosen, out, n, i, c);
       });
       return ffi::Error::Success();
     });
@@ -124,11 +140,10 @@ ffi::Error AvgPoolBwdImpl(ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, Avg
     using T = decltype(type_tag);
     const T* grad = static_cast<const T*>(dy.untyped_data());
     T* out = static_cast<T*>(dx->untyped_data());
-    DispatchWindow(g, [&](auto window) {
-      ForEachPixel(g.batch, g.in, g.channels, [&](int64_t n, const int* i, int64_t c, auto lanes) {
-        AvgPoolBwdPixel<decltype(lanes)::value, decltype(window)>(g, grad, out, attrs.count_include_pad, n, i, c);
-      });
-    });
+    PoolBackward(g, grad, static_cast<const uint8_t*>(nullptr), out, attrs.count_include_pad,
+                 [&](int64_t n, const int* i, int64_t c, auto lanes) {
+                   AvgPoolBwdPixel<decltype(lanes)::value>(g, grad, out, attrs.count_include_pad, n, i, c);
+                 });
     return ffi::Error::Success();
   });
 }

@@ -95,10 +95,10 @@ JAXDNN_POOL_FN void StoreLanes(T* p, const Lanes<T, V>& lanes) {
 }
 
 // Window shapes known at compile time. The common 2-D poolings (3x3 stride 2 and 2x2 stride 2,
-// depth 1) get their own instantiations, whose loops over a window (and over the windows covering an
-// input element) have constant trip counts: unrolled, a thread issues all of a window's loads before
-// it uses the first, so it keeps several accesses in flight instead of waiting on each in turn.
-// RuntimeWindow reads every extent from the geometry.
+// depth 1) get their own instantiations: the forward's window loops have constant trip counts, so
+// unrolled, a thread issues all of a window's loads before it uses the first; the backward runs a
+// thread per block of S x S input pixels (PoolBwdBlock). RuntimeWindow reads every extent from the
+// geometry.
 struct RuntimeWindow {
   static constexpr int kSize = 0, kStride = 0;
 };
@@ -137,17 +137,6 @@ JAXDNN_POOL_HD int LoadAt(int i, int size) {
     return i < 0 ? 0 : (i < size ? i : size - 1);
   } else {
     return i;
-  }
-}
-
-// How many windows to visit along axis a for an input element covered by [first, last]: that count,
-// or for a SquareWindow the most there can be (the caller skips the ones past `last`).
-template <typename W>
-JAXDNN_POOL_HD int CoverCount(int a, const int first[3], const int last[3]) {
-  if constexpr (W::kSize > 0) {
-    return a == 0 ? 1 : (W::kSize + W::kStride - 1) / W::kStride;
-  } else {
-    return last[a] - first[a] + 1;
   }
 }
 
@@ -219,7 +208,7 @@ JAXDNN_POOL_UNROLL
 
 // Max pool backward of input pixel (n, i) for channels [c, c + V): dx = the sum of the dy of the
 // covering windows whose argmax is this element's offset in them.
-template <int V, typename W = RuntimeWindow, typename T, typename Idx>
+template <int V, typename T, typename Idx>
 JAXDNN_POOL_FN void MaxPoolBwdPixel(const PoolGeometry& g, const T* __restrict__ dy,
                                     const Idx* __restrict__ argmax, T* __restrict__ dx, int64_t n,
                                     const int i[3], int64_t c) {
@@ -229,30 +218,18 @@ JAXDNN_POOL_UNROLL
   int first[3], last[3];
   JAXDNN_POOL_UNROLL
   for (int a = 0; a < 3; ++a) g.CoveringWindows(a, i[a], &first[a], &last[a]);
-  const int extent_h = WindowExtent<W>(g, 1), extent_w = WindowExtent<W>(g, 2);
-  const int count_d = CoverCount<W>(0, first, last), count_h = CoverCount<W>(1, first, last),
-            count_w = CoverCount<W>(2, first, last);
-JAXDNN_POOL_UNROLL
-  for (int jp = 0; jp < count_d; ++jp) {
-    const int p = first[0] + jp;
+  for (int p = first[0]; p <= last[0]; ++p) {
     const int kd = i[0] + g.pad[0] - p * g.stride[0];
-JAXDNN_POOL_UNROLL
-    for (int jq = 0; jq < count_h; ++jq) {
-      const int q = first[1] + jq;
-      const int kdh = kd * extent_h + i[1] + g.pad[1] - q * g.stride[1];
-JAXDNN_POOL_UNROLL
-      for (int jr = 0; jr < count_w; ++jr) {
-        const int r = first[2] + jr;
-        const bool covers = p <= last[0] && q <= last[1] && r <= last[2];  // false only past W's bound
-        if (!(W::kSize > 0 || covers)) continue;
-        const int k = kdh * extent_w + i[2] + g.pad[2] - r * g.stride[2];
-        const int64_t offset =
-            g.OutOffset(n, LoadAt<W>(p, g.out[0]), LoadAt<W>(q, g.out[1]), LoadAt<W>(r, g.out[2])) + c;
+    for (int q = first[1]; q <= last[1]; ++q) {
+      const int kdh = kd * g.window[1] + i[1] + g.pad[1] - q * g.stride[1];
+      for (int r = first[2]; r <= last[2]; ++r) {
+        const int k = kdh * g.window[2] + i[2] + g.pad[2] - r * g.stride[2];
+        const int64_t offset = g.OutOffset(n, p, q, r) + c;
         const Lanes<Idx, V> chosen = LoadLanes<V>(argmax + offset);
         const Lanes<T, V> grad = LoadLanes<V>(dy + offset);
 JAXDNN_POOL_UNROLL
         for (int l = 0; l < V; ++l) {
-          if (covers && int(chosen.v[l]) == k) sum[l] += ToFloat(grad.v[l]);
+          if (int(chosen.v[l]) == k) sum[l] += ToFloat(grad.v[l]);
         }
       }
     }
@@ -303,7 +280,7 @@ JAXDNN_POOL_UNROLL
 
 // Average pool backward of input pixel (n, i) for channels [c, c + V): the sum over the covering
 // windows of dy / divisor.
-template <int V, typename W = RuntimeWindow, typename T>
+template <int V, typename T>
 JAXDNN_POOL_FN void AvgPoolBwdPixel(const PoolGeometry& g, const T* __restrict__ dy, T* __restrict__ dx,
                                     bool count_include_pad, int64_t n, const int i[3], int64_t c) {
   float sum[V];
@@ -312,22 +289,14 @@ JAXDNN_POOL_UNROLL
   int first[3], last[3];
   JAXDNN_POOL_UNROLL
   for (int a = 0; a < 3; ++a) g.CoveringWindows(a, i[a], &first[a], &last[a]);
-  const int count_d = CoverCount<W>(0, first, last), count_h = CoverCount<W>(1, first, last),
-            count_w = CoverCount<W>(2, first, last);
+  int o[3];
+  for (o[0] = first[0]; o[0] <= last[0]; ++o[0]) {
+    for (o[1] = first[1]; o[1] <= last[1]; ++o[1]) {
+      for (o[2] = first[2]; o[2] <= last[2]; ++o[2]) {
+        const float divisor = float(g.Divisor(o, count_include_pad));  // >= 1: the window covers i
+        const Lanes<T, V> grad = LoadLanes<V>(dy + g.OutOffset(n, o[0], o[1], o[2]) + c);
 JAXDNN_POOL_UNROLL
-  for (int jp = 0; jp < count_d; ++jp) {
-JAXDNN_POOL_UNROLL
-    for (int jq = 0; jq < count_h; ++jq) {
-JAXDNN_POOL_UNROLL
-      for (int jr = 0; jr < count_w; ++jr) {
-        const int o[3] = {first[0] + jp, first[1] + jq, first[2] + jr};
-        const bool covers = o[0] <= last[0] && o[1] <= last[1] && o[2] <= last[2];  // false only past W's bound
-        if (!(W::kSize > 0 || covers)) continue;
-        const float divisor = float(g.Divisor(o, count_include_pad));  // >= 1 where the window covers i
-        const Lanes<T, V> grad = LoadLanes<V>(
-            dy + g.OutOffset(n, LoadAt<W>(o[0], g.out[0]), LoadAt<W>(o[1], g.out[1]), LoadAt<W>(o[2], g.out[2])) + c);
-JAXDNN_POOL_UNROLL
-        for (int l = 0; l < V; ++l) sum[l] = covers ? sum[l] + ToFloat(grad.v[l]) / divisor : sum[l];
+        for (int l = 0; l < V; ++l) sum[l] += ToFloat(grad.v[l]) / divisor;
       }
     }
   }
@@ -335,6 +304,92 @@ JAXDNN_POOL_UNROLL
 JAXDNN_POOL_UNROLL
   for (int l = 0; l < V; ++l) out.v[l] = FromFloat<T>(sum[l]);
   StoreLanes<V>(dx + g.InOffset(n, i[0], i[1], i[2]) + c, out);
+}
+
+// The input pixels of a SquareWindow<K, S> backward come in S x S blocks: block (m_h, m_w) holds the
+// pixels whose padded coordinates are [S m_h, S m_h + S) x [S m_w, S m_w + S). Every pixel of a
+// block is covered only by windows m - F .. m along each axis (F = (K - 1) / S), so one thread per
+// block loads those (F + 1)^2 windows' dy (and argmax) once for all S^2 pixels, where a thread per
+// pixel loaded its own: a quarter of the loads for 3x3 stride 2. The grid of blocks: depth x blocks
+// along h x blocks along w, from block `first` on.
+struct BlockGrid {
+  int first[2];
+  int sizes[3];
+};
+
+template <typename W>
+JAXDNN_POOL_HD BlockGrid MakeBlockGrid(const PoolGeometry& g) {
+  BlockGrid b;
+  b.sizes[0] = g.in[0];
+  for (int a = 1; a < 3; ++a) {
+    b.first[a - 1] = g.pad[a] / W::kStride;
+    b.sizes[a] = (g.in[a] - 1 + g.pad[a]) / W::kStride - b.first[a - 1] + 1;
+  }
+  return b;
+}
+
+// The backward of a SquareWindow pooling, max (argmax non-null: the sum of the dy of the windows
+// whose argmax is the pixel) or average (argmax null: the sum of dy / divisor of the covering
+// windows), for the block m of input pixels at depth d and channels [c, c + V). The windows are
+// summed in the order of the per-pixel functions (ascending), so both give the same bits.
+template <int V, typename W, typename T, typename Idx>
+JAXDNN_POOL_FN void PoolBwdBlock(const PoolGeometry& g, const T* __restrict__ dy, const Idx* __restrict__ argmax,
+                                 T* __restrict__ dx, bool count_include_pad, int64_t n, int d, const int m[2],
+                                 int64_t c) {
+  constexpr int K = W::kSize, S = W::kStride, F = (K - 1) / S;
+  int p, p_last;  // the depth window covering d (the window is 1 deep: at most one)
+  g.CoveringWindows(0, d, &p, &p_last);
+  const bool depth_covered = p <= p_last;
+  bool exists[F + 1][F + 1];
+  float divisor[F + 1][F + 1];
+  Lanes<T, V> grad[F + 1][F + 1];
+  Lanes<Idx, V> chosen[F + 1][F + 1];
+JAXDNN_POOL_UNROLL
+  for (int jh = 0; jh <= F; ++jh) {
+JAXDNN_POOL_UNROLL
+    for (int jw = 0; jw <= F; ++jw) {
+      const int o[3] = {p, m[0] - F + jh, m[1] - F + jw};
+      exists[jh][jw] = depth_covered && 0 <= o[1] && o[1] < g.out[1] && 0 <= o[2] && o[2] < g.out[2];
+      // Loads from a clamped window, discarded where it does not exist: no branch, all in flight at once.
+      const int64_t offset =
+          g.OutOffset(n, LoadAt<W>(o[0], g.out[0]), LoadAt<W>(o[1], g.out[1]), LoadAt<W>(o[2], g.out[2])) + c;
+      grad[jh][jw] = LoadLanes<V>(dy + offset);
+      chosen[jh][jw] = argmax != nullptr ? LoadLanes<V>(argmax + offset) : Lanes<Idx, V>{};
+      divisor[jh][jw] = argmax != nullptr ? 1.f : float(g.Divisor(o, count_include_pad));  // >= 1 where it exists
+    }
+  }
+JAXDNN_POOL_UNROLL
+  for (int th = 0; th < S; ++th) {
+JAXDNN_POOL_UNROLL
+    for (int tw = 0; tw < S; ++tw) {
+      const int h = S * m[0] + th - g.pad[1], w = S * m[1] + tw - g.pad[2];
+      if (h < 0 || h >= g.in[1] || w < 0 || w >= g.in[2]) continue;
+      float sum[V];
+JAXDNN_POOL_UNROLL
+      for (int l = 0; l < V; ++l) sum[l] = 0.f;
+JAXDNN_POOL_UNROLL
+      for (int jh = 0; jh <= F; ++jh) {
+JAXDNN_POOL_UNROLL
+        for (int jw = 0; jw <= F; ++jw) {
+          const int kh = th + S * (F - jh), kw = tw + S * (F - jw);  // the pixel's offset in the window
+          if (kh >= K || kw >= K) continue;                         // a compile-time test once unrolled
+          const int k = kh * K + kw;
+JAXDNN_POOL_UNROLL
+          for (int l = 0; l < V; ++l) {
+            if (argmax != nullptr) {
+              if (exists[jh][jw] && int(chosen[jh][jw].v[l]) == k) sum[l] += ToFloat(grad[jh][jw].v[l]);
+            } else if (exists[jh][jw]) {
+              sum[l] += ToFloat(grad[jh][jw].v[l]) / divisor[jh][jw];
+            }
+          }
+        }
+      }
+      Lanes<T, V> out;
+JAXDNN_POOL_UNROLL
+      for (int l = 0; l < V; ++l) out.v[l] = FromFloat<T>(sum[l]);
+      StoreLanes<V>(dx + g.InOffset(n, d, h, w) + c, out);
+    }
+  }
 }
 
 }  // namespace jaxdnn
