@@ -11,10 +11,9 @@
 //
 // Reductions, all in a fixed order (bit-reproducible): xor butterflies within the warp (over its
 // rows, then over a group's lanes), the warps in order through shared memory, then the cluster's
-// CTAs in rank order through distributed shared memory, which every CTA reads for itself so all
-// agree on the same bits. Two cluster barriers: after the CTA partials are written (release /
-// acquire makes them visible cluster-wide) and after they were read (no CTA exits, freeing its
-// shared memory, while another still reads it).
+// CTAs in rank order: each CTA pushes its partials into the others' shared memory (distributed
+// shared memory stores), one cluster barrier publishes them, and each CTA adds the same values in
+// the same order, so all agree on the same bits (see ClusterSums).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -48,10 +47,10 @@ struct SlabPlan {
   int64_t tiles;      // G / Gt
 };
 
-// Chooses the widest tile (up to 128 bytes of a pixel, for whole DRAM bursts) whose slab fits in a
-// cluster of at most 8 CTAs holding kVecs vectors a thread. False: the multi-pass kernels serve
-// (no positions, K not a whole number of 16-byte vectors, K or the tile not a power-of-two number
-// of vectors, a group wider than 32 vectors, or a slab too large).
+// Chooses the widest tile (up to 128 bytes of a pixel, for whole DRAM bursts; at least 32, a whole
+// sector) whose slab fits in a cluster of at most 8 CTAs holding `vecs` vectors a thread. False:
+// the multi-pass kernels serve (no positions, K not a whole number of 16-byte vectors, K or the
+// tile not a power-of-two number of vectors, a group wider than 32 vectors, or a slab too large).
 template <typename T>
 bool PlanSlab(const GroupNormShape& shape, bool aligned, int vecs, SlabPlan* plan) {
   constexpr int kVec = kVec16<T>;
@@ -60,7 +59,7 @@ bool PlanSlab(const GroupNormShape& shape, bool aligned, int vecs, SlabPlan* pla
   const int group_lanes = int(k / kVec);
   if ((group_lanes & (group_lanes - 1)) != 0) return false;
   const int widest = group_lanes > 128 / 16 ? group_lanes : 128 / 16;
-  for (int lanes = widest; lanes >= group_lanes; lanes /= 2) {
+  for (int lanes = widest; lanes >= group_lanes && lanes >= 2; lanes /= 2) {
     const int tile_groups = lanes / group_lanes;
     if (shape.groups % tile_groups != 0) continue;
     const int rows = kThreads / lanes;
@@ -131,22 +130,27 @@ __device__ __forceinline__ void WarpRowSums(float (&v)[kN], const SlabPlan& p, b
 // The cluster's per-group totals of the thread's two sums `v` (returned in v). With kChannels, also
 // the per-channel sums `first` and `second` (the thread's kVec channels) over the cluster's
 // positions, which rank 0 stores to channel_sums[0, c] and channel_sums[C, c]. Every thread of the
-// CTA calls it (it has barriers).
+// CTA calls it (it has barriers), after ArriveAtStart.
+//
+// Exchange by pushing: each CTA stores its partials into slot [its rank] of every CTA's (group sums)
+// or rank 0's (channel sums) shared memory, one cluster barrier (release / acquire) publishes them,
+// and each CTA adds its slots in rank order from local memory. Remote stores do not wait on
+// anything, and no CTA touches another's memory after the barrier, so it may exit at once.
 template <int kVec, bool kChannels>
 __device__ __forceinline__ void ClusterSums(float (&v)[2], const float (&first)[kVec],
                                             const float (&second)[kVec], float* channel_sums,
                                             const SlabPlan& p, const SlabPart& part) {
-  __shared__ float warp_groups[kWarps][kMaxLanes][2];
-  __shared__ float cta_groups[kMaxLanes][2];
-  __shared__ float totals[kMaxLanes][2];
-  constexpr int kChannelValues = kChannels ? kMaxLanes * kVec * 2 : 1;
-  __shared__ float warp_channels[kWarps][kChannelValues];  // [warp][2 * kVec][lanes]
-  __shared__ float cta_channels[kChannelValues];
+  constexpr int kGroupValues = kMaxLanes * 2;  // [tile group][2]
+  constexpr int kChannelValues = kChannels ? kMaxLanes * kVec * 2 : 1;  // [2 * kVec][lanes]
+  __shared__ float warp_groups[kWarps][kGroupValues];
+  __shared__ float gathered_groups[kMaxCluster][kGroupValues];
+  __shared__ float warp_channels[kWarps][kChannelValues];
+  __shared__ float gathered_channels[kChannels ? kMaxCluster : 1][kChannelValues];
   const int warp = threadIdx.x / 32, warp_lane = threadIdx.x % 32;
   WarpRowSums(v, p, true);
   if (warp_lane < p.lanes && part.lane % p.group_lanes == 0) {
-    warp_groups[warp][part.tile_group][0] = v[0];
-    warp_groups[warp][part.tile_group][1] = v[1];
+    warp_groups[warp][2 * part.tile_group] = v[0];
+    warp_groups[warp][2 * part.tile_group + 1] = v[1];
   }
   if constexpr (kChannels) {
     float c[2 * kVec];
@@ -162,42 +166,46 @@ __device__ __forceinline__ void ClusterSums(float (&v)[2], const float (&first)[
     }
   }
   __syncthreads();
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.barrier_wait();  // pairs with ArriveAtStart: every CTA of the cluster runs now
   if (threadIdx.x < 2 * p.tile_groups) {
     float sum = 0.f;
-    for (int w = 0; w < kWarps; ++w) sum += warp_groups[w][threadIdx.x / 2][threadIdx.x % 2];
-    cta_groups[threadIdx.x / 2][threadIdx.x % 2] = sum;
+    for (int w = 0; w < kWarps; ++w) sum += warp_groups[w][threadIdx.x];
+    for (int r = 0; r < p.cluster; ++r) {
+      cluster.map_shared_rank(&gathered_groups[part.rank][threadIdx.x], r)[0] = sum;
+    }
   }
   const int channel_values = 2 * kVec * p.lanes;
   if constexpr (kChannels) {
     for (int t = threadIdx.x; t < channel_values; t += kThreads) {
       float sum = 0.f;
       for (int w = 0; w < kWarps; ++w) sum += warp_channels[w][t];
-      cta_channels[t] = sum;
+      cluster.map_shared_rank(&gathered_channels[part.rank][t], 0)[0] = sum;
     }
   }
-  cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
-  if (threadIdx.x < 2 * p.tile_groups) {
-    float sum = 0.f;
-    for (int r = 0; r < p.cluster; ++r) sum += cluster.map_shared_rank(&cta_groups[0][0], r)[threadIdx.x];
-    totals[threadIdx.x / 2][threadIdx.x % 2] = sum;
-  }
   if constexpr (kChannels) {
     if (part.rank == 0) {
       const int64_t tile_channel = part.tile * p.tile_groups * p.shape.group_size;
       for (int t = threadIdx.x; t < channel_values; t += kThreads) {
         float sum = 0.f;
-        for (int r = 0; r < p.cluster; ++r) sum += cluster.map_shared_rank(cta_channels, r)[t];
+        for (int r = 0; r < p.cluster; ++r) sum += gathered_channels[r][t];
         // Value t = i * lanes + lane: sum i / kVec of channel i % kVec of vector `lane`.
         const int i = t / p.lanes, lane = t % p.lanes;
         channel_sums[(i / kVec) * p.shape.channels + tile_channel + lane * kVec + i % kVec] = sum;
       }
     }
   }
-  cluster.sync();
-  v[0] = totals[part.tile_group][0];
-  v[1] = totals[part.tile_group][1];
+  v[0] = v[1] = 0.f;
+  for (int r = 0; r < p.cluster; ++r) {
+    v[0] += gathered_groups[r][2 * part.tile_group];
+    v[1] += gathered_groups[r][2 * part.tile_group + 1];
+  }
 }
+
+// The arrival ClusterSums waits on before its first remote store (shared memory of a CTA may only
+// be written once that CTA runs). Called early so the wait costs nothing.
+__device__ __forceinline__ void ArriveAtStart() { cg::this_cluster().barrier_arrive(); }
 
 // ---------------------------------------------------------------------------------------------
 
@@ -218,6 +226,7 @@ __global__ void __launch_bounds__(kThreads, 2) FwdOnChip(const T* __restrict__ x
   for (int j = 0; j < kFwdVecs; ++j) {
     if (j < part.held) v[j] = *reinterpret_cast<const Vec*>(x + part.start + j * part.stride);
   }
+  ArriveAtStart();
   // Shifted sums (see GroupMoments); the shift is the group's first element.
   const float shift = ToFloat(x[part.n * s.spatial * s.channels + part.group * s.group_size]);
   float sums[2] = {0.f, 0.f};
@@ -235,6 +244,8 @@ __global__ void __launch_bounds__(kThreads, 2) FwdOnChip(const T* __restrict__ x
   ClusterSums<kVec, false>(sums, unused, unused, nullptr, p, part);
 #pragma unroll
   for (int j = 0; j < kFwdVecs; ++j) Opaque(v[j]);
+  int64_t start = part.start;  // opaque too: the stores' addresses are recomputed, not kept live
+  Opaque(start);
   float group_mean, group_rstd;
   GroupMoments(sums[0], sums[1], shift, s.spatial * s.group_size, epsilon, &group_mean, &group_rstd);
   if (part.rank == 0 && threadIdx.x < p.lanes && part.lane % p.group_lanes == 0) {
@@ -257,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 2) FwdOnChip(const T* __restrict__ x
       const float pre = (ToFloat(v[j].v[k]) - group_mean) * a[k] + b[k];
       out.v[k] = FromFloat<T>(has_activation ? ActivateKind(activation, pre, activation_param) : pre);
     }
-    *reinterpret_cast<Vec*>(y + part.start + j * part.stride) = out;
+    *reinterpret_cast<Vec*>(y + start + j * part.stride) = out;
   }
 }
 
@@ -283,6 +294,7 @@ __global__ void __launch_bounds__(kThreads, 2) BwdOnChip(
       dyv[j] = *reinterpret_cast<const Vec*>(dy + part.start + j * part.stride);
     }
   }
+  ArriveAtStart();
   const int64_t stat = part.n * s.groups + part.group;
   const float group_mean = mean[stat], group_rstd = rstd[stat];
   const bool has_activation = activation != int64_t(Activation::kIdentity);
@@ -317,6 +329,8 @@ __global__ void __launch_bounds__(kThreads, 2) BwdOnChip(
     Opaque(xv[j]);
     Opaque(dyv[j]);
   }
+  int64_t start = part.start;  // opaque too: the stores' addresses are recomputed, not kept live
+  Opaque(start);
   if (part.rank == 0 && threadIdx.x < p.lanes && part.lane % p.group_lanes == 0) {
     group_sums[2 * stat] = sums[0];
     group_sums[2 * stat + 1] = sums[1];
@@ -333,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 2) BwdOnChip(
       const float g = scale[part.channel + k] * d_of(j, k, xhat);
       out.v[k] = FromFloat<T>(group_rstd * (g - mean_g - xhat * mean_g_xhat));
     }
-    *reinterpret_cast<Vec*>(dx + part.start + j * part.stride) = out;
+    *reinterpret_cast<Vec*>(dx + start + j * part.stride) = out;
   }
 }
 
