@@ -244,8 +244,6 @@ __global__ void __launch_bounds__(kThreads, 2) FwdOnChip(const T* __restrict__ x
   ClusterSums<kVec, false>(sums, unused, unused, nullptr, p, part);
 #pragma unroll
   for (int j = 0; j < kFwdVecs; ++j) Opaque(v[j]);
-  int64_t start = part.start;  // opaque too: the stores' addresses are recomputed, not kept live
-  Opaque(start);
   float group_mean, group_rstd;
   GroupMoments(sums[0], sums[1], shift, s.spatial * s.group_size, epsilon, &group_mean, &group_rstd);
   if (part.rank == 0 && threadIdx.x < p.lanes && part.lane % p.group_lanes == 0) {
@@ -268,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 2) FwdOnChip(const T* __restrict__ x
       const float pre = (ToFloat(v[j].v[k]) - group_mean) * a[k] + b[k];
       out.v[k] = FromFloat<T>(has_activation ? ActivateKind(activation, pre, activation_param) : pre);
     }
-    *reinterpret_cast<Vec*>(y + start + j * part.stride) = out;
+    *reinterpret_cast<Vec*>(y + part.start + j * part.stride) = out;
   }
 }
 
@@ -329,8 +327,6 @@ __global__ void __launch_bounds__(kThreads, 2) BwdOnChip(
     Opaque(xv[j]);
     Opaque(dyv[j]);
   }
-  int64_t start = part.start;  // opaque too: the stores' addresses are recomputed, not kept live
-  Opaque(start);
   if (part.rank == 0 && threadIdx.x < p.lanes && part.lane % p.group_lanes == 0) {
     group_sums[2 * stat] = sums[0];
     group_sums[2 * stat + 1] = sums[1];
@@ -347,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 2) BwdOnChip(
       const float g = scale[part.channel + k] * d_of(j, k, xhat);
       out.v[k] = FromFloat<T>(group_rstd * (g - mean_g - xhat * mean_g_xhat));
     }
-    *reinterpret_cast<Vec*>(dx + start + j * part.stride) = out;
+    *reinterpret_cast<Vec*>(dx + part.start + j * part.stride) = out;
   }
 }
 
