@@ -2,9 +2,11 @@
 //
 // Two sets of kernels. The single-pass ones (group_norm_onchip.cuh) serve when a (sample, tile of
 // groups) slab fits in the registers of a thread-block cluster of <= 8 CTAs: x (and dy) 16-byte
-// aligned, K a power-of-two number of 16-byte vectors (at most 32), and S * W <= 8 * 256 * 16
-// vectors (forward) or 8 * 256 * 8 vectors (backward), W the tile's channels; for bf16 that is
-// S * W <= 262144 (forward) / 131072 (backward) elements. Forward: one launch, x read once, y
+// aligned, K a power-of-two number of 16-byte vectors (at most 32), a tile W of 2 to 8 vectors (or
+// one group of more) of whole groups, and the slab's S * W elements at most 8 * 256 * 16 vectors
+// (forward: 8 CTAs x 256 threads x 16) or 8 * 256 * 8 (backward); for bf16 that is S * W <= 262144 (forward) / 131072 (backward) elements. For
+// 16x64x64x512 bf16 with 32 groups: forward W = 64 (128 bytes a pixel), 8 CTAs a cluster, 1024
+// CTAs; backward W = 32, 8 CTAs a cluster, 2048 CTAs. Forward: one launch, x read once, y
 // written once (mean/rstd from the cluster; the workspace is unused). Backward: one cluster launch
 // (x and dy read once, dx written once, the cluster's per-channel sums to workspace[n, 0]) + SumParts
 // over the N rows workspace[:, 0]. Everything else takes the multi-pass kernels below.
