@@ -34,8 +34,7 @@ _KINDS = {value: name for name, value in KINDS.items()}  # the kernels' `activat
 def _num_chunks(batch, spatial, channels) -> int:
     """P, the chunks each sample's S positions are split into (one CUDA block each, per tile of
     channels): about 512 blocks in all, at least 16 positions a chunk, and a workspace
-    [N, P, 2, C] f32 of at most 128 MiB. Sizes may be symbolic under `jax.export`. The CUDA
-    single-pass kernels (slabs that fit on chip) work with any P (ffi/group_norm/group_norm.h)."""
+    [N, P, 2, C] f32 of at most 128 MiB. Sizes may be symbolic under `jax.export`."""
     if not isinstance(spatial, int):
         return 1
     chunks = max(1, spatial // 16)

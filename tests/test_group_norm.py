@@ -78,39 +78,6 @@ def test_forward_and_grad(dtype, shape, groups, rng):
            epsilon=1.0 if per_group == 1 else 1e-5)
 
 
-# Shapes for the CUDA single-pass kernels (ffi/group_norm/group_norm_onchip.cuh; on CPU they are
-# more multi-pass cases). A cluster of <= 8 CTAs of 256 threads holds 16 (forward) or 8 (backward)
-# 16-byte vectors a thread: a slab of S positions x W tile channels fits while
-# S * W <= 8 * 256 * vectors * (16 / itemsize), the tile being 1 to 8 vectors of whole groups.
-ONCHIP_CASES = [
-    ((2, 1000, 128), 8),    # K = 16: clusters of several CTAs, the last one ragged
-    ((1, 8192, 16), 1),     # one group: at the backward's limit (16-bit), the forward's (float32)
-    ((1, 8193, 16), 1),     # one position over: those take the multi-pass kernels
-    ((1, 16384, 16), 1),    # at the forward's limit (16-bit)
-    ((2, 30, 4, 256), 2),   # K = 128: a group of 16 (16-bit) or 32 (float32) vectors
-    ((1, 100, 512), 2),     # K = 256: 32 vectors (16-bit, the widest on chip); float32 over
-    ((2, 50, 96), 8),       # K = 12: 24 bytes (16-bit), not whole vectors: multi-pass
-    ((2, 40, 192), 8),      # K = 24: 3 vectors (16-bit), not a power of two: multi-pass
-]
-
-
-@dtype_param
-@pytest.mark.parametrize("shape,groups", ONCHIP_CASES, ids=str)
-def test_onchip_shapes(dtype, shape, groups, rng):
-    x = normal(rng, shape, dtype, loc=2.0, scale=3.0)
-    scale, bias = _params(rng, shape[-1])
-    _check(x, groups, scale, bias, normal(rng, shape, dtype), dtype)
-
-
-@pytest.mark.parametrize("activation", ["gelu", "silu"])
-@dtype_param
-def test_onchip_fused_activation(activation, dtype, rng):
-    shape = (2, 300, 64)  # K = 16: on chip in every dtype, 2 CTAs a cluster in the backward
-    x = normal(rng, shape, dtype, loc=0.5, scale=2.0)
-    scale, bias = _params(rng, shape[-1])
-    _check(x, 4, scale, bias, normal(rng, shape, dtype), dtype, activation=activation)
-
-
 def test_matches_flax_group_norm_math(rng):
     """The reference (and so the kernels) compute what flax.linen.GroupNorm computes."""
     nn = pytest.importorskip("flax.linen")

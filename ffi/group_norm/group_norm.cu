@@ -1,17 +1,6 @@
 // CUDA GroupNorm, channels last: x is [N, S, C], each sample's S positions split into P chunks.
 //
-// Two sets of kernels. The single-pass ones (group_norm_onchip.cuh) serve when a (sample, tile of
-// groups) slab fits in the registers of a thread-block cluster of <= 8 CTAs: x (and dy) 16-byte
-// aligned, K a power-of-two number of 16-byte vectors (at most 32), a tile W of 2 to 8 vectors (or
-// one group of more) of whole groups, and the slab's S * W elements at most 8 * 256 * 16 vectors
-// (forward: 8 CTAs x 256 threads x 16) or 8 * 256 * 8 (backward); for bf16 that is S * W <= 262144 (forward) / 131072 (backward) elements. For
-// 16x64x64x512 bf16 with 32 groups: forward W = 64 (128 bytes a pixel), 8 CTAs a cluster, 1024
-// CTAs; backward W = 32, 8 CTAs a cluster, 2048 CTAs. Forward: one launch, x read once, y
-// written once (mean/rstd from the cluster; the workspace is unused). Backward: one cluster launch
-// (x and dy read once, dx written once, the cluster's per-channel sums to workspace[n, 0]) + SumParts
-// over the N rows workspace[:, 0]. Everything else takes the multi-pass kernels below.
-//
-// The multi-pass kernels share one tiling. A block owns (sample n, chunk p, tile of channels); its
+// The streaming kernels share one tiling. A block owns (sample n, chunk p, tile of channels); its
 // threads form `rows` x `lanes`: lane l owns one vector of channels (16 bytes, or one element when
 // C or a pointer is not aligned for that) of every position, and the rows stride over the chunk's
 // positions. So each thread keeps per-channel sums in registers, every warp reads whole 16-byte
@@ -38,7 +27,6 @@
 #include "common/row_reduce.cuh"
 #include "group_norm/group_norm.h"
 #include "group_norm/group_norm_common.h"
-#include "group_norm/group_norm_onchip.cuh"
 
 namespace jaxdnn {
 namespace {
@@ -335,29 +323,26 @@ __global__ void __launch_bounds__(kThreads) Dx(
   }
 }
 
-// dscale[c] and dbias[c]: the workspace [N, P, 2 * C] summed over its rows (n, p < used) in a fixed
-// order (used = P after BwdChannelSums, 1 after BwdOnChip). Threads (x, y): x the column within a
-// 32-wide tile, y strides over the rows.
-__global__ void SumParts(const float* __restrict__ workspace, GroupNormShape s, int64_t used,
+// dscale[c] and dbias[c]: the workspace [N * P, 2 * C] summed over its N * P rows in a fixed order.
+// Threads (x, y): x the column within a 32-wide tile, y strides over the rows.
+__global__ void SumParts(const float* __restrict__ workspace, int64_t parts, int64_t channels,
                          float* __restrict__ dscale, float* __restrict__ dbias) {
   __shared__ float tile[32][33];
-  const int64_t width = 2 * s.channels, parts = s.batch * used;
+  const int64_t width = 2 * channels;
   const int64_t col = int64_t(blockIdx.x) * 32 + threadIdx.x;
   float sum = 0.f;
   if (col < width) {
-    for (int64_t p = threadIdx.y; p < parts; p += 32) {
-      sum += workspace[(p / used * s.chunks + p % used) * width + col];
-    }
+    for (int64_t p = threadIdx.y; p < parts; p += 32) sum += workspace[p * width + col];
   }
   tile[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
   if (threadIdx.y == 0 && col < width) {
     float total = 0.f;
     for (int k = 0; k < 32; ++k) total += tile[k][threadIdx.x];
-    if (col < s.channels) {
+    if (col < channels) {
       dscale[col] = total;
     } else {
-      dbias[col - s.channels] = total;
+      dbias[col - channels] = total;
     }
   }
 }
@@ -398,15 +383,7 @@ ffi::Error GroupNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x.untyped_data());
     T* yp = static_cast<T*>(y->untyped_data());
-    const bool aligned = Aligned16(xp) && Aligned16(yp);
-    onchip::SlabPlan plan;
-    if (onchip::PlanSlab<T>(shape, aligned, onchip::kFwdVecs, &plan)) {
-      return onchip::LaunchClusters(onchip::FwdOnChip<T>, shape.batch * plan.tiles * plan.cluster,
-                                    plan.cluster, stream, "group_norm forward (on chip)", xp,
-                                    scale.typed_data(), bias.typed_data(), yp, mean->typed_data(),
-                                    rstd->typed_data(), plan, epsilon, activation, activation_param);
-    }
-    const Tiling t = MakeTiling<T>(shape, aligned);
+    const Tiling t = MakeTiling<T>(shape, Aligned16(xp) && Aligned16(yp));
     int64_t blocks, group_blocks;
     JAXDNN_RETURN_IF_ERROR(Grids(t, &blocks, &group_blocks));
     const int threads = t.lanes * t.rows;
@@ -448,24 +425,12 @@ ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
     const T* dyp = static_cast<const T*>(dy.untyped_data());
     const T* xp = static_cast<const T*>(x.untyped_data());
     T* dxp = static_cast<T*>(dx->untyped_data());
-    const bool aligned = Aligned16(dyp) && Aligned16(xp) && Aligned16(dxp);
-    float* ws = workspace->typed_data();
-    float* sums = group_sums->typed_data();
-    const unsigned sum_blocks = unsigned((2 * shape.channels + 31) / 32);
-    onchip::SlabPlan plan;
-    if (onchip::PlanSlab<T>(shape, aligned, onchip::kBwdVecs, &plan)) {
-      JAXDNN_RETURN_IF_ERROR(onchip::LaunchClusters(
-          onchip::BwdOnChip<T>, shape.batch * plan.tiles * plan.cluster, plan.cluster, stream,
-          "group_norm backward (on chip)", dyp, xp, scale.typed_data(), bias.typed_data(),
-          mean.typed_data(), rstd.typed_data(), dxp, ws, sums, plan, activation, activation_param));
-      SumParts<<<sum_blocks, dim3(32, 32), 0, stream>>>(ws, shape, 1, dscale->typed_data(),
-                                                         dbias->typed_data());
-      return LaunchError("group_norm backward dscale/dbias");
-    }
-    const Tiling t = MakeTiling<T>(shape, aligned);
+    const Tiling t = MakeTiling<T>(shape, Aligned16(dyp) && Aligned16(xp) && Aligned16(dxp));
     int64_t blocks, group_blocks;
     JAXDNN_RETURN_IF_ERROR(Grids(t, &blocks, &group_blocks));
     const int threads = t.lanes * t.rows;
+    float* ws = workspace->typed_data();
+    float* sums = group_sums->typed_data();
     return WithVec<T>(t.vec, [&](auto vec) {
       constexpr int kVec = decltype(vec)::value;
       BwdChannelSums<T, kVec><<<blocks, threads, 0, stream>>>(
@@ -475,8 +440,8 @@ ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
       ReduceGroups<T><<<group_blocks, kThreads, 0, stream>>>(xp, ws, scale.typed_data(), shape, 0.f,
                                                               nullptr, nullptr, sums);
       JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward group sums"));
-      SumParts<<<sum_blocks, dim3(32, 32), 0, stream>>>(ws, shape, shape.chunks, dscale->typed_data(),
-                                                         dbias->typed_data());
+      SumParts<<<(2 * shape.channels + 31) / 32, dim3(32, 32), 0, stream>>>(
+          ws, shape.batch * shape.chunks, shape.channels, dscale->typed_data(), dbias->typed_data());
       JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward dscale/dbias"));
       Dx<T, kVec><<<blocks, threads, 0, stream>>>(dyp, xp, scale.typed_data(), bias.typed_data(),
                                                   mean.typed_data(), rstd.typed_data(), sums, dxp, t,

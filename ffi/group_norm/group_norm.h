@@ -13,8 +13,7 @@
 // jaxdnn/group_norm.py): a chunk's per-channel partial sums go to workspace[n, p], and fixed-order
 // reductions over the chunks give the statistics (forward) or the group sums and dscale/dbias
 // (backward), so the results have the same bits on every run. The CPU kernels use the same
-// decomposition and workspace. The CUDA single-pass kernels (group_norm_onchip.cuh) serve any P:
-// their forward leaves the workspace unused, their backward uses workspace[:, 0] only.
+// decomposition and workspace.
 #pragma once
 
 #include <cstdint>
