@@ -134,7 +134,7 @@ __device__ __forceinline__ void StorePack(T* p, const float (&in)[V]) {
   Pack<T, V> v;
 #pragma unroll
   for (int k = 0; k < V; ++k) v.v[k] = FromFloat<T>(in[k]);
-  *reinterpret_cast<Pack<T, V>*>(p) = v;
+  StoreWords(p, v);
 }
 
 // The coefficients of the V elements of a pack: channels c, c+1, ... (channels last, step 1) or

@@ -5,7 +5,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "common/ffi_common.h"
 
@@ -49,6 +52,34 @@ template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
+
+// Stores `value` to global memory at p (aligned to its size) as whole 16/8/4-byte words. Assigning
+// a struct of 16-bit floats may compile to 2- or 4-byte stores, a fraction of the write bandwidth;
+// the explicit vector store cannot be split.
+template <typename Value>
+__device__ __forceinline__ void StoreWords(void* p, const Value& value) {
+  constexpr int kBytes = sizeof(Value);
+  if constexpr (kBytes % 16 == 0) {
+    uint32_t w[kBytes / 4];
+    memcpy(w, &value, kBytes);
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i) {
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(static_cast<char*>(p) + 16 * i),
+                   "r"(w[4 * i]), "r"(w[4 * i + 1]), "r"(w[4 * i + 2]), "r"(w[4 * i + 3])
+                   : "memory");
+    }
+  } else if constexpr (kBytes == 8) {
+    uint32_t w[2];
+    memcpy(w, &value, 8);
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(w[0]), "r"(w[1]) : "memory");
+  } else {
+    static_assert(kBytes <= 4 && (kBytes & (kBytes - 1)) == 0, "StoreWords: 1, 2, 4, 8 or 16k bytes");
+    using Word = std::conditional_t<kBytes == 4, uint32_t, std::conditional_t<kBytes == 2, uint16_t, uint8_t>>;
+    Word word;
+    memcpy(&word, &value, kBytes);
+    *static_cast<Word*>(p) = word;
+  }
+}
 
 // Elements of T in one 16-byte access.
 template <typename T>

@@ -88,7 +88,7 @@ JAXDNN_POOL_FN Lanes<T, V> LoadLanes(const T* p) {
 template <int V, typename T>
 JAXDNN_POOL_FN void StoreLanes(T* p, const Lanes<T, V>& lanes) {
 #ifdef __CUDACC__
-  *reinterpret_cast<Lanes<T, V>*>(p) = lanes;
+  StoreWords(p, lanes);
 #else
   std::memcpy(p, &lanes, sizeof(lanes));
 #endif
