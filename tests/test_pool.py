@@ -112,6 +112,25 @@ def test_max_pool_nan_and_all_padding_windows_match_jax(rng):
         np.testing.assert_array_equal(pullback(cotangent)[0], want_pullback(cotangent)[0])
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=dtype_id)
+def test_max_pool_16_bit_is_the_float32_result_on_ties_and_nans(dtype, rng):
+    """The CUDA kernels compare 16-bit inputs two lanes at a time for 3x3 and 2x2 stride-2 windows;
+    on the same values, outputs and gradients must be the float32 path's (checked against JAX above),
+    exactly: ties, NaNs, windows entirely in the padding."""
+    x = rng.integers(-3, 4, size=(2, 9, 8, 16)).astype(np.float32)  # small integers: many ties
+    x[0, 2, 3, ::3] = np.nan
+    x[1, 5, :, 1] = np.nan
+    for window, strides, padding in [((3, 3), (2, 2), "SAME"), ((3, 3), (2, 2), ((3, 3), (0, 1))),
+                                     ((2, 2), (2, 2), "VALID")]:
+        op = _call(jaxdnn.max_pool, window, strides, padding)
+        y, pullback = jax.vjp(op, jnp.asarray(x, dtype))
+        want_y, want_pullback = jax.vjp(op, jnp.asarray(x))
+        np.testing.assert_array_equal(np.asarray(y, np.float32), want_y)
+        cotangent = rng.integers(1, 8, size=y.shape).astype(np.float32)  # sums stay exact in 16 bits
+        np.testing.assert_array_equal(np.asarray(pullback(jnp.asarray(cotangent, dtype))[0], np.float32),
+                                      want_pullback(jnp.asarray(cotangent))[0])
+
+
 def test_avg_pool_all_padding_window_is_nan_as_flax(rng):
     x = normal(rng, (2, 5, 4))
     padding = ((3, 3),)

@@ -140,15 +140,101 @@ JAXDNN_POOL_HD int LoadAt(int i, int size) {
   }
 }
 
+#ifdef __CUDACC__
+// 16-bit floats as pairs of lanes in 32-bit words (bf16x2, half2), with the bit patterns of -inf
+// and of the quiet NaN in both halves.
+template <typename T>
+struct LanePairs;
+template <>
+struct LanePairs<__nv_bfloat16> {
+  static constexpr unsigned kNegInf = 0xFF80FF80u, kNaN = 0x7FC07FC0u;
+  // Per 16-bit half: 0xFFFF where a >= b (false when either is NaN), and where a is NaN.
+  static __device__ __forceinline__ unsigned GreaterEqual(unsigned a, unsigned b) {
+    return __hge2_mask(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+  }
+  static __device__ __forceinline__ unsigned IsNaN(unsigned a) {
+    return __hneu2_mask(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&a));
+  }
+};
+template <>
+struct LanePairs<__half> {
+  static constexpr unsigned kNegInf = 0xFC00FC00u, kNaN = 0x7E007E00u;
+  static __device__ __forceinline__ unsigned GreaterEqual(unsigned a, unsigned b) {
+    return __hge2_mask(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  }
+  static __device__ __forceinline__ unsigned IsNaN(unsigned a) {
+    return __hneu2_mask(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&a));
+  }
+};
+
+// MaxPoolPixelFloat (below) for a SquareWindow of 16-bit floats, two lanes per instruction: one packed
+// compare gives the mask of the lanes whose best stays (best >= v), and bitwise selects move the
+// values, the window offsets (16 bits a lane) and the NaN flags, so a window element costs a few
+// instructions per pair of lanes instead of a conversion, two compares and selects per lane (the
+// float version of the training forward was bound by its instructions, not by memory). The same
+// rule on the same values: the results are identical.
+template <int V, typename W, typename T, typename Idx>
+__device__ __forceinline__ void MaxPoolPixelPairs(const PoolGeometry& g, const T* __restrict__ x, T* __restrict__ y,
+                                                  Idx* __restrict__ argmax, int64_t n, const int o[3], int64_t c) {
+  using P = LanePairs<T>;
+  constexpr int K = W::kSize, kWords = V / 2;
+  unsigned best[kWords], arg[kWords], nan[kWords];
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) {
+    best[i] = P::kNegInf;
+    arg[i] = 0;
+    nan[i] = 0;
+  }
+  const int d = o[0] * g.stride[0] - g.pad[0], h0 = o[1] * g.stride[1] - g.pad[1], w0 = o[2] * g.stride[2] - g.pad[2];
+  const bool d_inside = 0 <= d && d < g.in[0];
+#pragma unroll
+  for (int kh = 0; kh < K; ++kh) {
+    const int h = h0 + kh;
+    const bool dh_inside = d_inside && 0 <= h && h < g.in[1];
+#pragma unroll
+    for (int kw = 0; kw < K; ++kw) {
+      const int w = w0 + kw;
+      const bool inside = dh_inside && 0 <= w && w < g.in[2];
+      const Lanes<T, V> in = LoadLanes<V>(
+          x + g.InOffset(n, LoadAt<W>(d, g.in[0]), LoadAt<W>(h, g.in[1]), LoadAt<W>(w, g.in[2])) + c);
+      unsigned words[kWords];
+      memcpy(words, &in, sizeof(words));
+      const unsigned k = unsigned(kh * K + kw) * 0x10001u;  // the offset in both halves
+#pragma unroll
+      for (int i = 0; i < kWords; ++i) {
+        const unsigned v = inside ? words[i] : P::kNegInf;
+        const unsigned keep = P::GreaterEqual(best[i], v);
+        best[i] = (best[i] & keep) | (v & ~keep);
+        arg[i] = (arg[i] & keep) | (k & ~keep);
+        nan[i] |= P::IsNaN(v);
+      }
+    }
+  }
+  unsigned out[kWords];
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) out[i] = (best[i] & ~nan[i]) | (P::kNaN & nan[i]);
+  Lanes<T, V> lanes;
+  memcpy(&lanes, out, sizeof(out));
+  const int64_t offset = g.OutOffset(n, o[0], o[1], o[2]) + c;
+  StoreLanes<V>(y + offset, lanes);
+  if (argmax != nullptr) {
+    Lanes<Idx, V> chosen;
+#pragma unroll
+    for (int l = 0; l < V; ++l) chosen.v[l] = Idx((arg[l / 2] >> (16 * (l % 2))) & 0xFFFFu);
+    StoreLanes<V>(argmax + offset, chosen);
+  }
+}
+#endif
+
 // Max pool of output pixel (n, o) for channels [c, c + V): writes y and, unless `argmax` is null,
 // the window offset (row-major over the window) of the element chosen for the gradient.
 // The window is visited in row-major order with padding as -inf candidates, and a candidate replaces
 // the best so far when !(best >= v): the rule of XLA's select_and_scatter(ge), which JAX's gradient
 // of max pooling uses, so ties (and NaNs) send the gradient where JAX sends it. y is NaN when the
 // window holds a NaN, as lax.max propagates it.
-template <int V, typename W = RuntimeWindow, typename T, typename Idx>
-JAXDNN_POOL_FN void MaxPoolPixel(const PoolGeometry& g, const T* __restrict__ x, T* __restrict__ y,
-                                 Idx* __restrict__ argmax, int64_t n, const int o[3], int64_t c) {
+template <int V, typename W, typename T, typename Idx>
+JAXDNN_POOL_FN void MaxPoolPixelFloat(const PoolGeometry& g, const T* __restrict__ x, T* __restrict__ y,
+                                      Idx* __restrict__ argmax, int64_t n, const int o[3], int64_t c) {
   float best[V];
   int arg[V];
   bool nan[V];
@@ -203,6 +289,20 @@ JAXDNN_POOL_UNROLL
 JAXDNN_POOL_UNROLL
     for (int l = 0; l < V; ++l) chosen.v[l] = Idx(arg[l]);
     StoreLanes<V>(argmax + offset, chosen);
+  }
+}
+
+// MaxPoolPixel: the packed 16-bit version where it applies (CUDA), else the float one.
+template <int V, typename W = RuntimeWindow, typename T, typename Idx>
+JAXDNN_POOL_FN void MaxPoolPixel(const PoolGeometry& g, const T* __restrict__ x, T* __restrict__ y,
+                                 Idx* __restrict__ argmax, int64_t n, const int o[3], int64_t c) {
+#ifdef __CUDACC__
+  if constexpr (sizeof(T) == 2 && V % 2 == 0 && W::kSize > 0) {
+    MaxPoolPixelPairs<V, W>(g, x, y, argmax, n, o, c);
+  } else
+#endif
+  {
+    MaxPoolPixelFloat<V, W>(g, x, y, argmax, n, o, c);
   }
 }
 
