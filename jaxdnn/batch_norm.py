@@ -76,25 +76,25 @@ def _fold_channels_batch_rule(prim, args, dims, **attrs):
     return [unfold(o) for o in outs], [0] * len(outs)
 
 
-def _primitive(stage, rule, residual, **kwargs):
+def _primitive(stage, version, rule, residual=False, **kwargs):
     name = f"jaxdnn_batch_norm_{stage}" + ("_residual" if residual else "")
-    return ffi_primitive(name, f"jaxdnn_batch_norm_{stage}_v1", sharding_rule=rule,
+    return ffi_primitive(name, f"jaxdnn_batch_norm_{stage}_v{version}", sharding_rule=rule,
                          batch_rule=_fold_channels_batch_rule, **kwargs)
 
 
 _X = "... c i"
-_stats = _primitive("stats", f"{_X}, c -> c, c", False, result_avals=_sums_avals, scratch_results=1,
+_stats = _primitive("stats", 1, f"{_X}, c -> c, c", result_avals=_sums_avals, scratch_results=1,
                     reduced_results=(0, 1))
-# One primitive per arity: without / with the residual operand (and the dresidual result).
-_fwd = {r: _primitive("fwd", f"{_X}, c, c, c{', ' + _X if r else ''} -> {_X}", r, result_avals=_like_x_avals)
+# One primitive per arity: without / with the residual operand.
+_fwd = {r: _primitive("fwd", 1, f"{_X}, c, c, c{', ' + _X if r else ''} -> {_X}", r,
+                      result_avals=_like_x_avals)
         for r in (False, True)}
-_bwd_sums = {r: _primitive("bwd_sums", f"{_X}, {_X}, c, c, c{', ' + _X if r else ''} -> c, c", r,
-                           result_avals=_sums_avals, scratch_results=1, reduced_results=(0, 1))
-             for r in (False, True)}
-_bwd_dx = {r: _primitive("bwd_dx", f"{_X}, {_X}, c, c, c, c, c{', ' + _X if r else ''} -> {_X}"
-                         + (f", {_X}" if r else ""), r,
-                         result_avals=functools.partial(_like_x_avals, results=2 if r else 1))
-           for r in (False, True)}
+_bwd_sums = _primitive("bwd_sums", 2, f"{_X}, {_X}, c, c, c -> c, c", result_avals=_sums_avals,
+                       scratch_results=1, reduced_results=(0, 1))
+_bwd_grad = _primitive("bwd_grad", 1, f"{_X}, {_X}, c, c, c, {_X} -> {_X}, c, c",
+                       result_avals=lambda dy, *ops, **attrs: [dy, *_sums_avals(dy)], scratch_results=1,
+                       reduced_results=(1, 2))
+_bwd_dx = _primitive("bwd_dx", 2, f"{_X}, {_X}, c, c, c, c, c -> {_X}", result_avals=_like_x_avals)
 
 
 def _stats_stage(x, shift):
@@ -109,25 +109,28 @@ def _fwd_stage(x, a, mean, bias, residual, kind, param):
         lambda x, a, mean, bias, r=None: _ref.fwd(x, a, mean, bias, r, kind, param), *ops)
 
 
-def _bwd_sums_stage(dy, x, a, mean, bias, residual, kind, param):
-    attrs = epilogue_attrs(kind, param)
-    ops = (dy, x, *match_varying(x, a, mean, bias)) + (() if residual is None else (residual,))
+def _bwd_sums_stage(dy, x, a, mean, bias, kind, param):
+    """(sg, sgx) [C]."""
+    ops = (dy, x, *match_varying(x, a, mean, bias))
     return with_reference_vjp(
-        lambda *ops: tuple(_bwd_sums[residual is not None].bind(*ops, **attrs)),
-        lambda dy, x, a, mean, bias, r=None: _ref.bwd_sums(dy, x, a, mean, bias, r, kind, param), *ops)
+        lambda *ops: tuple(_bwd_sums.bind(*ops, **epilogue_attrs(kind, param))),
+        lambda *ops: _ref.bwd_sums(*ops, None, kind, param), *ops)
 
 
-def _bwd_dx_stage(dy, x, a, mean, bias, k1, k0, residual, kind, param):
-    """(dx, dresidual or None)."""
-    attrs = epilogue_attrs(kind, param)
-    a, mean, bias, k1, k0 = match_varying(x, a, mean, bias, k1, k0)
-    if residual is None:
-        return with_reference_vjp(
-            lambda *ops: _bwd_dx[False].bind(*ops, **attrs)[0],
-            lambda *ops: _ref.bwd_dx(*ops, None, kind, param)[0], dy, x, a, mean, bias, k1, k0), None
-    return with_reference_vjp(lambda *ops: tuple(_bwd_dx[True].bind(*ops, **attrs)),
-                               lambda *ops: _ref.bwd_dx(*ops, kind, param), dy, x, a, mean, bias, k1, k0,
-                               residual)
+def _bwd_grad_stage(dy, x, a, mean, bias, residual, kind, param):
+    """(g [O, C, I] in x's dtype, sg, sgx): the sums with a residual in the pre-activation, and g."""
+    ops = (dy, x, *match_varying(x, a, mean, bias), residual)
+    return with_reference_vjp(
+        lambda *ops: tuple(_bwd_grad.bind(*ops, **epilogue_attrs(kind, param))),
+        lambda dy, x, a, mean, bias, r: _ref.bwd_grad(dy, x, a, mean, bias, r, kind, param), *ops)
+
+
+def _bwd_dx_stage(dy, x, a, mean, bias, k1, k0, kind, param):
+    """dx [O, C, I]."""
+    ops = (dy, x, *match_varying(x, a, mean, bias, k1, k0))
+    return with_reference_vjp(
+        lambda *ops: _bwd_dx.bind(*ops, **epilogue_attrs(kind, param))[0],
+        lambda *ops: _ref.bwd_dx(*ops, None, kind, param)[0], *ops)
 
 
 # --- the differentiable op on [O, C, I] -------------------------------------------------------
@@ -168,17 +171,22 @@ def _batch_norm_bwd(training, epsilon, kind, param, sharded, saved, cotangents):
     """The statistics outputs are not differentiated (the public function stops their gradient)."""
     x, bias, residual, mean, rstd, a, mean_in, var_in = saved
     dy = cotangents[0]
-    fused_residual = None if kind == "identity" else residual  # act' needs the pre-activation
-    sg, sgx = _sum_shards(_bwd_sums_stage(dy, x, a, mean, bias, fused_residual, kind, param), sharded)
+    if residual is not None and kind != "identity":
+        # act' needs the pre-activation, residual included: the sums stage also writes g = dy act'
+        # (dresidual), and dx is computed from g alone, without reading dy and the residual again.
+        g, sg, sgx = _bwd_grad_stage(dy, x, a, mean, bias, residual, kind, param)
+        sg, sgx = _sum_shards((sg, sgx), sharded)
+        dy, kind, param, dresidual = g, "identity", 0.0, g
+    else:
+        sg, sgx = _sum_shards(_bwd_sums_stage(dy, x, a, mean, bias, kind, param), sharded)
+        dresidual = None if residual is None else dy
     if training:
         count = x.shape[0] * x.shape[2] * (sharded[0] if sharded else 1)
         k1 = -a * rstd * rstd * sgx / count
         k0 = -a * sg / count
     else:
         k1 = k0 = jnp.zeros_like(a)
-    dx, dresidual = _bwd_dx_stage(dy, x, a, mean, bias, k1, k0, fused_residual, kind, param)
-    if residual is not None and dresidual is None:
-        dresidual = dy
+    dx = _bwd_dx_stage(dy, x, a, mean, bias, k1, k0, kind, param)
     return dx, sgx * rstd, sg, jnp.zeros_like(mean_in), jnp.zeros_like(var_in), dresidual
 
 

@@ -192,10 +192,16 @@ def test_transforms(rng):
 
 def test_hlo_holds_the_custom_calls(rng):
     x, (scale, bias), stats, residual = _inputs(rng, (4, 6, 8), -1, jnp.float32, residual=True)
-    hlo = jax.jit(jax.grad(lambda x, r: jnp.sum(_ours(x, scale, bias, r, stats) * x), argnums=(0, 1))).lower(
-        x, residual).as_text()
-    for stage in ["stats", "fwd", "bwd_sums", "bwd_dx"]:
-        assert f"jaxdnn_batch_norm_{stage}_v1" in hlo, stage
+    grad = jax.grad(lambda x, r: jnp.sum(_ours(x, scale, bias, r, stats) * x), argnums=(0, 1))
+    hlo = jax.jit(grad).lower(x, residual).as_text()
+    # With a residual and an activation, the sums stage also writes g (bwd_grad) and dx reads it.
+    for target in ["stats_v1", "fwd_v1", "bwd_grad_v1", "bwd_dx_v2"]:
+        assert f"jaxdnn_batch_norm_{target}" in hlo, target
+    assert "bwd_sums" not in hlo
+    plain = jax.grad(lambda x: jnp.sum(jaxdnn.batch_norm(x, scale, bias, *stats, training=True)[0] * x))
+    hlo = jax.jit(plain).lower(x).as_text()
+    for target in ["stats_v1", "fwd_v1", "bwd_sums_v2", "bwd_dx_v2"]:
+        assert f"jaxdnn_batch_norm_{target}" in hlo, target
 
 
 def test_deterministic(rng):

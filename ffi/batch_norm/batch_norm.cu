@@ -188,11 +188,13 @@ struct BwdSumsOp : Affine {
 };
 
 // Sum stage, channels last: per-thread register sums down the rows, then the block's row lanes
-// are added in a fixed order through shared memory; one partial per (block row, channel).
+// are added in a fixed order through shared memory; one partial per (block row, channel). g_out,
+// when given, receives each element's first term (the backward's g).
 template <typename T, int V, typename Op>
 __global__ void __launch_bounds__(kThreads) SumsLastKernel(const T* __restrict__ dy, const T* __restrict__ x,
                                                            const T* __restrict__ residual, Op op, int64_t rows,
-                                                           int64_t channels, float* __restrict__ partials) {
+                                                           int64_t channels, float* __restrict__ partials,
+                                                           T* __restrict__ g_out) {
   extern __shared__ __align__(16) unsigned char shared[];  // LastSharedBytes<T, V>()
   const LastLayoutThread t = MakeLastLayoutThread<V>(channels);
   float2 sum[V];
@@ -202,15 +204,17 @@ __global__ void __launch_bounds__(kThreads) SumsLastKernel(const T* __restrict__
     const auto ch = op.template Load<V>(t.channel, 1);
     ForEachRow<T, V>(dy, x, residual, int64_t(blockIdx.x) * t.row_lanes + t.row_lane, int64_t(gridDim.x) * t.row_lanes,
                      rows, channels, t.channel, false, reinterpret_cast<Pack<T, V>*>(shared),
-                     [&](const Packs<T, V>& packs, int64_t) {
-                       float xv[V], gv[V], rv[V];
+                     [&](const Packs<T, V>& packs, int64_t e) {
+                       float xv[V], gv[V], rv[V], g[V];
                        Unpack(packs, dy != nullptr, residual != nullptr, xv, gv, rv);
 #pragma unroll
                        for (int k = 0; k < V; ++k) {
                          const float2 term = op.template Terms<V>(ch, k, gv[k], xv[k], rv[k]);
                          sum[k].x += term.x;
                          sum[k].y += term.y;
+                         g[k] = term.x;
                        }
+                       if (g_out != nullptr) StorePack<T, V>(g_out + e, g);
                      });
   }
   float2* staged = reinterpret_cast<float2*>(shared);  // the row slots, free once every thread is done
@@ -240,21 +244,23 @@ __global__ void __launch_bounds__(kThreads) SumsLastKernel(const T* __restrict__
 template <typename T, int V, typename Op>
 __global__ void __launch_bounds__(kThreads) SumsFirstKernel(const T* __restrict__ dy, const T* __restrict__ x,
                                                             const T* __restrict__ residual, Op op, ChannelShape s,
-                                                            float* __restrict__ partials) {
+                                                            float* __restrict__ partials, T* __restrict__ g_out) {
   for (int64_t c = blockIdx.y; c < s.channels; c += gridDim.y) {
     const auto ch = op.template Load<V>(c, 0);
     float2 sum = make_float2(0.f, 0.f);
     for (int64_t o = blockIdx.x; o < s.outer; o += gridDim.x) {
       const int64_t base = (o * s.channels + c) * s.inner;
       for (int64_t i = int64_t(threadIdx.x) * V; i < s.inner; i += int64_t(kThreads) * V) {
-        float xv[V], gv[V], rv[V];
+        float xv[V], gv[V], rv[V], g[V];
         Unpack(LoadPacks<T, V>(dy, x, residual, base + i), dy != nullptr, residual != nullptr, xv, gv, rv);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           const float2 term = op.template Terms<V>(ch, k, gv[k], xv[k], rv[k]);
           sum.x += term.x;
           sum.y += term.y;
+          g[k] = term.x;
         }
+        if (g_out != nullptr) StorePack<T, V>(g_out + base + i, g);
       }
     }
     sum = GroupReduce(sum, kThreads, make_float2(0.f, 0.f),
@@ -301,11 +307,11 @@ __global__ void __launch_bounds__(kSumWarps * 32)
   }
 }
 
-// The elementwise stages: y = act(pre), or dx = a g + k1 (x - mean) + k0 and dresidual = g.
+// The elementwise stages: y = act(pre), or dx = a g + k1 (x - mean) + k0.
 struct FwdOp : Affine {
   template <int V>
   __device__ void Apply(const Channels<V>& ch, const float (&dy)[V], const float (&x)[V], const float (&r)[V],
-                        float (&out)[V], float (&out2)[V]) const {
+                        float (&out)[V]) const {
 #pragma unroll
     for (int k = 0; k < V; ++k) out[k] = BatchNormOut(x[k], ch.a[k], ch.mean[k], ch.bias[k], r[k], act, param);
   }
@@ -324,31 +330,29 @@ struct BwdDxOp : Affine {
   }
   template <int V>
   __device__ void Apply(const Channels<V>& ch, const float (&dy)[V], const float (&x)[V], const float (&r)[V],
-                        float (&dx)[V], float (&g)[V]) const {
+                        float (&dx)[V]) const {
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      g[k] = BatchNormGrad(dy[k], x[k], ch.a[k], ch.mean[k], ch.bias[k], r[k], act, param);
-      dx[k] = ch.a[k] * g[k] + ch.k1[k] * (x[k] - ch.mean[k]) + ch.k0[k];
+      const float g = BatchNormGrad(dy[k], x[k], ch.a[k], ch.mean[k], ch.bias[k], r[k], act, param);
+      dx[k] = ch.a[k] * g + ch.k1[k] * (x[k] - ch.mean[k]) + ch.k0[k];
     }
   }
 };
 
-// One element pack of an elementwise stage, loaded: op.Apply, stores (out2 only when requested).
+// One element pack of an elementwise stage, loaded: op.Apply and the store.
 template <typename T, int V, typename Op, typename Channels>
 __device__ __forceinline__ void ApplyPacks(const Op& op, const Channels& ch, const Packs<T, V>& p, bool dy,
-                                           bool residual, T* out, T* out2, int64_t e) {
-  float xv[V], gv[V], rv[V], o1[V], o2[V];
+                                           bool residual, T* out, int64_t e) {
+  float xv[V], gv[V], rv[V], o[V];
   Unpack(p, dy, residual, xv, gv, rv);
-  op.template Apply<V>(ch, gv, xv, rv, o1, o2);
-  StorePack<T, V>(out + e, o1);
-  if (out2 != nullptr) StorePack<T, V>(out2 + e, o2);
+  op.template Apply<V>(ch, gv, xv, rv, o);
+  StorePack<T, V>(out + e, o);
 }
 
 template <typename T, int V, typename Op>
 __global__ void __launch_bounds__(kThreads) ApplyLastKernel(const T* __restrict__ dy, const T* __restrict__ x,
                                                             const T* __restrict__ residual, Op op, int64_t rows,
-                                                            int64_t channels, T* __restrict__ out,
-                                                            T* __restrict__ out2) {
+                                                            int64_t channels, T* __restrict__ out) {
   const LastLayoutThread t = MakeLastLayoutThread<V>(channels);
   if (!t.active) return;
   extern __shared__ __align__(16) unsigned char shared[];  // LastSharedBytes<T, V>()
@@ -356,21 +360,21 @@ __global__ void __launch_bounds__(kThreads) ApplyLastKernel(const T* __restrict_
   ForEachRow<T, V>(dy, x, residual, int64_t(blockIdx.x) * t.row_lanes + t.row_lane, int64_t(gridDim.x) * t.row_lanes,
                    rows, channels, t.channel, true, reinterpret_cast<Pack<T, V>*>(shared),
                    [&](const Packs<T, V>& packs, int64_t e) {
-                     ApplyPacks<T, V>(op, ch, packs, dy != nullptr, residual != nullptr, out, out2, e);
+                     ApplyPacks<T, V>(op, ch, packs, dy != nullptr, residual != nullptr, out, e);
                    });
 }
 
 template <typename T, int V, typename Op>
 __global__ void __launch_bounds__(kThreads) ApplyFirstKernel(const T* __restrict__ dy, const T* __restrict__ x,
                                                              const T* __restrict__ residual, Op op, ChannelShape s,
-                                                             T* __restrict__ out, T* __restrict__ out2) {
+                                                             T* __restrict__ out) {
   for (int64_t c = blockIdx.y; c < s.channels; c += gridDim.y) {
     const auto ch = op.template Load<V>(c, 0);
     for (int64_t step = blockIdx.x; step < s.outer; step += gridDim.x) {
       const int64_t base = ((s.outer - 1 - step) * s.channels + c) * s.inner;
       for (int64_t i = int64_t(threadIdx.x) * V; i < s.inner; i += int64_t(kThreads) * V) {
         ApplyPacks<T, V>(op, ch, LoadPacks<T, V>(dy, x, residual, base + i), dy != nullptr, residual != nullptr, out,
-                         out2, base + i);
+                         base + i);
       }
     }
   }
@@ -410,7 +414,7 @@ dim3 LaunchGrid(const ChannelShape& s, int resident, int64_t max_x) {
 template <typename T, int V, typename Op>
 ffi::Error LaunchSums(cudaStream_t stream, const T* dy, const T* x, const T* residual, const Op& op,
                       const ChannelShape& s, float* workspace, int64_t workspace_blocks, float* out1,
-                      float* out2, const char* what) {
+                      float* out2, T* g_out, const char* what) {
   const bool last = s.inner == 1;
   if (last && s.channels / V > int64_t(kThreads) * 65535) return InvalidArgument("batch_norm: too many channels");
   auto kernel_last = SumsLastKernel<T, V, Op>;
@@ -419,9 +423,9 @@ ffi::Error LaunchSums(cudaStream_t stream, const T* dy, const T* x, const T* res
   const int resident = last ? ResidentBlocks(kernel_last, kThreads, kShared) : ResidentBlocks(kernel_first, kThreads, 0);
   const dim3 grid = LaunchGrid<V>(s, resident, workspace_blocks);
   if (last) {
-    kernel_last<<<grid, kThreads, kShared, stream>>>(dy, x, residual, op, s.outer, s.channels, workspace);
+    kernel_last<<<grid, kThreads, kShared, stream>>>(dy, x, residual, op, s.outer, s.channels, workspace, g_out);
   } else {
-    kernel_first<<<grid, kThreads, 0, stream>>>(dy, x, residual, op, s, workspace);
+    kernel_first<<<grid, kThreads, 0, stream>>>(dy, x, residual, op, s, workspace, g_out);
   }
   JAXDNN_RETURN_IF_ERROR(LaunchError(what));
   const int64_t sum_blocks = std::min<int64_t>((s.channels + 31) / 32, 4096);
@@ -432,7 +436,7 @@ ffi::Error LaunchSums(cudaStream_t stream, const T* dy, const T* x, const T* res
 
 template <typename T, int V, typename Op>
 ffi::Error LaunchApply(cudaStream_t stream, const T* dy, const T* x, const T* residual, const Op& op,
-                       const ChannelShape& s, T* out, T* out2, const char* what) {
+                       const ChannelShape& s, T* out, const char* what) {
   const bool last = s.inner == 1;
   if (last && s.channels / V > int64_t(kThreads) * 65535) return InvalidArgument("batch_norm: too many channels");
   auto kernel_last = ApplyLastKernel<T, V, Op>;
@@ -441,9 +445,9 @@ ffi::Error LaunchApply(cudaStream_t stream, const T* dy, const T* x, const T* re
   const int resident = last ? ResidentBlocks(kernel_last, kThreads, kShared) : ResidentBlocks(kernel_first, kThreads, 0);
   const dim3 grid = LaunchGrid<V>(s, 4 * resident, int64_t(1) << 30);
   if (last) {
-    kernel_last<<<grid, kThreads, kShared, stream>>>(dy, x, residual, op, s.outer, s.channels, out, out2);
+    kernel_last<<<grid, kThreads, kShared, stream>>>(dy, x, residual, op, s.outer, s.channels, out);
   } else {
-    kernel_first<<<grid, kThreads, 0, stream>>>(dy, x, residual, op, s, out, out2);
+    kernel_first<<<grid, kThreads, 0, stream>>>(dy, x, residual, op, s, out);
   }
   return LaunchError(what);
 }
@@ -470,7 +474,8 @@ ffi::Error StatsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32
     const StatsOp op{shift.typed_data()};
     auto launch = [&](auto vec) {
       return LaunchSums<T, decltype(vec)::value>(stream, nullptr, xp, nullptr, op, s, workspace->typed_data(), blocks,
-                                                 s1->typed_data(), s2->typed_data(), "batch_norm statistics");
+                                                 s1->typed_data(), s2->typed_data(), static_cast<T*>(nullptr),
+                                                 "batch_norm statistics");
     };
     return UseVectors<T>(s, {xp}) ? launch(std::integral_constant<int, kVec16<T>>{})
                                   : launch(std::integral_constant<int, 1>{});
@@ -491,20 +496,22 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> 
     T* yp = static_cast<T*>(y->untyped_data());
     const FwdOp op{{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param}};
     auto launch = [&](auto vec) {
-      return LaunchApply<T, decltype(vec)::value>(stream, nullptr, xp, rp, op, s, yp, nullptr, "batch_norm forward");
+      return LaunchApply<T, decltype(vec)::value>(stream, nullptr, xp, rp, op, s, yp, "batch_norm forward");
     };
     return UseVectors<T>(s, {xp, rp, yp}) ? launch(std::integral_constant<int, kVec16<T>>{})
                                           : launch(std::integral_constant<int, 1>{});
   });
 }
 
-ffi::Error BwdSumsImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a,
-                       ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> bias, std::optional<ffi::AnyBuffer> residual,
-                       ffi::Result<ffi::Buffer<ffi::F32>> sg, ffi::Result<ffi::Buffer<ffi::F32>> sgx,
-                       ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t act, float param) {
+// The backward sums of both sum stages, and g itself when `g_out` is given (with a residual).
+ffi::Error BackwardSums(cudaStream_t stream, const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
+                        ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> bias,
+                        const ffi::AnyBuffer* residual, ffi::AnyBuffer* g_out, ffi::Result<ffi::Buffer<ffi::F32>> sg,
+                        ffi::Result<ffi::Buffer<ffi::F32>> sgx, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
+                        int64_t act, float param) {
   ChannelShape s;
   JAXDNN_RETURN_IF_ERROR(CheckBatchNormStage(
-      x, {&dy, OrNull(residual)},
+      x, {&dy, residual, g_out},
       {a.dimensions(), mean.dimensions(), bias.dimensions(), sg->dimensions(), sgx->dimensions()}, act, &s));
   if (s.channels == 0) return ffi::Error::Success();
   if (s.elements() == 0) return ZeroSums(stream, sg->typed_data(), sgx->typed_data(), s.channels);
@@ -514,40 +521,54 @@ ffi::Error BwdSumsImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
     using T = decltype(tag);
     const T* gp = static_cast<const T*>(dy.untyped_data());
     const T* xp = static_cast<const T*>(x.untyped_data());
-    const T* rp = DataOrNull<T>(residual);
+    const T* rp = residual ? static_cast<const T*>(residual->untyped_data()) : nullptr;
+    T* go = g_out ? static_cast<T*>(g_out->untyped_data()) : nullptr;
     const BwdSumsOp op{{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param}};
     auto launch = [&](auto vec) {
       return LaunchSums<T, decltype(vec)::value>(stream, gp, xp, rp, op, s, workspace->typed_data(), blocks,
-                                                 sg->typed_data(), sgx->typed_data(), "batch_norm backward sums");
+                                                 sg->typed_data(), sgx->typed_data(), go, "batch_norm backward sums");
     };
-    return UseVectors<T>(s, {gp, xp, rp}) ? launch(std::integral_constant<int, kVec16<T>>{})
-                                          : launch(std::integral_constant<int, 1>{});
+    return UseVectors<T>(s, {gp, xp, rp, go}) ? launch(std::integral_constant<int, kVec16<T>>{})
+                                              : launch(std::integral_constant<int, 1>{});
   });
+}
+
+ffi::Error BwdSumsImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a,
+                       ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::Buffer<ffi::F32>> sg,
+                       ffi::Result<ffi::Buffer<ffi::F32>> sgx, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
+                       int64_t act, float param) {
+  return BackwardSums(stream, dy, x, a, mean, bias, nullptr, nullptr, sg, sgx, workspace, act, param);
+}
+
+ffi::Error BwdGradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a,
+                       ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> bias, ffi::AnyBuffer residual,
+                       ffi::Result<ffi::AnyBuffer> g, ffi::Result<ffi::Buffer<ffi::F32>> sg,
+                       ffi::Result<ffi::Buffer<ffi::F32>> sgx, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
+                       int64_t act, float param) {
+  return BackwardSums(stream, dy, x, a, mean, bias, &residual, &*g, sg, sgx, workspace, act, param);
 }
 
 ffi::Error BwdDxImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a,
                      ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> k1, ffi::Buffer<ffi::F32> k0,
-                     std::optional<ffi::AnyBuffer> residual, ffi::Result<ffi::AnyBuffer> dx,
-                     std::optional<ffi::Result<ffi::AnyBuffer>> dresidual, int64_t act, float param) {
+                     ffi::Result<ffi::AnyBuffer> dx, int64_t act, float param) {
   ChannelShape s;
   JAXDNN_RETURN_IF_ERROR(CheckBatchNormStage(
-      x, {&dy, &*dx, OrNull(residual), OrNull(dresidual)},
-      {a.dimensions(), mean.dimensions(), bias.dimensions(), k1.dimensions(), k0.dimensions()}, act, &s));
+      x, {&dy, &*dx}, {a.dimensions(), mean.dimensions(), bias.dimensions(), k1.dimensions(), k0.dimensions()},
+      act, &s));
   if (s.elements() == 0) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* gp = static_cast<const T*>(dy.untyped_data());
     const T* xp = static_cast<const T*>(x.untyped_data());
-    const T* rp = DataOrNull<T>(residual);
     T* dxp = static_cast<T*>(dx->untyped_data());
-    T* drp = dresidual.has_value() ? static_cast<T*>((*dresidual)->untyped_data()) : nullptr;
     const BwdDxOp op{{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param}, k1.typed_data(),
                      k0.typed_data()};
     auto launch = [&](auto vec) {
-      return LaunchApply<T, decltype(vec)::value>(stream, gp, xp, rp, op, s, dxp, drp, "batch_norm backward dx");
+      return LaunchApply<T, decltype(vec)::value>(stream, gp, xp, static_cast<const T*>(nullptr), op, s, dxp,
+                                                  "batch_norm backward dx");
     };
-    return UseVectors<T>(s, {gp, xp, rp, dxp, drp}) ? launch(std::integral_constant<int, kVec16<T>>{})
-                                                    : launch(std::integral_constant<int, 1>{});
+    return UseVectors<T>(s, {gp, xp, dxp}) ? launch(std::integral_constant<int, kVec16<T>>{})
+                                           : launch(std::integral_constant<int, 1>{});
   });
 }
 
@@ -562,5 +583,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormFwdCuda, jaxdnn::FwdImpl, jaxdnn::BindBat
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBwdSumsCuda, jaxdnn::BwdSumsImpl,
                               jaxdnn::BindBatchNormBwdSums(jaxdnn::BindCuda()), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBwdGradCuda, jaxdnn::BwdGradImpl,
+                              jaxdnn::BindBatchNormBwdGrad(jaxdnn::BindCuda()), {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBwdDxCuda, jaxdnn::BwdDxImpl, jaxdnn::BindBatchNormBwdDx(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});

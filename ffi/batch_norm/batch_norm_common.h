@@ -20,7 +20,7 @@ struct ChannelShape {
 };
 
 // What every stage's handler checks first: x is [O, C, I] (decoded into `shape`), every buffer in
-// `full` (null for an absent optional one: residual, dresidual) has x's dtype and shape, every one in
+// `full` (null for an absent optional one: a residual, g) has x's dtype and shape, every one in
 // `per_channel` has C elements, and `act` names an activation.
 inline ffi::Error CheckBatchNormStage(const ffi::AnyBuffer& x, std::initializer_list<const ffi::AnyBuffer*> full,
                                       std::initializer_list<ffi::AnyBuffer::Dimensions> per_channel, int64_t act,
@@ -45,12 +45,9 @@ inline ffi::Error CheckBatchNormStage(const ffi::AnyBuffer& x, std::initializer_
   return ffi::Error::Success();
 }
 
-// The optional residual operand / dresidual result, or null.
+// The optional residual operand, or null.
 inline const ffi::AnyBuffer* OrNull(const std::optional<ffi::AnyBuffer>& buffer) {
   return buffer.has_value() ? &*buffer : nullptr;
-}
-inline const ffi::AnyBuffer* OrNull(std::optional<ffi::Result<ffi::AnyBuffer>>& buffer) {
-  return buffer.has_value() ? &**buffer : nullptr;  // Result's operator* is non-const
 }
 
 // The optional residual's data, or null.

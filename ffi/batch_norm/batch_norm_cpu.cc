@@ -64,24 +64,27 @@ ffi::Error FwdImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F
   });
 }
 
-ffi::Error BwdSumsImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> mean,
-                       ffi::Buffer<ffi::F32> bias, std::optional<ffi::AnyBuffer> residual,
-                       ffi::Result<ffi::Buffer<ffi::F32>> sg, ffi::Result<ffi::Buffer<ffi::F32>> sgx,
-                       ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t act, float param) {
+// The backward sums (and, when `g_out` is given, g itself) of both sum stages.
+ffi::Error BackwardSums(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, ffi::Buffer<ffi::F32> a,
+                        ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> bias, const ffi::AnyBuffer* residual,
+                        ffi::AnyBuffer* g_out, ffi::Result<ffi::Buffer<ffi::F32>> sg,
+                        ffi::Result<ffi::Buffer<ffi::F32>> sgx, int64_t act, float param) {
   ChannelShape s;
   JAXDNN_RETURN_IF_ERROR(CheckBatchNormStage(
-      x, {&dy, OrNull(residual)},
+      x, {&dy, residual, g_out},
       {a.dimensions(), mean.dimensions(), bias.dimensions(), sg->dimensions(), sgx->dimensions()}, act, &s));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* gs = static_cast<const T*>(dy.untyped_data());
     const T* xs = static_cast<const T*>(x.untyped_data());
-    const T* rs = DataOrNull<T>(residual);
+    const T* rs = residual ? static_cast<const T*>(residual->untyped_data()) : nullptr;
+    T* go = g_out ? static_cast<T*>(g_out->untyped_data()) : nullptr;
     const float *as = a.typed_data(), *ms = mean.typed_data(), *bs = bias.typed_data();
     std::vector<double> sum(s.channels, 0.0), sum_x(s.channels, 0.0);
     ForEachElement(s, [&](int64_t e, int64_t c) {
       const float v = ToFloat(xs[e]);
       const float g = BatchNormGrad(ToFloat(gs[e]), v, as[c], ms[c], bs[c], rs ? ToFloat(rs[e]) : 0.f, act, param);
+      if (go) go[e] = FromFloat<T>(g);
       sum[c] += g;
       sum_x[c] += double(g) * double(v - ms[c]);
     });
@@ -93,28 +96,38 @@ ffi::Error BwdSumsImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32
   });
 }
 
+ffi::Error BwdSumsImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> mean,
+                       ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::Buffer<ffi::F32>> sg,
+                       ffi::Result<ffi::Buffer<ffi::F32>> sgx, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
+                       int64_t act, float param) {
+  return BackwardSums(dy, x, a, mean, bias, nullptr, nullptr, sg, sgx, act, param);
+}
+
+ffi::Error BwdGradImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> mean,
+                       ffi::Buffer<ffi::F32> bias, ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> g,
+                       ffi::Result<ffi::Buffer<ffi::F32>> sg, ffi::Result<ffi::Buffer<ffi::F32>> sgx,
+                       ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t act, float param) {
+  return BackwardSums(dy, x, a, mean, bias, &residual, &*g, sg, sgx, act, param);
+}
+
 ffi::Error BwdDxImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> mean,
-                     ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> k1, ffi::Buffer<ffi::F32> k0, std::optional<ffi::AnyBuffer> residual,
-                     ffi::Result<ffi::AnyBuffer> dx, std::optional<ffi::Result<ffi::AnyBuffer>> dresidual,
-                     int64_t act, float param) {
+                     ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> k1, ffi::Buffer<ffi::F32> k0,
+                     ffi::Result<ffi::AnyBuffer> dx, int64_t act, float param) {
   ChannelShape s;
   JAXDNN_RETURN_IF_ERROR(CheckBatchNormStage(
-      x, {&dy, &*dx, OrNull(residual), OrNull(dresidual)},
-      {a.dimensions(), mean.dimensions(), bias.dimensions(), k1.dimensions(), k0.dimensions()}, act, &s));
+      x, {&dy, &*dx}, {a.dimensions(), mean.dimensions(), bias.dimensions(), k1.dimensions(), k0.dimensions()},
+      act, &s));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* gs = static_cast<const T*>(dy.untyped_data());
     const T* xs = static_cast<const T*>(x.untyped_data());
-    const T* rs = DataOrNull<T>(residual);
     T* dxs = static_cast<T*>(dx->untyped_data());
-    T* drs = dresidual.has_value() ? static_cast<T*>((*dresidual)->untyped_data()) : nullptr;
     const float *as = a.typed_data(), *ms = mean.typed_data(), *bs = bias.typed_data();
     const float *k1s = k1.typed_data(), *k0s = k0.typed_data();
     ForEachElement(s, [&](int64_t e, int64_t c) {
       const float v = ToFloat(xs[e]);
-      const float g = BatchNormGrad(ToFloat(gs[e]), v, as[c], ms[c], bs[c], rs ? ToFloat(rs[e]) : 0.f, act, param);
+      const float g = BatchNormGrad(ToFloat(gs[e]), v, as[c], ms[c], bs[c], 0.f, act, param);
       dxs[e] = FromFloat<T>(as[c] * g + k1s[c] * (v - ms[c]) + k0s[c]);
-      if (drs) drs[e] = FromFloat<T>(g);
     });
     return ffi::Error::Success();
   });
@@ -129,4 +142,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormStatsCpu, jaxdnn::StatsImpl, jaxdnn::Bind
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormFwdCpu, jaxdnn::FwdImpl, jaxdnn::BindBatchNormFwd(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBwdSumsCpu, jaxdnn::BwdSumsImpl,
                               jaxdnn::BindBatchNormBwdSums(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBwdGradCpu, jaxdnn::BwdGradImpl,
+                              jaxdnn::BindBatchNormBwdGrad(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBwdDxCpu, jaxdnn::BwdDxImpl, jaxdnn::BindBatchNormBwdDx(ffi::Ffi::Bind()));

@@ -47,6 +47,13 @@ def bwd_sums(dy, x, a, mean, bias, residual, kind, param):
     return jnp.sum(g, axis=(0, 2)), jnp.sum(g * (_compute(x) - _per_channel(mean)), axis=(0, 2))
 
 
+def bwd_grad(dy, x, a, mean, bias, residual, kind, param):
+    """(g in x's dtype, sum(g), sum(g (x - mean))): the sums of `bwd_sums` and g itself."""
+    g = _grad(dy, x, a, mean, bias, residual, kind, param)
+    return (g.astype(x.dtype), jnp.sum(g, axis=(0, 2)),
+            jnp.sum(g * (_compute(x) - _per_channel(mean)), axis=(0, 2)))
+
+
 def bwd_dx(dy, x, a, mean, bias, k1, k0, residual, kind, param):
     """(dx = a g + k1 (x - mean) + k0, g) in x's dtype; g is dresidual."""
     g = _grad(dy, x, a, mean, bias, residual, kind, param)
