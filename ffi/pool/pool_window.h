@@ -141,31 +141,34 @@ JAXDNN_POOL_HD int LoadAt(int i, int size) {
 }
 
 #ifdef __CUDACC__
-// 16-bit floats as pairs of lanes in 32-bit words (bf16x2, half2), with the bit patterns of -inf
-// and of the quiet NaN in both halves.
+// 16-bit floats as pairs of lanes in 32-bit words: the pair type (bf16x2, half2) and the bit
+// patterns of -inf and of the quiet NaN in both halves.
 template <typename T>
 struct LanePairs;
 template <>
 struct LanePairs<__nv_bfloat16> {
+  using Pair = __nv_bfloat162;
   static constexpr unsigned kNegInf = 0xFF80FF80u, kNaN = 0x7FC07FC0u;
-  // Per 16-bit half: 0xFFFF where a >= b (false when either is NaN), and where a is NaN.
-  static __device__ __forceinline__ unsigned GreaterEqual(unsigned a, unsigned b) {
-    return __hge2_mask(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
-  }
-  static __device__ __forceinline__ unsigned IsNaN(unsigned a) {
-    return __hneu2_mask(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&a));
-  }
 };
 template <>
 struct LanePairs<__half> {
+  using Pair = __half2;
   static constexpr unsigned kNegInf = 0xFC00FC00u, kNaN = 0x7E007E00u;
-  static __device__ __forceinline__ unsigned GreaterEqual(unsigned a, unsigned b) {
-    return __hge2_mask(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-  }
-  static __device__ __forceinline__ unsigned IsNaN(unsigned a) {
-    return __hneu2_mask(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&a));
-  }
 };
+
+// Per 16-bit half: 0xFFFF where a >= b (false when either is NaN).
+template <typename T>
+__device__ __forceinline__ unsigned PairGreaterEqual(unsigned a, unsigned b) {
+  using Pair = typename LanePairs<T>::Pair;
+  return __hge2_mask(*reinterpret_cast<const Pair*>(&a), *reinterpret_cast<const Pair*>(&b));
+}
+
+// Per 16-bit half: 0xFFFF where a is NaN.
+template <typename T>
+__device__ __forceinline__ unsigned PairIsNaN(unsigned a) {
+  using Pair = typename LanePairs<T>::Pair;
+  return __hneu2_mask(*reinterpret_cast<const Pair*>(&a), *reinterpret_cast<const Pair*>(&a));
+}
 
 // MaxPoolPixelFloat (below) for a SquareWindow of 16-bit floats, two lanes per instruction: one packed
 // compare gives the mask of the lanes whose best stays (best >= v), and bitwise selects move the
@@ -203,10 +206,10 @@ __device__ __forceinline__ void MaxPoolPixelPairs(const PoolGeometry& g, const T
 #pragma unroll
       for (int i = 0; i < kWords; ++i) {
         const unsigned v = inside ? words[i] : P::kNegInf;
-        const unsigned keep = P::GreaterEqual(best[i], v);
+        const unsigned keep = PairGreaterEqual<T>(best[i], v);
         best[i] = (best[i] & keep) | (v & ~keep);
         arg[i] = (arg[i] & keep) | (k & ~keep);
-        nan[i] |= P::IsNaN(v);
+        nan[i] |= PairIsNaN<T>(v);
       }
     }
   }
