@@ -227,7 +227,8 @@ def _row_cases(family: str, ops: dict, shapes: list, quick: bool) -> list[Case]:
 
 
 def norm_cases(quick: bool) -> list[Case]:
-    """layer_norm and rms_norm against Flax's formulas in XLA."""
+    """layer_norm and rms_norm against Flax's formulas in XLA; layer_norm with its fused gelu
+    (tanh approximation) against XLA's layer norm followed by jax.nn.gelu, on one shape."""
     shapes = (
         [(256, 1024), (64, 4096)]
         if quick
@@ -237,7 +238,14 @@ def norm_cases(quick: bool) -> list[Case]:
         "layer_norm": (jaxdnn.layer_norm, _layer_norm_xla, 2),
         "rms_norm": (jaxdnn.rms_norm, _rms_norm_xla, 1),
     }
-    return _row_cases("norm", ops, shapes, quick)
+    fused = {
+        "layer_norm+gelu": (
+            lambda x, scale, bias: jaxdnn.layer_norm(x, scale, bias, activation="gelu"),
+            lambda x, scale, bias: jax.nn.gelu(_layer_norm_xla(x, scale, bias)),
+            2,
+        )
+    }
+    return _row_cases("norm", ops, shapes, quick) + _row_cases("norm", fused, shapes[1:2], quick)
 
 
 def softmax_cases(quick: bool) -> list[Case]:
