@@ -12,6 +12,7 @@
 // dscale/dbias for its columns in registers; the block writes them to workspace[b]. A second kernel
 // sums workspace[0..G) in a fixed order, so the result has the same bits on every run on a device.
 #include <algorithm>
+#include <type_traits>
 
 #include "common/cuda_common.cuh"
 #include "common/row_reduce.cuh"
@@ -43,10 +44,37 @@ __device__ __forceinline__ Moments GroupMoments(Moments m, int group) {
   return GroupReduce(m, group, Moments{0.f, 0.f, 0.f}, Combine);
 }
 
+// The fused activation, in the kAct instantiations only (launched when one is given): the identity
+// kernels carry no activation code, whose per-element run-time dispatch cost registers, spills and
+// a third of the norm kernels' speed.
+template <bool kAct>
+__device__ __forceinline__ float Out(float pre, NormActivation act) {
+  if constexpr (kAct) {
+    return NormOut(pre, act);
+  } else {
+    return pre;
+  }
+}
+
+template <bool kAct>
+__device__ __forceinline__ float GradIn(float dy, float xhat, float scale, float bias, NormActivation act) {
+  if constexpr (kAct) {
+    return NormGradIn(dy, xhat, scale, bias, act);
+  } else {
+    return dy;
+  }
+}
+
+// Calls fn(std::integral_constant<bool, act.kind != 0>).
+template <typename Fn>
+ffi::Error WithActivation(NormActivation act, Fn&& fn) {
+  return act.kind != 0 ? fn(std::true_type{}) : fn(std::false_type{});
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward
 
-template <typename T, bool kRms>
+template <typename T, bool kRms, bool kAct>
 __global__ void __launch_bounds__(kMaxGroup) NormFwdCached(const T* __restrict__ x, const float* __restrict__ scale,
                              const float* __restrict__ bias, T* __restrict__ y,
                              float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows,
@@ -118,7 +146,7 @@ __global__ void __launch_bounds__(kMaxGroup) NormFwdCached(const T* __restrict__
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         const float xhat = (ToFloat(raw[i].v[k]) - mean) * rstd;
-        out.v[k] = FromFloat<T>(NormOut(xhat * s.v[k] + (kRms ? 0.f : b.v[k]), act));
+        out.v[k] = FromFloat<T>(Out<kAct>(xhat * s.v[k] + (kRms ? 0.f : b.v[k]), act));
       }
       *reinterpret_cast<Vec*>(yr + col) = out;
     }
@@ -130,7 +158,7 @@ __global__ void __launch_bounds__(kMaxGroup) NormFwdCached(const T* __restrict__
 }
 
 // One row per block, any feature count.
-template <typename T, bool kRms>
+template <typename T, bool kRms, bool kAct>
 __global__ void NormFwdStreaming(const T* __restrict__ x, const float* __restrict__ scale,
                                  const float* __restrict__ bias, T* __restrict__ y,
                                  float* __restrict__ mean_out, float* __restrict__ rstd_out,
@@ -153,7 +181,7 @@ __global__ void NormFwdStreaming(const T* __restrict__ x, const float* __restric
   const float rstd = rsqrtf(sq[0] / features + epsilon);
   T* yr = y + row * features;
   for (int j = threadIdx.x; j < features; j += blockDim.x) {
-    yr[j] = FromFloat<T>(NormOut((ToFloat(xr[j]) - mean) * rstd * scale[j] + (kRms ? 0.f : bias[j]), act));
+    yr[j] = FromFloat<T>(Out<kAct>((ToFloat(xr[j]) - mean) * rstd * scale[j] + (kRms ? 0.f : bias[j]), act));
   }
   if (threadIdx.x == 0) {
     if (!kRms) mean_out[row] = mean;
@@ -168,9 +196,9 @@ __global__ void NormFwdStreaming(const T* __restrict__ x, const float* __restric
 //   dscale = sum_rows(dy * xhat), dbias = sum_rows(dy)
 
 // bias[col, col + kVec) when an activation needs it (its derivative takes the affine output), else 0.
-template <int kVec>
-__device__ __forceinline__ Pack<float, kVec> BiasPack(const float* bias, int col, NormActivation act) {
-  if (act.kind != 0) return *reinterpret_cast<const Pack<float, kVec>*>(bias + col);
+template <int kVec, bool kAct>
+__device__ __forceinline__ Pack<float, kVec> BiasPack(const float* bias, int col) {
+  if (kAct) return *reinterpret_cast<const Pack<float, kVec>*>(bias + col);
   return Pack<float, kVec>{};
 }
 
@@ -184,7 +212,7 @@ __device__ __forceinline__ void BlockRows(int64_t rows, int blocks, int block, i
 // Each thread stages its own columns of the next row (x and dy) in shared memory with cp.async
 // while it works on the current one, so a row's loads are always in flight; dscale/dbias for the
 // thread's columns accumulate in registers.
-template <typename T, bool kRms>
+template <typename T, bool kRms, bool kAct>
 __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
     const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ scale,
     const float* __restrict__ bias, const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
@@ -234,11 +262,11 @@ __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
       if (col < features) {
         const Vec xs = *slot(stage, 0, i), dys = *slot(stage, 1, i);
         const Pack<float, kVec> s = *reinterpret_cast<const Pack<float, kVec>*>(scale + col);
-        const Pack<float, kVec> b = BiasPack<kVec>(bias, col, act);
+        const Pack<float, kVec> b = BiasPack<kVec, kAct>(bias, col);
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           const float xhat = (ToFloat(xs.v[k]) - mean) * rstd;
-          const float gk = s.v[k] * NormGradIn(ToFloat(dys.v[k]), xhat, s.v[k], b.v[k], act);
+          const float gk = s.v[k] * GradIn<kAct>(ToFloat(dys.v[k]), xhat, s.v[k], b.v[k], act);
           sums[0] += gk;
           sums[1] += gk * xhat;
         }
@@ -253,12 +281,12 @@ __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
       if (col < features) {
         const Vec xs = *slot(stage, 0, i), dys = *slot(stage, 1, i);
         const Pack<float, kVec> s = *reinterpret_cast<const Pack<float, kVec>*>(scale + col);
-        const Pack<float, kVec> b = BiasPack<kVec>(bias, col, act);
+        const Pack<float, kVec> b = BiasPack<kVec, kAct>(bias, col);
         Vec out;
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           const float xhat = (ToFloat(xs.v[k]) - mean) * rstd;
-          const float dyk = NormGradIn(ToFloat(dys.v[k]), xhat, s.v[k], b.v[k], act);
+          const float dyk = GradIn<kAct>(ToFloat(dys.v[k]), xhat, s.v[k], b.v[k], act);
           out.v[k] = FromFloat<T>(rstd * (s.v[k] * dyk - mean_g - xhat * mean_g_xhat));
           acc_scale[i][k] += dyk * xhat;
           if (!kRms) acc_bias[i][k] += dyk;
@@ -313,7 +341,7 @@ __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
 }
 
 // One row group = the whole block; accumulates straight into workspace[block] (its own row of it).
-template <typename T, bool kRms>
+template <typename T, bool kRms, bool kAct>
 __global__ void NormBwdStreaming(const T* __restrict__ dy, const T* __restrict__ x,
                                  const float* __restrict__ scale, const float* __restrict__ bias,
                                  const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
@@ -335,7 +363,7 @@ __global__ void NormBwdStreaming(const T* __restrict__ dy, const T* __restrict__
     float sums[2] = {0.f, 0.f};
     for (int j = threadIdx.x; j < features; j += blockDim.x) {
       const float xhat = (ToFloat(xr[j]) - mean) * rstd;
-      const float gj = scale[j] * NormGradIn(ToFloat(dyr[j]), xhat, scale[j], act.kind ? bias[j] : 0.f, act);
+      const float gj = scale[j] * GradIn<kAct>(ToFloat(dyr[j]), xhat, scale[j], kAct ? bias[j] : 0.f, act);
       sums[0] += gj;
       sums[1] += gj * xhat;
     }
@@ -344,7 +372,7 @@ __global__ void NormBwdStreaming(const T* __restrict__ dy, const T* __restrict__
     const float mean_g_xhat = sums[1] / features;
     for (int j = threadIdx.x; j < features; j += blockDim.x) {
       const float xhat = (ToFloat(xr[j]) - mean) * rstd;
-      const float dyj = NormGradIn(ToFloat(dyr[j]), xhat, scale[j], act.kind ? bias[j] : 0.f, act);
+      const float dyj = GradIn<kAct>(ToFloat(dyr[j]), xhat, scale[j], kAct ? bias[j] : 0.f, act);
       dx[row * features + j] = FromFloat<T>(rstd * (scale[j] * dyj - mean_g - xhat * mean_g_xhat));
       out[j] += dyj * xhat;
       if (!kRms) out[features + j] += dyj;
@@ -418,15 +446,18 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F
     T* yp = static_cast<T*>(y->untyped_data());
     float* mp = kRms ? nullptr : (*mean)->typed_data();
     const int features = int(shape.features);
-    if (plan.cached) {
-      NormFwdCached<T, kRms><<<grid, plan.block, 0, stream>>>(
-          xp, scale.typed_data(), bp, yp, mp, rstd->typed_data(), shape.rows, features, plan.group,
-          epsilon, act);
-    } else {
-      NormFwdStreaming<T, kRms><<<grid, plan.block, 0, stream>>>(
-          xp, scale.typed_data(), bp, yp, mp, rstd->typed_data(), features, epsilon, act);
-    }
-    return LaunchError("norm forward");
+    return WithActivation(act, [&](auto has_act) {
+      constexpr bool kAct = decltype(has_act)::value;
+      if (plan.cached) {
+        NormFwdCached<T, kRms, kAct><<<grid, plan.block, 0, stream>>>(
+            xp, scale.typed_data(), bp, yp, mp, rstd->typed_data(), shape.rows, features, plan.group,
+            epsilon, act);
+      } else {
+        NormFwdStreaming<T, kRms, kAct><<<grid, plan.block, 0, stream>>>(
+            xp, scale.typed_data(), bp, yp, mp, rstd->typed_data(), features, epsilon, act);
+      }
+      return LaunchError("norm forward");
+    });
   });
 }
 
@@ -466,21 +497,24 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
     T* dxp = static_cast<T*>(dx->untyped_data());
     float* ws = workspace->typed_data();
     int64_t blocks = std::min(max_partials, shape.rows);
-    if (plan.cached) {
-      auto kernel = NormBwdCached<T, kRms>;
-      JAXDNN_RETURN_IF_ERROR(CudaError(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem)),
-          "norm backward shared memory"));
-      blocks = std::min<int64_t>(blocks, ResidentBlocks(kernel, plan.block, plan.smem));
-      kernel<<<blocks, plan.block, plan.smem, stream>>>(dyp, xp, scale.typed_data(), bp, mp, rstd.typed_data(),
-                                                        dxp, ws, shape.rows, features, plan.group, act);
-    } else {
-      auto kernel = NormBwdStreaming<T, kRms>;
-      blocks = std::min<int64_t>(blocks, ResidentBlocks(kernel, plan.block, 0));
-      kernel<<<blocks, plan.block, 0, stream>>>(dyp, xp, scale.typed_data(), bp, mp, rstd.typed_data(),
-                                                dxp, ws, shape.rows, features, act);
-    }
-    JAXDNN_RETURN_IF_ERROR(LaunchError("norm backward"));
+    JAXDNN_RETURN_IF_ERROR(WithActivation(act, [&](auto has_act) {
+      constexpr bool kAct = decltype(has_act)::value;
+      if (plan.cached) {
+        auto kernel = NormBwdCached<T, kRms, kAct>;
+        JAXDNN_RETURN_IF_ERROR(CudaError(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem)),
+            "norm backward shared memory"));
+        blocks = std::min<int64_t>(blocks, ResidentBlocks(kernel, plan.block, plan.smem));
+        kernel<<<blocks, plan.block, plan.smem, stream>>>(dyp, xp, scale.typed_data(), bp, mp, rstd.typed_data(),
+                                                          dxp, ws, shape.rows, features, plan.group, act);
+      } else {
+        auto kernel = NormBwdStreaming<T, kRms, kAct>;
+        blocks = std::min<int64_t>(blocks, ResidentBlocks(kernel, plan.block, 0));
+        kernel<<<blocks, plan.block, 0, stream>>>(dyp, xp, scale.typed_data(), bp, mp, rstd.typed_data(),
+                                                  dxp, ws, shape.rows, features, act);
+      }
+      return LaunchError("norm backward");
+    }));
     const int64_t sums_features = int64_t(kSums) * features;
     SumPartials<<<(sums_features + 31) / 32, dim3(32, 32), 0, stream>>>(
         ws, int(blocks), sums_features, features, dscale_p, dbias_p);
