@@ -179,13 +179,15 @@ def test_transforms(rng):
     want = jax.grad(lambda *a: penalty(_oracle, *a), argnums=(0, 1, 2, 3))(*map(f64, args))
     for name, g, w in zip(["x", "scale", "bias", "residual"], got, want):
         assert_close(g, w, 1e-4, f"grad of grad {name}")
-    # checkpoint inside scan
-    def scanned(f, x):
-        step = jax.checkpoint(lambda h: f(h, scale, bias, None, stats))
+    # checkpoint inside scan, with a smooth activation: after two steps, relu's kink can flip between
+    # float32 and float64 for elements near 0, which is not what this checks
+    def scanned(batch_norm, x):
+        step = jax.checkpoint(
+            lambda h: batch_norm(h, scale, bias, *stats, training=True, activation="silu")[0])
         h, _ = jax.lax.scan(lambda h, _: (step(h), None), x, None, length=2)
         return jnp.sum(h * ct.astype(h.dtype))
-    assert_close(jax.grad(lambda x: scanned(_ours, x))(x), jax.grad(lambda x: scanned(_oracle, x))(f64(x)),
-                 1e-4, "scan(checkpoint)")
+    assert_close(jax.grad(lambda x: scanned(jaxdnn.batch_norm, x))(x),
+                 jax.grad(lambda x: scanned(ref.batch_norm, x))(f64(x)), 1e-4, "scan(checkpoint)")
     with pytest.raises(TypeError, match="forward-mode"):
         jax.jvp(lambda x: _ours(x, scale, bias, None, stats), (x,), (ct,))
 
