@@ -140,6 +140,34 @@ JAXDNN_POOL_HD int LoadAt(int i, int size) {
   }
 }
 
+// Calls visit(k, inside, at) for each element of output pixel (n, o)'s window, in row-major order:
+// k is its offset in the window, `inside` whether it lies in x (not in the padding), and `at` the
+// offset of its channel c in x where a load may read (LoadAt: for a RuntimeWindow, valid only
+// inside; for a SquareWindow, always valid, so the unrolled loads need no branch).
+template <typename W, typename Visit>
+JAXDNN_POOL_FN void ForEachWindowElement(const PoolGeometry& g, int64_t n, const int o[3], int64_t c,
+                                         Visit&& visit) {
+  const int d0 = o[0] * g.stride[0] - g.pad[0], h0 = o[1] * g.stride[1] - g.pad[1],
+            w0 = o[2] * g.stride[2] - g.pad[2];
+  const int extent_d = WindowExtent<W>(g, 0), extent_h = WindowExtent<W>(g, 1), extent_w = WindowExtent<W>(g, 2);
+JAXDNN_POOL_UNROLL
+  for (int kd = 0; kd < extent_d; ++kd) {
+    const int d = d0 + kd;
+    const bool d_inside = 0 <= d && d < g.in[0];
+JAXDNN_POOL_UNROLL
+    for (int kh = 0; kh < extent_h; ++kh) {
+      const int h = h0 + kh;
+      const bool dh_inside = d_inside && 0 <= h && h < g.in[1];
+JAXDNN_POOL_UNROLL
+      for (int kw = 0; kw < extent_w; ++kw) {
+        const int w = w0 + kw;
+        visit((kd * extent_h + kh) * extent_w + kw, dh_inside && 0 <= w && w < g.in[2],
+              g.InOffset(n, LoadAt<W>(d, g.in[0]), LoadAt<W>(h, g.in[1]), LoadAt<W>(w, g.in[2])) + c);
+      }
+    }
+  }
+}
+
 #ifdef __CUDACC__
 // 16-bit floats as pairs of lanes in 32-bit words: the pair type (bf16x2, half2) and the bit
 // patterns of -inf and of the quiet NaN in both halves.
@@ -180,7 +208,7 @@ template <int V, typename W, typename T, typename Idx>
 __device__ __forceinline__ void MaxPoolPixelPairs(const PoolGeometry& g, const T* __restrict__ x, T* __restrict__ y,
                                                   Idx* __restrict__ argmax, int64_t n, const int o[3], int64_t c) {
   using P = LanePairs<T>;
-  constexpr int K = W::kSize, kWords = V / 2;
+  constexpr int kWords = V / 2;
   unsigned best[kWords], arg[kWords], nan[kWords];
 #pragma unroll
   for (int i = 0; i < kWords; ++i) {
@@ -188,31 +216,20 @@ __device__ __forceinline__ void MaxPoolPixelPairs(const PoolGeometry& g, const T
     arg[i] = 0;
     nan[i] = 0;
   }
-  const int d = o[0] * g.stride[0] - g.pad[0], h0 = o[1] * g.stride[1] - g.pad[1], w0 = o[2] * g.stride[2] - g.pad[2];
-  const bool d_inside = 0 <= d && d < g.in[0];
+  ForEachWindowElement<W>(g, n, o, c, [&](int k, bool inside, int64_t at) {
+    const Lanes<T, V> in = LoadLanes<V>(x + at);  // a SquareWindow's loads are always valid
+    unsigned words[kWords];
+    memcpy(words, &in, sizeof(words));
+    const unsigned k2 = unsigned(k) * 0x10001u;  // the offset in both halves
 #pragma unroll
-  for (int kh = 0; kh < K; ++kh) {
-    const int h = h0 + kh;
-    const bool dh_inside = d_inside && 0 <= h && h < g.in[1];
-#pragma unroll
-    for (int kw = 0; kw < K; ++kw) {
-      const int w = w0 + kw;
-      const bool inside = dh_inside && 0 <= w && w < g.in[2];
-      const Lanes<T, V> in = LoadLanes<V>(
-          x + g.InOffset(n, LoadAt<W>(d, g.in[0]), LoadAt<W>(h, g.in[1]), LoadAt<W>(w, g.in[2])) + c);
-      unsigned words[kWords];
-      memcpy(words, &in, sizeof(words));
-      const unsigned k = unsigned(kh * K + kw) * 0x10001u;  // the offset in both halves
-#pragma unroll
-      for (int i = 0; i < kWords; ++i) {
-        const unsigned v = inside ? words[i] : P::kNegInf;
-        const unsigned keep = PairGreaterEqual<T>(best[i], v);
-        best[i] = (best[i] & keep) | (v & ~keep);
-        arg[i] = (arg[i] & keep) | (k & ~keep);
-        nan[i] |= PairIsNaN<T>(v);
-      }
+    for (int i = 0; i < kWords; ++i) {
+      const unsigned v = inside ? words[i] : P::kNegInf;
+      const unsigned keep = PairGreaterEqual<T>(best[i], v);
+      best[i] = (best[i] & keep) | (v & ~keep);
+      arg[i] = (arg[i] & keep) | (k2 & ~keep);
+      nan[i] |= PairIsNaN<T>(v);
     }
-  }
+  });
   unsigned out[kWords];
 #pragma unroll
   for (int i = 0; i < kWords; ++i) out[i] = (best[i] & ~nan[i]) | (P::kNaN & nan[i]);
@@ -247,41 +264,23 @@ JAXDNN_POOL_UNROLL
     arg[l] = 0;
     nan[l] = false;
   }
-  const int d0 = o[0] * g.stride[0] - g.pad[0], h0 = o[1] * g.stride[1] - g.pad[1],
-            w0 = o[2] * g.stride[2] - g.pad[2];
-  const int extent_d = WindowExtent<W>(g, 0), extent_h = WindowExtent<W>(g, 1), extent_w = WindowExtent<W>(g, 2);
+  ForEachWindowElement<W>(g, n, o, c, [&](int k, bool inside, int64_t at) {
+    float v[V];
 JAXDNN_POOL_UNROLL
-  for (int kd = 0; kd < extent_d; ++kd) {
-    const int d = d0 + kd;
-    const bool d_inside = 0 <= d && d < g.in[0];
+    for (int l = 0; l < V; ++l) v[l] = -INFINITY;  // padding
+    if (W::kSize > 0 || inside) {
+      const Lanes<T, V> in = LoadLanes<V>(x + at);
 JAXDNN_POOL_UNROLL
-    for (int kh = 0; kh < extent_h; ++kh) {
-      const int h = h0 + kh;
-      const bool dh_inside = d_inside && 0 <= h && h < g.in[1];
-JAXDNN_POOL_UNROLL
-      for (int kw = 0; kw < extent_w; ++kw) {
-        const int k = (kd * extent_h + kh) * extent_w + kw;  // the offset in the window, row-major
-        const int w = w0 + kw;
-        const bool inside = dh_inside && 0 <= w && w < g.in[2];
-        float v[V];
-JAXDNN_POOL_UNROLL
-        for (int l = 0; l < V; ++l) v[l] = -INFINITY;  // padding
-        if (W::kSize > 0 || inside) {
-          const Lanes<T, V> in = LoadLanes<V>(
-              x + g.InOffset(n, LoadAt<W>(d, g.in[0]), LoadAt<W>(h, g.in[1]), LoadAt<W>(w, g.in[2])) + c);
-JAXDNN_POOL_UNROLL
-          for (int l = 0; l < V; ++l) v[l] = inside ? ToFloat(in.v[l]) : v[l];
-        }
-JAXDNN_POOL_UNROLL
-        for (int l = 0; l < V; ++l) {
-          const bool take = !(best[l] >= v[l]);  // selects, not branches: the lanes vectorize
-          nan[l] = nan[l] | (v[l] != v[l]);
-          best[l] = take ? v[l] : best[l];
-          arg[l] = take ? k : arg[l];
-        }
-      }
+      for (int l = 0; l < V; ++l) v[l] = inside ? ToFloat(in.v[l]) : v[l];
     }
-  }
+JAXDNN_POOL_UNROLL
+    for (int l = 0; l < V; ++l) {
+      const bool take = !(best[l] >= v[l]);  // selects, not branches: the lanes vectorize
+      nan[l] = nan[l] | (v[l] != v[l]);
+      best[l] = take ? v[l] : best[l];
+      arg[l] = take ? k : arg[l];
+    }
+  });
   const int64_t offset = g.OutOffset(n, o[0], o[1], o[2]) + c;
   Lanes<T, V> out;
 JAXDNN_POOL_UNROLL
@@ -351,29 +350,12 @@ JAXDNN_POOL_FN void AvgPoolPixel(const PoolGeometry& g, const T* __restrict__ x,
   float sum[V];
 JAXDNN_POOL_UNROLL
   for (int l = 0; l < V; ++l) sum[l] = 0.f;
-  const int d0 = o[0] * g.stride[0] - g.pad[0], h0 = o[1] * g.stride[1] - g.pad[1],
-            w0 = o[2] * g.stride[2] - g.pad[2];
-  const int extent_d = WindowExtent<W>(g, 0), extent_h = WindowExtent<W>(g, 1), extent_w = WindowExtent<W>(g, 2);
+  ForEachWindowElement<W>(g, n, o, c, [&](int, bool inside, int64_t at) {
+    if (!(W::kSize > 0 || inside)) return;  // padding adds nothing
+    const Lanes<T, V> in = LoadLanes<V>(x + at);
 JAXDNN_POOL_UNROLL
-  for (int kd = 0; kd < extent_d; ++kd) {
-    const int d = d0 + kd;
-    const bool d_inside = 0 <= d && d < g.in[0];
-JAXDNN_POOL_UNROLL
-    for (int kh = 0; kh < extent_h; ++kh) {
-      const int h = h0 + kh;
-      const bool dh_inside = d_inside && 0 <= h && h < g.in[1];
-JAXDNN_POOL_UNROLL
-      for (int kw = 0; kw < extent_w; ++kw) {
-        const int w = w0 + kw;
-        const bool inside = dh_inside && 0 <= w && w < g.in[2];  // padding adds nothing
-        if (!(W::kSize > 0 || inside)) continue;
-        const Lanes<T, V> in = LoadLanes<V>(
-            x + g.InOffset(n, LoadAt<W>(d, g.in[0]), LoadAt<W>(h, g.in[1]), LoadAt<W>(w, g.in[2])) + c);
-JAXDNN_POOL_UNROLL
-        for (int l = 0; l < V; ++l) sum[l] = inside ? sum[l] + ToFloat(in.v[l]) : sum[l];
-      }
-    }
-  }
+    for (int l = 0; l < V; ++l) sum[l] = inside ? sum[l] + ToFloat(in.v[l]) : sum[l];
+  });
   const float divisor = float(g.Divisor(o, count_include_pad));  // 0 only for all-padding windows: 0/0 = NaN, as flax
   Lanes<T, V> out;
 JAXDNN_POOL_UNROLL

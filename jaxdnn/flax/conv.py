@@ -108,6 +108,17 @@ def conv_with_bias(inputs, kernel, bias, strides, padding, input_dilation, kerne
     return _add_bias(y, bias)
 
 
+def _kernel_and_bias(module, kernel_shape):
+    """A linen conv module's params, as flax declares them: the kernel (masked by `mask`) and the
+    bias [K] (None without `use_bias`)."""
+    kernel = module.param("kernel", module.kernel_init, kernel_shape, module.param_dtype)
+    if module.mask is not None:
+        kernel = kernel * module.mask
+    bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
+            if module.use_bias else None)
+    return kernel, bias
+
+
 class Conv(nn.Conv):
     """``flax.linen.Conv`` (same attributes and params) computing on ``jaxdnn.conv_general_dilated``.
 
@@ -130,11 +141,7 @@ class Conv(nn.Conv):
         groups = self.feature_group_count
         kernel_shape = window + (inputs.shape[-1] // max(groups, 1), self.features)
         check_kernel("flax.linen.Conv", inputs, groups, kernel_shape, self.mask)
-        kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
-        if self.mask is not None:
-            kernel = kernel * self.mask
-        bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-                if self.use_bias else None)
+        kernel, bias = _kernel_and_bias(self, kernel_shape)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         y = conv_with_bias(inputs, kernel, bias, _per_axis(self.strides, spatial), padding,
                            _per_axis(self.input_dilation, spatial), kernel_dilation, groups)
@@ -166,11 +173,7 @@ class ConvTranspose(nn.ConvTranspose):
         kernel_shape = window + ((self.features, in_features) if self.transpose_kernel
                                  else (in_features, self.features))
         check_kernel("flax.linen.ConvTranspose", inputs, 1, kernel_shape, self.mask)
-        kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
-        if self.mask is not None:
-            kernel = kernel * self.mask
-        bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-                if self.use_bias else None)
+        kernel, bias = _kernel_and_bias(self, kernel_shape)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         y = jaxdnn.conv_transpose(inputs, kernel, strides, padding, rhs_dilation=kernel_dilation,
                                   transpose_kernel=self.transpose_kernel,
