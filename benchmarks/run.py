@@ -3,6 +3,7 @@
     python benchmarks/run.py --family norm --out benchmarks/results [--repeats 20] [--quick]
     python benchmarks/run.py --family pool batch_norm --out RESULTS_DIR
     python benchmarks/run.py --family all  --out RESULTS_DIR
+    python benchmarks/run.py --family conv --case "1x1" --out RESULTS_DIR   (cases matching a regex)
 
 Conventions (see ARCHITECTURE.md, "Benchmarks"):
 - Timing (`time_fn`): each case has several sets of distinct inputs (8; 2 with --quick), and one jitted
@@ -683,6 +684,9 @@ def main() -> int:
     parser.add_argument(
         "--quick", action="store_true", help="small shapes, few repeats: a CPU smoke test"
     )
+    parser.add_argument(
+        "--case", default=None, help="only the cases whose name matches this regular expression"
+    )
     args = parser.parse_args()
     repeats = args.repeats or (3 if args.quick else 20)
 
@@ -717,6 +721,8 @@ def main() -> int:
     failures = 0
     for family in FAMILIES if "all" in args.family else dict.fromkeys(args.family):
         for case in FAMILIES[family](args.quick):
+            if args.case and not re.search(args.case, case.name):
+                continue
             try:
                 if not uses_jaxdnn(case.fn, case.arg_sets[0]):
                     print(

@@ -1,6 +1,7 @@
-// CUDA convolution: a CORRECTNESS BASELINE without tensor cores, to be replaced by implicit-GEMM
-// wgmma kernels (tiles in shared memory, TMA, several tile configurations) in a later session. It
-// trades speed for obviously safe code: scalar loads (no alignment requirement), int64 indexing,
+// CUDA convolution. Pointwise stages (1x1 windows, unit strides, no padding, one group) with 16-bit
+// operands run on the tensor-core GEMM of ffi/dense (see PointwiseGemm). Everything else runs on a
+// CORRECTNESS BASELINE without tensor cores, to be replaced by implicit-GEMM wgmma kernels. The
+// baseline trades speed for obviously safe code: scalar loads (no alignment requirement), int64 indexing,
 // float32 accumulation, grid-stride loops over a 1-D grid (no gridDim.y/z limits), and the index
 // maps of conv_geometry.h that the CPU kernels use too.
 //   fprop: one thread per y element (n, p, q, r, k), k fastest (the fused forward adds its epilogue
@@ -16,16 +17,18 @@
 // pixel: x is one broadcast transaction, w one coalesced one), so the kernels are bound by L1/L2
 // bandwidth, not DRAM (w fits in L2; x is re-read from L2 about K / 32 times): expect a few TFLOP/s
 // on an H100/H200, two orders of magnitude below cuDNN, and dgrad slower still (its w reads are
-// strided by K). Not yet run on a GPU.
+// strided by K).
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <utility>
 
 #include "common/cuda_common.cuh"
 #include "conv/conv.h"
 #include "conv/conv_common.h"
 #include "conv/conv_epilogue.h"
 #include "conv/conv_geometry.h"
+#include "dense/gemm_sm90.h"
 
 namespace jaxdnn {
 namespace {
@@ -129,6 +132,25 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
+// A 1x1 convolution with unit strides and dilations, no padding and one group is a GEMM over the
+// pixels: y[pixels, K] = x[pixels, C] . w[C, K], dx = dy . w^T, dw = x^T . dy. Such stages run on the
+// tensor-core GEMM when it takes them (16-bit operands, channel counts multiples of 8); the result
+// is then that launch's status, else nothing.
+bool IsPointwise(const ConvGeometry& g) {
+  for (int a = 0; a < 3; ++a) {
+    if (g.window[a] != 1 || g.stride[a] != 1 || g.pad[a] != 0 || g.lhs_dilation[a] != 1) return false;
+  }
+  return g.groups == 1;
+}
+
+std::optional<ffi::Error> PointwiseGemm(cudaStream_t stream, const ConvGeometry& g, const void* a,
+                                        const void* b, void* c, int64_t m, int64_t n, int64_t k, bool trans_a,
+                                        bool trans_b, ffi::DataType dtype) {
+  if (!IsPointwise(g)) return std::nullopt;
+  const GemmProblem p{a, b, nullptr, c, 1, m, n, k, trans_a, trans_b, 0, 0.f};
+  return GemmOnTensorCores(p, dtype, stream);
+}
+
 // The forward with an epilogue (the plain one passes none); `bias` and `residual` may be null.
 ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
                        const ffi::AnyBuffer* bias, const ffi::AnyBuffer* residual, int64_t activation,
@@ -154,6 +176,12 @@ ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), w.dimensions(), y->dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
+  if (g.OutPixels() * g.filters > 0) {
+    if (auto status = PointwiseGemm(stream, g, x.untyped_data(), w.untyped_data(), y->untyped_data(),
+                                    g.OutPixels(), g.filters, g.channels, false, false, x.element_type())) {
+      return std::move(*status);
+    }
+  }
   return LaunchFprop(stream, g, x, w, nullptr, nullptr, 0, 0.0f, *y);
 }
 
@@ -175,6 +203,10 @@ ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(dy, w, *dx));
   const int64_t items = g.InPixels() * g.channels;
   if (items == 0) return ffi::Error::Success();
+  if (auto status = PointwiseGemm(stream, g, dy.untyped_data(), w.untyped_data(), dx->untyped_data(),
+                                  g.InPixels(), g.channels, g.filters, false, true, dy.element_type())) {
+    return std::move(*status);
+  }
   return DispatchFloat<float, __nv_bfloat16, __half>(dy.element_type(), "dy", [&](auto type_tag) {
     using T = decltype(type_tag);
     ConvDgradKernel<T><<<Blocks(items), kBlock, 0, stream>>>(g, static_cast<const T*>(dy.untyped_data()),
@@ -192,6 +224,10 @@ ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
   // An empty batch still writes dw (zeros): the blocks sum over no pixels.
   const int64_t rows = g.Taps() * g.GroupChannels();
   if (rows * g.filters == 0) return ffi::Error::Success();
+  if (auto status = PointwiseGemm(stream, g, x.untyped_data(), dy.untyped_data(), dw->untyped_data(),
+                                  g.channels, g.filters, g.InPixels(), true, false, x.element_type())) {
+    return std::move(*status);
+  }
   const int64_t blocks = std::min(kMaxBlocks, rows * ((g.filters + kWgradLanes - 1) / kWgradLanes));
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {
     using T = decltype(type_tag);

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "common/ffi_common.h"
 #include "xla/ffi/api/ffi.h"
@@ -32,7 +33,7 @@ struct GemmShape {
 
 template <typename Binding>
 auto BindGemm(Binding binding) {
-  return binding
+  return std::move(binding)
       .template Arg<xla::ffi::AnyBuffer>()         // a [L, M, K] or [L, K, M]
       .template Arg<xla::ffi::AnyBuffer>()         // b [L, K, N] or [L, N, K], a's dtype
       .template Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // bias [N] or [0]

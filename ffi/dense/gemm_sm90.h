@@ -1,0 +1,35 @@
+// The GEMM problem as the CUDA handler hands it to a kernel, and the Hopper tensor-core entry points.
+// Plain C++ (no CUTLASS): included by dense.cu and by the per-dtype tensor-core files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "common/ffi_common.h"
+
+namespace jaxdnn {
+
+// c[l] = act(op_a(a[l]) . op_b(b[l]) + bias) for l < batch; row-major buffers as in dense.h.
+struct GemmProblem {
+  const void* a;
+  const void* b;
+  const float* bias;  // nullptr: no bias
+  void* c;
+  int64_t batch, m, n, k;
+  bool trans_a, trans_b;
+  int activation;
+  float activation_param;
+};
+
+// Runs p on the Hopper tensor cores when they take it: bfloat16 or float16 operands, an sm_90 device,
+// 16-byte aligned rows for TMA (the contiguous extent of a, b and c a multiple of 8 elements), sizes
+// within int32 and K > 0. Returns the launch's status, or nothing when p needs another kernel.
+std::optional<ffi::Error> GemmOnTensorCores(const GemmProblem& p, ffi::DataType dtype, cudaStream_t stream);
+
+// The warp-specialized TMA + wgmma kernels (CUTLASS), one per operand layout; bfloat16 and float16.
+ffi::Error GemmSm90Bf16(const GemmProblem& p, cudaStream_t stream);
+ffi::Error GemmSm90F16(const GemmProblem& p, cudaStream_t stream);
+
+}  // namespace jaxdnn
