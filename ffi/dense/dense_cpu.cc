@@ -27,6 +27,9 @@ constexpr int64_t kDepthBlock = 256;    // K per packed panel: a row panel (4 Ki
 constexpr int64_t kRowBlock = 64;       // rows per packed op_a panel (64 KiB, L2)
 constexpr int64_t kColumnBlock = 256;   // columns per packed op_b panel (256 KiB, L2)
 constexpr int64_t kRowChunk = 512;      // rows per float accumulator (op_b is repacked once per chunk)
+// Packed panels hold whole register blocks (zero-padded), so the blocks must divide the panels.
+static_assert(kRowBlock % kRegRows == 0 && kRowChunk % kRowBlock == 0, "row blocks must nest");
+static_assert(kColumnBlock % kRegCols == 0, "column blocks must nest");
 
 std::string Dims(ffi::AnyBuffer::Dimensions dims) {
   std::string s = "[";
@@ -92,16 +95,23 @@ void MicroKernel(const float* a_strip, const float* b_strip, int64_t depth, floa
   }
 }
 
+// The packed panels and the accumulator, allocated once per call and reused for every batch entry.
+struct Workspace {
+  std::vector<float> packed_a = std::vector<float>(kRowBlock * kDepthBlock);
+  std::vector<float> packed_b = std::vector<float>(kDepthBlock * kColumnBlock);
+  std::vector<float> acc = std::vector<float>(kRowChunk * kColumnBlock);
+};
+
 template <typename T>
-void Gemm(const Operands<T>& op, const float* bias, const GemmAttrs& attrs, T* c) {
-  std::vector<float> packed_a(kRowBlock * kDepthBlock);
-  std::vector<float> packed_b(kDepthBlock * kColumnBlock);
-  std::vector<float> acc(kRowChunk * kColumnBlock);
+void Gemm(const Operands<T>& op, const float* bias, const GemmAttrs& attrs, Workspace& ws, T* c) {
+  std::vector<float>& packed_a = ws.packed_a;
+  std::vector<float>& packed_b = ws.packed_b;
+  std::vector<float>& acc = ws.acc;
   for (int64_t col0 = 0; col0 < op.n; col0 += kColumnBlock) {
     const int64_t cols = std::min(kColumnBlock, op.n - col0);
     for (int64_t chunk0 = 0; chunk0 < op.m; chunk0 += kRowChunk) {
       const int64_t chunk_rows = std::min(kRowChunk, op.m - chunk0);
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc.begin(), acc.begin() + chunk_rows * kColumnBlock, 0.f);  // small problems: no more
       for (int64_t p0 = 0; p0 < op.k; p0 += kDepthBlock) {
         const int64_t depth = std::min(kDepthBlock, op.k - p0);
         PackB(op, p0, depth, col0, cols, packed_b.data());
@@ -137,11 +147,12 @@ ffi::Error GemmImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> bi
   const float* bias_data = bias.element_count() > 0 ? bias.typed_data() : nullptr;
   return DispatchFloat<float, Bf16, Half>(a.element_type(), "gemm: a", [&](auto type_tag) {
     using T = decltype(type_tag);
+    Workspace workspace;
     for (int64_t l = 0; l < shape.batch; ++l) {
       Operands<T> op{static_cast<const T*>(a.untyped_data()) + l * shape.m * shape.k,
                      static_cast<const T*>(b.untyped_data()) + l * shape.k * shape.n,
                      shape.m, shape.n, shape.k, attrs.trans_a != 0, attrs.trans_b != 0};
-      Gemm(op, bias_data, attrs, static_cast<T*>(c->untyped_data()) + l * shape.m * shape.n);
+      Gemm(op, bias_data, attrs, workspace, static_cast<T*>(c->untyped_data()) + l * shape.m * shape.n);
     }
     return ffi::Error::Success();
   });
