@@ -55,6 +55,7 @@ def _batch_rule(prim, args, dims, **attrs):
         else:
             outs, out_dims = _batch_rule(prim, (a, b, no_bias), (a_dim, b_dim, None), **no_epilogue)
             z = move_to_front(outs[0], out_dims[0], size)
+        # z was rounded to a's dtype by the kernel: the sum and activation round once more.
         z = z.astype(_F32) + move_to_front(bias, bias_dim, size)[:, None, None, :]
         kind = _KIND_NAMES[int(attrs["activation"])]
         return [FUNCTIONS[kind](z, attrs["activation_param"]).astype(a.dtype)], [0]
@@ -91,6 +92,8 @@ def _bind(a, b, bias, **attrs):
     """The kernel on a [L, M, K] (or [L, K, M]), b [L, K, N] (or [L, N, K]), bias [N] or [0]."""
     batch, trans_a, trans_b = a.shape[0], int(attrs["trans_a"]), int(attrs["trans_b"])
     if isinstance(batch, int) and batch == 1:
+        # trans_a with trans_b (only in second-order terms): the contracted rows are b's last axis,
+        # so only L may stay sharded.
         layout = "contract" if trans_a and not trans_b else ("batched" if trans_a else "rows")
     else:
         layout = "batched"
