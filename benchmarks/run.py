@@ -497,6 +497,45 @@ def _fused_conv_cases(quick: bool) -> list[Case]:
     ]
 
 
+# --- dense -------------------------------------------------------------------------------------------
+
+def dense_cases(quick: bool) -> list[Case]:
+    """jaxdnn.dense on a bf16 M = N = K = 8192 product (256 with --quick), x [M, K] @ w [K, N]: the plain
+    product against XLA's `x @ w` (cuBLAS on a GPU); with bias and gelu (tanh) fused into the epilogue
+    against XLA's `jax.nn.gelu(x @ w + b)` (which XLA fuses into its GEMM's epilogue where it can); and
+    the fwd+bwd of the latter (gradients w.r.t. x, w and b, random cotangent, passes separated).
+
+    FLOPs: fwd = 2 * M * N * K (the epilogue's elementwise work is not counted), fwd+bwd = 3 x fwd.
+    """
+    dtype = jnp.bfloat16
+    sets = 2 if quick else 8
+    n = 256 if quick else 8192
+    key = jax.random.key(2)
+    primal_sets, dys = [], []
+    for _ in range(sets):
+        key, kx, kw, kb, kdy = jax.random.split(key, 5)
+        # w scaled by 1 / sqrt(K): x @ w ~ N(0, 1), gelu's interesting region
+        primal_sets.append((_normal(kx, (n, n), dtype), _normal(kw, (n, n), dtype, std=n**-0.5),
+                            _normal(kb, (n,), dtype)))
+        dys.append(_normal(kdy, (n, n), dtype))
+
+    def fused(x, w, b):
+        return jaxdnn.dense(x, w, b, activation="gelu")
+
+    def fused_xla(x, w, b):
+        return jax.nn.gelu(x @ w + b)
+
+    flops = 2 * n**3
+    name = f"M{n} N{n} K{n}"
+    return [
+        Case("dense", f"dense {name} fwd", jaxdnn.dense, "xla", jnp.matmul,
+             [(x, w) for x, w, _ in primal_sets], flops, "TFLOP/s"),
+        Case("dense", f"dense+bias+gelu {name} fwd", fused, "xla", fused_xla, primal_sets, flops, "TFLOP/s"),
+        Case("dense", f"dense+bias+gelu {name} fwd+bwd", _fwd_bwd(fused), "xla", _fwd_bwd(fused_xla),
+             [(*primals, dy) for primals, dy in zip(primal_sets, dys)], 3 * flops, "TFLOP/s"),
+    ]
+
+
 # --- attention ---------------------------------------------------------------------------------------
 
 
@@ -613,6 +652,7 @@ FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
     "pool": pool_cases,
     "group_norm": group_norm_cases,
     "conv": conv_cases,
+    "dense": dense_cases,
     "attention": attention_cases,
     "rnn": rnn_cases,
 }

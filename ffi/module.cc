@@ -5,6 +5,7 @@
 #include "attention/attention.h"
 #include "batch_norm/batch_norm.h"
 #include "conv/conv.h"
+#include "dense/dense.h"
 #include "group_norm/group_norm.h"
 #include "norm/norm.h"
 #include "pool/pool.h"
@@ -55,6 +56,7 @@ const Target kTargets[] = {
     {"jaxdnn_conv_fprop_fused_v1", ConvFpropFusedCpu, JAXDNN_CUDA_HANDLER(ConvFpropFusedCuda)},
     {"jaxdnn_conv_dgrad_v1", ConvDgradCpu, JAXDNN_CUDA_HANDLER(ConvDgradCuda)},
     {"jaxdnn_conv_wgrad_v1", ConvWgradCpu, JAXDNN_CUDA_HANDLER(ConvWgradCuda)},
+    {"jaxdnn_gemm_v1", GemmCpu, JAXDNN_CUDA_HANDLER(GemmCuda)},
     {"jaxdnn_attention_fwd_v1", AttentionFwdCpu, JAXDNN_CUDA_HANDLER(AttentionFwdCuda)},
     {"jaxdnn_attention_bwd_v1", AttentionBwdCpu, JAXDNN_CUDA_HANDLER(AttentionBwdCuda)},
     {"jaxdnn_lstm_fwd_v1", LstmFwdCpu, JAXDNN_CUDA_HANDLER(LstmFwdCuda)},

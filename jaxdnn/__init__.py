@@ -7,6 +7,7 @@ from jaxdnn.activation import (elu, gelu, hard_tanh, leaky_relu, relu, relu6, si
 from jaxdnn.attention import dot_product_attention
 from jaxdnn.batch_norm import batch_norm
 from jaxdnn.conv import conv, conv_general_dilated, conv_transpose
+from jaxdnn.dense import dense
 from jaxdnn.group_norm import group_norm
 from jaxdnn.norm import layer_norm, rms_norm
 from jaxdnn.pool import avg_pool, max_pool
@@ -21,6 +22,7 @@ __all__ = [
     "conv",
     "conv_general_dilated",
     "conv_transpose",
+    "dense",
     "dot_product_attention",
     "elu",
     "export_safety_checks",

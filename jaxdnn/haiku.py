@@ -39,8 +39,9 @@ import jax.numpy as jnp
 
 import jaxdnn
 from jaxdnn.haiku_conv import Conv1D, Conv2D, Conv3D, ConvND
+from jaxdnn.haiku_dense import Linear
 
-__all__ = ["BatchNorm", "Conv1D", "Conv2D", "Conv3D", "ConvND", "GroupNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["BatchNorm", "Conv1D", "Conv2D", "Conv3D", "ConvND", "GroupNorm", "LayerNorm", "Linear", "RMSNorm"]
 
 Initializer = Callable[..., Any]
 

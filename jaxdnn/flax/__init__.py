@@ -6,7 +6,8 @@ on first use, since ``flax.nnx`` is a sizeable import of its own)::
 
     from jaxdnn.flax import BatchNorm, GroupNorm, LayerNorm, RMSNorm   # flax.linen modules
     from jaxdnn.flax import Conv, ConvTranspose    # flax.linen modules on jaxdnn's convolution
-    from jaxdnn.flax import nnx as jnnx    # jnnx.BatchNorm, .Conv, .GroupNorm, .LayerNorm, .RMSNorm
+    from jaxdnn.flax import Dense                  # flax.linen Dense on jaxdnn's GEMM
+    from jaxdnn.flax import nnx as jnnx    # jnnx.BatchNorm, .Conv, .GroupNorm, .Linear, .LayerNorm, .RMSNorm
     from jaxdnn.flax import dot_product_attention  # attention_fn of Flax's attention modules
 
 Both mirror the stock Flax modules' attributes and parameter names (``scale``,
@@ -18,10 +19,10 @@ import importlib as _importlib
 
 from jaxdnn.flax import linen
 from jaxdnn.flax.attention import dot_product_attention
-from jaxdnn.flax.linen import BatchNorm, Conv, ConvTranspose, GroupNorm, LayerNorm, RMSNorm
+from jaxdnn.flax.linen import BatchNorm, Conv, ConvTranspose, Dense, GroupNorm, LayerNorm, RMSNorm
 
-__all__ = ["BatchNorm", "Conv", "ConvTranspose", "GroupNorm", "LayerNorm", "RMSNorm", "dot_product_attention",
-           "linen", "nnx"]
+__all__ = ["BatchNorm", "Conv", "ConvTranspose", "Dense", "GroupNorm", "LayerNorm", "RMSNorm",
+           "dot_product_attention", "linen", "nnx"]
 
 
 def __getattr__(name):

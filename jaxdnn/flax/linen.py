@@ -46,8 +46,9 @@ import numpy as np
 
 import jaxdnn
 from jaxdnn.flax.conv import Conv, ConvTranspose
+from jaxdnn.flax.dense import Dense
 
-__all__ = ["BatchNorm", "Conv", "ConvTranspose", "GroupNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["BatchNorm", "Conv", "ConvTranspose", "Dense", "GroupNorm", "LayerNorm", "RMSNorm"]
 
 Dtype = Any
 Initializer = Any

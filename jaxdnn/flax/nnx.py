@@ -37,8 +37,9 @@ import jaxdnn
 from jaxdnn.flax.linen import (_channel_axis, _check_batch_norm_options, _check_group_axes, _check_mask,
                                _check_options, _fit_param, _group_count)
 from jaxdnn.flax.nnx_conv import Conv
+from jaxdnn.flax.nnx_dense import Linear
 
-__all__ = ["BatchNorm", "Conv", "GroupNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["BatchNorm", "Conv", "GroupNorm", "LayerNorm", "Linear", "RMSNorm"]
 
 Dtype = Any
 Initializer = Any

@@ -1,0 +1,215 @@
+"""Dense layers: `dense(x, w, bias, activation=)` = act(x @ w + bias), the epilogue fused into the
+GEMM kernel.
+
+Shapes: x [..., K] (any leading axes, M rows in all), w [K, N] (flax's `kernel` layout), bias [N],
+y [..., N]. The kernel (ffi/dense/dense.h, target `jaxdnn_gemm_v1`) computes, for every batch
+entry l < L, c[l] = act(op_a(a[l]) . op_b(b[l]) + bias) with op_a / op_b optional transposes,
+float32 accumulation and the operands' dtype out. `dense` folds x's leading axes into M (L = 1);
+the backward is three more calls of the same kernel, dx = dz . w^T and dw = x^T . dz with every
+leading axis folded into the contracted rows.
+
+Differentiable with `jax.grad`/`jax.vjp` to any order (every derivative runs on the kernel; the
+activation's derivatives run on jaxdnn's activation kernels); forward-mode `jax.jvp` is not provided
+(custom_vjp).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
+from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front, per_row_shard
+from jaxdnn.activation import KINDS, _activation, epilogue, epilogue_attrs
+from jaxdnn.reference.activation import FUNCTIONS
+
+_FLOAT_TYPES = [jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
+_F32 = jnp.float32
+_KIND_NAMES = {value: name for name, value in KINDS.items()}  # the activation attribute -> its kind
+
+
+# --- the kernel as primitives ---------------------------------------------------------------------
+
+def _gemm_avals(a, b, bias, *, trans_a, trans_b, activation, activation_param):
+    m = a.shape[2] if trans_a else a.shape[1]
+    n = b.shape[1] if trans_b else b.shape[2]
+    return [jax.core.ShapedArray((a.shape[0], m, n), a.dtype)]
+
+
+def _batch_rule(prim, args, dims, **attrs):
+    """A vmapped a with a shared b (and trans_a = 0) joins a's rows M: one call on [L, B * M, K].
+    Otherwise the vmapped axis is folded into L, shared operands broadcast to it. A batched bias is
+    added in XLA after an epilogue-free call, and the activation applied there too."""
+    a, b, bias = args
+    a_dim, b_dim, bias_dim = dims
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    if bias_dim is not None:
+        no_epilogue = dict(attrs, **epilogue_attrs("identity", 0.0))
+        no_bias = jnp.zeros((0,), _F32)
+        if a_dim is None and b_dim is None:
+            z = _bind(a, b, no_bias, **no_epilogue)[None]
+        else:
+            outs, out_dims = _batch_rule(prim, (a, b, no_bias), (a_dim, b_dim, None), **no_epilogue)
+            z = move_to_front(outs[0], out_dims[0], size)
+        # z was rounded to a's dtype by the kernel: the sum and activation round once more.
+        z = z.astype(_F32) + move_to_front(bias, bias_dim, size)[:, None, None, :]
+        kind = _KIND_NAMES[int(attrs["activation"])]
+        return [FUNCTIONS[kind](z, attrs["activation_param"]).astype(a.dtype)], [0]
+    if b_dim is None and not int(attrs["trans_a"]):
+        a = jnp.moveaxis(a, a_dim, 1)  # [L, B, M, K]
+        c = _bind(a.reshape((a.shape[0], size * a.shape[2], a.shape[3])), b, bias, **attrs)
+        return [c.reshape((c.shape[0], size, a.shape[2], c.shape[2]))], [1]
+    a, b = move_to_front(a, a_dim, size), move_to_front(b, b_dim, size)  # [B, L, ...]
+    c = _bind(a.reshape((size * a.shape[1],) + a.shape[2:]), b.reshape((size * b.shape[1],) + b.shape[2:]),
+              bias, **attrs)
+    return [c.reshape((size, a.shape[1]) + c.shape[1:])], [0]
+
+
+def _gemm_primitive(layout: str, rule: str, **kwargs):
+    return ffi_primitive(f"jaxdnn_gemm_{layout}", "jaxdnn_gemm_v1", result_avals=_gemm_avals,
+                         batch_rule=_batch_rule, sharding_rule=rule, **kwargs)
+
+
+# One target, three primitives: they differ only in their sharding rule (`...` = the axes that may
+# stay sharded, each device running the kernel on its own part), which depends on where the rows
+# of the activations are. The factor names of unshared axes are distinct because the sizes differ.
+_GEMM = {
+    # L = 1, a [1, M, K]: a's rows M run per shard (x in the forward, dz in dx); b is replicated.
+    "rows": _gemm_primitive("rows", "... k, l p q, s -> ... n"),
+    # L = 1, trans_a, a [1, R, K] and b [1, R, N] share the contracted rows R (x and dz in dw): each
+    # shard multiplies its own rows and the [1, K, N] products are summed over the shards.
+    "contract": _gemm_primitive("contract", "... k, ... n, s -> l p q", reduced_results=(0,)),
+    # Batches (vmap over the weights): L runs per shard.
+    "batched": _gemm_primitive("batched", "... m k, ... p q, s -> ... r n"),
+}
+
+
+def _bind(a, b, bias, **attrs):
+    """The kernel on a [L, M, K] (or [L, K, M]), b [L, K, N] (or [L, N, K]), bias [N] or [0]."""
+    batch, trans_a, trans_b = a.shape[0], int(attrs["trans_a"]), int(attrs["trans_b"])
+    if isinstance(batch, int) and batch == 1:
+        # trans_a with trans_b (only in second-order terms): the contracted rows are b's last axis,
+        # so only L may stay sharded.
+        layout = "contract" if trans_a and not trans_b else ("batched" if trans_a else "rows")
+    else:
+        layout = "batched"
+    return _GEMM[layout].bind(a, b, bias, **attrs)[0]
+
+
+def _gemm(a, b, bias, trans_a, trans_b, kind="identity", param=0.0):
+    return _bind(a, b, jnp.zeros((0,), _F32) if bias is None else bias, trans_a=np.int64(trans_a),
+                 trans_b=np.int64(trans_b), **epilogue_attrs(kind, param))
+
+
+# --- the plain product, differentiated by two more products ---------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul(a, b, trans_a, trans_b):
+    """op_a(a) . op_b(b) per batch entry: a [L, M, K] ([L, K, M] when trans_a), b [L, K, N]
+    ([L, N, K] when trans_b) -> [L, M, N]."""
+    return _gemm(a, b, None, trans_a, trans_b)
+
+
+def _matmul_bwd(trans_a, trans_b, residuals, dc):
+    # With A = op_a(a), B = op_b(b): dA = dc . B^T and dB = A^T . dc, written as products of the
+    # stored a, b and dc so that no operand is transposed in memory.
+    a, b = residuals
+    da = _matmul(b, dc, trans_b, 1) if trans_a else _matmul(dc, b, 0, 1 - trans_b)
+    db = _matmul(dc, a, 1, trans_a) if trans_b else _matmul(a, dc, 1 - trans_a, 0)
+    return da, db
+
+
+_matmul.defvjp(lambda a, b, trans_a, trans_b: (_matmul(a, b, trans_a, trans_b), (a, b)), _matmul_bwd)
+
+
+# --- the fused forward ----------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _dense(x, w, bias, kind, param):
+    """act(x . w + bias) in one kernel call: x [1, M, K], w [1, K, N], bias [N] float32 or [0]."""
+    return _gemm(x, w, bias, 0, 0, kind, param)
+
+
+def _dense_fwd(x, w, bias, kind, param):
+    # z through `_dense` itself (identity epilogue), so that it is differentiable for the higher
+    # orders; the activation by its own kernel, keeping z (not y) for act'(z).
+    z = _dense(x, w, bias, "identity", 0.0)
+    y = z if kind == "identity" else _activation(z, kind, param)
+    return y, (x, w, bias, z)
+
+
+def _dense_bwd(kind, param, residuals, dy):
+    x, w, bias, z = residuals
+    dz = dy if kind == "identity" else jax.vjp(lambda z: _activation(z, kind, param), z)[1](dy)[0]
+    dbias = (jnp.sum(dz[0], axis=0, dtype=_F32) if bias.shape[0] else jnp.zeros_like(bias))
+    return _matmul(dz, w, 0, 1), _matmul(x, dz, 1, 0), dbias
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+# --- public API -----------------------------------------------------------------------------------
+
+def _as_array(a):
+    return a if hasattr(a, "shape") and hasattr(a, "dtype") else jnp.asarray(a)
+
+
+def _check(x, w, bias):
+    x, w = _as_array(x), _as_array(w)
+    for name, a in (("x", x), ("w", w)):
+        if a.dtype not in _FLOAT_TYPES:
+            raise TypeError(f"dense: {name} must be float32, bfloat16 or float16, got {a.dtype}")
+    if x.dtype != w.dtype:
+        raise TypeError(f"dense: x and w must have the same dtype, got {x.dtype} and {w.dtype}")
+    if x.ndim < 1:
+        raise ValueError(f"dense: x must have shape [..., K] (rank >= 1), got shape {x.shape}")
+    if w.ndim != 2:
+        raise ValueError(f"dense: w must have shape [K, N] (rank 2), got shape {w.shape}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"dense: K mismatch: x's last axis has {x.shape[-1]} features, w's first "
+                         f"{w.shape[0]} (x shape {x.shape}, w shape {w.shape})")
+    if bias is None:
+        return x, w, None
+    bias = _as_array(bias)
+    if bias.dtype not in (jnp.dtype(_F32), x.dtype):
+        raise TypeError(f"dense: bias must be float32 or x's dtype {x.dtype}, got {bias.dtype}")
+    if bias.shape != w.shape[1:]:
+        raise ValueError(f"dense: bias must have shape (N,) = {w.shape[1:]} to match w shape {w.shape}, got "
+                         f"bias shape {bias.shape}")
+    return x, w, bias.astype(_F32)
+
+
+def dense(x, w, bias=None, *, activation=None):
+    """act(x @ w + bias) on the GEMM kernel, the bias and activation fused into its epilogue.
+
+    Args:
+      x: [..., K] float32, bfloat16 or float16; any number of leading axes (empty ones too), folded
+        into the M rows of one matrix product.
+      w: [K, N] in x's dtype (flax's `kernel` / haiku's `w` layout).
+      bias: None or [N], float32 or x's dtype (added in float32).
+      activation: None or a name of `jaxdnn.activation.EPILOGUES` ("relu", "gelu", "silu",
+        "leaky_relu", ...).
+
+    Returns:
+      [..., N] in x's dtype, accumulated in float32 and rounded once.
+
+    Differentiable with `jax.grad`/`jax.vjp` to any order; `jax.jvp` is not supported. Under
+    differentiation the forward writes z = x @ w + bias and applies the activation with its own
+    kernel (z is kept for act'(z)), so y is act of z rounded to x's dtype, where the fused call
+    applies act to the float32 sum. dbias is XLA's float32 sum of dz over the rows.
+    """
+    kind, param = epilogue("dense", activation)
+    x, w, bias = _check(x, w, bias)
+
+    def run(x, w, bias):
+        w, bias = match_varying(x, w, bias)
+        rows = x.reshape((1, math.prod(x.shape[:-1]), x.shape[-1]))
+        y = _dense(rows, w[None], jnp.zeros((0,), _F32) if bias is None else bias, kind, param)
+        return y.reshape(x.shape[:-1] + w.shape[1:])
+    if bias is None:
+        return per_row_shard(lambda x, w: run(x, w, None), x, w)
+    return per_row_shard(run, x, w, bias)
