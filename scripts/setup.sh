@@ -12,4 +12,6 @@ python -m pip install -q --upgrade pip
 # Build requirements are installed once into the venv: the build then runs without isolation,
 # which lets CMake's build folder (build/) be reused between runs.
 python -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" "jax>=0.10.2"
+# CUTLASS's C++ headers for the CUDA build (its Python dependencies serve only its code generator).
+python -m pip install -q --no-deps "nvidia-cutlass==4.2.0.0"
 python -m pip install -q --no-build-isolation ".${extras:+[$extras]}"
