@@ -171,7 +171,7 @@ def test_checkpoint_scan_and_jvp(rng):
     got = jax.jit(jax.grad(functools.partial(scanned, _op("tanh")), argnums=(0, 1, 2)))(x, w, bias)
     want = jax.grad(functools.partial(scanned, _oracle("tanh")), argnums=(0, 1, 2))(f64(x), f64(w), f64(bias))
     for name, g, want_g in zip(("x", "w", "bias"), got, want):
-        assert_close(g, want_g, 1e-5, f"scan(checkpoint) {name}")
+        assert_close(g, want_g, 1e-4, f"scan(checkpoint) {name}")  # gradients: 10x (ARCHITECTURE.md)
     small = (x[0, :2], w[:, :3], bias[:3])
     jac = jax.jacrev(_op("silu"), argnums=(0, 1, 2))(*small)
     want_jac = jax.jacrev(_oracle("silu"), argnums=(0, 1, 2))(*(f64(a) for a in small))
