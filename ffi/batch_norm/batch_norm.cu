@@ -181,13 +181,13 @@ struct Affine {
     LoadChannels<V>(bias + c, step, ch.bias);
     return ch;
   }
-  // The pack's pre-activations (BatchNormOut's argument).
+  // The pack's pre-activations a (x - mean) + bias + r (as in BatchNormOut).
   template <int V>
   __device__ void Pre(const Channels<V>& ch, const float (&x)[V], const float (&r)[V], float (&pre)[V]) const {
 #pragma unroll
     for (int k = 0; k < V; ++k) pre[k] = ch.a[k] * (x[k] - ch.mean[k]) + ch.bias[k] + r[k];
   }
-  // g = dy act'(pre) for the pack (BatchNormGrad's), one activation switch for the V values; dy
+  // g = dy act'(pre) for the pack (as in BatchNormGrad), one activation switch for the V values; dy
   // itself without kAct.
   template <bool kAct, int V>
   __device__ void Grad(const Channels<V>& ch, const float (&dy)[V], const float (&x)[V], const float (&r)[V],
@@ -203,7 +203,7 @@ struct Affine {
 };
 
 // The ops that apply the activation come in two instantiations (see WithActivation): kAct, and the
-// identity's, which carry no activation code (its registers raise the identity kernels' otherwise).
+// identity's, which carries no activation code (whose registers the identity kernels paid for too).
 template <bool kAct>
 struct BwdSumsOp : Affine {
   template <int V>

@@ -169,6 +169,26 @@ JAXDNN_HOST_DEVICE inline void ActivateGradKindN(int64_t kind, const float (&pre
   }
 }
 
+// v[0, n) <- f(v[0, n)) and grad[0, n) *= f'(pre[0, n)) for a row in memory, through the pack
+// functions above (kRowPack values a switch, the tail one at a time): for the CPU kernels, which so
+// run the GPU kernels' own activation code.
+constexpr int kRowPack = 8;
+
+inline void ActivateRow(int64_t kind, float* v, int64_t n, float param) {
+  int64_t j = 0;
+  for (; j + kRowPack <= n; j += kRowPack) ActivateKindN(kind, reinterpret_cast<float(&)[kRowPack]>(v[j]), param);
+  for (; j < n; ++j) v[j] = ActivateKind(kind, v[j], param);
+}
+
+inline void ActivateGradRow(int64_t kind, const float* pre, float* grad, int64_t n, float param) {
+  int64_t j = 0;
+  for (; j + kRowPack <= n; j += kRowPack) {
+    ActivateGradKindN(kind, reinterpret_cast<const float(&)[kRowPack]>(pre[j]),
+                      reinterpret_cast<float(&)[kRowPack]>(grad[j]), param);
+  }
+  for (; j < n; ++j) grad[j] *= ActivateGradKind(kind, pre[j], param);
+}
+
 template <Activation kAct>
 struct ActivationTag {
   static constexpr Activation value = kAct;

@@ -116,11 +116,18 @@ struct ChannelStats {
 
   __device__ __forceinline__ ChannelStats(const float* mean_in, const float* rstd_in,
                                           const ThreadPart& part, const GroupNormShape& s) {
+    // One 64-bit division (a subroutine call on the GPU, whose calling convention had made the
+    // kernels spill) for the first channel's group; the pack's next channels step from it.
+    int64_t g = part.channel / s.group_size, offset = part.channel - g * s.group_size;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      group[k] = part.n * s.groups + (part.channel + k) / s.group_size;
+      group[k] = part.n * s.groups + g;
       mean[k] = mean_in[group[k]];
       rstd[k] = rstd_in[group[k]];
+      if (++offset == s.group_size) {
+        offset = 0;
+        ++g;
+      }
     }
   }
 };

@@ -54,7 +54,7 @@ __device__ __forceinline__ void ApplyActivation(float (&pre)[N], NormActivation 
   if constexpr (kAct) ActivateKindN(act.kind, pre, act.param);
 }
 
-// dy <- dy * act'(pre): the gradient reaching the affine output (NormGradIn's, for a pack).
+// dy <- dy * act'(pre): the gradient reaching the affine output, for a pack.
 template <bool kAct, int N>
 __device__ __forceinline__ void ActivationGradIn(const float (&pre)[N], float (&dy)[N], NormActivation act) {
   if constexpr (kAct) ActivateGradKindN(act.kind, pre, dy, act.param);
@@ -209,7 +209,7 @@ __global__ void NormFwdStreaming(const T* __restrict__ x, const float* __restric
 
 // ---------------------------------------------------------------------------------------------
 // Backward. With xhat = (x - mean) * rstd and g = scale * dy (dy times the activation's derivative
-// first when one is fused, see NormGradIn):
+// first when one is fused, with pre = xhat * scale + bias):
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm drops mean(g))
 //   dscale = sum_rows(dy * xhat), dbias = sum_rows(dy)
 
