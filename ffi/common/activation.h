@@ -158,12 +158,17 @@ JAXDNN_HOST_DEVICE inline void ActivateGradPack(const float (&pre)[N], float (&g
   for (int k = 0; k < N; ++k) grad[k] *= ActivateGrad<kAct>(pre[k], param);
 }
 
-template <int N>
+// kOmitted: a kind whose case compiles to nothing, for a caller that runs it in a kernel of its own
+// (gelu_erf's derivative on a pack needs more registers than some kernels can spare, and a switch's
+// registers are those of its hungriest case). The default omits the identity, whose case is a no-op.
+template <int N, Activation kOmitted = Activation::kIdentity>
 JAXDNN_HOST_DEVICE inline void ActivateGradKindN(int64_t kind, const float (&pre)[N], float (&grad)[N],
                                                  float param) {
   switch (static_cast<Activation>(kind)) {
-#define JAXDNN_ACTIVATION_CASE(name) \
-  case Activation::name: ActivateGradPack<Activation::name>(pre, grad, param); return;
+#define JAXDNN_ACTIVATION_CASE(name)                                                           \
+  case Activation::name:                                                                       \
+    if constexpr (Activation::name != kOmitted) ActivateGradPack<Activation::name>(pre, grad, param); \
+    return;
     JAXDNN_ACTIVATION_CASES
 #undef JAXDNN_ACTIVATION_CASE
   }

@@ -220,11 +220,13 @@ __device__ __forceinline__ Pack<float, kVec> BiasPack(const float* bias, int col
   return Pack<float, kVec>{};
 }
 
-// A pack's d = dy * act'(xhat * scale + bias), kSub values a switch.
-template <int kSub, typename T, int kVec>
+// A pack's d = dy * act'(xhat * scale + bias), kSub values a switch; kErf: act is gelu_erf (which
+// the other kernels' switch omits, see NormBwdCached).
+template <int kSub, bool kErf, typename T, int kVec>
 __device__ __forceinline__ void PackGradIn(const Pack<T, kVec>& xs, const Pack<T, kVec>& dys,
                                            const Pack<float, kVec>& s, const Pack<float, kVec>& b, float mean,
                                            float rstd, NormActivation act, float (&d)[kVec]) {
+  float previous = 0.f;  // kErf: the last result of the previous sub-pack
 #pragma unroll
   for (int h = 0; h < kVec; h += kSub) {
     float pre[kSub], part[kSub];
@@ -233,7 +235,16 @@ __device__ __forceinline__ void PackGradIn(const Pack<T, kVec>& xs, const Pack<T
       part[k] = ToFloat(dys.v[h + k]);
       pre[k] = (ToFloat(xs.v[h + k]) - mean) * rstd * s.v[h + k] + b.v[h + k];
     }
-    ActivateGradKindN(act.kind, pre, part, act.param);
+    if constexpr (kErf) {
+      // Without a switch between them the compiler would interleave every erfc of the pack and
+      // spill; these empty asm statements make the sub-pack's inputs wait for the previous result.
+#pragma unroll
+      for (int k = 0; k < kSub; ++k) asm volatile("" : "+f"(pre[k]) : "f"(previous));
+      ActivateGradPack<Activation::kGeluErf>(pre, part, act.param);
+      previous = part[kSub - 1];
+    } else {
+      ActivateGradKindN<kSub, Activation::kGeluErf>(act.kind, pre, part, act.param);
+    }
 #pragma unroll
     for (int k = 0; k < kSub; ++k) d[h + k] = part[k];
   }
@@ -249,7 +260,13 @@ __device__ __forceinline__ void BlockRows(int64_t rows, int blocks, int block, i
 // Each thread stages its own columns of the next row (x and dy) in shared memory with cp.async
 // while it works on the current one, so a row's loads are always in flight; dscale/dbias for the
 // thread's columns accumulate in registers.
-template <typename T, bool kRms, bool kAct>
+//
+// The row's dscale/dbias accumulators take 64 of the 128 registers a thread has in 512-thread blocks
+// (16-bit LayerNorm): room for act' on 4 values at once, but not for erfc's temporaries 4 at a time
+// (with gelu_erf in the switch, the kernel spilled accumulators on every row, whatever the
+// activation). So the kAct kernels' switch omits gelu_erf, and the kErf instantiation, launched
+// exactly when the kind is gelu_erf, runs it alone, one sub-pack after the other (see PackGradIn).
+template <typename T, bool kRms, bool kAct, bool kErf>
 __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
     const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ scale,
     const float* __restrict__ bias, const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
@@ -257,10 +274,7 @@ __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
     NormActivation act) {
   constexpr int kVec = kVec16<T>;
   constexpr int kSums = kRms ? 1 : 2;
-  // act' on 4 values a switch: with dscale/dbias of the thread's columns in registers (64 of the
-  // 128 that 512-thread blocks allow, for 16-bit LayerNorm), 8 overlapped evaluations of gelu_erf's
-  // derivative spilled 136 bytes; 4 keep the other activations spill-free.
-  constexpr int kGradSub = kVec < 4 ? kVec : 4;
+  constexpr int kGradSub = 4;  // act' values a switch (a sub-pack of the 16-byte pack)
   using Vec = Pack<T, kVec>;
   const RowGroup g = MakeRowGroup(group);
   int64_t begin, end;
@@ -305,7 +319,7 @@ __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
         const Pack<float, kVec> s = *reinterpret_cast<const Pack<float, kVec>*>(scale + col);
         const Pack<float, kVec> b = BiasPack<kVec, kAct>(bias, col);
         float d[kVec];  // dy * act'(pre); the identity kernels convert dy where they use it
-        if constexpr (kAct) PackGradIn<kGradSub>(xs, dys, s, b, mean, rstd, act, d);
+        if constexpr (kAct) PackGradIn<kGradSub, kErf>(xs, dys, s, b, mean, rstd, act, d);
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           const float xhat = (ToFloat(xs.v[k]) - mean) * rstd;
@@ -326,7 +340,7 @@ __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
         const Pack<float, kVec> s = *reinterpret_cast<const Pack<float, kVec>*>(scale + col);
         const Pack<float, kVec> b = BiasPack<kVec, kAct>(bias, col);
         float d[kVec];  // act'(pre) again: cheaper than holding a row of it in registers
-        if constexpr (kAct) PackGradIn<kGradSub>(xs, dys, s, b, mean, rstd, act, d);
+        if constexpr (kAct) PackGradIn<kGradSub, kErf>(xs, dys, s, b, mean, rstd, act, d);
         Vec out;
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
@@ -575,7 +589,10 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
     JAXDNN_RETURN_IF_ERROR(WithActivation<kRms>(act, [&](auto has_act) {
       constexpr bool kAct = decltype(has_act)::value;
       if (plan.cached) {
-        auto kernel = NormBwdCached<T, kRms, kAct>;
+        auto kernel = NormBwdCached<T, kRms, kAct, false>;
+        if constexpr (kAct) {
+          if (act.kind == int64_t(Activation::kGeluErf)) kernel = NormBwdCached<T, kRms, true, true>;
+        }
         JAXDNN_RETURN_IF_ERROR(CudaError(
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem)),
             "norm backward shared memory"));
