@@ -274,9 +274,10 @@ def activation_cases(quick: bool) -> list[Case]:
 # --- batch norm ------------------------------------------------------------------------------------
 
 
-def _batch_norm_xla(x, scale, bias, residual=None, relu=False, epsilon=1e-5):
+def _batch_norm_xla(x, scale, bias, residual=None, relu=False, epsilon=1e-5, silu=False):
     """Training-mode batch norm over every axis but the last, the way Flax's BatchNorm computes it
-    (fast variance, fp32 statistics), optionally followed by + residual and relu (the ResNet chain)."""
+    (fast variance, fp32 statistics), optionally followed by + residual and relu (the ResNet chain),
+    or by jax.nn.silu."""
     x32 = x.astype(jnp.float32)
     axes = tuple(range(x.ndim - 1))
     mean = jnp.mean(x32, axis=axes)
@@ -284,13 +285,16 @@ def _batch_norm_xla(x, scale, bias, residual=None, relu=False, epsilon=1e-5):
     y = (x32 - mean) * (jax.lax.rsqrt(var + epsilon) * scale.astype(jnp.float32)) + bias.astype(jnp.float32)
     if residual is not None:
         y = y + residual.astype(jnp.float32)
+    if silu:
+        y = jax.nn.silu(y)
     return (jax.nn.relu(y) if relu else y).astype(x.dtype)
 
 
 def batch_norm_cases(quick: bool) -> list[Case]:
-    """Training-mode batch_norm, NHWC bf16, against Flax's formulas in XLA: plain and fused with a
-    residual add and relu. Bytes (compulsory traffic): fwd = read x + write y; fwd+bwd = read x + read dy
-    + write dx, plus read residual + write dresidual when fused (the [C] vectors are negligible)."""
+    """Training-mode batch_norm, NHWC bf16, against Flax's formulas in XLA: plain, fused with a
+    residual add and relu, and fused with silu (against XLA's batch norm followed by jax.nn.silu).
+    Bytes (compulsory traffic): fwd = read x + write y; fwd+bwd = read x + read dy + write dx, plus read
+    residual + write dresidual when fused with one (the [C] vectors are negligible)."""
     n, h, w, c = (8, 14, 14, 64) if quick else (128, 56, 56, 256)
     dtype = jnp.bfloat16
     sets = 2 if quick else 8
@@ -311,6 +315,8 @@ def batch_norm_cases(quick: bool) -> list[Case]:
                                                  activation="relu")[0]
     fused_xla = lambda x, s, b, r: _batch_norm_xla(x, s, b, r, relu=True)
     fused_sets = [(*p, r) for p, r in zip(primal_sets, residuals)]
+    silu = lambda x, s, b: jaxdnn.batch_norm(x, s, b, *stats, training=True, activation="silu")[0]
+    silu_xla = lambda x, s, b: _batch_norm_xla(x, s, b, silu=True)
     return [
         Case("batch_norm", f"{name} fwd", plain, "xla", _batch_norm_xla, primal_sets, 2 * array_bytes,
              "GB/s"),
@@ -320,6 +326,9 @@ def batch_norm_cases(quick: bool) -> list[Case]:
              "GB/s"),
         Case("batch_norm", f"{name} +residual+relu fwd+bwd", _fwd_bwd(fused), "xla", _fwd_bwd(fused_xla),
              [(*p, dy) for p, dy in zip(fused_sets, dys)], 5 * array_bytes, "GB/s"),
+        Case("batch_norm", f"{name} +silu fwd", silu, "xla", silu_xla, primal_sets, 2 * array_bytes, "GB/s"),
+        Case("batch_norm", f"{name} +silu fwd+bwd", _fwd_bwd(silu), "xla", _fwd_bwd(silu_xla),
+             [(*p, dy) for p, dy in zip(primal_sets, dys)], 3 * array_bytes, "GB/s"),
     ]
 
 
@@ -384,7 +393,8 @@ def _group_norm_xla(x, scale, bias, num_groups=32, epsilon=1e-5):
 
 
 def group_norm_cases(quick: bool) -> list[Case]:
-    """group_norm (channels last, 32 groups) against Flax's GroupNorm formulas in XLA, bf16.
+    """group_norm (channels last, 32 groups) against Flax's GroupNorm formulas in XLA, bf16; and
+    group_norm with its fused silu against XLA's group norm followed by jax.nn.silu.
 
     Bytes of compulsory traffic, as for the row-wise families: fwd = read x + write y + the params;
     fwd+bwd and bwd = read x + read dy + write dx + the params and their grads (the kernels read x,
@@ -408,12 +418,18 @@ def group_norm_cases(quick: bool) -> list[Case]:
     name = f"group_norm N{shape[0]} HW{shape[1]}x{shape[2]} C{shape[3]} G{groups}"
     fwd_bwd_sets = [(*primals, dy) for primals, dy in zip(primal_sets, dys)]
     bwd_bytes = 3 * array_bytes + 4 * param_bytes
+    silu = lambda x, scale, bias: jaxdnn.group_norm(x, groups, scale, bias, activation="silu")
+    silu_peer = lambda x, scale, bias: jax.nn.silu(_group_norm_xla(x, scale, bias, groups))
     return [
         Case("group_norm", f"{name} fwd", fn, "xla", peer, primal_sets, 2 * array_bytes + 2 * param_bytes,
              "GB/s"),
         Case("group_norm", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer), fwd_bwd_sets, bwd_bytes,
              "GB/s"),
         _bwd_case("group_norm", f"{name} bwd", fn, peer, primal_sets, dys, bwd_bytes),
+        Case("group_norm", f"{name} +silu fwd", silu, "xla", silu_peer, primal_sets,
+             2 * array_bytes + 2 * param_bytes, "GB/s"),
+        Case("group_norm", f"{name} +silu fwd+bwd", _fwd_bwd(silu), "xla", _fwd_bwd(silu_peer), fwd_bwd_sets,
+             bwd_bytes, "GB/s"),
     ]
 
 

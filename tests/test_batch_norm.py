@@ -74,6 +74,14 @@ def test_fused_residual_and_activation(activation, residual, shape, axis, traini
            tol=1e-5, grad_tol=1e-4)
 
 
+@pytest.mark.parametrize("activation", sorted(jaxdnn.activation.EPILOGUES))
+def test_every_activation(activation, rng):
+    """Each fused activation (the kernels switch on its kind once per pack of channels)."""
+    x, params, stats, _ = _inputs(rng, (4, 5, 6, 16), -1, jnp.float32)
+    _check(x, params, stats, None, normal(rng, x.shape), training=True, axis=-1, activation=activation,
+           tol=1e-5, grad_tol=1e-4)
+
+
 @dtype_param
 def test_fused_bf16_and_f16(dtype, rng):
     x, params, stats, res = _inputs(rng, (8, 7, 7, 64), -1, dtype, residual=True)

@@ -256,6 +256,22 @@ def test_layer_norm_activation(activation, shape, dtype, rng):
         assert_close(got, expected, tolerance(dtype, grad=True), name)
 
 
+@pytest.mark.parametrize("activation", sorted(jaxdnn.activation.EPILOGUES))
+@pytest.mark.parametrize("shape", [(3, 37), (4, 64)], ids=str)
+def test_layer_norm_every_activation(activation, shape, rng):
+    """Each fused activation: the kernels switch on its kind once per pack of values (37 = four packs
+    of 8 and a tail on the CPU, the streaming path on a GPU; 64: the GPU's cached path)."""
+    x = normal(rng, shape, jnp.float32, loc=0.5, scale=2.0)
+    scale, bias = normal(rng, shape[-1:]), normal(rng, shape[-1:])
+    op = lambda x, s, b: jaxdnn.layer_norm(x, s, b, activation=activation)
+    y, vjp = jax.vjp(jax.jit(op), x, scale, bias)
+    want, want_vjp = jax.vjp(lambda *a: _layer_norm_act_oracle(*a, activation), f64(x), f64(scale), f64(bias))
+    assert_close(y, want, tolerance(jnp.float32), "forward")
+    ct = normal(rng, shape, jnp.float32)
+    for name, got, expected in zip(["dx", "dscale", "dbias"], vjp(ct), want_vjp(f64(ct))):
+        assert_close(got, expected, tolerance(jnp.float32, grad=True), name)
+
+
 def test_layer_norm_activation_transforms(rng):
     x, ct = normal(rng, (4, 3, 40)), normal(rng, (4, 3, 40))
     scales, biases = normal(rng, (4, 40)), normal(rng, (4, 40))

@@ -145,8 +145,8 @@ __device__ __forceinline__ void LoadChannels(const float* p, int step, float (&o
   for (int k = 0; k < V; ++k) out[k] = __ldg(p + k * step);
 }
 
-// The per-element operation of each stage, on float values of one element of channel-lane k.
-// Sum stages return the two terms to accumulate; elementwise stages write their outputs.
+// The per-element operation of each stage, on the float values of a pack (V channel lanes).
+// Sum stages give the two terms to accumulate; elementwise stages write their outputs.
 struct StatsOp {
   const float* shift;
   template <int V> struct Channels { float shift[V]; };
@@ -157,9 +157,13 @@ struct StatsOp {
     return ch;
   }
   template <int V>
-  __device__ float2 Terms(const Channels<V>& ch, int k, float dy, float x, float r) const {
-    const float v = x - ch.shift[k];
-    return make_float2(v, v * v);
+  __device__ void Terms(const Channels<V>& ch, const float (&dy)[V], const float (&x)[V], const float (&r)[V],
+                        float (&first)[V], float (&second)[V]) const {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      first[k] = x[k] - ch.shift[k];
+      second[k] = first[k] * first[k];
+    }
   }
 };
 
@@ -177,13 +181,37 @@ struct Affine {
     LoadChannels<V>(bias + c, step, ch.bias);
     return ch;
   }
+  // The pack's pre-activations a (x - mean) + bias + r (as in BatchNormOut).
+  template <int V>
+  __device__ void Pre(const Channels<V>& ch, const float (&x)[V], const float (&r)[V], float (&pre)[V]) const {
+#pragma unroll
+    for (int k = 0; k < V; ++k) pre[k] = ch.a[k] * (x[k] - ch.mean[k]) + ch.bias[k] + r[k];
+  }
+  // g = dy act'(pre) for the pack (as in BatchNormGrad), one activation switch for the V values; dy
+  // itself without kAct.
+  template <bool kAct, int V>
+  __device__ void Grad(const Channels<V>& ch, const float (&dy)[V], const float (&x)[V], const float (&r)[V],
+                       float (&g)[V]) const {
+#pragma unroll
+    for (int k = 0; k < V; ++k) g[k] = dy[k];
+    if constexpr (kAct) {
+      float pre[V];
+      Pre<V>(ch, x, r, pre);
+      ActivateGradKindN(act, pre, g, param);
+    }
+  }
 };
 
+// The ops that apply the activation come in two instantiations (see WithActivation): kAct, and the
+// identity's, which carries no activation code (whose registers the identity kernels paid for too).
+template <bool kAct>
 struct BwdSumsOp : Affine {
   template <int V>
-  __device__ float2 Terms(const Channels<V>& ch, int k, float dy, float x, float r) const {
-    const float g = BatchNormGrad(dy, x, ch.a[k], ch.mean[k], ch.bias[k], r, act, param);
-    return make_float2(g, g * (x - ch.mean[k]));
+  __device__ void Terms(const Channels<V>& ch, const float (&dy)[V], const float (&x)[V], const float (&r)[V],
+                        float (&first)[V], float (&second)[V]) const {
+    Grad<kAct, V>(ch, dy, x, r, first);
+#pragma unroll
+    for (int k = 0; k < V; ++k) second[k] = first[k] * (x[k] - ch.mean[k]);
   }
 };
 
@@ -205,16 +233,15 @@ __global__ void __launch_bounds__(kThreads) SumsLastKernel(const T* __restrict__
     ForEachRow<T, V>(dy, x, residual, int64_t(blockIdx.x) * t.row_lanes + t.row_lane, int64_t(gridDim.x) * t.row_lanes,
                      rows, channels, t.channel, false, reinterpret_cast<Pack<T, V>*>(shared),
                      [&](const Packs<T, V>& packs, int64_t e) {
-                       float xv[V], gv[V], rv[V], g[V];
+                       float xv[V], gv[V], rv[V], first[V], second[V];
                        Unpack(packs, dy != nullptr, residual != nullptr, xv, gv, rv);
+                       op.template Terms<V>(ch, gv, xv, rv, first, second);
 #pragma unroll
                        for (int k = 0; k < V; ++k) {
-                         const float2 term = op.template Terms<V>(ch, k, gv[k], xv[k], rv[k]);
-                         sum[k].x += term.x;
-                         sum[k].y += term.y;
-                         g[k] = term.x;
+                         sum[k].x += first[k];
+                         sum[k].y += second[k];
                        }
-                       if (g_out != nullptr) StorePack<T, V>(g_out + e, g);
+                       if (g_out != nullptr) StorePack<T, V>(g_out + e, first);
                      });
   }
   float2* staged = reinterpret_cast<float2*>(shared);  // the row slots, free once every thread is done
@@ -251,16 +278,15 @@ __global__ void __launch_bounds__(kThreads) SumsFirstKernel(const T* __restrict_
     for (int64_t o = blockIdx.x; o < s.outer; o += gridDim.x) {
       const int64_t base = (o * s.channels + c) * s.inner;
       for (int64_t i = int64_t(threadIdx.x) * V; i < s.inner; i += int64_t(kThreads) * V) {
-        float xv[V], gv[V], rv[V], g[V];
+        float xv[V], gv[V], rv[V], first[V], second[V];
         Unpack(LoadPacks<T, V>(dy, x, residual, base + i), dy != nullptr, residual != nullptr, xv, gv, rv);
+        op.template Terms<V>(ch, gv, xv, rv, first, second);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-          const float2 term = op.template Terms<V>(ch, k, gv[k], xv[k], rv[k]);
-          sum.x += term.x;
-          sum.y += term.y;
-          g[k] = term.x;
+          sum.x += first[k];
+          sum.y += second[k];
         }
-        if (g_out != nullptr) StorePack<T, V>(g_out + base + i, g);
+        if (g_out != nullptr) StorePack<T, V>(g_out + base + i, first);
       }
     }
     sum = GroupReduce(sum, kThreads, make_float2(0.f, 0.f),
@@ -308,15 +334,17 @@ __global__ void __launch_bounds__(kSumWarps * 32)
 }
 
 // The elementwise stages: y = act(pre), or dx = a g + k1 (x - mean) + k0.
+template <bool kAct>
 struct FwdOp : Affine {
   template <int V>
   __device__ void Apply(const Channels<V>& ch, const float (&dy)[V], const float (&x)[V], const float (&r)[V],
                         float (&out)[V]) const {
-#pragma unroll
-    for (int k = 0; k < V; ++k) out[k] = BatchNormOut(x[k], ch.a[k], ch.mean[k], ch.bias[k], r[k], act, param);
+    Pre<V>(ch, x, r, out);
+    if constexpr (kAct) ActivateKindN(act, out, param);
   }
 };
 
+template <bool kAct>
 struct BwdDxOp : Affine {
   const float *k1, *k0;
   template <int V> struct Channels : Affine::Channels<V> { float k1[V], k0[V]; };
@@ -331,11 +359,10 @@ struct BwdDxOp : Affine {
   template <int V>
   __device__ void Apply(const Channels<V>& ch, const float (&dy)[V], const float (&x)[V], const float (&r)[V],
                         float (&dx)[V]) const {
+    float g[V];
+    Grad<kAct, V>(ch, dy, x, r, g);
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const float g = BatchNormGrad(dy[k], x[k], ch.a[k], ch.mean[k], ch.bias[k], r[k], act, param);
-      dx[k] = ch.a[k] * g + ch.k1[k] * (x[k] - ch.mean[k]) + ch.k0[k];
-    }
+    for (int k = 0; k < V; ++k) dx[k] = ch.a[k] * g[k] + ch.k1[k] * (x[k] - ch.mean[k]) + ch.k0[k];
   }
 };
 
@@ -452,6 +479,12 @@ ffi::Error LaunchApply(cudaStream_t stream, const T* dy, const T* x, const T* re
   return LaunchError(what);
 }
 
+// Calls fn(std::integral_constant<bool, act is not the identity>).
+template <typename Fn>
+ffi::Error WithActivation(int64_t act, Fn&& fn) {
+  return act != int64_t(Activation::kIdentity) ? fn(std::true_type{}) : fn(std::false_type{});
+}
+
 // Zero sums for an empty batch (every output is written, even then).
 ffi::Error ZeroSums(cudaStream_t stream, float* out1, float* out2, int64_t channels) {
   JAXDNN_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(out1, 0, channels * sizeof(float), stream), "batch_norm"));
@@ -494,9 +527,12 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> 
     const T* xp = static_cast<const T*>(x.untyped_data());
     const T* rp = DataOrNull<T>(residual);
     T* yp = static_cast<T*>(y->untyped_data());
-    const FwdOp op{{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param}};
+    const Affine affine{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param};
     auto launch = [&](auto vec) {
-      return LaunchApply<T, decltype(vec)::value>(stream, nullptr, xp, rp, op, s, yp, "batch_norm forward");
+      return WithActivation(act, [&](auto has_act) {
+        const FwdOp<decltype(has_act)::value> op{affine};
+        return LaunchApply<T, decltype(vec)::value>(stream, nullptr, xp, rp, op, s, yp, "batch_norm forward");
+      });
     };
     return UseVectors<T>(s, {xp, rp, yp}) ? launch(std::integral_constant<int, kVec16<T>>{})
                                           : launch(std::integral_constant<int, 1>{});
@@ -523,10 +559,14 @@ ffi::Error BackwardSums(cudaStream_t stream, const ffi::AnyBuffer& dy, const ffi
     const T* xp = static_cast<const T*>(x.untyped_data());
     const T* rp = residual ? static_cast<const T*>(residual->untyped_data()) : nullptr;
     T* go = g_out ? static_cast<T*>(g_out->untyped_data()) : nullptr;
-    const BwdSumsOp op{{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param}};
+    const Affine affine{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param};
     auto launch = [&](auto vec) {
-      return LaunchSums<T, decltype(vec)::value>(stream, gp, xp, rp, op, s, workspace->typed_data(), blocks,
-                                                 sg->typed_data(), sgx->typed_data(), go, "batch_norm backward sums");
+      return WithActivation(act, [&](auto has_act) {
+        const BwdSumsOp<decltype(has_act)::value> op{affine};
+        return LaunchSums<T, decltype(vec)::value>(stream, gp, xp, rp, op, s, workspace->typed_data(), blocks,
+                                                   sg->typed_data(), sgx->typed_data(), go,
+                                                   "batch_norm backward sums");
+      });
     };
     return UseVectors<T>(s, {gp, xp, rp, go}) ? launch(std::integral_constant<int, kVec16<T>>{})
                                               : launch(std::integral_constant<int, 1>{});
@@ -561,11 +601,13 @@ ffi::Error BwdDxImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, f
     const T* gp = static_cast<const T*>(dy.untyped_data());
     const T* xp = static_cast<const T*>(x.untyped_data());
     T* dxp = static_cast<T*>(dx->untyped_data());
-    const BwdDxOp op{{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param}, k1.typed_data(),
-                     k0.typed_data()};
+    const Affine affine{a.typed_data(), mean.typed_data(), bias.typed_data(), act, param};
     auto launch = [&](auto vec) {
-      return LaunchApply<T, decltype(vec)::value>(stream, gp, xp, static_cast<const T*>(nullptr), op, s, dxp,
-                                                  "batch_norm backward dx");
+      return WithActivation(act, [&](auto has_act) {
+        const BwdDxOp<decltype(has_act)::value> op{affine, k1.typed_data(), k0.typed_data()};
+        return LaunchApply<T, decltype(vec)::value>(stream, gp, xp, static_cast<const T*>(nullptr), op, s, dxp,
+                                                    "batch_norm backward dx");
+      });
     };
     return UseVectors<T>(s, {gp, xp, dxp}) ? launch(std::integral_constant<int, kVec16<T>>{})
                                            : launch(std::integral_constant<int, 1>{});

@@ -7,8 +7,10 @@
 
 #ifdef __CUDACC__
 #define JAXDNN_HOST_DEVICE __host__ __device__
+#define JAXDNN_UNROLL _Pragma("unroll")
 #else
 #define JAXDNN_HOST_DEVICE
+#define JAXDNN_UNROLL
 #endif
 
 namespace jaxdnn {
@@ -105,8 +107,9 @@ JAXDNN_HOST_DEVICE inline float ActivateGrad(float x, float param) {
   return 1.f;
 }
 
-// f(x) and f'(x) for a kind known only at run time: for fused epilogues, where one switch per
-// element costs nothing in a memory-bound kernel and saves a template instantiation per activation.
+// f(x) and f'(x) for a kind known only at run time, one element at a time: for the CPU kernels and
+// scalar epilogues (no template instantiation per activation). GPU loops over packs of elements use
+// ActivateKindN / ActivateGradKindN below.
 JAXDNN_HOST_DEVICE inline float ActivateKind(int64_t kind, float x, float param) {
   switch (static_cast<Activation>(kind)) {
 #define JAXDNN_ACTIVATION_CASE(name) \
@@ -125,6 +128,70 @@ JAXDNN_HOST_DEVICE inline float ActivateGradKind(int64_t kind, float x, float pa
 #undef JAXDNN_ACTIVATION_CASE
   }
   return 1.f;
+}
+
+// The same for a pack of N values: one switch for the pack, whose every case applies the
+// compile-time function to all N values. A switch per element is an indirect branch per element on
+// the GPU, which serializes the evaluations (their MUFU latencies add up) and splits the unrolled
+// loops around it; with one switch per pack the N evaluations overlap.
+template <Activation kAct, int N>
+JAXDNN_HOST_DEVICE inline void ActivatePack(float (&v)[N], float param) {
+  JAXDNN_UNROLL
+  for (int k = 0; k < N; ++k) v[k] = Activate<kAct>(v[k], param);
+}
+
+template <int N>
+JAXDNN_HOST_DEVICE inline void ActivateKindN(int64_t kind, float (&v)[N], float param) {
+  switch (static_cast<Activation>(kind)) {
+#define JAXDNN_ACTIVATION_CASE(name) \
+  case Activation::name: ActivatePack<Activation::name>(v, param); return;
+    JAXDNN_ACTIVATION_CASES
+#undef JAXDNN_ACTIVATION_CASE
+  }
+}
+
+// grad[k] *= f'(pre[k]) for the N values of a pack (grad holds dy on entry; identity leaves it as
+// is, x * 1 being exact), one switch as above.
+template <Activation kAct, int N>
+JAXDNN_HOST_DEVICE inline void ActivateGradPack(const float (&pre)[N], float (&grad)[N], float param) {
+  JAXDNN_UNROLL
+  for (int k = 0; k < N; ++k) grad[k] *= ActivateGrad<kAct>(pre[k], param);
+}
+
+// kOmitted: a kind whose case compiles to nothing, for a caller that runs it in a kernel of its own
+// (gelu_erf's derivative on a pack needs more registers than some kernels can spare, and a switch's
+// registers are those of its hungriest case). The default omits the identity, whose case is a no-op.
+template <int N, Activation kOmitted = Activation::kIdentity>
+JAXDNN_HOST_DEVICE inline void ActivateGradKindN(int64_t kind, const float (&pre)[N], float (&grad)[N],
+                                                 float param) {
+  switch (static_cast<Activation>(kind)) {
+#define JAXDNN_ACTIVATION_CASE(name)                                                           \
+  case Activation::name:                                                                       \
+    if constexpr (Activation::name != kOmitted) ActivateGradPack<Activation::name>(pre, grad, param); \
+    return;
+    JAXDNN_ACTIVATION_CASES
+#undef JAXDNN_ACTIVATION_CASE
+  }
+}
+
+// v[0, n) <- f(v[0, n)) and grad[0, n) *= f'(pre[0, n)) for a row in memory, through the pack
+// functions above (kRowPack values a switch, the tail one at a time): for the CPU kernels, which so
+// run the GPU kernels' own activation code.
+constexpr int kRowPack = 8;
+
+inline void ActivateRow(int64_t kind, float* v, int64_t n, float param) {
+  int64_t j = 0;
+  for (; j + kRowPack <= n; j += kRowPack) ActivateKindN(kind, reinterpret_cast<float(&)[kRowPack]>(v[j]), param);
+  for (; j < n; ++j) v[j] = ActivateKind(kind, v[j], param);
+}
+
+inline void ActivateGradRow(int64_t kind, const float* pre, float* grad, int64_t n, float param) {
+  int64_t j = 0;
+  for (; j + kRowPack <= n; j += kRowPack) {
+    ActivateGradKindN(kind, reinterpret_cast<const float(&)[kRowPack]>(pre[j]),
+                      reinterpret_cast<float(&)[kRowPack]>(grad[j]), param);
+  }
+  for (; j < n; ++j) grad[j] *= ActivateGradKind(kind, pre[j], param);
 }
 
 template <Activation kAct>

@@ -116,11 +116,18 @@ struct ChannelStats {
 
   __device__ __forceinline__ ChannelStats(const float* mean_in, const float* rstd_in,
                                           const ThreadPart& part, const GroupNormShape& s) {
+    // One 64-bit division (a subroutine call on the GPU, whose calling convention had made the
+    // kernels spill) for the first channel's group; the pack's next channels step from it.
+    int64_t g = part.channel / s.group_size, offset = part.channel - g * s.group_size;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      group[k] = part.n * s.groups + (part.channel + k) / s.group_size;
+      group[k] = part.n * s.groups + g;
       mean[k] = mean_in[group[k]];
       rstd[k] = rstd_in[group[k]];
+      if (++offset == s.group_size) {
+        offset = 0;
+        ++g;
+      }
     }
   }
 };
@@ -154,7 +161,10 @@ __global__ void __launch_bounds__(kThreads) FwdChannelSums(const T* __restrict__
   StoreChannelSums(sum, squares, workspace + (part.n * s.chunks + part.chunk) * 2 * s.channels, part, t);
 }
 
-template <typename T, int kVec>
+// Normalize, BwdChannelSums and Dx come in two instantiations: kAct, which applies the activation a
+// pack at a time (one switch on its kind for the kVec values, so their evaluations overlap), and the
+// identity's, which carries no activation code (its registers had made the identity kernels spill).
+template <typename T, int kVec, bool kAct>
 __global__ void __launch_bounds__(kThreads) Normalize(const T* __restrict__ x,
                                                       const float* __restrict__ scale,
                                                       const float* __restrict__ bias,
@@ -173,16 +183,21 @@ __global__ void __launch_bounds__(kThreads) Normalize(const T* __restrict__ x,
     a[k] = stats.rstd[k] * scale[part.channel + k];
     b[k] = bias[part.channel + k];
   }
-  const bool has_activation = activation != int64_t(Activation::kIdentity);
   const int64_t base = part.n * s.spatial * s.channels + part.channel;
 #pragma unroll 4
   for (int64_t r = part.begin; r < part.end; r += t.rows) {
     const Vec v = *reinterpret_cast<const Vec*>(x + base + r * s.channels);
+    float pre[kVec];
     Vec out;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      const float pre = (ToFloat(v.v[k]) - stats.mean[k]) * a[k] + b[k];
-      out.v[k] = FromFloat<T>(has_activation ? ActivateKind(activation, pre, activation_param) : pre);
+      pre[k] = (ToFloat(v.v[k]) - stats.mean[k]) * a[k] + b[k];
+      if constexpr (!kAct) out.v[k] = FromFloat<T>(pre[k]);
+    }
+    if constexpr (kAct) {
+      ActivateKindN(activation, pre, activation_param);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) out.v[k] = FromFloat<T>(pre[k]);
     }
     *reinterpret_cast<Vec*>(y + base + r * s.channels) = out;
   }
@@ -248,13 +263,23 @@ struct ChannelAffine {
   }
 };
 
-// dy * act'(pre), recomputing the pre-activation.
-__device__ __forceinline__ float ActivationGrad(float dy, float xhat, float scale, float bias,
-                                                int64_t activation, float param, bool has_activation) {
-  return has_activation ? dy * ActivateGradKind(activation, xhat * scale + bias, param) : dy;
+// The pack's xhat and d = dy * act'(xhat * scale + bias), recomputing the pre-activation (d = dy
+// without kAct).
+template <bool kAct, typename T, int kVec>
+__device__ __forceinline__ void GradIn(const Pack<T, kVec>& xv, const Pack<T, kVec>& dyv,
+                                       const ChannelStats<kVec>& stats, const ChannelAffine<kVec>& affine,
+                                       int64_t activation, float param, float (&xhat)[kVec], float (&d)[kVec]) {
+  float pre[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    xhat[k] = (ToFloat(xv.v[k]) - stats.mean[k]) * stats.rstd[k];
+    d[k] = ToFloat(dyv.v[k]);
+    pre[k] = xhat[k] * affine.scale[k] + affine.bias[k];
+  }
+  if constexpr (kAct) ActivateGradKindN(activation, pre, d, param);
 }
 
-template <typename T, int kVec>
+template <typename T, int kVec, bool kAct>
 __global__ void __launch_bounds__(kThreads) BwdChannelSums(
     const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ scale,
     const float* __restrict__ bias, const float* __restrict__ mean, const float* __restrict__ rstd,
@@ -266,26 +291,24 @@ __global__ void __launch_bounds__(kThreads) BwdChannelSums(
   if (part.active) {
     const ChannelStats<kVec> stats(mean, rstd, part, s);
     const ChannelAffine<kVec> affine(scale, bias, part.channel);
-    const bool has_activation = activation != int64_t(Activation::kIdentity);
     const int64_t base = part.n * s.spatial * s.channels + part.channel;
 #pragma unroll 4
     for (int64_t r = part.begin; r < part.end; r += t.rows) {
       const Vec xv = *reinterpret_cast<const Vec*>(x + base + r * s.channels);
       const Vec dyv = *reinterpret_cast<const Vec*>(dy + base + r * s.channels);
+      float xhat[kVec], d[kVec];
+      GradIn<kAct>(xv, dyv, stats, affine, activation, activation_param, xhat, d);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        const float xhat = (ToFloat(xv.v[k]) - stats.mean[k]) * stats.rstd[k];
-        const float d = ActivationGrad(ToFloat(dyv.v[k]), xhat, affine.scale[k], affine.bias[k],
-                                       activation, activation_param, has_activation);
-        d_xhat[k] += d * xhat;
-        d_sum[k] += d;
+        d_xhat[k] += d[k] * xhat[k];
+        d_sum[k] += d[k];
       }
     }
   }
   StoreChannelSums(d_xhat, d_sum, workspace + (part.n * s.chunks + part.chunk) * 2 * s.channels, part, t);
 }
 
-template <typename T, int kVec>
+template <typename T, int kVec, bool kAct>
 __global__ void __launch_bounds__(kThreads) Dx(
     const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ scale,
     const float* __restrict__ bias, const float* __restrict__ mean, const float* __restrict__ rstd,
@@ -304,20 +327,18 @@ __global__ void __launch_bounds__(kThreads) Dx(
     mean_g_xhat[k] = group_sums[2 * stats.group[k]] / count;
     mean_g[k] = group_sums[2 * stats.group[k] + 1] / count;
   }
-  const bool has_activation = activation != int64_t(Activation::kIdentity);
   const int64_t base = part.n * s.spatial * s.channels + part.channel;
 #pragma unroll 4
   for (int64_t r = part.begin; r < part.end; r += t.rows) {
     const Vec xv = *reinterpret_cast<const Vec*>(x + base + r * s.channels);
     const Vec dyv = *reinterpret_cast<const Vec*>(dy + base + r * s.channels);
+    float xhat[kVec], d[kVec];
+    GradIn<kAct>(xv, dyv, stats, affine, activation, activation_param, xhat, d);
     Vec out;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      const float xhat = (ToFloat(xv.v[k]) - stats.mean[k]) * stats.rstd[k];
-      const float g = affine.scale[k] * ActivationGrad(ToFloat(dyv.v[k]), xhat, affine.scale[k],
-                                                       affine.bias[k], activation, activation_param,
-                                                       has_activation);
-      out.v[k] = FromFloat<T>(stats.rstd[k] * (g - mean_g[k] - xhat * mean_g_xhat[k]));
+      const float g = affine.scale[k] * d[k];
+      out.v[k] = FromFloat<T>(stats.rstd[k] * (g - mean_g[k] - xhat[k] * mean_g_xhat[k]));
     }
     *reinterpret_cast<Vec*>(dx + base + r * s.channels) = out;
   }
@@ -359,6 +380,13 @@ ffi::Error WithVec(int vec, Fn&& fn) {
   return fn(std::integral_constant<int, 1>{});
 }
 
+// Calls fn(std::integral_constant<bool, activation is not the identity>).
+template <typename Fn>
+ffi::Error WithActivation(int64_t activation, Fn&& fn) {
+  if (activation != int64_t(Activation::kIdentity)) return fn(std::true_type{});
+  return fn(std::false_type{});
+}
+
 // The streaming kernels' grid (one block per (n, p, tile)) and ReduceGroups' (one per (n, g)).
 ffi::Error Grids(const Tiling& t, int64_t* streaming, int64_t* groups) {
   *streaming = t.shape.batch * t.shape.chunks * t.tiles;
@@ -396,10 +424,12 @@ ffi::Error GroupNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
                                                               mean->typed_data(), rstd->typed_data(),
                                                               nullptr);
       JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm forward statistics"));
-      Normalize<T, kVec><<<blocks, threads, 0, stream>>>(xp, scale.typed_data(), bias.typed_data(),
-                                                         mean->typed_data(), rstd->typed_data(), yp, t,
-                                                         activation, activation_param);
-      return LaunchError("group_norm forward normalize");
+      return WithActivation(activation, [&](auto has_act) {
+        Normalize<T, kVec, decltype(has_act)::value><<<blocks, threads, 0, stream>>>(
+            xp, scale.typed_data(), bias.typed_data(), mean->typed_data(), rstd->typed_data(), yp, t, activation,
+            activation_param);
+        return LaunchError("group_norm forward normalize");
+      });
     });
   });
 }
@@ -432,21 +462,24 @@ ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
     float* ws = workspace->typed_data();
     float* sums = group_sums->typed_data();
     return WithVec<T>(t.vec, [&](auto vec) {
-      constexpr int kVec = decltype(vec)::value;
-      BwdChannelSums<T, kVec><<<blocks, threads, 0, stream>>>(
-          dyp, xp, scale.typed_data(), bias.typed_data(), mean.typed_data(), rstd.typed_data(), ws, t,
-          activation, activation_param);
-      JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward sums"));
-      ReduceGroups<T><<<group_blocks, kThreads, 0, stream>>>(xp, ws, scale.typed_data(), shape, 0.f,
-                                                              nullptr, nullptr, sums);
-      JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward group sums"));
-      SumParts<<<(2 * shape.channels + 31) / 32, dim3(32, 32), 0, stream>>>(
-          ws, shape.batch * shape.chunks, shape.channels, dscale->typed_data(), dbias->typed_data());
-      JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward dscale/dbias"));
-      Dx<T, kVec><<<blocks, threads, 0, stream>>>(dyp, xp, scale.typed_data(), bias.typed_data(),
-                                                  mean.typed_data(), rstd.typed_data(), sums, dxp, t,
-                                                  activation, activation_param);
-      return LaunchError("group_norm backward dx");
+      return WithActivation(activation, [&](auto has_act) {
+        constexpr int kVec = decltype(vec)::value;
+        constexpr bool kAct = decltype(has_act)::value;
+        BwdChannelSums<T, kVec, kAct><<<blocks, threads, 0, stream>>>(
+            dyp, xp, scale.typed_data(), bias.typed_data(), mean.typed_data(), rstd.typed_data(), ws, t,
+            activation, activation_param);
+        JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward sums"));
+        ReduceGroups<T><<<group_blocks, kThreads, 0, stream>>>(xp, ws, scale.typed_data(), shape, 0.f,
+                                                                nullptr, nullptr, sums);
+        JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward group sums"));
+        SumParts<<<(2 * shape.channels + 31) / 32, dim3(32, 32), 0, stream>>>(
+            ws, shape.batch * shape.chunks, shape.channels, dscale->typed_data(), dbias->typed_data());
+        JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward dscale/dbias"));
+        Dx<T, kVec, kAct><<<blocks, threads, 0, stream>>>(dyp, xp, scale.typed_data(), bias.typed_data(),
+                                                          mean.typed_data(), rstd.typed_data(), sums, dxp, t,
+                                                          activation, activation_param);
+        return LaunchError("group_norm backward dx");
+      });
     });
   });
 }

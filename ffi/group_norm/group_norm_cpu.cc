@@ -33,7 +33,7 @@ void GroupNormFwd(const T* x, const float* scale, const float* bias, T* y, float
                   float* rstd, float* workspace, const GroupNormShape& shape, float epsilon,
                   int64_t activation, float activation_param) {
   const int64_t c_count = shape.channels, k_size = shape.group_size;
-  std::vector<float> shift(c_count), m(c_count), a(c_count);
+  std::vector<float> shift(c_count), m(c_count), a(c_count), pre(c_count);
   for (int64_t n = 0; n < shape.batch; ++n) {
     const T* xn = x + n * shape.spatial * c_count;
     float* ws = workspace + n * shape.chunks * 2 * c_count;
@@ -67,10 +67,9 @@ void GroupNormFwd(const T* x, const float* scale, const float* bias, T* y, float
     }
     T* yn = y + n * shape.spatial * c_count;
     for (int64_t s = 0; s < shape.spatial; ++s) {
-      for (int64_t c = 0; c < c_count; ++c) {
-        const float pre = (ToFloat(xn[s * c_count + c]) - m[c]) * a[c] + bias[c];
-        yn[s * c_count + c] = FromFloat<T>(ActivateKind(activation, pre, activation_param));
-      }
+      for (int64_t c = 0; c < c_count; ++c) pre[c] = (ToFloat(xn[s * c_count + c]) - m[c]) * a[c] + bias[c];
+      ActivateRow(activation, pre.data(), c_count, activation_param);
+      for (int64_t c = 0; c < c_count; ++c) yn[s * c_count + c] = FromFloat<T>(pre[c]);
     }
   }
 }
@@ -86,10 +85,17 @@ void GroupNormBwd(const T* dy, const T* x, const float* scale, const float* bias
   const int64_t c_count = shape.channels, k_size = shape.group_size;
   const bool has_activation = activation != int64_t(Activation::kIdentity);
   std::vector<float> mean_c(c_count), rstd_c(c_count), mean_g(shape.groups), mean_g_xhat(shape.groups);
-  // The activation's derivative at the recomputed pre-activation, times dy.
-  auto d_of = [&](float dyv, float xhat, int64_t c) {
-    if (!has_activation) return dyv;
-    return dyv * ActivateGradKind(activation, xhat * scale[c] + bias[c], activation_param);
+  std::vector<float> xhat(c_count), d(c_count), pre(c_count);
+  // xhat and d = dy * act'(xhat * scale + bias) of the C channels from element `first`.
+  auto position = [&](int64_t first) {
+    for (int64_t c = 0; c < c_count; ++c) {
+      xhat[c] = (ToFloat(x[first + c]) - mean_c[c]) * rstd_c[c];
+      d[c] = ToFloat(dy[first + c]);
+    }
+    if (has_activation) {
+      for (int64_t c = 0; c < c_count; ++c) pre[c] = xhat[c] * scale[c] + bias[c];
+      ActivateGradRow(activation, pre.data(), d.data(), c_count, activation_param);
+    }
   };
   for (int64_t n = 0; n < shape.batch; ++n) {
     const int64_t offset = n * shape.spatial * c_count;
@@ -103,12 +109,10 @@ void GroupNormBwd(const T* dy, const T* x, const float* scale, const float* bias
       float* d_sum = d_xhat + c_count;
       for (int64_t c = 0; c < c_count; ++c) d_xhat[c] = d_sum[c] = 0.f;
       for (int64_t s = ChunkBegin(shape, p); s < ChunkBegin(shape, p + 1); ++s) {
+        position(offset + s * c_count);
         for (int64_t c = 0; c < c_count; ++c) {
-          const int64_t i = offset + s * c_count + c;
-          const float xhat = (ToFloat(x[i]) - mean_c[c]) * rstd_c[c];
-          const float d = d_of(ToFloat(dy[i]), xhat, c);
-          d_xhat[c] += d * xhat;
-          d_sum[c] += d;
+          d_xhat[c] += d[c] * xhat[c];
+          d_sum[c] += d[c];
         }
       }
     }
@@ -121,12 +125,11 @@ void GroupNormBwd(const T* dy, const T* x, const float* scale, const float* bias
       mean_g[g] = sums_n[2 * g + 1] / count;
     }
     for (int64_t s = 0; s < shape.spatial; ++s) {
+      position(offset + s * c_count);
       for (int64_t c = 0; c < c_count; ++c) {
-        const int64_t i = offset + s * c_count + c;
-        const float xhat = (ToFloat(x[i]) - mean_c[c]) * rstd_c[c];
-        const float g = d_of(ToFloat(dy[i]), xhat, c) * scale[c];
-        dx[i] = FromFloat<T>(rstd_c[c] * (g - OfGroup(mean_g.data(), c, k_size) -
-                                          xhat * OfGroup(mean_g_xhat.data(), c, k_size)));
+        const float g = d[c] * scale[c];
+        dx[offset + s * c_count + c] = FromFloat<T>(rstd_c[c] * (g - OfGroup(mean_g.data(), c, k_size) -
+                                                                 xhat[c] * OfGroup(mean_g_xhat.data(), c, k_size)));
       }
     }
   }

@@ -46,29 +46,31 @@ __device__ __forceinline__ Moments GroupMoments(Moments m, int group) {
 
 // The fused activation, in the kAct instantiations only (launched when one is given): the identity
 // kernels carry no activation code, whose per-element run-time dispatch cost registers, spills and
-// a third of the norm kernels' speed.
-template <bool kAct>
-__device__ __forceinline__ float Out(float pre, NormActivation act) {
-  if constexpr (kAct) {
-    return NormOut(pre, act);
-  } else {
-    return pre;
-  }
+// a third of the norm kernels' speed. It takes a whole pack of pre-activations (xhat * scale +
+// bias) at once: one switch on the kind per pack, so the pack's evaluations overlap.
+// pre <- act(pre).
+template <bool kAct, int N>
+__device__ __forceinline__ void ApplyActivation(float (&pre)[N], NormActivation act) {
+  if constexpr (kAct) ActivateKindN(act.kind, pre, act.param);
 }
 
-template <bool kAct>
-__device__ __forceinline__ float GradIn(float dy, float xhat, float scale, float bias, NormActivation act) {
-  if constexpr (kAct) {
-    return NormGradIn(dy, xhat, scale, bias, act);
-  } else {
-    return dy;
-  }
+// dy <- dy * act'(pre): the gradient reaching the affine output, for a pack.
+template <bool kAct, int N>
+__device__ __forceinline__ void ActivationGradIn(const float (&pre)[N], float (&dy)[N], NormActivation act) {
+  if constexpr (kAct) ActivateGradKindN(act.kind, pre, dy, act.param);
 }
 
-// Calls fn(std::integral_constant<bool, act.kind != 0>).
-template <typename Fn>
+// Columns a streaming kernel's thread takes at once (j, j + blockDim.x, ...): a pack for the
+// activation when one is fused, one column otherwise (the identity kernels' loops as they were).
+template <bool kAct>
+constexpr int kStreamPack = kAct ? 4 : 1;
+
+// Calls fn(std::integral_constant<bool, act.kind != 0>); RMSNorm has no fused activation, so no
+// kAct instantiation.
+template <bool kRms, typename Fn>
 ffi::Error WithActivation(NormActivation act, Fn&& fn) {
-  return act.kind != 0 ? fn(std::true_type{}) : fn(std::false_type{});
+  if constexpr (kRms) return fn(std::false_type{});
+  else return act.kind != 0 ? fn(std::true_type{}) : fn(std::false_type{});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -142,12 +144,16 @@ __global__ void __launch_bounds__(kMaxGroup) NormFwdCached(const T* __restrict__
       const Pack<float, kVec> s = *reinterpret_cast<const Pack<float, kVec>*>(scale + col);
       Pack<float, kVec> b;
       if (!kRms) b = *reinterpret_cast<const Pack<float, kVec>*>(bias + col);
-      Vec out;
+      float pre[kVec];
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         const float xhat = (ToFloat(raw[i].v[k]) - mean) * rstd;
-        out.v[k] = FromFloat<T>(Out<kAct>(xhat * s.v[k] + (kRms ? 0.f : b.v[k]), act));
+        pre[k] = xhat * s.v[k] + (kRms ? 0.f : b.v[k]);
       }
+      ApplyActivation<kAct>(pre, act);
+      Vec out;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) out.v[k] = FromFloat<T>(pre[k]);
       *reinterpret_cast<Vec*>(yr + col) = out;
     }
   }
@@ -180,8 +186,20 @@ __global__ void NormFwdStreaming(const T* __restrict__ x, const float* __restric
   GroupSum(sq, blockDim.x);
   const float rstd = rsqrtf(sq[0] / features + epsilon);
   T* yr = y + row * features;
-  for (int j = threadIdx.x; j < features; j += blockDim.x) {
-    yr[j] = FromFloat<T>(Out<kAct>((ToFloat(xr[j]) - mean) * rstd * scale[j] + (kRms ? 0.f : bias[j]), act));
+  constexpr int kPack = kStreamPack<kAct>;
+  for (int first = threadIdx.x; first < features; first += kPack * blockDim.x) {
+    float pre[kPack];
+#pragma unroll
+    for (int p = 0; p < kPack; ++p) {
+      const int j = first + p * blockDim.x;
+      pre[p] = j < features ? (ToFloat(xr[j]) - mean) * rstd * scale[j] + (kRms ? 0.f : bias[j]) : 0.f;
+    }
+    ApplyActivation<kAct>(pre, act);
+#pragma unroll
+    for (int p = 0; p < kPack; ++p) {
+      const int j = first + p * blockDim.x;
+      if (j < features) yr[j] = FromFloat<T>(pre[p]);
+    }
   }
   if (threadIdx.x == 0) {
     if (!kRms) mean_out[row] = mean;
@@ -191,7 +209,7 @@ __global__ void NormFwdStreaming(const T* __restrict__ x, const float* __restric
 
 // ---------------------------------------------------------------------------------------------
 // Backward. With xhat = (x - mean) * rstd and g = scale * dy (dy times the activation's derivative
-// first when one is fused, see NormGradIn):
+// first when one is fused, with pre = xhat * scale + bias):
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm drops mean(g))
 //   dscale = sum_rows(dy * xhat), dbias = sum_rows(dy)
 
@@ -200,6 +218,36 @@ template <int kVec, bool kAct>
 __device__ __forceinline__ Pack<float, kVec> BiasPack(const float* bias, int col) {
   if (kAct) return *reinterpret_cast<const Pack<float, kVec>*>(bias + col);
   return Pack<float, kVec>{};
+}
+
+// A pack's d = dy * act'(xhat * scale + bias), kSub values a switch; kErf: act is gelu_erf (which
+// the other kernels' switch omits, see NormBwdCached).
+template <int kSub, bool kErf, typename T, int kVec>
+__device__ __forceinline__ void PackGradIn(const Pack<T, kVec>& xs, const Pack<T, kVec>& dys,
+                                           const Pack<float, kVec>& s, const Pack<float, kVec>& b, float mean,
+                                           float rstd, NormActivation act, float (&d)[kVec]) {
+  float previous = 0.f;  // kErf: the last result of the previous sub-pack
+#pragma unroll
+  for (int h = 0; h < kVec; h += kSub) {
+    float pre[kSub], part[kSub];
+#pragma unroll
+    for (int k = 0; k < kSub; ++k) {
+      part[k] = ToFloat(dys.v[h + k]);
+      pre[k] = (ToFloat(xs.v[h + k]) - mean) * rstd * s.v[h + k] + b.v[h + k];
+    }
+    if constexpr (kErf) {
+      // Without a switch between them the compiler would interleave every erfc of the pack and
+      // spill; these empty asm statements make the sub-pack's inputs wait for the previous result.
+#pragma unroll
+      for (int k = 0; k < kSub; ++k) asm volatile("" : "+f"(pre[k]) : "f"(previous));
+      ActivateGradPack<Activation::kGeluErf>(pre, part, act.param);
+      previous = part[kSub - 1];
+    } else {
+      ActivateGradKindN<kSub, Activation::kGeluErf>(act.kind, pre, part, act.param);
+    }
+#pragma unroll
+    for (int k = 0; k < kSub; ++k) d[h + k] = part[k];
+  }
 }
 
 // Rows [begin, end) of block `block` when `rows` rows are split over `blocks` blocks.
@@ -212,7 +260,13 @@ __device__ __forceinline__ void BlockRows(int64_t rows, int blocks, int block, i
 // Each thread stages its own columns of the next row (x and dy) in shared memory with cp.async
 // while it works on the current one, so a row's loads are always in flight; dscale/dbias for the
 // thread's columns accumulate in registers.
-template <typename T, bool kRms, bool kAct>
+//
+// The row's dscale/dbias accumulators take 64 of the 128 registers a thread has in 512-thread blocks
+// (16-bit LayerNorm): room for act' on 4 values at once, but not for erfc's temporaries 4 at a time
+// (with gelu_erf in the switch, the kernel spilled accumulators on every row, whatever the
+// activation). So the kAct kernels' switch omits gelu_erf, and the kErf instantiation, launched
+// exactly when the kind is gelu_erf, runs it alone, one sub-pack after the other (see PackGradIn).
+template <typename T, bool kRms, bool kAct, bool kErf>
 __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
     const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ scale,
     const float* __restrict__ bias, const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
@@ -220,6 +274,7 @@ __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
     NormActivation act) {
   constexpr int kVec = kVec16<T>;
   constexpr int kSums = kRms ? 1 : 2;
+  constexpr int kGradSub = 4;  // act' values a switch (a sub-pack of the 16-byte pack)
   using Vec = Pack<T, kVec>;
   const RowGroup g = MakeRowGroup(group);
   int64_t begin, end;
@@ -263,10 +318,12 @@ __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
         const Vec xs = *slot(stage, 0, i), dys = *slot(stage, 1, i);
         const Pack<float, kVec> s = *reinterpret_cast<const Pack<float, kVec>*>(scale + col);
         const Pack<float, kVec> b = BiasPack<kVec, kAct>(bias, col);
+        float d[kVec];  // dy * act'(pre); the identity kernels convert dy where they use it
+        if constexpr (kAct) PackGradIn<kGradSub, kErf>(xs, dys, s, b, mean, rstd, act, d);
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           const float xhat = (ToFloat(xs.v[k]) - mean) * rstd;
-          const float gk = s.v[k] * GradIn<kAct>(ToFloat(dys.v[k]), xhat, s.v[k], b.v[k], act);
+          const float gk = s.v[k] * (kAct ? d[k] : ToFloat(dys.v[k]));
           sums[0] += gk;
           sums[1] += gk * xhat;
         }
@@ -282,11 +339,13 @@ __global__ void __launch_bounds__(kMaxBwdGroup) NormBwdCached(
         const Vec xs = *slot(stage, 0, i), dys = *slot(stage, 1, i);
         const Pack<float, kVec> s = *reinterpret_cast<const Pack<float, kVec>*>(scale + col);
         const Pack<float, kVec> b = BiasPack<kVec, kAct>(bias, col);
+        float d[kVec];  // act'(pre) again: cheaper than holding a row of it in registers
+        if constexpr (kAct) PackGradIn<kGradSub, kErf>(xs, dys, s, b, mean, rstd, act, d);
         Vec out;
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           const float xhat = (ToFloat(xs.v[k]) - mean) * rstd;
-          const float dyk = GradIn<kAct>(ToFloat(dys.v[k]), xhat, s.v[k], b.v[k], act);
+          const float dyk = kAct ? d[k] : ToFloat(dys.v[k]);
           out.v[k] = FromFloat<T>(rstd * (s.v[k] * dyk - mean_g - xhat * mean_g_xhat));
           acc_scale[i][k] += dyk * xhat;
           if (!kRms) acc_bias[i][k] += dyk;
@@ -348,6 +407,7 @@ __global__ void NormBwdStreaming(const T* __restrict__ dy, const T* __restrict__
                                  T* __restrict__ dx, float* __restrict__ workspace, int64_t rows, int features,
                                  NormActivation act) {
   constexpr int kSums = kRms ? 1 : 2;
+  constexpr int kPack = kStreamPack<kAct>;
   int64_t begin, end;
   BlockRows(rows, gridDim.x, blockIdx.x, &begin, &end);
   float* out = workspace + int64_t(blockIdx.x) * kSums * features;
@@ -360,22 +420,51 @@ __global__ void NormBwdStreaming(const T* __restrict__ dy, const T* __restrict__
     const T* dyr = dy + row * features;
     const float mean = kRms ? 0.f : mean_in[row];
     const float rstd = rstd_in[row];
+    // d = dy * act'(pre) of columns first, first + blockDim.x, ... (0 past the row's end); the
+    // identity kernels convert dy where they use it.
+    auto grad_in = [&](int first, float (&d)[kPack]) {
+      float pre[kPack];
+#pragma unroll
+      for (int p = 0; p < kPack; ++p) {
+        const int j = first + p * blockDim.x;
+        const bool inside = j < features;
+        d[p] = inside ? ToFloat(dyr[j]) : 0.f;
+        pre[p] = inside ? (ToFloat(xr[j]) - mean) * rstd * scale[j] + bias[j] : 0.f;
+      }
+      ActivationGradIn<kAct>(pre, d, act);
+    };
     float sums[2] = {0.f, 0.f};
-    for (int j = threadIdx.x; j < features; j += blockDim.x) {
-      const float xhat = (ToFloat(xr[j]) - mean) * rstd;
-      const float gj = scale[j] * GradIn<kAct>(ToFloat(dyr[j]), xhat, scale[j], kAct ? bias[j] : 0.f, act);
-      sums[0] += gj;
-      sums[1] += gj * xhat;
+    for (int first = threadIdx.x; first < features; first += kPack * blockDim.x) {
+      float d[kPack];
+      if constexpr (kAct) grad_in(first, d);
+#pragma unroll
+      for (int p = 0; p < kPack; ++p) {
+        const int j = first + p * blockDim.x;
+        if (j < features) {
+          const float xhat = (ToFloat(xr[j]) - mean) * rstd;
+          const float gj = scale[j] * (kAct ? d[p] : ToFloat(dyr[j]));
+          sums[0] += gj;
+          sums[1] += gj * xhat;
+        }
+      }
     }
     GroupSum(sums, blockDim.x);
     const float mean_g = kRms ? 0.f : sums[0] / features;
     const float mean_g_xhat = sums[1] / features;
-    for (int j = threadIdx.x; j < features; j += blockDim.x) {
-      const float xhat = (ToFloat(xr[j]) - mean) * rstd;
-      const float dyj = GradIn<kAct>(ToFloat(dyr[j]), xhat, scale[j], kAct ? bias[j] : 0.f, act);
-      dx[row * features + j] = FromFloat<T>(rstd * (scale[j] * dyj - mean_g - xhat * mean_g_xhat));
-      out[j] += dyj * xhat;
-      if (!kRms) out[features + j] += dyj;
+    for (int first = threadIdx.x; first < features; first += kPack * blockDim.x) {
+      float d[kPack];
+      if constexpr (kAct) grad_in(first, d);
+#pragma unroll
+      for (int p = 0; p < kPack; ++p) {
+        const int j = first + p * blockDim.x;
+        if (j < features) {
+          const float xhat = (ToFloat(xr[j]) - mean) * rstd;
+          const float dj = kAct ? d[p] : ToFloat(dyr[j]);
+          dx[row * features + j] = FromFloat<T>(rstd * (scale[j] * dj - mean_g - xhat * mean_g_xhat));
+          out[j] += dj * xhat;
+          if (!kRms) out[features + j] += dj;
+        }
+      }
     }
   }
 }
@@ -446,7 +535,7 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F
     T* yp = static_cast<T*>(y->untyped_data());
     float* mp = kRms ? nullptr : (*mean)->typed_data();
     const int features = int(shape.features);
-    return WithActivation(act, [&](auto has_act) {
+    return WithActivation<kRms>(act, [&](auto has_act) {
       constexpr bool kAct = decltype(has_act)::value;
       if (plan.cached) {
         NormFwdCached<T, kRms, kAct><<<grid, plan.block, 0, stream>>>(
@@ -497,10 +586,13 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
     T* dxp = static_cast<T*>(dx->untyped_data());
     float* ws = workspace->typed_data();
     int64_t blocks = std::min(max_partials, shape.rows);
-    JAXDNN_RETURN_IF_ERROR(WithActivation(act, [&](auto has_act) {
+    JAXDNN_RETURN_IF_ERROR(WithActivation<kRms>(act, [&](auto has_act) {
       constexpr bool kAct = decltype(has_act)::value;
       if (plan.cached) {
-        auto kernel = NormBwdCached<T, kRms, kAct>;
+        auto kernel = NormBwdCached<T, kRms, kAct, false>;
+        if constexpr (kAct) {
+          if (act.kind == int64_t(Activation::kGeluErf)) kernel = NormBwdCached<T, kRms, true, true>;
+        }
         JAXDNN_RETURN_IF_ERROR(CudaError(
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem)),
             "norm backward shared memory"));

@@ -17,15 +17,6 @@ struct NormActivation {
   float param = 0.f;
 };
 
-JAXDNN_HOST_DEVICE inline float NormOut(float pre, NormActivation act) {
-  return ActivateKind(act.kind, pre, act.param);
-}
-
-// The gradient reaching the affine output: dy * act'(xhat * scale + bias).
-JAXDNN_HOST_DEVICE inline float NormGradIn(float dy, float xhat, float scale, float bias, NormActivation act) {
-  return act.kind == 0 ? dy : dy * ActivateGradKind(act.kind, xhat * scale + bias, act.param);
-}
-
 inline ffi::Error CheckNormActivation(NormActivation act) {
   if (act.kind < 0 || act.kind >= kNumActivations) {
     return InvalidArgument("layer_norm: unknown activation " + std::to_string(act.kind));

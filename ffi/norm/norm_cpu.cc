@@ -38,17 +38,17 @@ template <typename T, bool kRms>
 void NormFwd(const T* x, const float* scale, const float* bias, T* y, float* mean_out,
              float* rstd_out, RowsFeatures shape, float epsilon, NormActivation act) {
   const int64_t d = shape.features;
-  std::vector<float> row(d);
+  std::vector<float> row(d), out(d);
   const float* v = row.data();
   for (int64_t r = 0; r < shape.rows; ++r) {
     LoadRow(x + r * d, d, row.data());
     const float mean = kRms ? 0.f : SumOver(d, [&](int64_t j) { return v[j]; }) / d;
     const float var = SumOver(d, [&](int64_t j) { return (v[j] - mean) * (v[j] - mean); }) / d;
     const float rstd = 1.f / std::sqrt(var + epsilon);
+    for (int64_t j = 0; j < d; ++j) out[j] = (v[j] - mean) * rstd * scale[j] + (kRms ? 0.f : bias[j]);
+    if (act.kind != 0) ActivateRow(act.kind, out.data(), d, act.param);
     T* yr = y + r * d;
-    for (int64_t j = 0; j < d; ++j) {
-      yr[j] = FromFloat<T>(NormOut((v[j] - mean) * rstd * scale[j] + (kRms ? 0.f : bias[j]), act));
-    }
+    for (int64_t j = 0; j < d; ++j) yr[j] = FromFloat<T>(out[j]);
     if (!kRms) mean_out[r] = mean;
     rstd_out[r] = rstd;
   }
@@ -61,7 +61,7 @@ template <typename T, bool kRms>
 void NormBwd(const T* dy, const T* x, const float* scale, const float* bias, const float* mean_in,
              const float* rstd_in, T* dx, float* dscale, float* dbias, RowsFeatures shape, NormActivation act) {
   const int64_t d = shape.features;
-  std::vector<float> xhat(d), dyf(d);
+  std::vector<float> xhat(d), dyf(d), pre(act.kind != 0 ? d : 0);
   std::vector<double> dscale_acc(d, 0.0), dbias_acc(d, 0.0);
   const float* xh = xhat.data();
   const float* dv = dyf.data();
@@ -72,7 +72,8 @@ void NormBwd(const T* dy, const T* x, const float* scale, const float* bias, con
     LoadRow(dy + r * d, d, dyf.data());
     for (int64_t j = 0; j < d; ++j) xhat[j] = (xhat[j] - mean) * rstd;
     if (act.kind != 0) {  // from here on dy is the gradient reaching the affine output
-      for (int64_t j = 0; j < d; ++j) dyf[j] = NormGradIn(dyf[j], xhat[j], scale[j], bias[j], act);
+      for (int64_t j = 0; j < d; ++j) pre[j] = xhat[j] * scale[j] + bias[j];
+      ActivateGradRow(act.kind, pre.data(), dyf.data(), d, act.param);
     }
     const float mean_g = kRms ? 0.f : SumOver(d, [&](int64_t j) { return scale[j] * dv[j]; }) / d;
     const float mean_g_xhat = SumOver(d, [&](int64_t j) { return scale[j] * dv[j] * xh[j]; }) / d;
