@@ -12,7 +12,8 @@ mkdir -p "${1:?usage: $0 RESULTS_DIR}" && out=$(cd "$1" && pwd) || exit 2
 cd "$(dirname "$0")/.." || exit 2
 failed=()
 
-# Pure-Python wheels carried to the machine (nvidia-cutlass headers, dm-haiku), if any.
+# Pure-Python wheels carried to an offline machine (nvidia-cutlass, whose headers the CUDA build
+# needs; dm-haiku), if any.
 if compgen -G '.whl/*.whl' >/dev/null; then
   site=$(mktemp -d)
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl || failed+=(wheels)
@@ -27,7 +28,7 @@ python3 -P -c 'import jaxdnn; print("jaxdnn from", jaxdnn.__file__); assert jaxd
   || failed+=(cuda-kernels)
 # shellcheck disable=SC2086  # the lists are meant to split into words
 python3 -P -m pytest ${JAXDNN_TESTS:-tests} -q -p no:cacheprovider 2>&1 | tee "$out/tests.log" || failed+=(tests)
-python3 benchmarks/run.py --family ${JAXDNN_FAMILIES:-norm softmax activation pool batch_norm group_norm} --out "$out" 2>&1 | tee "$out/bench.log" \
+python3 benchmarks/run.py --family ${JAXDNN_FAMILIES:-norm softmax activation pool batch_norm group_norm dense} --out "$out" 2>&1 | tee "$out/bench.log" \
   || failed+=(benchmarks)
 
 if ((${#failed[@]})); then echo "gpu_check: FAILED: ${failed[*]}" >&2; exit 1; fi
