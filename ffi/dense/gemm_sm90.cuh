@@ -2,6 +2,8 @@
 // wgmma in two consumer warp groups fed by a producer warp (warp-specialized, persistent), and an
 // epilogue that adds the bias and applies the activation before a TMA store. Included by one file
 // per dtype (gemm_sm90_bf16.cu, gemm_sm90_f16.cu) so the two compile in parallel.
+// Must be compiled with NDEBUG (CMake's Release build): CUTLASS's device asserts are calls, and a
+// call between wgmma instructions makes ptxas serialize them (warning C7510).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -29,7 +31,8 @@ struct ActivationArgs {
 };
 
 // The epilogue's activation functor. CUTLASS applies it to a fragment of accumulators at a time, so
-// the kind's switch runs once per fragment and its elements' evaluations overlap.
+// the kind's switch runs once per fragment and its elements' evaluations overlap (the scalar form
+// gives CUTLASS the Arguments type).
 template <class T>
 struct RuntimeActivation {
   using Arguments = ActivationArgs;
@@ -43,24 +46,21 @@ struct RuntimeActivation<cutlass::Array<float, N>> {
   using Arguments = ActivationArgs;
   CUTLASS_HOST_DEVICE cutlass::Array<float, N> operator()(cutlass::Array<float, N> v,
                                                          const Arguments& args) const {
-    switch (static_cast<Activation>(args.kind)) {
-#define JAXDNN_ACTIVATION_CASE(name)                                      \
-  case Activation::name:                                                  \
-    CUTLASS_PRAGMA_UNROLL                                                 \
-    for (int i = 0; i < N; ++i) v[i] = Activate<Activation::name>(v[i], args.param); \
-    break;
-      JAXDNN_ACTIVATION_CASES
-#undef JAXDNN_ACTIVATION_CASE
-    }
+    float values[N];  // in registers: the copies compile away
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) values[i] = v[i];
+    ActivateKindN<N>(args.kind, values, args.param);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) v[i] = values[i];
     return v;
   }
 };
 
 // Tile configurations: the CTA tile (M x N x K per pipeline stage), the thread-block cluster (CTAs
 // that share each TMA load by multicast) and the schedule (cooperative: the two consumer warp groups
-// split one tile). At 8192^3 (bf16, H200) the large tile ran at 1.22 ms, the small one at 1.95 ms and
-// a 64x256 ping-pong at 1.53 ms; the small tile serves problems the large one cannot spread over
-// every SM, the narrow one products with few columns.
+// split one tile). At 8192^3 (bf16, H200, constant inputs in a standalone probe) the large tile ran
+// at 1.22 ms, the small one at 1.95 ms and a 64x256 ping-pong at 1.53 ms. The small tile serves
+// problems the large one cannot spread over every SM, the narrow one products with few columns.
 struct CooperativeLarge {
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
