@@ -67,6 +67,39 @@ def f64(a):
     return None if a is None else jnp.asarray(a, jnp.float64)
 
 
+def batch_mesh(kind, devices):
+    """A 4-device mesh with one axis "b": a plain Mesh ("mesh"), or Auto / Explicit axis types."""
+    if kind == "mesh":
+        return jax.sharding.Mesh(np.array(devices), ("b",))
+    axis_type = getattr(jax.sharding.AxisType, kind.capitalize())
+    return jax.make_mesh((4,), ("b",), axis_types=(axis_type,), devices=devices)
+
+
+# --- module tests: a jaxdnn module against the stock one on the same parameters ---------------------
+
+def f64_tree(tree):
+    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), tree)
+
+
+def randomize(rng, tree):
+    """Every leaf replaced by random normals (so a zero-initialized bias is exercised too)."""
+    return jax.tree.map(lambda a: normal(rng, a.shape, a.dtype), tree)
+
+
+def assert_same_structure(a, b):
+    spec = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)  # noqa: E731
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    assert spec(a) == spec(b)
+
+
+def output_and_grads(apply):
+    """jit of (params, x, ct) -> (apply(params, x), its VJP of ct): one compile per module."""
+    def run(params, x, ct):
+        y, vjp = jax.vjp(apply, params, x)
+        return y, vjp(ct)
+    return jax.jit(run)
+
+
 def bit_equal(a, b) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint8),

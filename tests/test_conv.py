@@ -14,7 +14,7 @@ from jax import export, lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
-from helpers import DTYPES, assert_close, dtype_id, f64, normal, tolerance
+from helpers import DTYPES, assert_close, batch_mesh, dtype_id, f64, normal, tolerance
 
 TARGETS = ("jaxdnn_conv_fprop_v1", "jaxdnn_conv_dgrad_v1", "jaxdnn_conv_wgrad_v1")
 
@@ -175,18 +175,11 @@ def test_hlo_holds_the_custom_calls(rng):
     assert all(target in grad_hlo for target in TARGETS) and "convolution" not in grad_hlo
 
 
-def _mesh(kind, devices):
-    if kind == "mesh":
-        return jax.sharding.Mesh(np.array(devices), ("b",))
-    axis_type = getattr(jax.sharding.AxisType, kind.capitalize())
-    return jax.make_mesh((4,), ("b",), axis_types=(axis_type,), devices=devices)
-
-
 @pytest.mark.parametrize("mesh_kind", ["mesh", "auto", "explicit"])
 def test_batch_sharded_runs_per_shard(mesh_kind, devices, rng):
     kwargs = dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)
     op = _op(jaxdnn.conv_general_dilated, kwargs)
-    mesh = _mesh(mesh_kind, devices)
+    mesh = batch_mesh(mesh_kind, devices)
     lhs = jax.device_put(normal(rng, (8, 9, 10, 6)), NamedSharding(mesh, P("b")))
     rhs = jax.device_put(normal(rng, (3, 3, 6, 5)), NamedSharding(mesh, P()))
     ct = jax.device_put(normal(rng, (8, 5, 5, 5)), NamedSharding(mesh, P("b")))
@@ -209,7 +202,7 @@ def test_batch_sharded_runs_per_shard(mesh_kind, devices, rng):
 def test_shard_map_grad(devices, rng):
     kwargs = dict(window_strides=(1, 1), padding="VALID", dimension_numbers=NHWC)
     op = _op(jaxdnn.conv_general_dilated, kwargs)
-    mesh = _mesh("mesh", devices)
+    mesh = batch_mesh("mesh", devices)
     lhs, rhs, ct = normal(rng, (8, 6, 5, 3)), normal(rng, (2, 2, 3, 4)), normal(rng, (8, 5, 4, 4))
     per_shard = jax.shard_map(lambda x, w, ct: jax.vjp(op, x, w)[1](ct), mesh=mesh,
                               in_specs=(P("b"), P(), P("b")), out_specs=(P("b"), P()))
@@ -413,7 +406,7 @@ def test_conv_fused_vmap(x_axis, w_axis, bias_axis, rng):
 
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 def test_conv_fused_batch_sharded(mesh_kind, devices, rng):
-    mesh = _mesh(mesh_kind, devices)
+    mesh = batch_mesh(mesh_kind, devices)
     row = NamedSharding(mesh, P("b"))
     x = jax.device_put(normal(rng, (8, 9, 10, 6)), row)
     residual = jax.device_put(normal(rng, (8, 9, 10, 5)), row)

@@ -8,7 +8,8 @@ the same params; jaxdnn's fprop/dgrad/wgrad custom calls in the HLO; unsupported
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_close, normal, tolerance
+from helpers import (assert_close, assert_same_structure, f64_tree, normal, output_and_grads, randomize,
+                     tolerance)
 
 nn = pytest.importorskip("flax.linen")
 hk = pytest.importorskip("haiku")
@@ -20,36 +21,13 @@ F32 = jnp.float32
 TARGETS = ("jaxdnn_conv_fprop_v1", "jaxdnn_conv_dgrad_v1", "jaxdnn_conv_wgrad_v1")
 
 
-def _f64(tree):
-    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), tree)
-
-
-def _randomize(rng, tree):
-    """Every leaf replaced by random normals (so a zero-initialized bias is exercised too)."""
-    return jax.tree.map(lambda a: normal(rng, a.shape, a.dtype), tree)
-
-
-def _same_structure(a, b):
-    spec = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)  # noqa: E731
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    assert spec(a) == spec(b)
-
-
-def _output_and_grads(apply):
-    """jit of (params, x, ct) -> (apply(params, x), its VJP of ct): one compile per module."""
-    def run(params, x, ct):
-        y, vjp = jax.vjp(apply, params, x)
-        return y, vjp(ct)
-    return jax.jit(run)
-
-
 def _check_against(apply, apply_stock, params, x, rng):
     """apply(params, x) and its VJP (random cotangent) against apply_stock run in float64 on the
     same params, and jaxdnn's fprop, dgrad and wgrad kernels in the HLO."""
     ct = normal(rng, jax.eval_shape(apply, params, x).shape, F32)
-    run = _output_and_grads(apply)
+    run = output_and_grads(apply)
     y, grads = run(params, x, ct)
-    y_ref, grads_ref = _output_and_grads(apply_stock)(_f64(params), _f64(x), _f64(ct))
+    y_ref, grads_ref = output_and_grads(apply_stock)(f64_tree(params), f64_tree(x), f64_tree(ct))
     assert y.dtype == F32
     assert_close(y, y_ref, tolerance(F32), "output")
     for path, g, g_ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads),
@@ -77,8 +55,8 @@ CONV_CASES = [
 def test_flax_conv_matches_stock(rng, shape, kw):
     x = normal(rng, shape, F32)
     params = jflax.Conv(**kw).init(jax.random.key(0), x)
-    _same_structure(params, nn.Conv(**kw).init(jax.random.key(0), x))
-    params = _randomize(rng, params)
+    assert_same_structure(params, nn.Conv(**kw).init(jax.random.key(0), x))
+    params = randomize(rng, params)
     _check_against(jflax.Conv(**kw).apply, nn.Conv(**kw).apply, params, x, rng)
 
 
@@ -94,8 +72,8 @@ TRANSPOSE_CASES = [
 def test_flax_conv_transpose_matches_stock(rng, shape, kw):
     x = normal(rng, shape, F32)
     params = jflax.ConvTranspose(**kw).init(jax.random.key(0), x)
-    _same_structure(params, nn.ConvTranspose(**kw).init(jax.random.key(0), x))
-    params = _randomize(rng, params)
+    assert_same_structure(params, nn.ConvTranspose(**kw).init(jax.random.key(0), x))
+    params = randomize(rng, params)
     _check_against(jflax.ConvTranspose(**kw).apply, nn.ConvTranspose(**kw).apply, params, x, rng)
 
 
@@ -121,8 +99,8 @@ def test_flax_conv_in_models_share_params(rng):
         return Net()
 
     x = normal(rng, (2, 8, 8, 3), F32)
-    params = _randomize(rng, model(nn.Conv, nn.ConvTranspose).init(jax.random.key(0), x))
-    _same_structure(params, model(jflax.Conv, jflax.ConvTranspose).init(jax.random.key(0), x))
+    params = randomize(rng, model(nn.Conv, nn.ConvTranspose).init(jax.random.key(0), x))
+    assert_same_structure(params, model(jflax.Conv, jflax.ConvTranspose).init(jax.random.key(0), x))
     _check_against(model(jflax.Conv, jflax.ConvTranspose).apply, model(nn.Conv, nn.ConvTranspose).apply,
                    params, x, rng)
 
@@ -157,8 +135,8 @@ def test_haiku_conv2d_matches_stock(rng, shape, kw):
     ours = hk.without_apply_rng(hk.transform(lambda x: jhk.Conv2D(**kw)(x)))
     stock = hk.without_apply_rng(hk.transform(lambda x: hk.Conv2D(**kw)(x)))
     params = ours.init(jax.random.key(0), x)
-    _same_structure(params, stock.init(jax.random.key(0), x))
-    _check_against(ours.apply, stock.apply, _randomize(rng, params), x, rng)
+    assert_same_structure(params, stock.init(jax.random.key(0), x))
+    _check_against(ours.apply, stock.apply, randomize(rng, params), x, rng)
 
 
 @pytest.mark.parametrize("name,shape,kw", [
@@ -172,8 +150,8 @@ def test_haiku_conv_nd_matches_stock(rng, name, shape, kw):
     ours = hk.without_apply_rng(hk.transform(lambda x: getattr(jhk, name)(**kw)(x)))
     stock = hk.without_apply_rng(hk.transform(lambda x: getattr(hk, name)(**kw)(x)))
     params = ours.init(jax.random.key(0), x)
-    _same_structure(params, stock.init(jax.random.key(0), x))
-    _check_against(ours.apply, stock.apply, _randomize(rng, params), x, rng)
+    assert_same_structure(params, stock.init(jax.random.key(0), x))
+    _check_against(ours.apply, stock.apply, randomize(rng, params), x, rng)
 
 
 @pytest.mark.parametrize("shape,kw,match", [
@@ -203,8 +181,8 @@ def test_nnx_conv_matches_stock(rng, shape, kw):
 
     x = normal(rng, shape, F32)
     ours, stock = jnnx.Conv(**kw, rngs=nnx.Rngs(0)), nnx.Conv(**kw, rngs=nnx.Rngs(0))
-    params = _randomize(rng, nnx.state(stock, nnx.Param))
-    _same_structure(params, nnx.state(ours, nnx.Param))
+    params = randomize(rng, nnx.state(stock, nnx.Param))
+    assert_same_structure(params, nnx.state(ours, nnx.Param))
     graph, _ = nnx.split(ours)
     stock_graph, _ = nnx.split(stock)
 

@@ -14,7 +14,7 @@ from jax import export
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
-from helpers import DTYPES, assert_close, dtype_id, f64, normal, tolerance
+from helpers import DTYPES, assert_close, batch_mesh, dtype_id, f64, normal, tolerance
 from jaxdnn.dense import _matmul
 
 TARGET = "jaxdnn_gemm_v1"
@@ -194,16 +194,9 @@ def test_hlo_holds_the_custom_call(rng):
 
 # --- sharding and export ----------------------------------------------------------------------
 
-def _mesh(kind, devices):
-    if kind == "mesh":
-        return jax.sharding.Mesh(np.array(devices), ("b",))
-    axis_type = getattr(jax.sharding.AxisType, kind.capitalize())
-    return jax.make_mesh((4,), ("b",), axis_types=(axis_type,), devices=devices)
-
-
 @pytest.mark.parametrize("mesh_kind", ["mesh", "auto", "explicit"])
 def test_batch_sharded_runs_per_shard(mesh_kind, devices, rng):
-    mesh = _mesh(mesh_kind, devices)
+    mesh = batch_mesh(mesh_kind, devices)
     rows = NamedSharding(mesh, P("b"))
     x, w, bias = _inputs(rng, (8, 3, 16), 12)
     x, ct = jax.device_put(x, rows), jax.device_put(normal(rng, (8, 3, 12)), rows)
@@ -229,7 +222,7 @@ def test_batch_sharded_runs_per_shard(mesh_kind, devices, rng):
 
 
 def test_shard_map_grad(devices, rng):
-    mesh = _mesh("mesh", devices)
+    mesh = batch_mesh("mesh", devices)
     x, w, bias = _inputs(rng, (8, 5), 3)
     ct = normal(rng, (8, 3))
     per_shard = jax.shard_map(lambda x, w, b, ct: jax.vjp(_op("relu"), x, w, b)[1](ct), mesh=mesh,

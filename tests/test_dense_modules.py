@@ -9,7 +9,8 @@ followed by jax.nn's function; unsupported options raise.
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_close, normal, tolerance
+from helpers import (assert_close, assert_same_structure, f64_tree, normal, output_and_grads, randomize,
+                     tolerance)
 
 nn = pytest.importorskip("flax.linen")
 hk = pytest.importorskip("haiku")
@@ -23,35 +24,13 @@ F32 = jnp.float32
 TARGET = "jaxdnn_gemm_v1"
 
 
-def _f64(tree):
-    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), tree)
-
-
-def _randomize(rng, tree):
-    """Every leaf replaced by random normals (so a zero-initialized bias is exercised too)."""
-    return jax.tree.map(lambda a: normal(rng, a.shape, a.dtype), tree)
-
-
-def _same_structure(a, b):
-    spec = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)  # noqa: E731
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    assert spec(a) == spec(b)
-
-
-def _output_and_grads(apply):
-    def run(params, x, ct):
-        y, vjp = jax.vjp(apply, params, x)
-        return y, vjp(ct)
-    return jax.jit(run)
-
-
 def _check_against(apply, apply_stock, params, x, rng):
     """apply(params, x) and its VJP against apply_stock in float64 on the same params, and the GEMM
     kernel in the HLO."""
     ct = normal(rng, jax.eval_shape(apply, params, x).shape, F32)
-    run = _output_and_grads(apply)
+    run = output_and_grads(apply)
     y, grads = run(params, x, ct)
-    y_ref, grads_ref = _output_and_grads(apply_stock)(_f64(params), _f64(x), _f64(ct))
+    y_ref, grads_ref = output_and_grads(apply_stock)(f64_tree(params), f64_tree(x), f64_tree(ct))
     assert y.dtype == F32
     assert_close(y, y_ref, tolerance(F32), "output")
     for path, g, g_ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads),
@@ -75,8 +54,8 @@ def test_flax_dense_matches_stock(rng, shape, features, use_bias, activation):
     ours = jflax.Dense(features, use_bias=use_bias, activation=activation)
     stock = nn.Dense(features, use_bias=use_bias)
     params = ours.init(jax.random.key(0), x)
-    _same_structure(params, stock.init(jax.random.key(0), x))
-    _check_against(ours.apply, _then(activation, stock.apply), _randomize(rng, params), x, rng)
+    assert_same_structure(params, stock.init(jax.random.key(0), x))
+    _check_against(ours.apply, _then(activation, stock.apply), randomize(rng, params), x, rng)
 
 
 def test_flax_dense_dtypes_and_options(rng):
@@ -97,8 +76,8 @@ def test_nnx_linear_matches_stock(rng, shape, features, use_bias, activation):
     kw = dict(in_features=shape[-1], out_features=features, use_bias=use_bias)
     ours = jnnx.Linear(**kw, activation=activation, rngs=nnx.Rngs(0))
     stock = nnx.Linear(**kw, rngs=nnx.Rngs(0))
-    params = _randomize(rng, nnx.state(stock, nnx.Param))
-    _same_structure(params, nnx.state(ours, nnx.Param))
+    params = randomize(rng, nnx.state(stock, nnx.Param))
+    assert_same_structure(params, nnx.state(ours, nnx.Param))
     graph, _ = nnx.split(ours)
     stock_graph, _ = nnx.split(stock)
 
@@ -126,8 +105,8 @@ def test_haiku_linear_matches_stock(rng, shape, features, use_bias, activation):
         lambda x: jhk.Linear(features, with_bias=use_bias, activation=activation)(x)))
     stock = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(features, with_bias=use_bias)(x)))
     params = ours.init(jax.random.key(0), x)
-    _same_structure(params, stock.init(jax.random.key(0), x))
-    _check_against(ours.apply, _then(activation, stock.apply), _randomize(rng, params), x, rng)
+    assert_same_structure(params, stock.init(jax.random.key(0), x))
+    _check_against(ours.apply, _then(activation, stock.apply), randomize(rng, params), x, rng)
 
 
 def test_haiku_linear_in_an_mlp_shares_params(rng):
@@ -137,8 +116,8 @@ def test_haiku_linear_in_an_mlp_shares_params(rng):
     def mlp(linear):
         return lambda x: linear(3)(jax.nn.relu(linear(8)(x)))
     ours, stock = (hk.without_apply_rng(hk.transform(mlp(m))) for m in (jhk.Linear, hk.Linear))
-    params = _randomize(rng, stock.init(jax.random.key(0), x))
+    params = randomize(rng, stock.init(jax.random.key(0), x))
     assert set(params) == {"linear", "linear_1"}
-    assert_close(ours.apply(params, x), stock.apply(_f64(params), _f64(x)), tolerance(F32), "mlp")
+    assert_close(ours.apply(params, x), stock.apply(f64_tree(params), f64_tree(x)), tolerance(F32), "mlp")
     with pytest.raises(ValueError, match="scalar"):
         hk.transform(lambda x: jhk.Linear(3)(x)).init(jax.random.key(0), jnp.float32(1.0))

@@ -13,7 +13,7 @@ from jax import export
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
-from helpers import DTYPES, assert_close, dtype_id, f64, normal, tolerance
+from helpers import DTYPES, assert_close, batch_mesh, dtype_id, f64, normal, tolerance
 
 # name -> (jaxdnn function, flax oracle), the same arguments (inputs, window_shape, strides, padding).
 OPS = {
@@ -205,18 +205,11 @@ def test_argmax_is_uint8_up_to_256_window_elements(rng):
         assert fwd and all(f"tensor<1x1x{21 - window[0]}x{21 - window[1]}x4x{dtype}>" in line for line in fwd)
 
 
-def _mesh(kind, devices):
-    if kind == "mesh":
-        return jax.sharding.Mesh(np.array(devices), ("b",))
-    axis_type = getattr(jax.sharding.AxisType, kind.capitalize())
-    return jax.make_mesh((4,), ("b",), axis_types=(axis_type,), devices=devices)
-
-
 @op_param
 @pytest.mark.parametrize("mesh_kind", ["mesh", "auto", "explicit"])
 def test_batch_sharded_runs_per_shard(name, mesh_kind, devices, rng):
     fn = OPS[name][0]
-    mesh = _mesh(mesh_kind, devices)
+    mesh = batch_mesh(mesh_kind, devices)
     op = _call(fn, (3, 3), (2, 2), "SAME")
     x = jax.device_put(normal(rng, (8, 9, 10, 16)), NamedSharding(mesh, P("b")))
     ct = jax.device_put(normal(rng, (8, 5, 5, 16)), NamedSharding(mesh, P("b")))
@@ -237,7 +230,7 @@ def test_batch_sharded_runs_per_shard(name, mesh_kind, devices, rng):
 
 @op_param
 def test_shard_map_grad(name, devices, rng):
-    mesh = _mesh("mesh", devices)
+    mesh = batch_mesh("mesh", devices)
     fn = OPS[name][0]
     op = _call(fn, (2, 2), (2, 2), "VALID")
     x = jax.device_put(normal(rng, (8, 6, 4, 8)), NamedSharding(mesh, P("b")))
