@@ -5,8 +5,8 @@ Shapes: x [..., K] (any leading axes, M rows in all), w [K, N] (flax's `kernel` 
 y [..., N]. The kernel (ffi/dense/dense.h, target `jaxdnn_gemm_v1`) computes, for every batch
 entry l < L, c[l] = act(op_a(a[l]) . op_b(b[l]) + bias) with op_a / op_b optional transposes,
 float32 accumulation and the operands' dtype out. `dense` folds x's leading axes into M (L = 1);
-the backward is three more calls of the same kernel, dx = dz . w^T and dw = x^T . dz with every
-leading axis folded into the contracted rows.
+the training forward writes z with it and the backward is two more calls, dx = dz . w^T and
+dw = x^T . dz with every leading axis folded into the contracted rows.
 
 Differentiable with `jax.grad`/`jax.vjp` to any order (every derivative runs on the kernel; the
 activation's derivatives run on jaxdnn's activation kernels); forward-mode `jax.jvp` is not provided

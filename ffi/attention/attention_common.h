@@ -12,12 +12,6 @@
 namespace jaxdnn {
 namespace attention_internal {
 
-inline std::string Dims(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? "," : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
 // A broadcastable [B, N, T, S] operand (bias, mask): rank 4, each axis 1 or full; its strides with
 // 0 on the broadcast axes.
 inline ffi::Error BroadcastStrides(const char* name, ffi::AnyBuffer::Dimensions dims, const int64_t full[4],
@@ -73,7 +67,7 @@ inline ffi::Error MakeAttentionProblem(const AttentionInputs& in, AttentionProbl
   const auto qd = in.q->dimensions(), kd = in.k->dimensions();
   if (qd.size() != 4 || kd.size() != 4) {
     return InvalidArgument("attention: q must be [B, T, N, H] and k [B, S, K, H], got " +
-                           attention_internal::Dims(qd) + " and " + attention_internal::Dims(kd));
+                           Dims(qd) + " and " + Dims(kd));
   }
   p->batch = qd[0];
   p->q_len = qd[1];

@@ -14,6 +14,13 @@ inline ffi::Error InvalidArgument(const std::string& message) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxdnn: " + message);
 }
 
+// A shape as text for error messages: "[2,3,4]".
+inline std::string Dims(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? "," : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
 // A tensor seen as rows x features: features is the last axis, rows every leading axis folded
 // together (1 for a rank-1 tensor, 0 when a leading axis is empty).
 struct RowsFeatures {

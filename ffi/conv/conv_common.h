@@ -14,12 +14,6 @@
 namespace jaxdnn {
 namespace conv_internal {
 
-inline std::string Dims(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? "," : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
 inline ffi::Error ShapeError(const std::string& what, ffi::AnyBuffer::Dimensions x, ffi::AnyBuffer::Dimensions w,
                              ffi::AnyBuffer::Dimensions y) {
   return InvalidArgument("conv: " + what + " (x " + Dims(x) + ", w " + Dims(w) + ", y " + Dims(y) + ")");
@@ -103,8 +97,8 @@ inline ffi::Error CheckEpilogue(const ConvGeometry& g, const ffi::AnyBuffer& x, 
     bool same = dims.size() == y_dims.size();
     for (size_t i = 0; same && i < dims.size(); ++i) same = dims[i] == y_dims[i];
     if (!same || residual->element_type() != x.element_type()) {
-      return InvalidArgument("conv: residual must have y's shape " + conv_internal::Dims(y_dims) +
-                             " and x's dtype, got " + conv_internal::Dims(dims));
+      return InvalidArgument("conv: residual must have y's shape " + Dims(y_dims) +
+                             " and x's dtype, got " + Dims(dims));
     }
   }
   if (activation < 0 || activation >= kNumActivations) {

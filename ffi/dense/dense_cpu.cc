@@ -31,12 +31,6 @@ constexpr int64_t kRowChunk = 512;      // rows per float accumulator (op_b is r
 static_assert(kRowBlock % kRegRows == 0 && kRowChunk % kRowBlock == 0, "row blocks must nest");
 static_assert(kColumnBlock % kRegCols == 0, "column blocks must nest");
 
-std::string Dims(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
 bool IsFloat(ffi::DataType t) {
   return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
 }

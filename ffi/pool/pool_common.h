@@ -16,12 +16,6 @@ constexpr int64_t kMaxUint8Window = 256;
 
 namespace pool_internal {
 
-inline std::string Dims(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? "," : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
 // Checks that `dims` is [..., s0, s1, s2, C] with the given spatial sizes, and reads N and C.
 inline ffi::Error CheckShape(const char* name, ffi::AnyBuffer::Dimensions dims, const int64_t spatial[3],
                              int64_t* batch, int64_t* channels) {
@@ -68,8 +62,8 @@ inline ffi::Error MakePoolGeometry(const PoolAttrs& attrs, ffi::AnyBuffer::Dimen
   JAXDNN_RETURN_IF_ERROR(pool_internal::CheckShape("input", input, in, &in_batch, &in_channels));
   JAXDNN_RETURN_IF_ERROR(pool_internal::CheckShape("output", output, out, &out_batch, &out_channels));
   if (input.size() != output.size() || in_batch != out_batch || in_channels != out_channels) {
-    return InvalidArgument("pool: input " + pool_internal::Dims(input) + " and output " +
-                           pool_internal::Dims(output) + " differ in their batch or channel axes");
+    return InvalidArgument("pool: input " + Dims(input) + " and output " +
+                           Dims(output) + " differ in their batch or channel axes");
   }
   g->batch = in_batch;
   g->channels = in_channels;
@@ -93,7 +87,7 @@ inline ffi::Error CheckArgmax(const ffi::AnyBuffer& argmax, ffi::AnyBuffer::Dime
   if (!same || argmax.element_type() != expected) {
     return InvalidArgument(std::string("pool: argmax must be ") +
                            (expected == ffi::DataType::U8 ? "uint8" : "int32") + " of shape " +
-                           pool_internal::Dims(output) + ", got " + pool_internal::Dims(dims) + " of dtype " +
+                           Dims(output) + ", got " + Dims(dims) + " of dtype " +
                            std::to_string(static_cast<int>(argmax.element_type())));
   }
   return ffi::Error::Success();
