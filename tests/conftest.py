@@ -15,6 +15,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)  # the oracle runs the reference in float64
+# Exact float32 products in the references and the stock modules (XLA would use TF32 on a GPU).
+jax.config.update("jax_default_matmul_precision", "highest")
 
 from helpers import on_gpu  # noqa: E402
 
