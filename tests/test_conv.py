@@ -86,6 +86,30 @@ def test_forward_and_grad(dtype, lhs_shape, rhs_shape, kwargs, rng):
     assert_close(drhs, want_drhs, tolerance(dtype, grad=True), "grad rhs")
 
 
+# Problems the GPU's tensor-core kernels take (16-bit, one group, channel counts multiples of 8):
+# 2-D windows, 1-D and 3-D ones with a trivial depth folded into 2-D, strides (dgrad then takes
+# another kernel), dilations, explicit padding, the narrow (K <= 64) and wide tiles, a stem-like 7x7/2.
+# On the CPU they check the same semantics on the CPU kernels.
+TENSOR_CORE_CASES = [
+    ((2, 9, 10, 16), (3, 3, 16, 24), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
+    ((2, 12, 11, 8), (3, 3, 8, 80), dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)),
+    ((1, 10, 9, 32), (5, 3, 32, 16), dict(window_strides=(1, 1), padding="VALID", rhs_dilation=(2, 1),
+                                         dimension_numbers=NHWC)),
+    ((2, 8, 8, 72), (3, 3, 72, 136), dict(window_strides=(1, 1), padding=((2, 0), (1, 1)),
+                                          dimension_numbers=NHWC)),
+    ((2, 20, 16), (3, 16, 8), dict(window_strides=(2,), padding="SAME", dimension_numbers=("NWC", "WIO", "NWC"))),
+    ((2, 3, 6, 7, 8), (1, 3, 3, 8, 16), dict(window_strides=(1, 1, 1), padding="SAME",
+                                            dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))),
+    ((2, 20, 20, 8), (7, 7, 8, 16), dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=dtype_id)
+@pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", TENSOR_CORE_CASES, ids=str)
+def test_tensor_core_shapes(dtype, lhs_shape, rhs_shape, kwargs, rng):
+    test_forward_and_grad(dtype, lhs_shape, rhs_shape, kwargs, rng)
+
+
 # A grouped, strided, dilated NHWC convolution for the transform tests (groups make the vmap rule's
 # feature-group stacking nontrivial).
 GROUPED = dict(window_strides=(2, 1), padding="SAME", rhs_dilation=(1, 2), dimension_numbers=NHWC,
@@ -363,6 +387,13 @@ def test_conv_fused(dtype, activation, x_shape, w_shape, kwargs, with_residual, 
             continue
         assert g.dtype == dtype
         assert_close(g, want_g, tolerance(dtype, grad=True), f"grad {name}")
+
+
+@pytest.mark.parametrize("dtype,activation", [(jnp.bfloat16, "gelu"), (jnp.float16, "relu")], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["bias", "bias+residual"])
+def test_conv_fused_tensor_core_shapes(dtype, activation, with_residual, rng):
+    """The epilogue of the tensor-core forward (16-bit, channels multiples of 8 on a GPU)."""
+    test_conv_fused(dtype, activation, (2, 9, 10, 16), (3, 3, 16, 24), dict(padding="SAME"), with_residual, rng)
 
 
 def test_conv_fused_hlo_and_second_order(rng):

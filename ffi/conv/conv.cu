@@ -1,7 +1,9 @@
 // CUDA convolution. Pointwise stages (1x1 windows, unit strides, no padding, one group) with 16-bit
-// operands run on the tensor-core GEMM of ffi/dense (see PointwiseGemm). Everything else runs on a
-// CORRECTNESS BASELINE without tensor cores, to be replaced by implicit-GEMM wgmma kernels. The
-// baseline trades speed for obviously safe code: scalar loads (no alignment requirement), int64 indexing,
+// operands run on the tensor-core GEMM of ffi/dense (see PointwiseGemm); other 2-D stages with 16-bit
+// operands, one group and channel counts multiples of 8 on the implicit-GEMM tensor-core kernels of
+// conv_sm90.cuh (see TensorCoreFprop and friends: they take filters [K, R, S, C], so the handlers
+// transpose jaxdnn's [R, S, C, K] filters in scratch memory from XLA's allocator). Everything else
+// runs on a CORRECTNESS BASELINE without tensor cores. The baseline trades speed for obviously safe code: scalar loads (no alignment requirement), int64 indexing,
 // float32 accumulation, grid-stride loops over a 1-D grid (no gridDim.y/z limits), and the index
 // maps of conv_geometry.h that the CPU kernels use too.
 //   fprop: one thread per y element (n, p, q, r, k), k fastest (the fused forward adds its epilogue
@@ -19,7 +21,9 @@
 // on an H100/H200, two orders of magnitude below cuDNN, and dgrad slower still (its w reads are
 // strided by K).
 #include <algorithm>
+#include <climits>
 #include <cstdint>
+#include <string>
 #include <optional>
 #include <utility>
 
@@ -28,6 +32,7 @@
 #include "conv/conv_common.h"
 #include "conv/conv_epilogue.h"
 #include "conv/conv_geometry.h"
+#include "conv/conv_sm90.h"
 #include "dense/gemm_sm90.h"
 
 namespace jaxdnn {
@@ -151,12 +156,119 @@ std::optional<ffi::Error> PointwiseGemm(cudaStream_t stream, const ConvGeometry&
   return GemmOnTensorCores(p, dtype, stream);
 }
 
+}  // namespace
+
+bool MakeConvSm90Problem(const ConvGeometry& g, ffi::DataType dtype, ConvStage stage, ConvSm90Problem* p) {
+  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
+  if (g.groups != 1 || g.channels % 8 != 0 || g.filters % 8 != 0) return false;
+  if (g.window[0] != 1 || g.stride[0] != 1 || g.pad[0] != 0 || g.in[0] != g.out[0]) return false;
+  constexpr int64_t kMaxInt = INT32_MAX;
+  if (g.InPixels() * g.channels > kMaxInt || g.OutPixels() * g.filters > kMaxInt ||
+      g.Taps() * g.channels * g.filters > kMaxInt) {
+    return false;
+  }
+  p->n = int(g.batch * g.in[0]);
+  p->h = int(g.in[1]);
+  p->w = int(g.in[2]);
+  p->c = int(g.channels);
+  p->k = int(g.filters);
+  p->r = int(g.window[1]);
+  p->s = int(g.window[2]);
+  p->p = int(g.out[1]);
+  p->q = int(g.out[2]);
+  for (int a = 0; a < 2; ++a) {
+    const int axis = a + 1;
+    if (g.lhs_dilation[axis] != 1 || g.pad[axis] < 0 || g.pad[axis] > 64) return false;
+    if (stage == ConvStage::kDgrad && g.stride[axis] != 1) return false;
+    // CUTLASS derives the output size from both paddings: the high one is what the output's last
+    // window needs (none when the input has unread trailing pixels), and must give g's output size.
+    const int64_t span = (g.window[axis] - 1) * g.rhs_dilation[axis] + 1;
+    const int64_t high = std::max<int64_t>(0, (g.out[axis] - 1) * g.stride[axis] + span - g.in[axis] - g.pad[axis]);
+    if (high > 64 || (g.in[axis] + g.pad[axis] + high - span) / g.stride[axis] + 1 != g.out[axis]) return false;
+    if (span > 64 || g.stride[axis] > 64) return false;
+    p->pad_lo[a] = int(g.pad[axis]);
+    p->pad_hi[a] = int(high);
+    p->stride[a] = int(g.stride[axis]);
+    p->dilation[a] = int(g.rhs_dilation[axis]);
+  }
+  return true;
+}
+
+namespace {
+
+// The CUDA handlers' binding: the stream, and XLA's scratch allocator for the transposed filters.
+auto BindCudaScratch() { return BindCuda().Ctx<ffi::ScratchAllocator>(); }
+
+ffi::Error OutOfScratch(const char* what) {
+  return ffi::Error(ffi::ErrorCode::kResourceExhausted, std::string("jaxdnn: no scratch memory for ") + what);
+}
+
+// out[c, r] = in[r, c] for a row-major [rows, cols] matrix of 16-bit values, through 32 x 32 tiles in
+// shared memory so both the reads and the writes are coalesced.
+constexpr int kTransposeTile = 32;
+constexpr int kTransposeRows = 8;  // threads per tile column: each moves 4 values
+
+__global__ void __launch_bounds__(kTransposeTile* kTransposeRows)
+    Transpose16Kernel(const uint16_t* __restrict__ in, int64_t rows, int64_t cols, uint16_t* __restrict__ out) {
+  __shared__ uint16_t tile[kTransposeTile][kTransposeTile + 1];  // + 1: no bank conflicts on the way out
+  const int64_t row0 = int64_t(blockIdx.x) * kTransposeTile, col0 = int64_t(blockIdx.y) * kTransposeTile;
+  for (int i = threadIdx.y; i < kTransposeTile; i += kTransposeRows) {
+    const int64_t r = row0 + i, c = col0 + threadIdx.x;
+    if (r < rows && c < cols) tile[i][threadIdx.x] = in[r * cols + c];
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < kTransposeTile; i += kTransposeRows) {
+    const int64_t c = col0 + i, r = row0 + threadIdx.x;
+    if (r < rows && c < cols) out[c * rows + r] = tile[threadIdx.x][i];
+  }
+}
+
+ffi::Error Transpose16(cudaStream_t stream, const void* in, int64_t rows, int64_t cols, void* out) {
+  const dim3 grid(unsigned((rows + kTransposeTile - 1) / kTransposeTile),
+                  unsigned((cols + kTransposeTile - 1) / kTransposeTile));
+  Transpose16Kernel<<<grid, dim3(kTransposeTile, kTransposeRows), 0, stream>>>(
+      static_cast<const uint16_t*>(in), rows, cols, static_cast<uint16_t*>(out));
+  return LaunchError("conv filter transpose");
+}
+
+// A filter [R * S * C, K] of 16-bit values transposed to CUTLASS's [K, R * S * C] in scratch memory.
+std::optional<void*> TransposedFilter(cudaStream_t stream, ffi::ScratchAllocator& scratch, const ConvGeometry& g,
+                                      const void* w, ffi::Error* error) {
+  const int64_t rows = g.Taps() * g.channels, cols = g.filters;
+  std::optional<void*> wt = scratch.Allocate(size_t(rows * cols) * 2, 256);
+  if (!wt.has_value()) {
+    *error = OutOfScratch("the transposed conv filter");
+    return std::nullopt;
+  }
+  *error = Transpose16(stream, w, rows, cols, *wt);
+  return wt;
+}
+
+// The tensor-core forward (see conv_sm90.h): its status, or nothing when g needs another kernel.
+std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, ffi::ScratchAllocator& scratch, const ConvGeometry& g,
+                                          const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const void* bias,
+                                          const void* residual, int64_t activation, float activation_param,
+                                          ffi::AnyBuffer& y) {
+  ConvSm90Problem p;
+  if (!MakeConvSm90Problem(g, x.element_type(), ConvStage::kFprop, &p)) return std::nullopt;
+  ffi::Error error = ffi::Error::Success();
+  const std::optional<void*> wt = TransposedFilter(stream, scratch, g, w.untyped_data(), &error);
+  if (!wt.has_value() || error.failure()) return error;
+  return ConvSm90Fprop(p, x.element_type(), x.untyped_data(), *wt, bias, residual, int(activation),
+                       activation_param, y.untyped_data(), stream);
+}
+
 // The forward with an epilogue (the plain one passes none); `bias` and `residual` may be null.
-ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
-                       const ffi::AnyBuffer* bias, const ffi::AnyBuffer* residual, int64_t activation,
-                       float activation_param, ffi::AnyBuffer& y) {
+ffi::Error LaunchFprop(cudaStream_t stream, ffi::ScratchAllocator& scratch, const ConvGeometry& g,
+                       const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const ffi::AnyBuffer* bias,
+                       const ffi::AnyBuffer* residual, int64_t activation, float activation_param, ffi::AnyBuffer& y) {
   const int64_t items = g.OutPixels() * g.filters;
   if (items == 0) return ffi::Error::Success();
+  if (auto status = TensorCoreFprop(stream, scratch, g, x, w, bias != nullptr ? bias->untyped_data() : nullptr,
+                                    residual != nullptr ? residual->untyped_data() : nullptr, activation,
+                                    activation_param, y)) {
+    return std::move(*status);
+  }
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {
     using T = decltype(type_tag);
     ConvEpilogue<T> epilogue;
@@ -171,8 +283,8 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::An
   });
 }
 
-ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
-                         ConvAttrs attrs) {
+ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                         ffi::Result<ffi::AnyBuffer> y, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), w.dimensions(), y->dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
@@ -182,22 +294,22 @@ ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
       return std::move(*status);
     }
   }
-  return LaunchFprop(stream, g, x, w, nullptr, nullptr, 0, 0.0f, *y);
+  return LaunchFprop(stream, scratch, g, x, w, nullptr, nullptr, 0, 0.0f, *y);
 }
 
-ffi::Error ConvFpropFusedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
-                              std::optional<ffi::AnyBuffer> residual, ffi::Result<ffi::AnyBuffer> y,
-                              ConvFusedAttrs attrs) {
+ffi::Error ConvFpropFusedImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                              ffi::AnyBuffer bias, std::optional<ffi::AnyBuffer> residual,
+                              ffi::Result<ffi::AnyBuffer> y, ConvFusedAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs.conv, x.dimensions(), w.dimensions(), y->dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
   JAXDNN_RETURN_IF_ERROR(CheckEpilogue(g, x, bias, residual, *y, attrs.activation));
-  return LaunchFprop(stream, g, x, w, &bias, residual.has_value() ? &*residual : nullptr, attrs.activation,
+  return LaunchFprop(stream, scratch, g, x, w, &bias, residual.has_value() ? &*residual : nullptr, attrs.activation,
                      attrs.activation_param, *y);
 }
 
-ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
-                         ConvAttrs attrs) {
+ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer dy, ffi::AnyBuffer w,
+                         ffi::Result<ffi::AnyBuffer> dx, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, dx->dimensions(), w.dimensions(), dy.dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(dy, w, *dx));
@@ -206,6 +318,15 @@ ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
   if (auto status = PointwiseGemm(stream, g, dy.untyped_data(), w.untyped_data(), dx->untyped_data(),
                                   g.InPixels(), g.channels, g.filters, false, true, dy.element_type())) {
     return std::move(*status);
+  }
+  ConvSm90Problem p;
+  if (g.OutPixels() > 0 && MakeConvSm90Problem(g, dy.element_type(), ConvStage::kDgrad, &p)) {
+    ffi::Error error = ffi::Error::Success();
+    const std::optional<void*> wt = TransposedFilter(stream, scratch, g, w.untyped_data(), &error);
+    if (!wt.has_value() || error.failure()) return error;
+    if (auto status = ConvSm90Dgrad(p, dy.element_type(), dy.untyped_data(), *wt, dx->untyped_data(), stream)) {
+      return std::move(*status);
+    }
   }
   return DispatchFloat<float, __nv_bfloat16, __half>(dy.element_type(), "dy", [&](auto type_tag) {
     using T = decltype(type_tag);
@@ -216,8 +337,8 @@ ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
   });
 }
 
-ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dw,
-                         ConvAttrs attrs) {
+ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+                         ffi::Result<ffi::AnyBuffer> dw, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), dw->dimensions(), dy.dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, dy, *dw));
@@ -227,6 +348,16 @@ ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
   if (auto status = PointwiseGemm(stream, g, x.untyped_data(), dy.untyped_data(), dw->untyped_data(),
                                   g.channels, g.filters, g.InPixels(), true, false, x.element_type())) {
     return std::move(*status);
+  }
+  ConvSm90Problem p;
+  if (g.OutPixels() > 0 && MakeConvSm90Problem(g, x.element_type(), ConvStage::kWgrad, &p)) {
+    // CUTLASS writes [K, R * S * C]; transposed into dw [R * S * C, K] after.
+    std::optional<void*> dw_t = scratch.Allocate(size_t(rows * g.filters) * 2, 256);
+    if (!dw_t.has_value()) return OutOfScratch("the conv filter gradient");
+    if (auto status = ConvSm90Wgrad(p, x.element_type(), x.untyped_data(), dy.untyped_data(), *dw_t, stream)) {
+      JAXDNN_RETURN_IF_ERROR(std::move(*status));
+      return Transpose16(stream, *dw_t, g.filters, rows, dw->untyped_data());
+    }
   }
   const int64_t blocks = std::min(kMaxBlocks, rows * ((g.filters + kWgradLanes - 1) / kWgradLanes));
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {
@@ -243,11 +374,12 @@ ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropCuda, jaxdnn::ConvFpropImpl, jaxdnn::BindConvFprop(jaxdnn::BindCuda()),
-                              {ffi::Traits::kCmdBufferCompatible});
+// Not command-buffer compatible: the handlers allocate scratch memory per call.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropCuda, jaxdnn::ConvFpropImpl,
+                              jaxdnn::BindConvFprop(jaxdnn::BindCudaScratch()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropFusedCuda, jaxdnn::ConvFpropFusedImpl,
-                              jaxdnn::BindConvFpropFused(jaxdnn::BindCuda()), {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvDgradCuda, jaxdnn::ConvDgradImpl, jaxdnn::BindConvDgrad(jaxdnn::BindCuda()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvWgradCuda, jaxdnn::ConvWgradImpl, jaxdnn::BindConvWgrad(jaxdnn::BindCuda()),
-                              {ffi::Traits::kCmdBufferCompatible});
+                              jaxdnn::BindConvFpropFused(jaxdnn::BindCudaScratch()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvDgradCuda, jaxdnn::ConvDgradImpl,
+                              jaxdnn::BindConvDgrad(jaxdnn::BindCudaScratch()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvWgradCuda, jaxdnn::ConvWgradImpl,
+                              jaxdnn::BindConvWgrad(jaxdnn::BindCudaScratch()));

@@ -17,44 +17,12 @@
 #include <climits>
 #include <string>
 
-#include "common/activation.h"
 #include "common/cuda_common.cuh"
+#include "common/sm90_activation.cuh"
 #include "dense/gemm_sm90.h"
 
 namespace jaxdnn {
 namespace sm90 {
-
-// The activation's kind and parameter, known at run time: one instantiation serves every kind.
-struct ActivationArgs {
-  int kind = 0;  // Activation::kIdentity
-  float param = 0.f;
-};
-
-// The epilogue's activation functor. CUTLASS applies it to a fragment of accumulators at a time, so
-// the kind's switch runs once per fragment and its elements' evaluations overlap (the scalar form
-// gives CUTLASS the Arguments type).
-template <class T>
-struct RuntimeActivation {
-  using Arguments = ActivationArgs;
-  CUTLASS_HOST_DEVICE T operator()(T x, const Arguments& args) const {
-    return ActivateKind(args.kind, x, args.param);
-  }
-};
-
-template <int N>
-struct RuntimeActivation<cutlass::Array<float, N>> {
-  using Arguments = ActivationArgs;
-  CUTLASS_HOST_DEVICE cutlass::Array<float, N> operator()(cutlass::Array<float, N> v,
-                                                         const Arguments& args) const {
-    float values[N];  // in registers: the copies compile away
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) values[i] = v[i];
-    ActivateKindN<N>(args.kind, values, args.param);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) v[i] = values[i];
-    return v;
-  }
-};
 
 // Tile configurations: the CTA tile (M x N x K per pipeline stage), the thread-block cluster (CTAs
 // that share each TMA load by multicast) and the schedule (cooperative: the two consumer warp groups

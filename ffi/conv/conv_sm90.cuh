@@ -1,0 +1,182 @@
+// Hopper implicit-GEMM convolutions built from CUTLASS's conv collectives: a producer warp loads
+// activation tiles with TMA's im2col mode (the window gather done by the copy engine, padding
+// included) and filter tiles with plain TMA into a shared-memory pipeline; a consumer warp group runs
+// wgmma on them; the epilogue (bias, residual, activation for the forward) ends in a TMA store.
+// Included by conv_sm90_{fprop,dgrad,wgrad}.cu, one stage per file so they compile in parallel.
+// GEMM views (CUTLASS's): fprop M = N*P*Q, N = K, K = R*S*C; dgrad M = N*H*W, N = C, K = R*S*K;
+// wgrad M = K, N = R*S*C, K = N*P*Q.
+// Must be compiled with NDEBUG (see gemm_sm90.cuh).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/kernel_hardware_info.hpp>  // before the conv headers, which use it undeclared
+#include <cutlass/conv/collective/collective_builder.hpp>
+#include <cutlass/conv/convnd_problem_shape.hpp>
+#include <cutlass/conv/device/conv_universal_adapter.hpp>
+#include <cutlass/conv/dispatch_policy.hpp>
+#include <cutlass/conv/kernel/conv_universal.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+#include <optional>
+
+#include "common/cuda_common.cuh"
+#include "common/sm90_activation.cuh"
+#include "conv/conv_sm90.h"
+
+namespace jaxdnn {
+namespace sm90 {
+
+// CTA tiles (M x N x K per pipeline stage): the wide one for most layers, the narrow one where the
+// GEMM's N (fprop's K, dgrad's C) is at most 64, as in ResNet's 64-channel stages.
+using ConvTileWide = cute::Shape<cute::_128, cute::_128, cute::Shape<cute::_64>>;
+using ConvTileNarrow = cute::Shape<cute::_128, cute::_64, cute::Shape<cute::_64>>;
+// wgrad's GEMM N is the filter's (R, S, C) modes, so its tile nests N as the others nest K.
+using ConvTileWgrad = cute::Shape<cute::_128, cute::Shape<cute::_128>, cute::Shape<cute::_64>>;
+
+// The kernel of one stage, element type and tile. Fusion is the epilogue's operation: the forward's
+// bias + residual + activation, or a plain store.
+template <cutlass::conv::Operator Op, class Element, class Tile, class ElementC, class Fusion>
+struct Conv {
+  using Act = cutlass::layout::TensorNHWC;  // [N, H, W, C] activations, [K, R, S, C] filters
+  using LayoutC = cute::conditional_t<Op == cutlass::conv::Operator::kWgrad, cutlass::layout::TensorKCSR, Act>;
+  static constexpr int kAlign = 16 / sizeof(Element);
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutC, kAlign, Element, LayoutC,
+      kAlign, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
+  using Mainloop = typename cutlass::conv::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Op, Element, Act, kAlign, Element, Act, kAlign, float,
+      Tile, Cluster,
+      cutlass::conv::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::conv::collective::KernelScheduleAuto>::CollectiveOp;
+  using ProblemShape = cutlass::conv::ConvProblemShape<Op, 2>;
+  using Kernel = cutlass::conv::kernel::ConvUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Adapter = cutlass::conv::device::ConvUniversalAdapter<Kernel>;
+};
+
+// The forward: y = act(acc + bias[k] + residual), the residual as CUTLASS's source C (beta 1).
+template <class Element, class Tile>
+using ConvFprop =
+    Conv<cutlass::conv::Operator::kFprop, Element, Tile, Element,
+         cutlass::epilogue::fusion::LinCombPerColBiasEltAct<RuntimeActivation, Element, float, Element, Element>>;
+
+// The backward stages store the accumulator (no source).
+template <cutlass::conv::Operator Op, class Element, class Tile>
+using ConvPlain = Conv<Op, Element, Tile, void, cutlass::epilogue::fusion::LinearCombination<Element, float, void>>;
+
+template <cutlass::conv::Operator Op>
+cutlass::conv::ConvProblemShape<Op, 2> MakeShape(const ConvSm90Problem& p) {
+  return {cutlass::conv::Mode::kCrossCorrelation,
+          {p.n, p.h, p.w, p.c},
+          {p.k, p.r, p.s, p.c},
+          {p.pad_lo[0], p.pad_lo[1]},
+          {p.pad_hi[0], p.pad_hi[1]},
+          {p.stride[0], p.stride[1]},
+          {p.dilation[0], p.dilation[1]},
+          1};
+}
+
+// Runs one configured kernel: nothing when it cannot take the problem.
+template <class Cfg>
+std::optional<ffi::Error> Launch(const typename Cfg::Adapter::Arguments& args, cudaStream_t stream,
+                                 const char* what) {
+  using Adapter = typename Cfg::Adapter;
+  Adapter op;
+  if (op.can_implement(args) != cutlass::Status::kSuccess) return std::nullopt;
+  if (Adapter::get_workspace_size(args) != 0) {  // the non-persistent kernels need none
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxdnn: unexpected CUTLASS workspace in ") + what);
+  }
+  if (op.initialize(args, nullptr, stream) != cutlass::Status::kSuccess) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxdnn: CUTLASS initialization failed in ") + what);
+  }
+  op.run(stream);
+  return LaunchError(what);
+}
+
+// The output (C/D) strides of a problem shape, packed: fprop's and dgrad's ((Q, P, N), 1, 0) over
+// an [N, P, Q, K] output (the pixel modes innermost first), wgrad's (R * S * C, 1, 0) over [K, R, S, C].
+template <class Kernel, class Shape>
+typename Kernel::StrideD OutputStride(const Shape& shape) {
+  typename Kernel::StrideD stride{};
+  if constexpr (cute::is_tuple<cute::remove_cvref_t<decltype(cute::get<0>(stride))>>::value) {
+    cute::for_each(cute::make_seq<cute::rank<0>(typename Kernel::StrideD{})>{},
+                   [&](auto i) { cute::get<0, i>(stride) = shape.stride_C[Shape::RankT - 2 - i]; });
+  } else {
+    stride = cutlass::make_cute_packed_stride(stride, shape.shape_C, shape.stride_C, Shape::ConvOp);
+  }
+  return stride;
+}
+
+template <class Element, class Tile>
+std::optional<ffi::Error> FpropTiled(const ConvSm90Problem& p, const void* x, const void* w, const void* bias,
+                                     const void* residual, int activation, float activation_param, void* y,
+                                     cudaStream_t stream) {
+  using Cfg = ConvFprop<Element, Tile>;
+  const auto shape = MakeShape<cutlass::conv::Operator::kFprop>(p);
+  const auto stride = OutputStride<typename Cfg::Kernel>(shape);
+  typename Cfg::Adapter::Arguments args{
+      shape,
+      {static_cast<const Element*>(x), static_cast<const Element*>(w)},
+      {{}, static_cast<const Element*>(residual), stride, static_cast<Element*>(y), stride}};
+  args.epilogue.thread.alpha = 1.f;
+  args.epilogue.thread.beta = residual != nullptr ? 1.f : 0.f;  // beta 0: C is never read
+  args.epilogue.thread.bias_ptr = static_cast<const Element*>(bias);  // null: no bias
+  args.epilogue.thread.activation = {activation, activation_param};
+  return Launch<Cfg>(args, stream, "conv fprop (tensor cores)");
+}
+
+template <class Element>
+std::optional<ffi::Error> Fprop(const ConvSm90Problem& p, const void* x, const void* w, const void* bias,
+                                const void* residual, int activation, float activation_param, void* y,
+                                cudaStream_t stream) {
+  if (p.k <= 64) {
+    return FpropTiled<Element, ConvTileNarrow>(p, x, w, bias, residual, activation, activation_param, y, stream);
+  }
+  return FpropTiled<Element, ConvTileWide>(p, x, w, bias, residual, activation, activation_param, y, stream);
+}
+
+// dgrad (A = dy, B = w, D = dx) and wgrad (A = dy, B = x, D = dw): plain stores.
+template <cutlass::conv::Operator Op, class Element, class Tile>
+std::optional<ffi::Error> BackwardTiled(const ConvSm90Problem& p, const void* a, const void* b, void* d,
+                                        cudaStream_t stream, const char* what) {
+  using Cfg = ConvPlain<Op, Element, Tile>;
+  const auto shape = MakeShape<Op>(p);
+  const auto stride = OutputStride<typename Cfg::Kernel>(shape);
+  typename Cfg::Adapter::Arguments args{
+      shape,
+      {static_cast<const Element*>(a), static_cast<const Element*>(b)},
+      {{}, nullptr, stride, static_cast<Element*>(d), stride}};
+  args.epilogue.thread.alpha = 1.f;
+  args.epilogue.thread.beta = 0.f;
+  return Launch<Cfg>(args, stream, what);
+}
+
+template <class Element>
+std::optional<ffi::Error> Dgrad(const ConvSm90Problem& p, const void* dy, const void* w, void* dx,
+                                cudaStream_t stream) {
+  constexpr auto kDgrad = cutlass::conv::Operator::kDgrad;
+  if (p.c <= 64) return BackwardTiled<kDgrad, Element, ConvTileNarrow>(p, dy, w, dx, stream, "conv dgrad (tensor cores)");
+  return BackwardTiled<kDgrad, Element, ConvTileWide>(p, dy, w, dx, stream, "conv dgrad (tensor cores)");
+}
+
+template <class Element>
+std::optional<ffi::Error> Wgrad(const ConvSm90Problem& p, const void* x, const void* dy, void* dw,
+                                cudaStream_t stream) {
+  return BackwardTiled<cutlass::conv::Operator::kWgrad, Element, ConvTileWgrad>(p, dy, x, dw, stream,
+                                                                              "conv wgrad (tensor cores)");
+}
+
+// The dtype dispatch of one stage: bfloat16 or float16 (MakeConvSm90Problem admits no other).
+template <class Run>
+std::optional<ffi::Error> ForDtype(ffi::DataType dtype, Run run) {
+  if (dtype == ffi::DataType::BF16) return run(cutlass::bfloat16_t{});
+  if (dtype == ffi::DataType::F16) return run(cutlass::half_t{});
+  return std::nullopt;
+}
+
+}  // namespace sm90
+}  // namespace jaxdnn
