@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,18 +51,28 @@ def _spatial(attrs, prefix):
 
 # --- the kernel stages ----------------------------------------------------------------------------
 
+def _workspace(filter_shape, dtype):
+    """The stages' last result: room for the filter in the GPU tensor-core kernels' layout [K, T, U, V,
+    Cg] (16-bit dtypes, the ones they take); empty otherwise."""
+    size = math.prod(filter_shape) if jnp.dtype(dtype).itemsize == 2 else 0
+    return jax.core.ShapedArray((size,), dtype)
+
+
 def _fprop_avals(x, w, **attrs):
-    return [jax.core.ShapedArray((x.shape[0],) + _spatial(attrs, "out") + (w.shape[-1],), x.dtype)]
+    return [jax.core.ShapedArray((x.shape[0],) + _spatial(attrs, "out") + (w.shape[-1],), x.dtype),
+            _workspace(w.shape, x.dtype)]
 
 
 def _dgrad_avals(dy, w, **attrs):
     channels = int(attrs["groups"]) * w.shape[3]
-    return [jax.core.ShapedArray((dy.shape[0],) + _spatial(attrs, "in") + (channels,), dy.dtype)]
+    return [jax.core.ShapedArray((dy.shape[0],) + _spatial(attrs, "in") + (channels,), dy.dtype),
+            _workspace(w.shape, dy.dtype)]
 
 
 def _wgrad_avals(x, dy, **attrs):
     group_channels = x.shape[-1] // int(attrs["groups"])
-    return [jax.core.ShapedArray(_spatial(attrs, "window") + (group_channels, dy.shape[-1]), x.dtype)]
+    dw_shape = _spatial(attrs, "window") + (group_channels, dy.shape[-1])
+    return [jax.core.ShapedArray(dw_shape, x.dtype), _workspace(dw_shape, x.dtype)]
 
 
 def _fused_avals(x, w, bias, *residual, activation, activation_param, **attrs):
@@ -99,8 +110,8 @@ def _batch_rule(prim, args, dims, *, batch_major, **attrs):
 
 
 def _stage(name, result_avals, rule, batch_major, target=None, **kwargs):
-    return ffi_primitive(f"jaxdnn_conv_{name}", f"jaxdnn_conv_{target or name}_v1",
-                         result_avals=result_avals, sharding_rule=rule,
+    return ffi_primitive(f"jaxdnn_conv_{name}", f"jaxdnn_conv_{target or name}_v2",
+                         result_avals=result_avals, sharding_rule=rule, scratch_results=1,
                          batch_rule=functools.partial(_batch_rule, batch_major=batch_major), **kwargs)
 
 

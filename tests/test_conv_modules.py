@@ -18,7 +18,7 @@ import jaxdnn.flax as jflax  # noqa: E402
 import jaxdnn.haiku as jhk  # noqa: E402
 
 F32 = jnp.float32
-TARGETS = ("jaxdnn_conv_fprop_v1", "jaxdnn_conv_dgrad_v1", "jaxdnn_conv_wgrad_v1")
+TARGETS = ("jaxdnn_conv_fprop_v2", "jaxdnn_conv_dgrad_v2", "jaxdnn_conv_wgrad_v2")
 
 
 def _check_against(apply, apply_stock, params, x, rng):

@@ -2,7 +2,7 @@
 // operands run on the tensor-core GEMM of ffi/dense (see PointwiseGemm); other 2-D stages with 16-bit
 // operands, one group and channel counts multiples of 8 on the implicit-GEMM tensor-core kernels of
 // conv_sm90.cuh (see TensorCoreFprop and friends: they take filters [K, R, S, C], so the handlers
-// transpose jaxdnn's [R, S, C, K] filters in scratch memory from XLA's allocator). Everything else
+// transpose jaxdnn's [R, S, C, K] filters in the targets' workspace result). Everything else
 // runs on a CORRECTNESS BASELINE without tensor cores. The baseline trades speed for obviously safe code: scalar loads (no alignment requirement), int64 indexing,
 // float32 accumulation, grid-stride loops over a 1-D grid (no gridDim.y/z limits), and the index
 // maps of conv_geometry.h that the CPU kernels use too.
@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <string>
 #include <optional>
 #include <utility>
 
@@ -196,13 +195,6 @@ bool MakeConvSm90Problem(const ConvGeometry& g, ffi::DataType dtype, ConvStage s
 
 namespace {
 
-// The CUDA handlers' binding: the stream, and XLA's scratch allocator for the transposed filters.
-auto BindCudaScratch() { return BindCuda().Ctx<ffi::ScratchAllocator>(); }
-
-ffi::Error OutOfScratch(const char* what) {
-  return ffi::Error(ffi::ErrorCode::kResourceExhausted, std::string("jaxdnn: no scratch memory for ") + what);
-}
-
 // out[c, r] = in[r, c] for a row-major [rows, cols] matrix of 16-bit values, through 32 x 32 tiles in
 // shared memory so both the reads and the writes are coalesced.
 constexpr int kTransposeTile = 32;
@@ -231,42 +223,36 @@ ffi::Error Transpose16(cudaStream_t stream, const void* in, int64_t rows, int64_
   return LaunchError("conv filter transpose");
 }
 
-// A filter [R * S * C, K] of 16-bit values transposed to CUTLASS's [K, R * S * C] in scratch memory.
-std::optional<void*> TransposedFilter(cudaStream_t stream, ffi::ScratchAllocator& scratch, const ConvGeometry& g,
-                                      const void* w, ffi::Error* error) {
-  const int64_t rows = g.Taps() * g.channels, cols = g.filters;
-  std::optional<void*> wt = scratch.Allocate(size_t(rows * cols) * 2, 256);
-  if (!wt.has_value()) {
-    *error = OutOfScratch("the transposed conv filter");
-    return std::nullopt;
-  }
-  *error = Transpose16(stream, w, rows, cols, *wt);
-  return wt;
+// The workspace holds the filter (or wgrad's result) in CUTLASS's [K, R * S * C] layout; a smaller
+// one than that (a non-16-bit stage's, empty) sends the stage to the baseline.
+bool WorkspaceFits(const ConvGeometry& g, const ffi::AnyBuffer& workspace) {
+  return workspace.size_bytes() >= size_t(g.Taps() * g.GroupChannels() * g.filters) * 2;
 }
 
 // The tensor-core forward (see conv_sm90.h): its status, or nothing when g needs another kernel.
-std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, ffi::ScratchAllocator& scratch, const ConvGeometry& g,
-                                          const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const void* bias,
-                                          const void* residual, int64_t activation, float activation_param,
-                                          ffi::AnyBuffer& y) {
+std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::AnyBuffer& x,
+                                          const ffi::AnyBuffer& w, const void* bias, const void* residual,
+                                          int64_t activation, float activation_param, ffi::AnyBuffer& y,
+                                          ffi::AnyBuffer& workspace) {
   ConvSm90Problem p;
-  if (!MakeConvSm90Problem(g, x.element_type(), ConvStage::kFprop, &p)) return std::nullopt;
-  ffi::Error error = ffi::Error::Success();
-  const std::optional<void*> wt = TransposedFilter(stream, scratch, g, w.untyped_data(), &error);
-  if (!wt.has_value() || error.failure()) return error;
-  return ConvSm90Fprop(p, x.element_type(), x.untyped_data(), *wt, bias, residual, int(activation),
-                       activation_param, y.untyped_data(), stream);
+  if (!WorkspaceFits(g, workspace) || !MakeConvSm90Problem(g, x.element_type(), ConvStage::kFprop, &p)) {
+    return std::nullopt;
+  }
+  JAXDNN_RETURN_IF_ERROR(Transpose16(stream, w.untyped_data(), g.Taps() * g.channels, g.filters,
+                                     workspace.untyped_data()));
+  return ConvSm90Fprop(p, x.element_type(), x.untyped_data(), workspace.untyped_data(), bias, residual,
+                       int(activation), activation_param, y.untyped_data(), stream);
 }
 
 // The forward with an epilogue (the plain one passes none); `bias` and `residual` may be null.
-ffi::Error LaunchFprop(cudaStream_t stream, ffi::ScratchAllocator& scratch, const ConvGeometry& g,
-                       const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const ffi::AnyBuffer* bias,
-                       const ffi::AnyBuffer* residual, int64_t activation, float activation_param, ffi::AnyBuffer& y) {
+ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                       const ffi::AnyBuffer* bias, const ffi::AnyBuffer* residual, int64_t activation,
+                       float activation_param, ffi::AnyBuffer& y, ffi::AnyBuffer& workspace) {
   const int64_t items = g.OutPixels() * g.filters;
   if (items == 0) return ffi::Error::Success();
-  if (auto status = TensorCoreFprop(stream, scratch, g, x, w, bias != nullptr ? bias->untyped_data() : nullptr,
+  if (auto status = TensorCoreFprop(stream, g, x, w, bias != nullptr ? bias->untyped_data() : nullptr,
                                     residual != nullptr ? residual->untyped_data() : nullptr, activation,
-                                    activation_param, y)) {
+                                    activation_param, y, workspace)) {
     return std::move(*status);
   }
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {
@@ -283,8 +269,8 @@ ffi::Error LaunchFprop(cudaStream_t stream, ffi::ScratchAllocator& scratch, cons
   });
 }
 
-ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                         ffi::Result<ffi::AnyBuffer> y, ConvAttrs attrs) {
+ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::AnyBuffer> workspace, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), w.dimensions(), y->dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
@@ -294,22 +280,22 @@ ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
       return std::move(*status);
     }
   }
-  return LaunchFprop(stream, scratch, g, x, w, nullptr, nullptr, 0, 0.0f, *y);
+  return LaunchFprop(stream, g, x, w, nullptr, nullptr, 0, 0.0f, *y, *workspace);
 }
 
-ffi::Error ConvFpropFusedImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                              ffi::AnyBuffer bias, std::optional<ffi::AnyBuffer> residual,
-                              ffi::Result<ffi::AnyBuffer> y, ConvFusedAttrs attrs) {
+ffi::Error ConvFpropFusedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
+                              std::optional<ffi::AnyBuffer> residual, ffi::Result<ffi::AnyBuffer> y,
+                              ffi::Result<ffi::AnyBuffer> workspace, ConvFusedAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs.conv, x.dimensions(), w.dimensions(), y->dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
   JAXDNN_RETURN_IF_ERROR(CheckEpilogue(g, x, bias, residual, *y, attrs.activation));
-  return LaunchFprop(stream, scratch, g, x, w, &bias, residual.has_value() ? &*residual : nullptr, attrs.activation,
-                     attrs.activation_param, *y);
+  return LaunchFprop(stream, g, x, w, &bias, residual.has_value() ? &*residual : nullptr, attrs.activation,
+                     attrs.activation_param, *y, *workspace);
 }
 
-ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer dy, ffi::AnyBuffer w,
-                         ffi::Result<ffi::AnyBuffer> dx, ConvAttrs attrs) {
+ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
+                         ffi::Result<ffi::AnyBuffer> workspace, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, dx->dimensions(), w.dimensions(), dy.dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(dy, w, *dx));
@@ -320,11 +306,12 @@ ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
     return std::move(*status);
   }
   ConvSm90Problem p;
-  if (g.OutPixels() > 0 && MakeConvSm90Problem(g, dy.element_type(), ConvStage::kDgrad, &p)) {
-    ffi::Error error = ffi::Error::Success();
-    const std::optional<void*> wt = TransposedFilter(stream, scratch, g, w.untyped_data(), &error);
-    if (!wt.has_value() || error.failure()) return error;
-    if (auto status = ConvSm90Dgrad(p, dy.element_type(), dy.untyped_data(), *wt, dx->untyped_data(), stream)) {
+  if (g.OutPixels() > 0 && WorkspaceFits(g, *workspace) &&
+      MakeConvSm90Problem(g, dy.element_type(), ConvStage::kDgrad, &p)) {
+    JAXDNN_RETURN_IF_ERROR(Transpose16(stream, w.untyped_data(), g.Taps() * g.channels, g.filters,
+                                       workspace->untyped_data()));
+    if (auto status = ConvSm90Dgrad(p, dy.element_type(), dy.untyped_data(), workspace->untyped_data(),
+                                    dx->untyped_data(), stream)) {
       return std::move(*status);
     }
   }
@@ -337,8 +324,8 @@ ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
   });
 }
 
-ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer dy,
-                         ffi::Result<ffi::AnyBuffer> dw, ConvAttrs attrs) {
+ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dw,
+                         ffi::Result<ffi::AnyBuffer> workspace, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), dw->dimensions(), dy.dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, dy, *dw));
@@ -350,13 +337,13 @@ ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
     return std::move(*status);
   }
   ConvSm90Problem p;
-  if (g.OutPixels() > 0 && MakeConvSm90Problem(g, x.element_type(), ConvStage::kWgrad, &p)) {
-    // CUTLASS writes [K, R * S * C]; transposed into dw [R * S * C, K] after.
-    std::optional<void*> dw_t = scratch.Allocate(size_t(rows * g.filters) * 2, 256);
-    if (!dw_t.has_value()) return OutOfScratch("the conv filter gradient");
-    if (auto status = ConvSm90Wgrad(p, x.element_type(), x.untyped_data(), dy.untyped_data(), *dw_t, stream)) {
+  if (g.OutPixels() > 0 && WorkspaceFits(g, *workspace) &&
+      MakeConvSm90Problem(g, x.element_type(), ConvStage::kWgrad, &p)) {
+    // CUTLASS writes [K, R * S * C] into the workspace; transposed into dw [R * S * C, K] after.
+    if (auto status = ConvSm90Wgrad(p, x.element_type(), x.untyped_data(), dy.untyped_data(),
+                                    workspace->untyped_data(), stream)) {
       JAXDNN_RETURN_IF_ERROR(std::move(*status));
-      return Transpose16(stream, *dw_t, g.filters, rows, dw->untyped_data());
+      return Transpose16(stream, workspace->untyped_data(), g.filters, rows, dw->untyped_data());
     }
   }
   const int64_t blocks = std::min(kMaxBlocks, rows * ((g.filters + kWgradLanes - 1) / kWgradLanes));
@@ -374,12 +361,11 @@ ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
 
 namespace ffi = xla::ffi;
 
-// Not command-buffer compatible: the handlers allocate scratch memory per call.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropCuda, jaxdnn::ConvFpropImpl,
-                              jaxdnn::BindConvFprop(jaxdnn::BindCudaScratch()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropCuda, jaxdnn::ConvFpropImpl, jaxdnn::BindConvFprop(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropFusedCuda, jaxdnn::ConvFpropFusedImpl,
-                              jaxdnn::BindConvFpropFused(jaxdnn::BindCudaScratch()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvDgradCuda, jaxdnn::ConvDgradImpl,
-                              jaxdnn::BindConvDgrad(jaxdnn::BindCudaScratch()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvWgradCuda, jaxdnn::ConvWgradImpl,
-                              jaxdnn::BindConvWgrad(jaxdnn::BindCudaScratch()));
+                              jaxdnn::BindConvFpropFused(jaxdnn::BindCuda()), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvDgradCuda, jaxdnn::ConvDgradImpl, jaxdnn::BindConvDgrad(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvWgradCuda, jaxdnn::ConvWgradImpl, jaxdnn::BindConvWgrad(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});

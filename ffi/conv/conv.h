@@ -9,14 +9,17 @@
 //              * w[t, c, k], where x~ is x with lhs_dilation - 1 zeros between its elements (a
 // transposed convolution) and zeros outside it. pad is the low padding and may be negative (it crops),
 // as in lax; the high padding only shows in the output sizes.
-// Targets (versioned: the ABI of exported programs); all accumulate in float32:
-//   jaxdnn_conv_fprop_v1  (x, w)  -> (y)    the forward
-//   jaxdnn_conv_fprop_fused_v1  (x, w, bias, [residual]) -> (y)
+// Targets (versioned: the ABI of exported programs); all accumulate in float32. Each has a last
+// result `workspace`: scratch for the GPU's tensor-core kernels, which take filters [K, T, U, V, Cg]
+// (the filter, or wgrad's result, transposed there). Sized at trace time: T*U*V*Cg*K elements of
+// x's dtype for 16-bit dtypes, none otherwise; a smaller one sends the stage to another kernel.
+//   jaxdnn_conv_fprop_v2  (x, w)  -> (y)    the forward
+//   jaxdnn_conv_fprop_fused_v2  (x, w, bias, [residual]) -> (y)
 //                                         y = act(conv(x, w) + bias + residual): bias [K], residual
 //                                         y's shape, both x's dtype; attributes activation (int64, the
 //                                         Activation enum of common/activation.h), activation_param (f32)
-//   jaxdnn_conv_dgrad_v1  (dy, w) -> (dx)   the gradient w.r.t. x (the transpose of fprop in x)
-//   jaxdnn_conv_wgrad_v1  (x, dy) -> (dw)   the gradient w.r.t. w (summed over N and the output pixels)
+//   jaxdnn_conv_dgrad_v2  (dy, w) -> (dx)   the gradient w.r.t. x (the transpose of fprop in x)
+//   jaxdnn_conv_wgrad_v2  (x, dy) -> (dw)   the gradient w.r.t. w (summed over N and the output pixels)
 // Attributes (int64, per spatial axis d h w): in_* (D H W), out_* (P Q R), window_* (T U V), stride_*,
 // pad_*, lhs_dilation_*, rhs_dilation_*, and groups. The sizes are checked against the buffers' shapes
 // (every stage's abstract evaluation needs the one size its operands do not give).
@@ -54,6 +57,7 @@ auto BindConvFprop(Binding binding) {
       .template Arg<xla::ffi::AnyBuffer>()  // x [N, D, H, W, C]
       .template Arg<xla::ffi::AnyBuffer>()  // w [T, U, V, Cg, K], x's dtype
       .template Ret<xla::ffi::AnyBuffer>()  // y [N, P, Q, R, K], x's dtype
+      .template Ret<xla::ffi::AnyBuffer>()  // workspace
       .template Attrs<ConvAttrs>();
 }
 
@@ -65,6 +69,7 @@ auto BindConvFpropFused(Binding binding) {
       .template Arg<xla::ffi::AnyBuffer>()          // bias [K], x's dtype
       .template OptionalArg<xla::ffi::AnyBuffer>()  // residual [N, P, Q, R, K], x's dtype
       .template Ret<xla::ffi::AnyBuffer>()          // y [N, P, Q, R, K], x's dtype
+      .template Ret<xla::ffi::AnyBuffer>()  // workspace
       .template Attrs<ConvFusedAttrs>();
 }
 
@@ -74,6 +79,7 @@ auto BindConvDgrad(Binding binding) {
       .template Arg<xla::ffi::AnyBuffer>()  // dy [N, P, Q, R, K]
       .template Arg<xla::ffi::AnyBuffer>()  // w [T, U, V, Cg, K], dy's dtype
       .template Ret<xla::ffi::AnyBuffer>()  // dx [N, D, H, W, C], dy's dtype
+      .template Ret<xla::ffi::AnyBuffer>()  // workspace
       .template Attrs<ConvAttrs>();
 }
 
@@ -83,6 +89,7 @@ auto BindConvWgrad(Binding binding) {
       .template Arg<xla::ffi::AnyBuffer>()  // x [N, D, H, W, C]
       .template Arg<xla::ffi::AnyBuffer>()  // dy [N, P, Q, R, K], x's dtype
       .template Ret<xla::ffi::AnyBuffer>()  // dw [T, U, V, Cg, K], x's dtype
+      .template Ret<xla::ffi::AnyBuffer>()  // workspace
       .template Attrs<ConvAttrs>();
 }
 

@@ -196,7 +196,8 @@ void Wgrad(const ConvGeometry& g, const T* x, const T* dy, T* dw) {
   }
 }
 
-ffi::Error ConvFpropImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, ConvAttrs attrs) {
+ffi::Error ConvFpropImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::AnyBuffer> /*workspace: the GPU's*/, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), w.dimensions(), y->dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
@@ -211,7 +212,7 @@ ffi::Error ConvFpropImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::An
 
 ffi::Error ConvFpropFusedImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
                               std::optional<ffi::AnyBuffer> residual, ffi::Result<ffi::AnyBuffer> y,
-                              ConvFusedAttrs attrs) {
+                              ffi::Result<ffi::AnyBuffer> /*workspace: the GPU's*/, ConvFusedAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs.conv, x.dimensions(), w.dimensions(), y->dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
@@ -230,7 +231,8 @@ ffi::Error ConvFpropFusedImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer
   });
 }
 
-ffi::Error ConvDgradImpl(ffi::AnyBuffer dy, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx, ConvAttrs attrs) {
+ffi::Error ConvDgradImpl(ffi::AnyBuffer dy, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
+                         ffi::Result<ffi::AnyBuffer> /*workspace: the GPU's*/, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, dx->dimensions(), w.dimensions(), dy.dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(dy, w, *dx));
@@ -243,7 +245,8 @@ ffi::Error ConvDgradImpl(ffi::AnyBuffer dy, ffi::AnyBuffer w, ffi::Result<ffi::A
   });
 }
 
-ffi::Error ConvWgradImpl(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dw, ConvAttrs attrs) {
+ffi::Error ConvWgradImpl(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dw,
+                         ffi::Result<ffi::AnyBuffer> /*workspace: the GPU's*/, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), dw->dimensions(), dy.dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, dy, *dw));

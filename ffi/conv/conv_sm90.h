@@ -4,7 +4,7 @@
 //
 // They take 2-D problems in CUTLASS's layouts: activations [N, H, W, C], outputs [N, P, Q, K] and
 // filters [K, R, S, C] (channels innermost: conv.cu transposes jaxdnn's [R, S, C, K] filters to and
-// from this layout in scratch memory).
+// from this layout in the targets' workspace result).
 #pragma once
 
 #include <cuda_runtime.h>
