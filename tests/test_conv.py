@@ -394,7 +394,8 @@ def test_conv_fused(dtype, activation, x_shape, w_shape, kwargs, with_residual, 
 @pytest.mark.parametrize("with_residual", [False, True], ids=["bias", "bias+residual"])
 def test_conv_fused_tensor_core_shapes(dtype, activation, with_residual, rng):
     """The epilogue of the tensor-core forward (16-bit, channels multiples of 8 on a GPU)."""
-    test_conv_fused(dtype, activation, (2, 9, 10, 16), (3, 3, 16, 24), dict(padding="SAME"), with_residual, rng)
+    test_conv_fused(dtype, activation, (2, 9, 10, 16), (3, 3, 16, 24), dict(padding="SAME"), with_residual,
+                    rng)
 
 
 def test_conv_fused_hlo_and_second_order(rng):
