@@ -51,28 +51,49 @@ def _spatial(attrs, prefix):
 
 # --- the kernel stages ----------------------------------------------------------------------------
 
-def _workspace(filter_shape, dtype):
-    """The stages' last result: room for the filter in the GPU tensor-core kernels' layout [K, T, U, V,
-    Cg] (16-bit dtypes, the ones they take); empty otherwise."""
-    size = math.prod(filter_shape) if jnp.dtype(dtype).itemsize == 2 else 0
-    return jax.core.ShapedArray((size,), dtype)
+# The stages' last result, a workspace for the GPU's tensor-core kernels (ffi/conv/conv_sm90.h), which
+# take 16-bit operands only (empty otherwise): the filter in their layout [K, T, U, V, Cg]; for
+# dgrad with strides, also dy with zeros between its pixels; for wgrad, float32 partial filter
+# gradients of slices of the batch, enough slices to give about every SM of an H100/H200 an output
+# tile of 128 x 128 (CUTLASS's Hopper conv has no split-K).
+_SMS = 132
+_WGRAD_TILE = 128
+_MAX_WGRAD_SLICES = 16
+
+
+def _workspace(dtype, elements):
+    return jax.core.ShapedArray((elements if jnp.dtype(dtype).itemsize == 2 else 0,), dtype)
+
+
+def _wgrad_slices(batch, filter_shape):
+    filters, rows = filter_shape[-1], math.prod(filter_shape[:-1])
+    tiles = -(-filters // _WGRAD_TILE) * -(-rows // _WGRAD_TILE)
+    return max(1, min(batch, _MAX_WGRAD_SLICES, -(-_SMS // tiles)))
 
 
 def _fprop_avals(x, w, **attrs):
     return [jax.core.ShapedArray((x.shape[0],) + _spatial(attrs, "out") + (w.shape[-1],), x.dtype),
-            _workspace(w.shape, x.dtype)]
+            _workspace(x.dtype, math.prod(w.shape))]
 
 
 def _dgrad_avals(dy, w, **attrs):
     channels = int(attrs["groups"]) * w.shape[3]
+    strides = _spatial(attrs, "stride")
+    spread = 0
+    if any(s > 1 for s in strides):
+        spread_pixels = math.prod((o - 1) * s + 1 for o, s in zip(dy.shape[1:4], strides))
+        spread = dy.shape[0] * spread_pixels * dy.shape[-1]
     return [jax.core.ShapedArray((dy.shape[0],) + _spatial(attrs, "in") + (channels,), dy.dtype),
-            _workspace(w.shape, dy.dtype)]
+            _workspace(dy.dtype, math.prod(w.shape) + spread)]
 
 
 def _wgrad_avals(x, dy, **attrs):
     group_channels = x.shape[-1] // int(attrs["groups"])
     dw_shape = _spatial(attrs, "window") + (group_channels, dy.shape[-1])
-    return [jax.core.ShapedArray(dw_shape, x.dtype), _workspace(dw_shape, x.dtype)]
+    float32_per_element = 2  # the partial sums are float32, the workspace 16-bit
+    slices = _wgrad_slices(x.shape[0], dw_shape)
+    return [jax.core.ShapedArray(dw_shape, x.dtype),
+            _workspace(x.dtype, slices * math.prod(dw_shape) * float32_per_element)]
 
 
 def _fused_avals(x, w, bias, *residual, activation, activation_param, **attrs):

@@ -1,10 +1,9 @@
 // CUDA convolution. Pointwise stages (1x1 windows, unit strides, no padding, one group) with 16-bit
 // operands run on the tensor-core GEMM of ffi/dense (see PointwiseGemm); other 2-D stages with 16-bit
 // operands, one group and channel counts multiples of 8 on the implicit-GEMM tensor-core kernels of
-// conv_sm90.cuh (see TensorCoreFprop and friends: they take filters [K, R, S, C], so the handlers
-// transpose jaxdnn's [R, S, C, K] filters in the targets' workspace result). Everything else
-// runs on a CORRECTNESS BASELINE without tensor cores. The baseline trades speed for obviously safe code: scalar loads (no alignment requirement), int64 indexing,
-// float32 accumulation, grid-stride loops over a 1-D grid (no gridDim.y/z limits), and the index
+// conv_sm90.cuh (through conv_sm90.cu's TensorCoreFprop and friends, with the targets' workspace).
+// Everything else runs on a CORRECTNESS BASELINE without tensor cores. The baseline trades speed for
+// obviously safe code: scalar loads (no alignment requirement), int64 indexing, float32 accumulation, grid-stride loops over a 1-D grid (no gridDim.y/z limits), and the index
 // maps of conv_geometry.h that the CPU kernels use too.
 //   fprop: one thread per y element (n, p, q, r, k), k fastest (the fused forward adds its epilogue
 //          to the accumulator before the one rounding): for each tap, the Cg input channels of
@@ -21,7 +20,6 @@
 // on an H100/H200, two orders of magnitude below cuDNN, and dgrad slower still (its w reads are
 // strided by K).
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -155,104 +153,17 @@ std::optional<ffi::Error> PointwiseGemm(cudaStream_t stream, const ConvGeometry&
   return GemmOnTensorCores(p, dtype, stream);
 }
 
-}  // namespace
-
-bool MakeConvSm90Problem(const ConvGeometry& g, ffi::DataType dtype, ConvStage stage, ConvSm90Problem* p) {
-  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
-  if (g.groups != 1 || g.channels % 8 != 0 || g.filters % 8 != 0) return false;
-  if (g.window[0] != 1 || g.stride[0] != 1 || g.pad[0] != 0 || g.in[0] != g.out[0]) return false;
-  constexpr int64_t kMaxInt = INT32_MAX;
-  if (g.InPixels() * g.channels > kMaxInt || g.OutPixels() * g.filters > kMaxInt ||
-      g.Taps() * g.channels * g.filters > kMaxInt) {
-    return false;
-  }
-  p->n = int(g.batch * g.in[0]);
-  p->h = int(g.in[1]);
-  p->w = int(g.in[2]);
-  p->c = int(g.channels);
-  p->k = int(g.filters);
-  p->r = int(g.window[1]);
-  p->s = int(g.window[2]);
-  p->p = int(g.out[1]);
-  p->q = int(g.out[2]);
-  for (int a = 0; a < 2; ++a) {
-    const int axis = a + 1;
-    if (g.lhs_dilation[axis] != 1 || g.pad[axis] < 0 || g.pad[axis] > 64) return false;
-    if (stage == ConvStage::kDgrad && g.stride[axis] != 1) return false;
-    // CUTLASS derives the output size from both paddings: the high one is what the output's last
-    // window needs (none when the input has unread trailing pixels), and must give g's output size.
-    const int64_t span = (g.window[axis] - 1) * g.rhs_dilation[axis] + 1;
-    const int64_t high = std::max<int64_t>(0, (g.out[axis] - 1) * g.stride[axis] + span - g.in[axis] - g.pad[axis]);
-    if (high > 64 || (g.in[axis] + g.pad[axis] + high - span) / g.stride[axis] + 1 != g.out[axis]) return false;
-    if (span > 64 || g.stride[axis] > 64) return false;
-    p->pad_lo[a] = int(g.pad[axis]);
-    p->pad_hi[a] = int(high);
-    p->stride[a] = int(g.stride[axis]);
-    p->dilation[a] = int(g.rhs_dilation[axis]);
-  }
-  return true;
-}
-
-namespace {
-
-// out[c, r] = in[r, c] for a row-major [rows, cols] matrix of 16-bit values, through 32 x 32 tiles in
-// shared memory so both the reads and the writes are coalesced.
-constexpr int kTransposeTile = 32;
-constexpr int kTransposeRows = 8;  // threads per tile column: each moves 4 values
-
-__global__ void __launch_bounds__(kTransposeTile* kTransposeRows)
-    Transpose16Kernel(const uint16_t* __restrict__ in, int64_t rows, int64_t cols, uint16_t* __restrict__ out) {
-  __shared__ uint16_t tile[kTransposeTile][kTransposeTile + 1];  // + 1: no bank conflicts on the way out
-  const int64_t row0 = int64_t(blockIdx.x) * kTransposeTile, col0 = int64_t(blockIdx.y) * kTransposeTile;
-  for (int i = threadIdx.y; i < kTransposeTile; i += kTransposeRows) {
-    const int64_t r = row0 + i, c = col0 + threadIdx.x;
-    if (r < rows && c < cols) tile[i][threadIdx.x] = in[r * cols + c];
-  }
-  __syncthreads();
-  for (int i = threadIdx.y; i < kTransposeTile; i += kTransposeRows) {
-    const int64_t c = col0 + i, r = row0 + threadIdx.x;
-    if (r < rows && c < cols) out[c * rows + r] = tile[threadIdx.x][i];
-  }
-}
-
-ffi::Error Transpose16(cudaStream_t stream, const void* in, int64_t rows, int64_t cols, void* out) {
-  const dim3 grid(unsigned((rows + kTransposeTile - 1) / kTransposeTile),
-                  unsigned((cols + kTransposeTile - 1) / kTransposeTile));
-  Transpose16Kernel<<<grid, dim3(kTransposeTile, kTransposeRows), 0, stream>>>(
-      static_cast<const uint16_t*>(in), rows, cols, static_cast<uint16_t*>(out));
-  return LaunchError("conv filter transpose");
-}
-
-// The workspace holds the filter (or wgrad's result) in CUTLASS's [K, R * S * C] layout; a smaller
-// one than that (a non-16-bit stage's, empty) sends the stage to the baseline.
-bool WorkspaceFits(const ConvGeometry& g, const ffi::AnyBuffer& workspace) {
-  return workspace.size_bytes() >= size_t(g.Taps() * g.GroupChannels() * g.filters) * 2;
-}
-
-// The tensor-core forward (see conv_sm90.h): its status, or nothing when g needs another kernel.
-std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::AnyBuffer& x,
-                                          const ffi::AnyBuffer& w, const void* bias, const void* residual,
-                                          int64_t activation, float activation_param, ffi::AnyBuffer& y,
-                                          ffi::AnyBuffer& workspace) {
-  ConvSm90Problem p;
-  if (!WorkspaceFits(g, workspace) || !MakeConvSm90Problem(g, x.element_type(), ConvStage::kFprop, &p)) {
-    return std::nullopt;
-  }
-  JAXDNN_RETURN_IF_ERROR(Transpose16(stream, w.untyped_data(), g.Taps() * g.channels, g.filters,
-                                     workspace.untyped_data()));
-  return ConvSm90Fprop(p, x.element_type(), x.untyped_data(), workspace.untyped_data(), bias, residual,
-                       int(activation), activation_param, y.untyped_data(), stream);
-}
-
 // The forward with an epilogue (the plain one passes none); `bias` and `residual` may be null.
 ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
                        const ffi::AnyBuffer* bias, const ffi::AnyBuffer* residual, int64_t activation,
                        float activation_param, ffi::AnyBuffer& y, ffi::AnyBuffer& workspace) {
   const int64_t items = g.OutPixels() * g.filters;
   if (items == 0) return ffi::Error::Success();
-  if (auto status = TensorCoreFprop(stream, g, x, w, bias != nullptr ? bias->untyped_data() : nullptr,
+  if (auto status = TensorCoreFprop(stream, g, x.element_type(), x.untyped_data(), w.untyped_data(),
+                                    bias != nullptr ? bias->untyped_data() : nullptr,
                                     residual != nullptr ? residual->untyped_data() : nullptr, activation,
-                                    activation_param, y, workspace)) {
+                                    activation_param, y.untyped_data(), workspace.untyped_data(),
+                                    workspace.size_bytes())) {
     return std::move(*status);
   }
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {
@@ -305,15 +216,9 @@ ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
                                   g.InPixels(), g.channels, g.filters, false, true, dy.element_type())) {
     return std::move(*status);
   }
-  ConvSm90Problem p;
-  if (g.OutPixels() > 0 && WorkspaceFits(g, *workspace) &&
-      MakeConvSm90Problem(g, dy.element_type(), ConvStage::kDgrad, &p)) {
-    JAXDNN_RETURN_IF_ERROR(Transpose16(stream, w.untyped_data(), g.Taps() * g.channels, g.filters,
-                                       workspace->untyped_data()));
-    if (auto status = ConvSm90Dgrad(p, dy.element_type(), dy.untyped_data(), workspace->untyped_data(),
-                                    dx->untyped_data(), stream)) {
-      return std::move(*status);
-    }
+  if (auto status = TensorCoreDgrad(stream, g, dy.element_type(), dy.untyped_data(), w.untyped_data(),
+                                    dx->untyped_data(), workspace->untyped_data(), workspace->size_bytes())) {
+    return std::move(*status);
   }
   return DispatchFloat<float, __nv_bfloat16, __half>(dy.element_type(), "dy", [&](auto type_tag) {
     using T = decltype(type_tag);
@@ -336,15 +241,9 @@ ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
                                   g.channels, g.filters, g.InPixels(), true, false, x.element_type())) {
     return std::move(*status);
   }
-  ConvSm90Problem p;
-  if (g.OutPixels() > 0 && WorkspaceFits(g, *workspace) &&
-      MakeConvSm90Problem(g, x.element_type(), ConvStage::kWgrad, &p)) {
-    // CUTLASS writes [K, R * S * C] into the workspace; transposed into dw [R * S * C, K] after.
-    if (auto status = ConvSm90Wgrad(p, x.element_type(), x.untyped_data(), dy.untyped_data(),
-                                    workspace->untyped_data(), stream)) {
-      JAXDNN_RETURN_IF_ERROR(std::move(*status));
-      return Transpose16(stream, workspace->untyped_data(), g.filters, rows, dw->untyped_data());
-    }
+  if (auto status = TensorCoreWgrad(stream, g, x.element_type(), x.untyped_data(), dy.untyped_data(),
+                                    dw->untyped_data(), workspace->untyped_data(), workspace->size_bytes())) {
+    return std::move(*status);
   }
   const int64_t blocks = std::min(kMaxBlocks, rows * ((g.filters + kWgradLanes - 1) / kWgradLanes));
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {

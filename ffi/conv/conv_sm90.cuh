@@ -36,18 +36,19 @@ using ConvTileNarrow = cute::Shape<cute::_128, cute::_64, cute::Shape<cute::_64>
 // wgrad's GEMM N is the filter's (R, S, C) modes, so its tile nests N as the others nest K.
 using ConvTileWgrad = cute::Shape<cute::_128, cute::Shape<cute::_128>, cute::Shape<cute::_64>>;
 
-// The kernel of one stage, element type and tile. Fusion is the epilogue's operation: the forward's
-// bias + residual + activation, or a plain store.
-template <cutlass::conv::Operator Op, class Element, class Tile, class ElementC, class Fusion>
+// The kernel of one stage, operand type, tile and result type. Fusion is the epilogue's operation:
+// the forward's bias + residual + activation, or a plain store.
+template <cutlass::conv::Operator Op, class Element, class Tile, class ElementC, class ElementD, class Fusion>
 struct Conv {
   using Act = cutlass::layout::TensorNHWC;  // [N, H, W, C] activations, [K, R, S, C] filters
   using LayoutC = cute::conditional_t<Op == cutlass::conv::Operator::kWgrad, cutlass::layout::TensorKCSR, Act>;
   static constexpr int kAlign = 16 / sizeof(Element);
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
   using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutC, kAlign, Element, LayoutC,
-      kAlign, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutC, kAlign, ElementD, LayoutC,
+      kAlignD, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::conv::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Op, Element, Act, kAlign, Element, Act, kAlign, float,
       Tile, Cluster,
@@ -61,12 +62,14 @@ struct Conv {
 // The forward: y = act(acc + bias[k] + residual), the residual as CUTLASS's source C (beta 1).
 template <class Element, class Tile>
 using ConvFprop =
-    Conv<cutlass::conv::Operator::kFprop, Element, Tile, Element,
+    Conv<cutlass::conv::Operator::kFprop, Element, Tile, Element, Element,
          cutlass::epilogue::fusion::LinCombPerColBiasEltAct<RuntimeActivation, Element, float, Element, Element>>;
 
-// The backward stages store the accumulator (no source).
-template <cutlass::conv::Operator Op, class Element, class Tile>
-using ConvPlain = Conv<Op, Element, Tile, void, cutlass::epilogue::fusion::LinearCombination<Element, float, void>>;
+// The backward stages store the accumulator (no source): dgrad in the operands' type, wgrad in
+// float32 (partial sums over a slice of the images, added up by the caller).
+template <cutlass::conv::Operator Op, class Element, class Tile, class ElementD>
+using ConvPlain =
+    Conv<Op, Element, Tile, void, ElementD, cutlass::epilogue::fusion::LinearCombination<ElementD, float, void>>;
 
 template <cutlass::conv::Operator Op>
 cutlass::conv::ConvProblemShape<Op, 2> MakeShape(const ConvSm90Problem& p) {
@@ -140,16 +143,16 @@ std::optional<ffi::Error> Fprop(const ConvSm90Problem& p, const void* x, const v
 }
 
 // dgrad (A = dy, B = w, D = dx) and wgrad (A = dy, B = x, D = dw): plain stores.
-template <cutlass::conv::Operator Op, class Element, class Tile>
+template <cutlass::conv::Operator Op, class Element, class Tile, class ElementD>
 std::optional<ffi::Error> BackwardTiled(const ConvSm90Problem& p, const void* a, const void* b, void* d,
                                         cudaStream_t stream, const char* what) {
-  using Cfg = ConvPlain<Op, Element, Tile>;
+  using Cfg = ConvPlain<Op, Element, Tile, ElementD>;
   const auto shape = MakeShape<Op>(p);
   const auto stride = OutputStride<typename Cfg::Kernel>(shape);
   typename Cfg::Adapter::Arguments args{
       shape,
       {static_cast<const Element*>(a), static_cast<const Element*>(b)},
-      {{}, nullptr, stride, static_cast<Element*>(d), stride}};
+      {{}, nullptr, stride, static_cast<ElementD*>(d), stride}};
   args.epilogue.thread.alpha = 1.f;
   args.epilogue.thread.beta = 0.f;
   return Launch<Cfg>(args, stream, what);
@@ -159,15 +162,16 @@ template <class Element>
 std::optional<ffi::Error> Dgrad(const ConvSm90Problem& p, const void* dy, const void* w, void* dx,
                                 cudaStream_t stream) {
   constexpr auto kDgrad = cutlass::conv::Operator::kDgrad;
-  if (p.c <= 64) return BackwardTiled<kDgrad, Element, ConvTileNarrow>(p, dy, w, dx, stream, "conv dgrad (tensor cores)");
-  return BackwardTiled<kDgrad, Element, ConvTileWide>(p, dy, w, dx, stream, "conv dgrad (tensor cores)");
+  constexpr const char* kWhat = "conv dgrad (tensor cores)";
+  if (p.c <= 64) return BackwardTiled<kDgrad, Element, ConvTileNarrow, Element>(p, dy, w, dx, stream, kWhat);
+  return BackwardTiled<kDgrad, Element, ConvTileWide, Element>(p, dy, w, dx, stream, kWhat);
 }
 
 template <class Element>
-std::optional<ffi::Error> Wgrad(const ConvSm90Problem& p, const void* x, const void* dy, void* dw,
+std::optional<ffi::Error> Wgrad(const ConvSm90Problem& p, const void* x, const void* dy, float* dw,
                                 cudaStream_t stream) {
-  return BackwardTiled<cutlass::conv::Operator::kWgrad, Element, ConvTileWgrad>(p, dy, x, dw, stream,
-                                                                              "conv wgrad (tensor cores)");
+  return BackwardTiled<cutlass::conv::Operator::kWgrad, Element, ConvTileWgrad, float>(p, dy, x, dw, stream,
+                                                                                     "conv wgrad (tensor cores)");
 }
 
 // The dtype dispatch of one stage: bfloat16 or float16 (MakeConvSm90Problem admits no other).

@@ -1,10 +1,7 @@
 // The Hopper tensor-core convolutions (CUTLASS's implicit-GEMM kernels: TMA im2col loads feeding
-// wgmma), as the CUDA handlers of conv.cu call them. Plain C++ (no CUTLASS): the kernels live in
-// conv_sm90_{fprop,dgrad,wgrad}.cu.
-//
-// They take 2-D problems in CUTLASS's layouts: activations [N, H, W, C], outputs [N, P, Q, K] and
-// filters [K, R, S, C] (channels innermost: conv.cu transposes jaxdnn's [R, S, C, K] filters to and
-// from this layout in the targets' workspace result).
+// wgmma). Plain C++ (no CUTLASS). The kernels take 2-D problems in CUTLASS's layouts: activations
+// [N, H, W, C], outputs [N, P, Q, K] and filters [K, R, S, C] (channels innermost); conv_sm90.cu
+// moves jaxdnn's [R, S, C, K] filters to and from that layout.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,24 +21,36 @@ struct ConvSm90Problem {
   int pad_lo[2], pad_hi[2], stride[2], dilation[2];  // (h, w)
 };
 
-// The tensor-core form of g, when its kernels take g: 16-bit operands, one group, no lhs dilation,
-// non-negative padding, C and K multiples of 8 (TMA's 16-byte rows), sizes within int32, and a 2-D
-// problem: the depth axis must be trivial (window 1, stride 1, no padding), and is folded into N.
-// dgrad also needs unit strides (CUTLASS's Hopper dgrad has no strided form).
-enum class ConvStage { kFprop, kDgrad, kWgrad };
-bool MakeConvSm90Problem(const ConvGeometry& g, ffi::DataType dtype, ConvStage stage, ConvSm90Problem* p);
-
-// Each returns the launch's status, or nothing when CUTLASS's kernel cannot take the problem after
-// all (its TMA im2col limits on padding and window offsets): the caller then runs another kernel.
+// The CUTLASS kernels (conv_sm90_{fprop,dgrad,wgrad}.cu). Each returns the launch's status, or
+// nothing when it cannot take the problem after all (its TMA im2col limits on padding and window
+// offsets): the caller then runs another kernel.
 // y = act(conv(x, w) + bias + residual): bias [K] or null, residual y's shape or null.
 std::optional<ffi::Error> ConvSm90Fprop(const ConvSm90Problem& p, ffi::DataType dtype, const void* x,
                                         const void* w, const void* bias, const void* residual, int activation,
                                         float activation_param, void* y, cudaStream_t stream);
-// dx = the transpose of fprop in x, applied to dy.
+// dx = the transpose of fprop (unit strides) in x, applied to dy.
 std::optional<ffi::Error> ConvSm90Dgrad(const ConvSm90Problem& p, ffi::DataType dtype, const void* dy,
                                         const void* w, void* dx, cudaStream_t stream);
-// dw [K, R, S, C] = the gradient w.r.t. the filter, summed over the images and output pixels.
+// dw [K, R, S, C] float32 = the gradient w.r.t. the filter, summed over the images and output pixels.
 std::optional<ffi::Error> ConvSm90Wgrad(const ConvSm90Problem& p, ffi::DataType dtype, const void* x,
-                                        const void* dy, void* dw, cudaStream_t stream);
+                                        const void* dy, float* dw, cudaStream_t stream);
+
+// The stages as conv.cu's handlers run them (conv_sm90.cu), on jaxdnn's layouts (conv.h) and with
+// the targets' workspace. They take 2-D problems with 16-bit operands, one group, no lhs dilation,
+// non-negative padding, C and K multiples of 8 (TMA's 16-byte rows) and sizes within int32; the
+// depth axis must be trivial (window 1, stride 1, no padding) and is folded into N. Each returns the
+// launch's status, or nothing when g (or a workspace too small for it) needs another kernel.
+// Workspace (bytes): fprop the filter; dgrad the filter plus, for strides > 1, dy with zeros
+// inserted between its pixels; wgrad float32 partial filter gradients, one per slice of the images.
+std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
+                                          const void* x, const void* w, const void* bias, const void* residual,
+                                          int64_t activation, float activation_param, void* y, void* workspace,
+                                          size_t workspace_bytes);
+std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
+                                          const void* dy, const void* w, void* dx, void* workspace,
+                                          size_t workspace_bytes);
+std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
+                                          const void* x, const void* dy, void* dw, void* workspace,
+                                          size_t workspace_bytes);
 
 }  // namespace jaxdnn

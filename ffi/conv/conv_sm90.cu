@@ -1,0 +1,252 @@
+// The tensor-core convolution stages as conv.cu's handlers call them: which problems the CUTLASS
+// kernels of conv_sm90.cuh take, and the layout work around them, in the targets' workspace:
+// - fprop and dgrad: the filter [R, S, C, K] transposed to CUTLASS's [K, R, S, C];
+// - strided dgrad: CUTLASS's Hopper dgrad has unit strides only, so dy goes through it with
+//   stride - 1 zeros inserted between its pixels (the zero-padded dy of a unit-stride convolution
+//   whose output positions o * stride are the strided one's): stride^2 times the work, but on the
+//   tensor cores;
+// - wgrad: the images split into slices whose float32 partial sums [K, R, S, C] run concurrently on
+//   side streams (one slice's output tiles alone would leave most SMs idle: CUTLASS's Hopper conv
+//   has no split-K), then one kernel adds the slices in a fixed order (deterministic) and transposes
+//   the sum to dw [R, S, C, K].
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+
+#include "common/cuda_common.cuh"
+#include "conv/conv_sm90.h"
+
+namespace jaxdnn {
+namespace {
+
+constexpr int kTile = 32;      // the transposes' tile: 32 x 32 values through shared memory
+constexpr int kTileRows = 8;   // threads per tile column: each moves 4 values
+constexpr int kBlock = 256;
+constexpr int kMaxSlices = 16;  // wgrad's side streams
+
+// out[c, r] = in[r, c] for a row-major [rows, cols] matrix of 16-bit values; reads and writes
+// coalesced.
+__global__ void __launch_bounds__(kTile* kTileRows)
+    Transpose16Kernel(const uint16_t* __restrict__ in, int64_t rows, int64_t cols, uint16_t* __restrict__ out) {
+  __shared__ uint16_t tile[kTile][kTile + 1];  // + 1: no bank conflicts on the way out
+  const int64_t row0 = int64_t(blockIdx.x) * kTile, col0 = int64_t(blockIdx.y) * kTile;
+  for (int i = threadIdx.y; i < kTile; i += kTileRows) {
+    const int64_t r = row0 + i, c = col0 + threadIdx.x;
+    if (r < rows && c < cols) tile[i][threadIdx.x] = in[r * cols + c];
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < kTile; i += kTileRows) {
+    const int64_t c = col0 + i, r = row0 + threadIdx.x;
+    if (r < rows && c < cols) out[c * rows + r] = tile[threadIdx.x][i];
+  }
+}
+
+// dw[r, c] = sum over s < slices of partial[s, c, r] (float32, [slices, cols, rows]), rounded once.
+template <typename T>
+__global__ void __launch_bounds__(kTile* kTileRows)
+    SumTransposeKernel(const float* __restrict__ partial, int slices, int64_t rows, int64_t cols, T* __restrict__ dw) {
+  __shared__ float tile[kTile][kTile + 1];
+  const int64_t col0 = int64_t(blockIdx.x) * kTile, row0 = int64_t(blockIdx.y) * kTile;
+  for (int i = threadIdx.y; i < kTile; i += kTileRows) {
+    const int64_t c = col0 + i, r = row0 + threadIdx.x;
+    float sum = 0.f;
+    if (r < rows && c < cols) {
+      for (int s = 0; s < slices; ++s) sum += partial[(s * cols + c) * rows + r];
+    }
+    tile[i][threadIdx.x] = sum;
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < kTile; i += kTileRows) {
+    const int64_t r = row0 + i, c = col0 + threadIdx.x;
+    if (r < rows && c < cols) dw[r * cols + c] = FromFloat<T>(tile[threadIdx.x][i]);
+  }
+}
+
+// dy [N, P, Q, K] spread to [N, (P - 1) * sh + 1, (Q - 1) * sw + 1, K] with zeros between its pixels,
+// 8 channels (16 bytes) at a time (the tensor-core problems have K % 8 == 0).
+__global__ void __launch_bounds__(kBlock)
+    InsertZerosKernel(const uint4* __restrict__ dy, int64_t n, int64_t p, int64_t q, int64_t packs, int sh, int sw,
+                      uint4* __restrict__ out) {
+  const int64_t hz = (p - 1) * sh + 1, wz = (q - 1) * sw + 1, total = n * hz * wz * packs;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t pack = i % packs, pixel = i / packs;
+    const int64_t w = pixel % wz, h = (pixel / wz) % hz, image = pixel / (wz * hz);
+    uint4 value = make_uint4(0, 0, 0, 0);
+    if (h % sh == 0 && w % sw == 0) value = dy[((image * p + h / sh) * q + w / sw) * packs + pack];
+    out[i] = value;
+  }
+}
+
+ffi::Error Transpose16(cudaStream_t stream, const void* in, int64_t rows, int64_t cols, void* out) {
+  const dim3 grid(unsigned((rows + kTile - 1) / kTile), unsigned((cols + kTile - 1) / kTile));
+  Transpose16Kernel<<<grid, dim3(kTile, kTileRows), 0, stream>>>(static_cast<const uint16_t*>(in), rows, cols,
+                                                                 static_cast<uint16_t*>(out));
+  return LaunchError("conv filter transpose");
+}
+
+int64_t FilterElements(const ConvGeometry& g) { return g.Taps() * g.channels * g.filters; }
+
+// CUTLASS's 2-D problem for g, when its kernels take g (see conv_sm90.h).
+bool MakeProblem(const ConvGeometry& g, ffi::DataType dtype, ConvSm90Problem* p) {
+  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
+  if (g.groups != 1 || g.channels % 8 != 0 || g.filters % 8 != 0) return false;
+  if (g.window[0] != 1 || g.stride[0] != 1 || g.pad[0] != 0 || g.in[0] != g.out[0]) return false;
+  constexpr int64_t kMaxInt = INT32_MAX;
+  if (g.InPixels() * g.channels > kMaxInt || g.OutPixels() * g.filters > kMaxInt || FilterElements(g) > kMaxInt) {
+    return false;
+  }
+  if (g.OutPixels() == 0) return false;
+  *p = ConvSm90Problem{int(g.batch * g.in[0]), int(g.in[1]),     int(g.in[2]),  int(g.channels), int(g.filters),
+                       int(g.window[1]),       int(g.window[2]), int(g.out[1]), int(g.out[2])};
+  for (int a = 0; a < 2; ++a) {
+    const int axis = a + 1;
+    // TMA's im2col mode bounds the padding and the window's offsets; 64 is well inside them.
+    const int64_t span = (g.window[axis] - 1) * g.rhs_dilation[axis] + 1;
+    if (g.lhs_dilation[axis] != 1 || g.pad[axis] < 0 || g.pad[axis] > 64 || span > 64 || g.stride[axis] > 64) {
+      return false;
+    }
+    // CUTLASS derives the output size from both paddings: the high one is what the output's last
+    // window needs (none when the input has unread trailing pixels), and must give g's output size.
+    const int64_t high = std::max<int64_t>(0, (g.out[axis] - 1) * g.stride[axis] + span - g.in[axis] - g.pad[axis]);
+    if (high > 64 || (g.in[axis] + g.pad[axis] + high - span) / g.stride[axis] + 1 != g.out[axis]) return false;
+    p->pad_lo[a] = int(g.pad[axis]);
+    p->pad_hi[a] = int(high);
+    p->stride[a] = int(g.stride[axis]);
+    p->dilation[a] = int(g.rhs_dilation[axis]);
+  }
+  return true;
+}
+
+// Streams beside XLA's for wgrad's slices, per device, made on first use and kept for the process.
+struct SideStreams {
+  cudaStream_t streams[kMaxSlices];
+  cudaEvent_t fork;
+  cudaEvent_t join[kMaxSlices];
+};
+
+std::mutex side_streams_mutex;  // also serializes the fork-join sections that reuse the events
+
+ffi::Error GetSideStreams(SideStreams** out) {
+  static std::map<int, SideStreams> by_device;
+  int device = 0;
+  JAXDNN_RETURN_IF_ERROR(CudaError(cudaGetDevice(&device), "cudaGetDevice"));
+  auto found = by_device.find(device);
+  if (found == by_device.end()) {
+    SideStreams side;
+    for (int i = 0; i < kMaxSlices; ++i) {
+      JAXDNN_RETURN_IF_ERROR(CudaError(cudaStreamCreateWithFlags(&side.streams[i], cudaStreamNonBlocking),
+                                       "conv wgrad side streams"));
+      JAXDNN_RETURN_IF_ERROR(
+          CudaError(cudaEventCreateWithFlags(&side.join[i], cudaEventDisableTiming), "conv wgrad events"));
+    }
+    JAXDNN_RETURN_IF_ERROR(CudaError(cudaEventCreateWithFlags(&side.fork, cudaEventDisableTiming), "conv wgrad events"));
+    found = by_device.emplace(device, side).first;
+  }
+  *out = &found->second;
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
+                                          const void* x, const void* w, const void* bias, const void* residual,
+                                          int64_t activation, float activation_param, void* y, void* workspace,
+                                          size_t workspace_bytes) {
+  ConvSm90Problem p;
+  if (!MakeProblem(g, dtype, &p) || workspace_bytes < size_t(FilterElements(g)) * 2) return std::nullopt;
+  JAXDNN_RETURN_IF_ERROR(Transpose16(stream, w, g.Taps() * g.channels, g.filters, workspace));
+  return ConvSm90Fprop(p, dtype, x, workspace, bias, residual, int(activation), activation_param, y, stream);
+}
+
+size_t DgradWorkspaceBytes(const ConvGeometry& g) {
+  size_t bytes = size_t(FilterElements(g)) * 2;
+  if (g.stride[1] > 1 || g.stride[2] > 1) {
+    bytes += size_t(g.batch * g.out[0] * ((g.out[1] - 1) * g.stride[1] + 1) * ((g.out[2] - 1) * g.stride[2] + 1) *
+                    g.filters) * 2;
+  }
+  return bytes;
+}
+
+std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
+                                          const void* dy, const void* w, void* dx, void* workspace,
+                                          size_t workspace_bytes) {
+  // The unit-stride problem over the zero-inserted dy (the same one when the strides are 1).
+  ConvGeometry unit = g;
+  for (int a = 1; a < 3; ++a) {
+    unit.out[a] = (g.out[a] - 1) * g.stride[a] + 1;
+    unit.stride[a] = 1;
+  }
+  ConvSm90Problem p;
+  if (g.OutPixels() == 0 || !MakeProblem(unit, dtype, &p) || workspace_bytes < DgradWorkspaceBytes(g)) {
+    return std::nullopt;
+  }
+  JAXDNN_RETURN_IF_ERROR(Transpose16(stream, w, g.Taps() * g.channels, g.filters, workspace));
+  const void* dy_unit = dy;
+  if (g.stride[1] > 1 || g.stride[2] > 1) {
+    uint4* spread = reinterpret_cast<uint4*>(static_cast<char*>(workspace) + FilterElements(g) * 2);
+    const int64_t packs = unit.OutPixels() * g.filters / 8;
+    const int blocks = int(std::min<int64_t>((packs + kBlock - 1) / kBlock, 1 << 20));
+    InsertZerosKernel<<<blocks, kBlock, 0, stream>>>(static_cast<const uint4*>(dy), g.batch * g.out[0], g.out[1],
+                                                     g.out[2], g.filters / 8, int(g.stride[1]), int(g.stride[2]),
+                                                     spread);
+    JAXDNN_RETURN_IF_ERROR(LaunchError("conv dgrad zero insertion"));
+    dy_unit = spread;
+  }
+  return ConvSm90Dgrad(p, dtype, dy_unit, workspace, dx, stream);
+}
+
+std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
+                                          const void* x, const void* dy, void* dw, void* workspace,
+                                          size_t workspace_bytes) {
+  ConvSm90Problem p;
+  const size_t slice_bytes = size_t(FilterElements(g)) * sizeof(float);
+  const int64_t rows = g.Taps() * g.channels, cols = g.filters;
+  if (!MakeProblem(g, dtype, &p) || workspace_bytes < slice_bytes || rows > int64_t(kTile) * 65535) {
+    return std::nullopt;
+  }
+  // As many slices as the workspace holds partial sums (the Python side sizes it), at most one per image.
+  const int slices = int(std::min<int64_t>({int64_t(workspace_bytes / slice_bytes), int64_t(p.n), kMaxSlices}));
+  float* partial = static_cast<float*>(workspace);
+  const int64_t x_image = int64_t(p.h) * p.w * p.c, dy_image = int64_t(p.p) * p.q * p.k;
+  auto run_slice = [&](int s, cudaStream_t on) {
+    const int first = int(int64_t(p.n) * s / slices), end = int(int64_t(p.n) * (s + 1) / slices);
+    ConvSm90Problem slice = p;
+    slice.n = end - first;
+    return ConvSm90Wgrad(slice, dtype, static_cast<const char*>(x) + first * x_image * 2,
+                         static_cast<const char*>(dy) + first * dy_image * 2, partial + s * FilterElements(g), on);
+  };
+  if (slices == 1) {
+    auto status = run_slice(0, stream);
+    if (!status.has_value() || status->failure()) return status;
+  } else {
+    std::lock_guard<std::mutex> lock(side_streams_mutex);
+    SideStreams* side = nullptr;
+    JAXDNN_RETURN_IF_ERROR(GetSideStreams(&side));
+    JAXDNN_RETURN_IF_ERROR(CudaError(cudaEventRecord(side->fork, stream), "conv wgrad fork"));
+    for (int s = 0; s < slices; ++s) {
+      JAXDNN_RETURN_IF_ERROR(CudaError(cudaStreamWaitEvent(side->streams[s], side->fork, 0), "conv wgrad fork"));
+      auto status = run_slice(s, side->streams[s]);
+      // Every slice is the same problem but for its image count: refused, the first one falls back
+      // (nothing has run); a later one cannot be.
+      if (!status.has_value() && s == 0) return std::nullopt;
+      if (!status.has_value()) return ffi::Error(ffi::ErrorCode::kInternal, "jaxdnn: conv wgrad: a slice was refused");
+      JAXDNN_RETURN_IF_ERROR(std::move(*status));
+      JAXDNN_RETURN_IF_ERROR(CudaError(cudaEventRecord(side->join[s], side->streams[s]), "conv wgrad join"));
+      JAXDNN_RETURN_IF_ERROR(CudaError(cudaStreamWaitEvent(stream, side->join[s], 0), "conv wgrad join"));
+    }
+  }
+  const dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned((rows + kTile - 1) / kTile));
+  if (dtype == ffi::DataType::BF16) {
+    SumTransposeKernel<<<grid, dim3(kTile, kTileRows), 0, stream>>>(partial, slices, rows, cols,
+                                                                    static_cast<__nv_bfloat16*>(dw));
+  } else {
+    SumTransposeKernel<<<grid, dim3(kTile, kTileRows), 0, stream>>>(partial, slices, rows, cols,
+                                                                    static_cast<__half*>(dw));
+  }
+  return LaunchError("conv wgrad slice sum");
+}
+
+}  // namespace jaxdnn
