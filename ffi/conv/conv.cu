@@ -237,12 +237,13 @@ ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
   // An empty batch still writes dw (zeros): the blocks sum over no pixels.
   const int64_t rows = g.Taps() * g.GroupChannels();
   if (rows * g.filters == 0) return ffi::Error::Success();
-  if (auto status = PointwiseGemm(stream, g, x.untyped_data(), dy.untyped_data(), dw->untyped_data(),
-                                  g.channels, g.filters, g.InPixels(), true, false, x.element_type())) {
-    return std::move(*status);
-  }
+  // Pointwise stages too go to the conv kernel first: it splits the pixels (the GEMM's K) over slices.
   if (auto status = TensorCoreWgrad(stream, g, x.element_type(), x.untyped_data(), dy.untyped_data(),
                                     dw->untyped_data(), workspace->untyped_data(), workspace->size_bytes())) {
+    return std::move(*status);
+  }
+  if (auto status = PointwiseGemm(stream, g, x.untyped_data(), dy.untyped_data(), dw->untyped_data(),
+                                  g.channels, g.filters, g.InPixels(), true, false, x.element_type())) {
     return std::move(*status);
   }
   const int64_t blocks = std::min(kMaxBlocks, rows * ((g.filters + kWgradLanes - 1) / kWgradLanes));
