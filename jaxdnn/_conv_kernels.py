@@ -55,10 +55,9 @@ def _spatial(attrs, prefix):
 # take 16-bit operands only (empty otherwise): the filter in their layout [K, T, U, V, Cg]; for
 # dgrad with strides, also dy with zeros between its pixels; for wgrad, float32 partial filter
 # gradients of slices of the batch, enough slices to give about every SM of an H100/H200 an output
-# tile of 128 x 128 (CUTLASS's Hopper conv has no split-K).
+# tile (128 x 128, 64 x 128 for up to 64 filters; CUTLASS's Hopper conv has no split-K).
 _SMS = 132
-_WGRAD_TILE = 128
-_MAX_WGRAD_SLICES = 16
+_MAX_WGRAD_SLICES = 32
 
 
 def _workspace(dtype, elements):
@@ -67,7 +66,7 @@ def _workspace(dtype, elements):
 
 def _wgrad_slices(batch, filter_shape):
     filters, rows = filter_shape[-1], math.prod(filter_shape[:-1])
-    tiles = -(-filters // _WGRAD_TILE) * -(-rows // _WGRAD_TILE)
+    tiles = -(-filters // (64 if filters <= 64 else 128)) * -(-rows // 128)
     return max(1, min(batch, _MAX_WGRAD_SLICES, -(-_SMS // tiles)))
 
 

@@ -25,7 +25,7 @@ namespace {
 constexpr int kTile = 32;      // the transposes' tile: 32 x 32 values through shared memory
 constexpr int kTileRows = 8;   // threads per tile column: each moves 4 values
 constexpr int kBlock = 256;
-constexpr int kMaxSlices = 16;  // wgrad's side streams
+constexpr int kMaxSlices = 32;  // wgrad's side streams
 
 // out[c, r] = in[r, c] for a row-major [rows, cols] matrix of 16-bit values; reads and writes
 // coalesced.

@@ -29,12 +29,16 @@
 namespace jaxdnn {
 namespace sm90 {
 
-// CTA tiles (M x N x K per pipeline stage): the wide one for most layers, the narrow one where the
-// GEMM's N (fprop's K, dgrad's C) is at most 64, as in ResNet's 64-channel stages.
+// CTA tiles (M x N x K per pipeline stage), all for one consumer warp group (CUTLASS's Hopper conv
+// has neither the cooperative nor the persistent schedule): the wide one for most layers; a tall one
+// where the GEMM's N (fprop's K, dgrad's C) is at most 64, as in ResNet's 64-channel stages, whose
+// short reductions (R * S * 64) leave a 128 x 64 tile's pipeline fill and epilogue exposed; and
+// wgrad's, whose N (the filter's (R, S, C) modes) nests as the others' K does, 64 rows tall for
+// K <= 64 filters.
 using ConvTileWide = cute::Shape<cute::_128, cute::_128, cute::Shape<cute::_64>>;
-using ConvTileNarrow = cute::Shape<cute::_128, cute::_64, cute::Shape<cute::_64>>;
-// wgrad's GEMM N is the filter's (R, S, C) modes, so its tile nests N as the others nest K.
+using ConvTileTall = cute::Shape<cute::_256, cute::_64, cute::Shape<cute::_64>>;
 using ConvTileWgrad = cute::Shape<cute::_128, cute::Shape<cute::_128>, cute::Shape<cute::_64>>;
+using ConvTileWgradShort = cute::Shape<cute::_64, cute::Shape<cute::_128>, cute::Shape<cute::_64>>;
 
 // The kernel of one stage, operand type, tile and result type. Fusion is the epilogue's operation:
 // the forward's bias + residual + activation, or a plain store.
@@ -137,7 +141,7 @@ std::optional<ffi::Error> Fprop(const ConvSm90Problem& p, const void* x, const v
                                 const void* residual, int activation, float activation_param, void* y,
                                 cudaStream_t stream) {
   if (p.k <= 64) {
-    return FpropTiled<Element, ConvTileNarrow>(p, x, w, bias, residual, activation, activation_param, y, stream);
+    return FpropTiled<Element, ConvTileTall>(p, x, w, bias, residual, activation, activation_param, y, stream);
   }
   return FpropTiled<Element, ConvTileWide>(p, x, w, bias, residual, activation, activation_param, y, stream);
 }
@@ -163,15 +167,17 @@ std::optional<ffi::Error> Dgrad(const ConvSm90Problem& p, const void* dy, const 
                                 cudaStream_t stream) {
   constexpr auto kDgrad = cutlass::conv::Operator::kDgrad;
   constexpr const char* kWhat = "conv dgrad (tensor cores)";
-  if (p.c <= 64) return BackwardTiled<kDgrad, Element, ConvTileNarrow, Element>(p, dy, w, dx, stream, kWhat);
+  if (p.c <= 64) return BackwardTiled<kDgrad, Element, ConvTileTall, Element>(p, dy, w, dx, stream, kWhat);
   return BackwardTiled<kDgrad, Element, ConvTileWide, Element>(p, dy, w, dx, stream, kWhat);
 }
 
 template <class Element>
 std::optional<ffi::Error> Wgrad(const ConvSm90Problem& p, const void* x, const void* dy, float* dw,
                                 cudaStream_t stream) {
-  return BackwardTiled<cutlass::conv::Operator::kWgrad, Element, ConvTileWgrad, float>(p, dy, x, dw, stream,
-                                                                                     "conv wgrad (tensor cores)");
+  constexpr auto kWgrad = cutlass::conv::Operator::kWgrad;
+  constexpr const char* kWhat = "conv wgrad (tensor cores)";
+  if (p.k <= 64) return BackwardTiled<kWgrad, Element, ConvTileWgradShort, float>(p, dy, x, dw, stream, kWhat);
+  return BackwardTiled<kWgrad, Element, ConvTileWgrad, float>(p, dy, x, dw, stream, kWhat);
 }
 
 // The dtype dispatch of one stage: bfloat16 or float16 (MakeConvSm90Problem admits no other).
