@@ -51,11 +51,12 @@ def _spatial(attrs, prefix):
 
 # --- the kernel stages ----------------------------------------------------------------------------
 
-# The stages' last result, a workspace for the GPU's tensor-core kernels (ffi/conv/conv_sm90.h), which
-# take 16-bit operands only (empty otherwise): the filter in their layout [K, T, U, V, Cg]; for
-# dgrad with strides, also dy with zeros between its pixels; for wgrad, float32 partial filter
-# gradients of slices of the batch, enough slices to give about every SM of an H100/H200 an output
-# tile (128 x 128, 64 x 128 for up to 64 filters; CUTLASS's Hopper conv has no split-K).
+# The stages' last result, a workspace for the GPU's tensor-core kernels (ffi/conv/conv_sm90.cu), which
+# take 16-bit operands only (empty otherwise): the filter in their layout [K, T, U, V, Cp], Cp the
+# channels padded to a multiple of 8; x (dgrad: dx) with padded channels when C % 8 != 0; for dgrad
+# with strides, dy with zeros between its pixels; for wgrad, float32 partial filter gradients of
+# slices of the batch, enough slices to give about every SM of an H100/H200 an output tile (128 x
+# 128, 64 x 128 for up to 64 filters; CUTLASS's Hopper conv has no split-K).
 _SMS = 132
 _MAX_WGRAD_SLICES = 32
 
@@ -64,35 +65,48 @@ def _workspace(dtype, elements):
     return jax.core.ShapedArray((elements if jnp.dtype(dtype).itemsize == 2 else 0,), dtype)
 
 
-def _wgrad_slices(batch, filter_shape):
-    filters, rows = filter_shape[-1], math.prod(filter_shape[:-1])
-    tiles = -(-filters // (64 if filters <= 64 else 128)) * -(-rows // 128)
+def _padded(channels):
+    return -(-channels // 8) * 8
+
+
+def _padded_filter(filter_shape):
+    return math.prod(filter_shape[:3]) * _padded(filter_shape[3]) * filter_shape[4]
+
+
+def _padded_input(input_shape):
+    channels = input_shape[-1]
+    return 0 if channels % 8 == 0 else math.prod(input_shape[:-1]) * _padded(channels)
+
+
+def _wgrad_slices(batch, padded_filter, filters):
+    tiles = -(-filters // (64 if filters <= 64 else 128)) * -(-(padded_filter // filters) // 128)
     return max(1, min(batch, _MAX_WGRAD_SLICES, -(-_SMS // tiles)))
 
 
 def _fprop_avals(x, w, **attrs):
     return [jax.core.ShapedArray((x.shape[0],) + _spatial(attrs, "out") + (w.shape[-1],), x.dtype),
-            _workspace(x.dtype, math.prod(w.shape))]
+            _workspace(x.dtype, _padded_filter(w.shape) + _padded_input(x.shape))]
 
 
 def _dgrad_avals(dy, w, **attrs):
-    channels = int(attrs["groups"]) * w.shape[3]
+    dx_shape = (dy.shape[0],) + _spatial(attrs, "in") + (int(attrs["groups"]) * w.shape[3],)
     strides = _spatial(attrs, "stride")
     spread = 0
     if any(s > 1 for s in strides):
         spread_pixels = math.prod((o - 1) * s + 1 for o, s in zip(dy.shape[1:4], strides))
         spread = dy.shape[0] * spread_pixels * dy.shape[-1]
-    return [jax.core.ShapedArray((dy.shape[0],) + _spatial(attrs, "in") + (channels,), dy.dtype),
-            _workspace(dy.dtype, math.prod(w.shape) + spread)]
+    return [jax.core.ShapedArray(dx_shape, dy.dtype),
+            _workspace(dy.dtype, _padded_filter(w.shape) + spread + _padded_input(dx_shape))]
 
 
 def _wgrad_avals(x, dy, **attrs):
     group_channels = x.shape[-1] // int(attrs["groups"])
     dw_shape = _spatial(attrs, "window") + (group_channels, dy.shape[-1])
     float32_per_element = 2  # the partial sums are float32, the workspace 16-bit
-    slices = _wgrad_slices(x.shape[0], dw_shape)
+    padded_filter = _padded_filter(dw_shape)
+    slices = _wgrad_slices(x.shape[0], padded_filter, dy.shape[-1])
     return [jax.core.ShapedArray(dw_shape, x.dtype),
-            _workspace(x.dtype, slices * math.prod(dw_shape) * float32_per_element)]
+            _workspace(x.dtype, slices * padded_filter * float32_per_element + _padded_input(x.shape))]
 
 
 def _fused_avals(x, w, bias, *residual, activation, activation_param, **attrs):

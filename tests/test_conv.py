@@ -86,9 +86,9 @@ def test_forward_and_grad(dtype, lhs_shape, rhs_shape, kwargs, rng):
     assert_close(drhs, want_drhs, tolerance(dtype, grad=True), "grad rhs")
 
 
-# Problems the GPU's tensor-core kernels take (16-bit, one group, channel counts multiples of 8):
-# 2-D windows, 1-D and 3-D ones with a trivial depth folded into 2-D, strides (dgrad then takes
-# another kernel), dilations, explicit padding, the narrow (K <= 64) and wide tiles, a stem-like 7x7/2.
+# Problems the GPU's tensor-core kernels take (16-bit, one group, K a multiple of 8):
+# 2-D windows, 1-D and 3-D ones with a trivial depth folded into 2-D, strides (dgrad then runs on
+# zero-inserted dy), dilations, explicit padding, the tall (K <= 64) and wide tiles, 7x7/2 stems.
 # On the CPU they check the same semantics on the CPU kernels.
 TENSOR_CORE_CASES = [
     ((2, 9, 10, 16), (3, 3, 16, 24), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
@@ -102,6 +102,9 @@ TENSOR_CORE_CASES = [
     ((2, 3, 6, 7, 8), (1, 3, 3, 8, 16), dict(window_strides=(1, 1, 1), padding="SAME",
                                             dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))),
     ((2, 20, 20, 8), (7, 7, 8, 16), dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)),
+    # channels padded to a multiple of 8: an RGB stem, and C = 12
+    ((2, 20, 20, 3), (7, 7, 3, 16), dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)),
+    ((3, 7, 9, 12), (3, 3, 12, 8), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
 ]
 
 

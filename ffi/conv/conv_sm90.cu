@@ -1,6 +1,8 @@
 // The tensor-core convolution stages as conv.cu's handlers call them: which problems the CUTLASS
 // kernels of conv_sm90.cuh take, and the layout work around them, in the targets' workspace:
 // - fprop and dgrad: the filter [R, S, C, K] transposed to CUTLASS's [K, R, S, C];
+// - channel counts C % 8 != 0 (an RGB stem): x (dx) and the filter with zero channels appended up to
+//   TMA's 16-byte rows;
 // - strided dgrad: CUTLASS's Hopper dgrad has unit strides only, so dy goes through it with
 //   stride - 1 zeros inserted between its pixels (the zero-padded dy of a unit-stride convolution
 //   whose output positions o * stride are the strided one's): stride^2 times the work, but on the
@@ -44,17 +46,22 @@ __global__ void __launch_bounds__(kTile* kTileRows)
   }
 }
 
-// dw[r, c] = sum over s < slices of partial[s, c, r] (float32, [slices, cols, rows]), rounded once.
+// dw[r, k] = sum over s < slices of partial[s, k, source(r)] (float32 [slices, K, R * S * Cp]),
+// rounded once, for the rows r = rs * C + c of dw [R * S * C, K]: source(r) = rs * Cp + c skips the
+// padding channels c >= C of a padded problem (Cp = C otherwise).
 template <typename T>
 __global__ void __launch_bounds__(kTile* kTileRows)
-    SumTransposeKernel(const float* __restrict__ partial, int slices, int64_t rows, int64_t cols, T* __restrict__ dw) {
+    SumTransposeKernel(const float* __restrict__ partial, int slices, int64_t rows, int64_t cols, int64_t channels,
+                       int64_t padded_channels, T* __restrict__ dw) {
   __shared__ float tile[kTile][kTile + 1];
   const int64_t col0 = int64_t(blockIdx.x) * kTile, row0 = int64_t(blockIdx.y) * kTile;
+  const int64_t padded_rows = rows / channels * padded_channels;
   for (int i = threadIdx.y; i < kTile; i += kTileRows) {
     const int64_t c = col0 + i, r = row0 + threadIdx.x;
     float sum = 0.f;
     if (r < rows && c < cols) {
-      for (int s = 0; s < slices; ++s) sum += partial[(s * cols + c) * rows + r];
+      const int64_t source = r / channels * padded_channels + r % channels;
+      for (int s = 0; s < slices; ++s) sum += partial[(s * cols + c) * padded_rows + source];
     }
     tile[i][threadIdx.x] = sum;
   }
@@ -62,6 +69,28 @@ __global__ void __launch_bounds__(kTile* kTileRows)
   for (int i = threadIdx.y; i < kTile; i += kTileRows) {
     const int64_t r = row0 + i, c = col0 + threadIdx.x;
     if (r < rows && c < cols) dw[r * cols + c] = FromFloat<T>(tile[threadIdx.x][i]);
+  }
+}
+
+// out [pixels, to] = in [pixels, from] with its channels cut or zero-padded to `to` (16-bit values).
+__global__ void __launch_bounds__(kBlock)
+    CopyChannelsKernel(const uint16_t* __restrict__ in, int64_t pixels, int64_t from, int64_t to,
+                       uint16_t* __restrict__ out) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < pixels * to; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = i % to;
+    out[i] = c < from ? in[i / to * from + c] : uint16_t(0);
+  }
+}
+
+// wt [K, R * S, Cp] = w [R * S, C, K] transposed, its channels zero-padded to Cp (a gather: only
+// padded problems, whose filters are small, take it; the others use Transpose16Kernel).
+__global__ void __launch_bounds__(kBlock)
+    PaddedFilterKernel(const uint16_t* __restrict__ w, int64_t taps, int64_t channels, int64_t filters,
+                       int64_t padded_channels, uint16_t* __restrict__ wt) {
+  const int64_t total = filters * taps * padded_channels;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = i % padded_channels, tap = i / padded_channels % taps, k = i / (padded_channels * taps);
+    wt[i] = c < channels ? w[(tap * channels + c) * filters + k] : uint16_t(0);
   }
 }
 
@@ -87,20 +116,43 @@ ffi::Error Transpose16(cudaStream_t stream, const void* in, int64_t rows, int64_
   return LaunchError("conv filter transpose");
 }
 
-int64_t FilterElements(const ConvGeometry& g) { return g.Taps() * g.channels * g.filters; }
+int GridFor(int64_t items) { return int(std::clamp<int64_t>((items + kBlock - 1) / kBlock, 1, 1 << 20)); }
 
-// CUTLASS's 2-D problem for g, when its kernels take g (see conv_sm90.h).
+// Channels padded to TMA's 16-byte rows: a problem with C % 8 != 0 (an RGB stem) runs on copies of x
+// (or dx) and of the filter with zero channels appended.
+int64_t PaddedChannels(const ConvGeometry& g) { return (g.channels + 7) / 8 * 8; }
+bool Padded(const ConvGeometry& g) { return g.channels % 8 != 0; }
+int64_t FilterElements(const ConvGeometry& g) { return g.Taps() * PaddedChannels(g) * g.filters; }
+int64_t PaddedInputElements(const ConvGeometry& g) { return Padded(g) ? g.InPixels() * PaddedChannels(g) : 0; }
+
+ffi::Error CopyChannels(cudaStream_t stream, const void* in, int64_t pixels, int64_t from, int64_t to, void* out) {
+  CopyChannelsKernel<<<GridFor(pixels * to), kBlock, 0, stream>>>(static_cast<const uint16_t*>(in), pixels, from,
+                                                                  to, static_cast<uint16_t*>(out));
+  return LaunchError("conv channel padding");
+}
+
+// The filter in CUTLASS's layout [K, R, S, Cp] at wt.
+ffi::Error FilterToKrsc(cudaStream_t stream, const ConvGeometry& g, const void* w, void* wt) {
+  if (!Padded(g)) return Transpose16(stream, w, g.Taps() * g.channels, g.filters, wt);
+  PaddedFilterKernel<<<GridFor(FilterElements(g)), kBlock, 0, stream>>>(
+      static_cast<const uint16_t*>(w), g.Taps(), g.channels, g.filters, PaddedChannels(g),
+      static_cast<uint16_t*>(wt));
+  return LaunchError("conv filter transpose");
+}
+
+// CUTLASS's 2-D problem for g (its channels padded), when its kernels take g (see conv_sm90.h).
 bool MakeProblem(const ConvGeometry& g, ffi::DataType dtype, ConvSm90Problem* p) {
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
-  if (g.groups != 1 || g.channels % 8 != 0 || g.filters % 8 != 0) return false;
+  if (g.groups != 1 || g.filters % 8 != 0) return false;
   if (g.window[0] != 1 || g.stride[0] != 1 || g.pad[0] != 0 || g.in[0] != g.out[0]) return false;
   constexpr int64_t kMaxInt = INT32_MAX;
-  if (g.InPixels() * g.channels > kMaxInt || g.OutPixels() * g.filters > kMaxInt || FilterElements(g) > kMaxInt) {
+  if (g.InPixels() * PaddedChannels(g) > kMaxInt || g.OutPixels() * g.filters > kMaxInt ||
+      FilterElements(g) > kMaxInt) {
     return false;
   }
   if (g.OutPixels() == 0) return false;
-  *p = ConvSm90Problem{int(g.batch * g.in[0]), int(g.in[1]),     int(g.in[2]),  int(g.channels), int(g.filters),
-                       int(g.window[1]),       int(g.window[2]), int(g.out[1]), int(g.out[2])};
+  *p = ConvSm90Problem{int(g.batch * g.in[0]), int(g.in[1]),     int(g.in[2]),  int(PaddedChannels(g)),
+                       int(g.filters),         int(g.window[1]), int(g.window[2]), int(g.out[1]), int(g.out[2])};
   for (int a = 0; a < 2; ++a) {
     const int axis = a + 1;
     // TMA's im2col mode bounds the padding and the window's offsets; 64 is well inside them.
@@ -149,25 +201,33 @@ ffi::Error GetSideStreams(SideStreams** out) {
   return ffi::Error::Success();
 }
 
+// Pixels of dy with zeros inserted between them (the unit-stride form of a strided dgrad).
+int64_t SpreadPixels(const ConvGeometry& g) {
+  return g.batch * g.out[0] * ((g.out[1] - 1) * g.stride[1] + 1) * ((g.out[2] - 1) * g.stride[2] + 1);
+}
+bool Strided(const ConvGeometry& g) { return g.stride[1] > 1 || g.stride[2] > 1; }
+
 }  // namespace
 
+// Workspace layouts (16-byte aligned pieces: every extent below is a multiple of 8 elements):
+//   fprop [wt: K R S Cp][xp: N H W Cp, padded problems]
+//   dgrad [wt][dy spread: N Pz Qz K, strides > 1][dxp: N H W Cp, padded problems]
+//   wgrad [partials: slices x K R S Cp float32][xp, padded problems]
 std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
                                           const void* x, const void* w, const void* bias, const void* residual,
                                           int64_t activation, float activation_param, void* y, void* workspace,
                                           size_t workspace_bytes) {
   ConvSm90Problem p;
-  if (!MakeProblem(g, dtype, &p) || workspace_bytes < size_t(FilterElements(g)) * 2) return std::nullopt;
-  JAXDNN_RETURN_IF_ERROR(Transpose16(stream, w, g.Taps() * g.channels, g.filters, workspace));
-  return ConvSm90Fprop(p, dtype, x, workspace, bias, residual, int(activation), activation_param, y, stream);
-}
-
-size_t DgradWorkspaceBytes(const ConvGeometry& g) {
-  size_t bytes = size_t(FilterElements(g)) * 2;
-  if (g.stride[1] > 1 || g.stride[2] > 1) {
-    bytes += size_t(g.batch * g.out[0] * ((g.out[1] - 1) * g.stride[1] + 1) * ((g.out[2] - 1) * g.stride[2] + 1) *
-                    g.filters) * 2;
+  const size_t need = size_t(FilterElements(g) + PaddedInputElements(g)) * 2;
+  if (!MakeProblem(g, dtype, &p) || workspace_bytes < need) return std::nullopt;
+  char* wt = static_cast<char*>(workspace);
+  JAXDNN_RETURN_IF_ERROR(FilterToKrsc(stream, g, w, wt));
+  if (Padded(g)) {
+    void* xp = wt + FilterElements(g) * 2;
+    JAXDNN_RETURN_IF_ERROR(CopyChannels(stream, x, g.InPixels(), g.channels, PaddedChannels(g), xp));
+    x = xp;
   }
-  return bytes;
+  return ConvSm90Fprop(p, dtype, x, wt, bias, residual, int(activation), activation_param, y, stream);
 }
 
 std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
@@ -180,22 +240,23 @@ std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometr
     unit.stride[a] = 1;
   }
   ConvSm90Problem p;
-  if (g.OutPixels() == 0 || !MakeProblem(unit, dtype, &p) || workspace_bytes < DgradWorkspaceBytes(g)) {
-    return std::nullopt;
-  }
-  JAXDNN_RETURN_IF_ERROR(Transpose16(stream, w, g.Taps() * g.channels, g.filters, workspace));
-  const void* dy_unit = dy;
-  if (g.stride[1] > 1 || g.stride[2] > 1) {
-    uint4* spread = reinterpret_cast<uint4*>(static_cast<char*>(workspace) + FilterElements(g) * 2);
-    const int64_t packs = unit.OutPixels() * g.filters / 8;
-    const int blocks = int(std::min<int64_t>((packs + kBlock - 1) / kBlock, 1 << 20));
-    InsertZerosKernel<<<blocks, kBlock, 0, stream>>>(static_cast<const uint4*>(dy), g.batch * g.out[0], g.out[1],
-                                                     g.out[2], g.filters / 8, int(g.stride[1]), int(g.stride[2]),
-                                                     spread);
+  const int64_t spread = Strided(g) ? SpreadPixels(g) * g.filters : 0;
+  const size_t need = size_t(FilterElements(g) + spread + PaddedInputElements(g)) * 2;
+  if (!MakeProblem(unit, dtype, &p) || workspace_bytes < need) return std::nullopt;
+  char* wt = static_cast<char*>(workspace);
+  JAXDNN_RETURN_IF_ERROR(FilterToKrsc(stream, g, w, wt));
+  if (Strided(g)) {
+    uint4* spread_dy = reinterpret_cast<uint4*>(wt + FilterElements(g) * 2);
+    InsertZerosKernel<<<GridFor(spread / 8), kBlock, 0, stream>>>(static_cast<const uint4*>(dy), g.batch * g.out[0],
+                                                                  g.out[1], g.out[2], g.filters / 8, int(g.stride[1]),
+                                                                  int(g.stride[2]), spread_dy);
     JAXDNN_RETURN_IF_ERROR(LaunchError("conv dgrad zero insertion"));
-    dy_unit = spread;
+    dy = spread_dy;
   }
-  return ConvSm90Dgrad(p, dtype, dy_unit, workspace, dx, stream);
+  void* dxp = Padded(g) ? wt + (FilterElements(g) + spread) * 2 : dx;
+  auto status = ConvSm90Dgrad(p, dtype, dy, wt, dxp, stream);
+  if (!status.has_value() || status->failure() || !Padded(g)) return status;
+  return CopyChannels(stream, dxp, g.InPixels(), PaddedChannels(g), g.channels, dx);
 }
 
 std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
@@ -203,13 +264,20 @@ std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometr
                                           size_t workspace_bytes) {
   ConvSm90Problem p;
   const size_t slice_bytes = size_t(FilterElements(g)) * sizeof(float);
+  const size_t padded_bytes = size_t(PaddedInputElements(g)) * 2;
   const int64_t rows = g.Taps() * g.channels, cols = g.filters;
-  if (!MakeProblem(g, dtype, &p) || workspace_bytes < slice_bytes || rows > int64_t(kTile) * 65535) {
+  if (!MakeProblem(g, dtype, &p) || workspace_bytes < slice_bytes + padded_bytes || rows > int64_t(kTile) * 65535) {
     return std::nullopt;
   }
   // As many slices as the workspace holds partial sums (the Python side sizes it), at most one per image.
-  const int slices = int(std::min<int64_t>({int64_t(workspace_bytes / slice_bytes), int64_t(p.n), kMaxSlices}));
+  const int slices = int(std::min<int64_t>(
+      {int64_t((workspace_bytes - padded_bytes) / slice_bytes), int64_t(p.n), int64_t(kMaxSlices)}));
   float* partial = static_cast<float*>(workspace);
+  if (Padded(g)) {
+    void* xp = static_cast<char*>(workspace) + slices * slice_bytes;
+    JAXDNN_RETURN_IF_ERROR(CopyChannels(stream, x, g.InPixels(), g.channels, PaddedChannels(g), xp));
+    x = xp;
+  }
   const int64_t x_image = int64_t(p.h) * p.w * p.c, dy_image = int64_t(p.p) * p.q * p.k;
   auto run_slice = [&](int s, cudaStream_t on) {
     const int first = int(int64_t(p.n) * s / slices), end = int(int64_t(p.n) * (s + 1) / slices);
@@ -239,12 +307,13 @@ std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometr
     }
   }
   const dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned((rows + kTile - 1) / kTile));
+  const dim3 block(kTile, kTileRows);
   if (dtype == ffi::DataType::BF16) {
-    SumTransposeKernel<<<grid, dim3(kTile, kTileRows), 0, stream>>>(partial, slices, rows, cols,
-                                                                    static_cast<__nv_bfloat16*>(dw));
+    SumTransposeKernel<<<grid, block, 0, stream>>>(partial, slices, rows, cols, g.channels, PaddedChannels(g),
+                                                   static_cast<__nv_bfloat16*>(dw));
   } else {
-    SumTransposeKernel<<<grid, dim3(kTile, kTileRows), 0, stream>>>(partial, slices, rows, cols,
-                                                                    static_cast<__half*>(dw));
+    SumTransposeKernel<<<grid, block, 0, stream>>>(partial, slices, rows, cols, g.channels, PaddedChannels(g),
+                                                   static_cast<__half*>(dw));
   }
   return LaunchError("conv wgrad slice sum");
 }
