@@ -4,7 +4,7 @@
 #   usage: benchmarks/gpu_check.sh RESULTS_DIR
 # To spend less device time: JAXDNN_TESTS="tests/test_pool.py ..." (default: tests) and
 # JAXDNN_FAMILIES="pool batch_norm" narrow the tests and the benchmarks. The default families leave
-# out conv, attention and rnn, whose CUDA kernels are still correctness baselines (no tensor cores):
+# out attention and rnn, whose CUDA kernels are still correctness baselines (no tensor cores):
 # their full-size cases would take far longer than a session's device time; name them to run them.
 # Keeps going after a failure so the benchmarks still run; exits non-zero if any step failed.
 set -uo pipefail
@@ -28,7 +28,7 @@ python3 -P -c 'import jaxdnn; print("jaxdnn from", jaxdnn.__file__); assert jaxd
   || failed+=(cuda-kernels)
 # shellcheck disable=SC2086  # the lists are meant to split into words
 python3 -P -m pytest ${JAXDNN_TESTS:-tests} -q -p no:cacheprovider 2>&1 | tee "$out/tests.log" || failed+=(tests)
-python3 benchmarks/run.py --family ${JAXDNN_FAMILIES:-norm softmax activation pool batch_norm group_norm dense} --out "$out" 2>&1 | tee "$out/bench.log" \
+python3 benchmarks/run.py --family ${JAXDNN_FAMILIES:-norm softmax activation pool batch_norm group_norm dense conv} --out "$out" 2>&1 | tee "$out/bench.log" \
   || failed+=(benchmarks)
 
 if ((${#failed[@]})); then echo "gpu_check: FAILED: ${failed[*]}" >&2; exit 1; fi
