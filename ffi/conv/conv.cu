@@ -1,10 +1,11 @@
-// CUDA convolution. Pointwise stages (1x1 windows, unit strides, no padding, one group) with 16-bit
-// operands run on the tensor-core GEMM of ffi/dense (see PointwiseGemm); other 2-D stages with 16-bit
-// operands, one group and channel counts multiples of 8 on the implicit-GEMM tensor-core kernels of
+// CUDA convolution. Stages with 16-bit operands, one group and K a multiple of 8 run on tensor cores:
+// pointwise forwards and dgrads (1x1 windows, unit strides, no padding, C a multiple of 8) on the GEMM
+// of ffi/dense (see PointwiseGemm), the other 2-D stages on the implicit-GEMM kernels of
 // conv_sm90.cuh (through conv_sm90.cu's TensorCoreFprop and friends, with the targets' workspace).
 // Everything else runs on a CORRECTNESS BASELINE without tensor cores. The baseline trades speed for
-// obviously safe code: scalar loads (no alignment requirement), int64 indexing, float32 accumulation, grid-stride loops over a 1-D grid (no gridDim.y/z limits), and the index
-// maps of conv_geometry.h that the CPU kernels use too.
+// obviously safe code: scalar loads (no alignment requirement), int64 indexing, float32
+// accumulation, grid-stride loops over a 1-D grid (no gridDim.y/z limits), and the index maps of
+// conv_geometry.h that the CPU kernels use too.
 //   fprop: one thread per y element (n, p, q, r, k), k fastest (the fused forward adds its epilogue
 //          to the accumulator before the one rounding): for each tap, the Cg input channels of
 //          k's group (the same address across a warp's threads of one pixel and group: a broadcast)
@@ -267,5 +268,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropFusedCuda, jaxdnn::ConvFpropFusedImpl,
                               jaxdnn::BindConvFpropFused(jaxdnn::BindCuda()), {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvDgradCuda, jaxdnn::ConvDgradImpl, jaxdnn::BindConvDgrad(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvWgradCuda, jaxdnn::ConvWgradImpl, jaxdnn::BindConvWgrad(jaxdnn::BindCuda()),
-                              {ffi::Traits::kCmdBufferCompatible});
+// Not command-buffer compatible: the tensor-core wgrad forks work onto side streams of its own.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvWgradCuda, jaxdnn::ConvWgradImpl, jaxdnn::BindConvWgrad(jaxdnn::BindCuda()));

@@ -180,7 +180,7 @@ std::optional<ffi::Error> Wgrad(const ConvSm90Problem& p, const void* x, const v
   return BackwardTiled<kWgrad, Element, ConvTileWgrad, float>(p, dy, x, dw, stream, kWhat);
 }
 
-// The dtype dispatch of one stage: bfloat16 or float16 (MakeConvSm90Problem admits no other).
+// The dtype dispatch of one stage: bfloat16 or float16 (conv_sm90.cu admits no other).
 template <class Run>
 std::optional<ffi::Error> ForDtype(ffi::DataType dtype, Run run) {
   if (dtype == ffi::DataType::BF16) return run(cutlass::bfloat16_t{});
