@@ -163,14 +163,15 @@ def _previous_states(h_seq, h0, seq_lengths, reverse):
     return jnp.where(first[..., None], h0[:, None], shifted)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _rnn_stack(x, states, weights, seq_lengths, mode, sizes, precision):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _rnn_stack(x, states, weights, seq_lengths, masks, mode, sizes, precision):
     """(y [B, T, D H] in x's dtype, final states [L D, B, H] float32, one per initial state); states
-    = (h_0, c_0) for the LSTM, (h_0,) for the GRU, float32. sizes = (I, H, L, bidirectional)."""
-    return _rnn_stack_fwd(x, states, weights, seq_lengths, mode, sizes, precision)[0]
+    = (h_0, c_0) for the LSTM, (h_0,) for the GRU, float32. sizes = (I, H, L, bidirectional). masks:
+    the dropout scales of the outputs of layers 0 .. len(masks) - 1 (reference.rnn.dropout_masks)."""
+    return _rnn_stack_fwd(x, states, weights, seq_lengths, masks, mode, sizes, precision)[0]
 
 
-def _rnn_stack_fwd(x, states, weights, seq_lengths, mode, sizes, precision):
+def _rnn_stack_fwd(x, states, weights, seq_lengths, masks, mode, sizes, precision):
     directions = 2 if sizes[3] else 1
     params = _ref.unpack_weights(weights, mode, *sizes)
     layer_in, inputs, saved, finals = x, [], [], [[] for _ in states]
@@ -187,12 +188,14 @@ def _rnn_stack_fwd(x, states, weights, seq_lengths, mode, sizes, precision):
                 final.append(state)
             outputs.append(h_seq.astype(x.dtype))
         layer_in = outputs[0] if directions == 1 else jnp.concatenate(outputs, axis=-1)
+        if layer < len(masks):
+            layer_in = (layer_in.astype(_F32) * masks[layer]).astype(x.dtype)
     results = (layer_in, tuple(jnp.stack(f) for f in finals))
-    return results, (inputs, saved, states, weights, seq_lengths)
+    return results, (inputs, saved, states, weights, seq_lengths, masks)
 
 
 def _rnn_stack_bwd(mode, sizes, precision, residuals, cotangents):
-    inputs, saved, states, weights, seq_lengths = residuals
+    inputs, saved, states, weights, seq_lengths, masks = residuals
     dy, d_finals = cotangents
     hidden, layers, directions = sizes[1], sizes[2], 2 if sizes[3] else 1
     params = _ref.unpack_weights(weights, mode, *sizes)
@@ -201,6 +204,8 @@ def _rnn_stack_bwd(mode, sizes, precision, residuals, cotangents):
     d_out = dy.astype(_F32)
     dot = functools.partial(jnp.einsum, precision=precision, preferred_element_type=_F32)
     for layer in reversed(range(layers)):
+        if layer < len(masks):  # d_out reached the next layer's input: through this layer's dropout
+            d_out = d_out * masks[layer]
         layer_in, d_in = inputs[layer], []
         for d in range(directions):
             p = layer * directions + d
@@ -220,7 +225,8 @@ def _rnn_stack_bwd(mode, sizes, precision, residuals, cotangents):
             d_in.append(dot("btg,gi->bti", dgates_x, w_ih.astype(_F32)))
         d_out = functools.reduce(operator.add, d_in)
     dweights = _ref.pack_weights(grads).astype(weights.dtype)
-    return (d_out.astype(inputs[0].dtype), tuple(jnp.stack(s) for s in d_states), dweights, None)
+    return (d_out.astype(inputs[0].dtype), tuple(jnp.stack(s) for s in d_states), dweights, None,
+            tuple(jnp.zeros_like(m) for m in masks))
 
 
 _rnn_stack.defvjp(_rnn_stack_fwd, _rnn_stack_bwd)
@@ -246,7 +252,7 @@ def _float_array(mode, name, value):
 
 
 def _rnn(mode, x, states, weights, seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional,
-         precision):
+         precision, dropout_rng):
     """Checks the arguments of `lstm` / `gru` and runs the stack; states is {name: initial state}."""
     x, weights = _float_array(mode, "x", x), _float_array(mode, "weights", weights)
     states = {name: _float_array(mode, name, s) for name, s in states.items()}
@@ -256,9 +262,10 @@ def _rnn(mode, x, states, weights, seq_lengths, input_size, hidden_size, num_lay
     if not isinstance(bidirectional, (bool, np.bool_)):
         raise TypeError(f"{mode}: bidirectional must be a bool, got {bidirectional!r}")
     sizes += (bool(bidirectional),)
-    if dropout != 0:
-        raise ValueError(f"{mode}: dropout must be 0, got {dropout!r}: dropout between layers needs a PRNG "
-                         "key, which jax.experimental.rnn's signature has no place for")
+    if not isinstance(dropout, (int, float, np.integer, np.floating)) or not 0 <= dropout < 1:
+        raise ValueError(f"{mode}: dropout must be a number in [0, 1), got {dropout!r}")
+    if dropout and dropout_rng is None:
+        raise ValueError(f"{mode}: dropout = {dropout} needs a dropout_rng key (jax.random.key)")
     if x.ndim != 3 or x.shape[2] != sizes[0]:
         raise ValueError(f"{mode}: x must have shape (B, T, input_size) = (B, T, {sizes[0]}), got {x.shape}")
     batch = x.shape[0]
@@ -277,30 +284,33 @@ def _rnn(mode, x, states, weights, seq_lengths, input_size, hidden_size, num_lay
     if seq_lengths.shape != (batch,):
         raise ValueError(f"{mode}: seq_lengths must have shape (B,) = ({batch},), got {seq_lengths.shape}")
     initial = tuple(states.values())
+    width = sizes[1] * (2 if sizes[3] else 1)
+    masks = _ref.dropout_masks(dropout_rng, float(dropout), (batch, x.shape[1], width), sizes[2])
 
-    def run(x, initial, weights, seq_lengths):
+    def run(x, initial, weights, seq_lengths, masks):
         # Inside shard_map the weights (and replicated states) vary like x, so their gradients are
         # summed over the devices' rows by the transpose of that cast.
         *initial, weights = match_varying(x, *(s.astype(_F32) for s in initial), weights)
-        return _rnn_stack(x, tuple(initial), weights, seq_lengths, mode, sizes, precision)
+        return _rnn_stack(x, tuple(initial), weights, seq_lengths, masks, mode, sizes, precision)
 
     # Batch rows sharded over Explicit mesh axes (part of x's type): each device runs its rows. Other
     # cases (no mesh, Auto axes) are partitioned by the primitives' own rule.
     explicit = explicit_row_sharding(x, whole_axes=2)
     if explicit is None:
-        y, finals = run(x, initial, weights, seq_lengths)
+        y, finals = run(x, initial, weights, seq_lengths, masks)
     else:
         mesh, x_spec, axes = explicit
         rows = x_spec[0]
         state_specs = (PartitionSpec(None, rows, None),) * len(initial)
+        mask_specs = (PartitionSpec(rows),) * len(masks)
         y, finals = jax.shard_map(
-            run, mesh=mesh, in_specs=(x_spec, state_specs, PartitionSpec(), PartitionSpec(rows)),
-            out_specs=(x_spec, state_specs), axis_names=set(axes))(x, initial, weights, seq_lengths)
+            run, mesh=mesh, in_specs=(x_spec, state_specs, PartitionSpec(), PartitionSpec(rows), mask_specs),
+            out_specs=(x_spec, state_specs), axis_names=set(axes))(x, initial, weights, seq_lengths, masks)
     return (y,) + tuple(f.astype(s.dtype) for f, s in zip(finals, initial))
 
 
 def lstm(x, h_0, c_0, weights, seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional,
-         precision=None):
+         precision=None, dropout_rng=None):
     """A multi-layer LSTM over whole sequences, with `jax.experimental.rnn.lstm`'s signature and
     results, so its `init_lstm_weight` and `unpack_lstm_weights` work unchanged.
 
@@ -315,11 +325,15 @@ def lstm(x, h_0, c_0, weights, seq_lengths, input_size, hidden_size, num_layers,
         y is zero past them, h_n and c_n are the states after the last valid step (h_0 and c_0 when
         len_b = 0), and the reverse direction runs over each row's valid part from its end.
       input_size, hidden_size, num_layers: I, H, L.
-      dropout: must be 0 (or False). Dropout between layers needs a PRNG key, which this signature
-        has no place for: a ValueError until a keyed variant exists.
+      dropout: the rate of dropout between layers, in [0, 1): as in cuDNN, every layer's output but
+        the last is scaled by 1 / (1 - dropout) or zeroed (no effect with one layer). > 0 needs
+        `dropout_rng`.
       bidirectional: D = 2 when True; y concatenates the directions' outputs on the last axis.
       precision: `lax.Precision` of the input-projection and weight-gradient GEMMs (XLA); the
         recurrence always multiplies exactly and accumulates in float32.
+      dropout_rng: a `jax.random.key` for the dropout masks (a jaxdnn addition to the signature);
+        the same key gives the same masks, in the forward and its gradient
+        (`jaxdnn.reference.rnn.dropout_masks` draws them).
 
     Returns:
       (y [B, T, D H] in x's dtype, h_n [L D, B, H] in h_0's dtype, c_n [L D, B, H] in c_0's dtype).
@@ -328,11 +342,11 @@ def lstm(x, h_0, c_0, weights, seq_lengths, input_size, hidden_size, num_layers,
     through time is a kernel, deterministic.
     """
     return _rnn("lstm", x, {"h_0": h_0, "c_0": c_0}, weights, seq_lengths, input_size, hidden_size,
-                num_layers, dropout, bidirectional, precision)
+                num_layers, dropout, bidirectional, precision, dropout_rng)
 
 
 def gru(x, h_0, weights, seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional,
-        precision=None):
+        precision=None, dropout_rng=None):
     """A multi-layer GRU over whole sequences in cuDNN's formulation, with `lstm`'s conventions.
 
     Per step, with the input projections x_* = W_i* x + b_i* and the recurrent ones
@@ -345,7 +359,8 @@ def gru(x, h_0, weights, seq_lengths, input_size, hidden_size, num_layers, dropo
       h_0: [L D, B, H] initial state, float32 (or bfloat16/float16; carried in float32 either way).
       weights: [P] cuDNN's flat vector, laid out as `lstm`'s with G = 3H gate rows in the order
         (r, z, n): (W_ih, W_hh) of every pseudo-layer, then (b_ih, b_hh) of every pseudo-layer.
-      seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional, precision: as `lstm`.
+      seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional, precision,
+      dropout_rng: as `lstm`.
 
     Returns:
       (y [B, T, D H] in x's dtype, h_n [L D, B, H] in h_0's dtype).
@@ -354,7 +369,7 @@ def gru(x, h_0, weights, seq_lengths, input_size, hidden_size, num_layers, dropo
     through time is a kernel, deterministic.
     """
     return _rnn("gru", x, {"h_0": h_0}, weights, seq_lengths, input_size, hidden_size, num_layers, dropout,
-                bidirectional, precision)
+                bidirectional, precision, dropout_rng)
 
 
 # --- single steps (cells) ---------------------------------------------------------------------

@@ -329,6 +329,37 @@ def test_export_round_trip(mode, rng):
         np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+@mode_param
+def test_dropout_between_layers(mode, rng):
+    """dropout > 0 with a key: the reference with the same key's masks, forward and gradients; the
+    same key gives the same result, another key another one; a single layer has nothing to drop."""
+    args, sizes = _inputs(rng, mode, (3, 6, 4, 5, 3, True, [6, 2, 4]))
+    dropped = sizes[:3] + (0.4,) + sizes[4:]
+    key = jax.random.key(3)
+
+    def ours(mode, x, states, weights, seq_lengths, sizes, key=key):
+        return getattr(jaxdnn, mode)(x, *states, weights, seq_lengths, *sizes, dropout_rng=key)
+
+    def oracle(mode, x, states, weights, seq_lengths, sizes):
+        return getattr(ref, mode)(x, *states, weights, seq_lengths, *sizes, dropout_rng=key)
+
+    cts = _cotangents(rng, ours(mode, *args, dropped))
+    out, grads = _vjp(ours, mode, args, cts, dropped)
+    want, want_grads = _vjp(oracle, mode, _to64(args), cts, dropped)
+    for name, o, w in zip(("y",) + _state_names(mode), out, want):
+        assert_close(o, w, tolerance(jnp.float32), name)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        assert_close(g, w, tolerance(jnp.float32, grad=True), "grad")
+    undropped = _ours(mode, *args, sizes)
+    assert float(jnp.max(jnp.abs(out[0] - undropped[0]))) > 0.1  # dropout changed y
+    np.testing.assert_array_equal(ours(mode, *args, dropped)[0], out[0])
+    other = ours(mode, *args, dropped, key=jax.random.key(4))[0]
+    assert float(jnp.max(jnp.abs(other - out[0]))) > 0.1
+    one_layer, one_sizes = _inputs(rng, mode, (2, 4, 3, 5, 1, False, None))
+    np.testing.assert_array_equal(ours(mode, *one_layer, one_sizes[:3] + (0.5,) + one_sizes[4:])[0],
+                                  _ours(mode, *one_layer, one_sizes)[0])
+
+
 def _bad_call(mode, **overrides):
     """lstm / gru on valid inputs (B=2, T=3, I=4, H=5, one layer, one direction) with some replaced."""
     f32 = jnp.float32
@@ -353,7 +384,8 @@ BAD_INPUTS = [
     (dict(seq_lengths=jnp.full((2,), 3, jnp.int64)), TypeError, "seq_lengths must be int32, got int64"),
     (dict(seq_lengths=jnp.full((3,), 3, jnp.int32)), ValueError,
      r"seq_lengths must have shape \(B,\) = \(2,\)"),
-    (dict(dropout=0.5), ValueError, "dropout must be 0"),
+    (dict(dropout=0.5), ValueError, "dropout = 0.5 needs a dropout_rng key"),
+    (dict(dropout=1.0, dropout_rng=jax.random.key(0)), ValueError, r"dropout must be a number in \[0, 1\)"),
     (dict(hidden_size=0), ValueError, "hidden_size must be an int >= 1"),
     (dict(num_layers=1.0), ValueError, "num_layers must be an int"),
     (dict(bidirectional=1), TypeError, "bidirectional must be a bool"),
@@ -363,7 +395,7 @@ BAD_INPUTS = [
 @mode_param
 @pytest.mark.parametrize("overrides,error,message", BAD_INPUTS, ids=[
     "x-int", "x-width", "x-rank", "h0-shape", "h0-dtype", "weights-size", "directions", "lengths-dtype",
-    "lengths-shape", "dropout", "hidden", "layers", "bidirectional"])
+    "lengths-shape", "dropout-key", "dropout-rate", "hidden", "layers", "bidirectional"])
 def test_bad_input(mode, overrides, error, message):
     with pytest.raises(error, match=f"{mode}: {message}"):
         _bad_call(mode, **overrides)

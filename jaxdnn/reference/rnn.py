@@ -14,6 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _compute_type(*arrays):
@@ -210,12 +211,22 @@ def gru_bwd(dh_seq, dh_n, saved, h_seq, h0, w_hh, seq_lengths, reverse):
     return (*grads, dh0)
 
 
+def dropout_masks(dropout_rng, rate, shape, num_layers):
+    """The scales that dropout between layers multiplies the outputs of layers 0 .. L - 2 by: one
+    float32 array of `shape` [B, T, D H] per boundary, 1 / (1 - rate) where kept and 0 where dropped,
+    drawn from `dropout_rng` folded with the layer's index (the same key gives the same masks)."""
+    if not rate:
+        return ()
+    keep = 1.0 - rate
+    return tuple(jax.random.bernoulli(jax.random.fold_in(dropout_rng, layer), keep, shape).astype(jnp.float32)
+                 / np.float32(keep) for layer in range(num_layers - 1))
+
+
 def _stack(mode, x, states, weights, seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional,
-           precision):
+           precision, dropout_rng=None):
     """y [B, T, D H] in x's dtype and the final states [L D, B, H] (one per entry of `states`)."""
-    if dropout:
-        raise ValueError(f"{mode} reference: dropout must be 0")
     directions = 2 if bidirectional else 1
+    masks = dropout_masks(dropout_rng, dropout, x.shape[:2] + (directions * hidden_size,), num_layers)
     params = unpack_weights(weights, mode, input_size, hidden_size, num_layers, bidirectional)
     layer_in, finals = x, [[] for _ in states]
     for layer in range(num_layers):
@@ -233,26 +244,28 @@ def _stack(mode, x, states, weights, seq_lengths, input_size, hidden_size, num_l
             for final, state in zip(finals, last):
                 final.append(state)
         layer_in = jnp.concatenate(outputs, axis=-1)
+        if layer < len(masks):
+            layer_in = (layer_in * masks[layer].astype(layer_in.dtype)).astype(x.dtype)
     return layer_in, tuple(jnp.stack(f).astype(s.dtype) for f, s in zip(finals, states))
 
 
 def lstm(x, h_0, c_0, weights, seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional,
-         precision=None):
+         precision=None, dropout_rng=None):
     """`jax.experimental.rnn.lstm` in pure JAX: (y [B, T, D H], h_n [L D, B, H], c_n [L D, B, H]).
 
     x [B, T, I]; h_0, c_0 [L D, B, H]; weights the flat cuDNN vector; seq_lengths [B] int32. y has
     x's dtype (each layer's output is rounded to it before the next layer), h_n and c_n those of h_0
-    and c_0. dropout must be 0.
+    and c_0. dropout > 0 scales each layer's output but the last by `dropout_masks(dropout_rng, ...)`.
     """
     y, (h_n, c_n) = _stack("lstm", x, (h_0, c_0), weights, seq_lengths, input_size, hidden_size, num_layers,
-                           dropout, bidirectional, precision)
+                           dropout, bidirectional, precision, dropout_rng)
     return y, h_n, c_n
 
 
 def gru(x, h_0, weights, seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional,
-        precision=None):
+        precision=None, dropout_rng=None):
     """cuDNN's GRU in pure JAX, on the flat weight layout of `lstm` with G = 3H gates (r, z, n):
     (y [B, T, D H], h_n [L D, B, H]). Conventions as `lstm`."""
     y, (h_n,) = _stack("gru", x, (h_0,), weights, seq_lengths, input_size, hidden_size, num_layers, dropout,
-                       bidirectional, precision)
+                       bidirectional, precision, dropout_rng)
     return y, h_n
