@@ -40,8 +40,10 @@ import jax.numpy as jnp
 import jaxdnn
 from jaxdnn.haiku_conv import Conv1D, Conv2D, Conv3D, ConvND
 from jaxdnn.haiku_dense import Linear
+from jaxdnn.haiku_rnn import lstm_weights_from_haiku
 
-__all__ = ["BatchNorm", "Conv1D", "Conv2D", "Conv3D", "ConvND", "GroupNorm", "LayerNorm", "Linear", "RMSNorm"]
+__all__ = ["BatchNorm", "Conv1D", "Conv2D", "Conv3D", "ConvND", "GroupNorm", "LayerNorm", "Linear", "RMSNorm",
+           "lstm_weights_from_haiku"]
 
 Initializer = Callable[..., Any]
 
