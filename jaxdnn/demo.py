@@ -18,6 +18,9 @@ Parts:
        (Conv -> BatchNorm -> relu -> Conv -> BatchNorm fused with the skip add and relu) -> jaxdnn
        max_pool -> Conv -> BatchNorm + relu -> jaxdnn avg_pool -> Dense.
        Batch statistics are trained and used at test time.
+  lstm the same digits read as sequences of 8 rows (8 pixels a step) by a 2-layer bidirectional
+       jaxdnn LSTM (``jaxdnn.flax.LSTM``: the whole sequence in fused recurrence kernels), its
+       outputs averaged over time -> jaxdnn LayerNorm -> Dense.
 """
 
 from __future__ import annotations
@@ -227,9 +230,38 @@ def demo_cnn(args: argparse.Namespace) -> PartResult:
     return PartResult("cnn", test_acc, target=0.90, seconds=time.perf_counter() - start)
 
 
+# --- part: LSTM ---------------------------------------------------------------------------
+
+
+class DigitsLSTM(nn.Module):
+    """[B, 64] -> [B, 10] logits: the image's 8 rows as 8 time steps through jaxdnn's LSTM."""
+    hidden: int = 64
+    classes: int = 10
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        rows = x.reshape(x.shape[0], 8, 8)  # [B, T = 8 rows, 8 pixels]
+        y, _ = jflax.LSTM(self.hidden, num_layers=2, bidirectional=True)(rows)
+        return nn.Dense(self.classes)(jflax.LayerNorm()(jnp.mean(y, axis=1)))
+
+
+def demo_lstm(args: argparse.Namespace) -> PartResult:
+    print("[lstm] digits as sequences of rows: jaxdnn.flax.LSTM (2 layers, bidirectional) -> mean over "
+          "time -> jaxdnn LayerNorm -> Dense")
+    data = digits_split(args.seed)
+    print(f"[lstm] {len(data.x_train)} train / {len(data.x_test)} test sequences of 8 steps, "
+          f"batch {args.batch_size}, {args.epochs} epochs")
+    start = time.perf_counter()
+    test_acc = train_classifier(DigitsLSTM(), data, epochs=args.epochs,
+                                batch_size=args.batch_size, learning_rate=1e-2,
+                                seed=args.seed)
+    return PartResult("lstm", test_acc, target=0.90, seconds=time.perf_counter() - start)
+
+
 PARTS: dict[str, Callable[[argparse.Namespace], PartResult]] = {
     "mlp": demo_mlp,
     "cnn": demo_cnn,
+    "lstm": demo_lstm,
 }
 
 
