@@ -477,7 +477,7 @@ def conv_cases(quick: bool) -> list[Case]:
         cases.append(Case("conv", f"{name} fwd", fn, "xla", peer_fn, primal_sets, flops, "TFLOP/s"))
         cases.append(Case("conv", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn),
                           [(x, w, dy) for (x, w), dy in zip(primal_sets, dys)], 3 * flops, "TFLOP/s"))
-    return cases + _fused_conv_cases(quick)
+    return cases + _fused_conv_cases(quick) + _depthwise_conv_cases(quick)
 
 
 def _fused_conv_cases(quick: bool) -> list[Case]:
@@ -511,6 +511,43 @@ def _fused_conv_cases(quick: bool) -> list[Case]:
         Case("conv", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn),
              [(*primals, dy) for primals, dy in zip(primal_sets, dys)], 3 * flops, "TFLOP/s"),
     ]
+
+
+def _depthwise_conv_cases(quick: bool) -> list[Case]:
+    """Depthwise 3x3 stride-1 SAME convolutions (feature_group_count = C, m = 1), NHWC / HWIO, bf16, on
+    [N, 56, 56, 256] and [N, 14, 14, 1024], N = 64 (2 with --quick), against lax.conv_general_dilated with
+    feature_group_count=C: fwd, and fwd+bwd (the gradients w.r.t. the input and the filter, passes
+    separated as in a network).
+
+    Memory-bound, so GB/s of compulsory traffic: fwd = read x + read w + write y; fwd+bwd = the forward
+    + read dy, x and w + write dx and dw (x, y, dy and dx have one size here). Re-reads between the
+    backward's dgrad and wgrad are not counted.
+    """
+    dtype = jnp.bfloat16
+    sets = 2 if quick else 8
+    batch = 2 if quick else 64
+    key = jax.random.key(3)
+    cases = []
+    for size, channels in ((56, 256), (14, 1024)):
+        x_shape, w_shape = (batch, size, size, channels), (3, 3, 1, channels)
+        primal_sets, dys = [], []
+        for _ in range(sets):
+            key, kx, kw, kdy = jax.random.split(key, 4)
+            primal_sets.append((_normal(kx, x_shape, dtype), _normal(kw, w_shape, dtype, std=0.3)))
+            dys.append(_normal(kdy, x_shape, dtype))
+        conv = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                    feature_group_count=channels)
+        fn = functools.partial(jaxdnn.conv_general_dilated, **conv)
+        peer_fn = functools.partial(jax.lax.conv_general_dilated, **conv)
+        x_bytes = math.prod(x_shape) * jnp.dtype(dtype).itemsize
+        w_bytes = math.prod(w_shape) * jnp.dtype(dtype).itemsize
+        fwd_bytes = 2 * x_bytes + w_bytes
+        name = f"depthwise N{batch} H{size} W{size} C{channels} 3x3/1"
+        cases.append(Case("conv", f"{name} fwd", fn, "xla", peer_fn, primal_sets, fwd_bytes, "GB/s"))
+        cases.append(Case("conv", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn),
+                          [(x, w, dy) for (x, w), dy in zip(primal_sets, dys)],
+                          fwd_bytes + 3 * x_bytes + 2 * w_bytes, "GB/s"))
+    return cases
 
 
 # --- dense -------------------------------------------------------------------------------------------
