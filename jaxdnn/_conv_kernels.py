@@ -51,18 +51,28 @@ def _spatial(attrs, prefix):
 
 # --- the kernel stages ----------------------------------------------------------------------------
 
-# The stages' last result, a workspace for the GPU's tensor-core kernels (ffi/conv/conv_sm90.cu), which
-# take 16-bit operands only (empty otherwise): the filter in their layout [K, T, U, V, Cp], Cp the
-# channels padded to a multiple of 8; x (dgrad: dx) with padded channels when C % 8 != 0; for dgrad
-# with strides, dy with zeros between its pixels; for wgrad, float32 partial filter gradients of
-# slices of the batch, enough slices to give about every SM of an H100/H200 an output tile (128 x
-# 128, 64 x 128 for up to 64 filters; CUTLASS's Hopper conv has no split-K).
+# The stages' last result, a workspace for the GPU's kernels. The tensor-core ones (ffi/conv/conv_sm90.cu)
+# take 16-bit operands and one group: the filter in their layout [K, T, U, V, Cp], Cp the channels
+# padded to a multiple of 8; x (dgrad: dx) with padded channels when C % 8 != 0; for dgrad with
+# strides, dy with zeros between its pixels; for wgrad, float32 partial filter gradients of slices of
+# the batch, enough slices to give about every SM of an H100/H200 an output tile (128 x 128, 64 x 128
+# for up to 64 filters; CUTLASS's Hopper conv has no split-K). The depthwise wgrad
+# (ffi/conv/depthwise.cu, any dtype) splits its reduction the same way. Empty for everything else.
 _SMS = 132
 _MAX_WGRAD_SLICES = 32
 
 
 def _workspace(dtype, elements):
-    return jax.core.ShapedArray((elements if jnp.dtype(dtype).itemsize == 2 else 0,), dtype)
+    return jax.core.ShapedArray((elements,), dtype)
+
+
+def _on_tensor_cores(dtype, channels, attrs):
+    return jnp.dtype(dtype).itemsize == 2 and int(attrs["groups"]) == 1 and not _is_depthwise(channels, attrs)
+
+
+def _is_depthwise(channels, attrs):
+    """depthwise.h's IsDepthwise: one input channel per group, no lhs dilation."""
+    return int(attrs["groups"]) == channels and _spatial(attrs, "lhs_dilation") == (1, 1, 1)
 
 
 def _padded(channels):
@@ -83,30 +93,48 @@ def _wgrad_slices(batch, padded_filter, filters):
     return max(1, min(batch, _MAX_WGRAD_SLICES, -(-_SMS // tiles)))
 
 
+def _depthwise_wgrad_slices(batch, out_spatial, filters):
+    """The bound of depthwise.cu's WgradSlices: about 3 blocks per SM of 128 features, each slice at
+    least 32 strips of 4 output pixels of a row."""
+    strips = batch * out_spatial[0] * out_spatial[1] * -(-out_spatial[2] // 4)
+    return max(1, min(3 * _SMS // -(-filters // 128), strips // 32))
+
+
 def _fprop_avals(x, w, **attrs):
+    elements = 0
+    if _on_tensor_cores(x.dtype, x.shape[-1], attrs):
+        elements = _padded_filter(w.shape) + _padded_input(x.shape)
     return [jax.core.ShapedArray((x.shape[0],) + _spatial(attrs, "out") + (w.shape[-1],), x.dtype),
-            _workspace(x.dtype, _padded_filter(w.shape) + _padded_input(x.shape))]
+            _workspace(x.dtype, elements)]
 
 
 def _dgrad_avals(dy, w, **attrs):
     dx_shape = (dy.shape[0],) + _spatial(attrs, "in") + (int(attrs["groups"]) * w.shape[3],)
-    strides = _spatial(attrs, "stride")
-    spread = 0
-    if any(s > 1 for s in strides):
-        spread_pixels = math.prod((o - 1) * s + 1 for o, s in zip(dy.shape[1:4], strides))
-        spread = dy.shape[0] * spread_pixels * dy.shape[-1]
-    return [jax.core.ShapedArray(dx_shape, dy.dtype),
-            _workspace(dy.dtype, _padded_filter(w.shape) + spread + _padded_input(dx_shape))]
+    elements = 0
+    if _on_tensor_cores(dy.dtype, dx_shape[-1], attrs):
+        strides = _spatial(attrs, "stride")
+        spread = 0
+        if any(s > 1 for s in strides):
+            spread_pixels = math.prod((o - 1) * s + 1 for o, s in zip(dy.shape[1:4], strides))
+            spread = dy.shape[0] * spread_pixels * dy.shape[-1]
+        elements = _padded_filter(w.shape) + spread + _padded_input(dx_shape)
+    return [jax.core.ShapedArray(dx_shape, dy.dtype), _workspace(dy.dtype, elements)]
 
 
 def _wgrad_avals(x, dy, **attrs):
     group_channels = x.shape[-1] // int(attrs["groups"])
     dw_shape = _spatial(attrs, "window") + (group_channels, dy.shape[-1])
-    float32_per_element = 2  # the partial sums are float32, the workspace 16-bit
-    padded_filter = _padded_filter(dw_shape)
-    slices = _wgrad_slices(x.shape[0], padded_filter, dy.shape[-1])
-    return [jax.core.ShapedArray(dw_shape, x.dtype),
-            _workspace(x.dtype, slices * padded_filter * float32_per_element + _padded_input(x.shape))]
+    float32_bytes = 0
+    extra = 0
+    if _is_depthwise(x.shape[-1], attrs):
+        slices = _depthwise_wgrad_slices(x.shape[0], dy.shape[1:4], dy.shape[-1])
+        float32_bytes = 4 * slices * math.prod(dw_shape) if slices > 1 else 0
+    elif _on_tensor_cores(x.dtype, x.shape[-1], attrs):
+        padded_filter = _padded_filter(dw_shape)
+        float32_bytes = 4 * _wgrad_slices(x.shape[0], padded_filter, dy.shape[-1]) * padded_filter
+        extra = _padded_input(x.shape)
+    elements = -(-float32_bytes // jnp.dtype(x.dtype).itemsize) + extra
+    return [jax.core.ShapedArray(dw_shape, x.dtype), _workspace(x.dtype, elements)]
 
 
 def _fused_avals(x, w, bias, *residual, activation, activation_param, **attrs):

@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from jaxdnn import _conv_gemm
 from jaxdnn._conv_kernels import Conv, Epilogue, fprop, fused, stack_features
 from jaxdnn._primitive import explicit_row_sharding, match_varying, per_row_shard
 from jaxdnn.activation import epilogue
@@ -231,7 +232,22 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
     x, w, conv, finish = _prepare("conv_general_dilated", lhs, rhs, window_strides, padding, lhs_dilation,
                                   rhs_dilation, dimension_numbers, feature_group_count, batch_group_count,
                                   preferred_element_type)
-    return finish(per_row_shard(lambda x, w: fprop(x, *match_varying(x, w), conv), x, w, whole_axes=4))
+    return finish(per_row_shard(lambda x, w: _forward(x, w, conv), x, w, whole_axes=4))
+
+
+def _forward(x, w, geometry, bias=None, residual=None, activation=None):
+    """act(conv(x, w) + bias + residual) on the canonical layout: few-channel convolutions as an
+    explicit GEMM (jaxdnn/_conv_gemm.py), the rest on the convolution kernels (with an epilogue, in
+    the fused kernel's)."""
+    if residual is None and _conv_gemm.takes(x.shape, w.shape, geometry):
+        return _conv_gemm.convolve(x, w, geometry, bias, activation)
+    kind, param = epilogue("conv", activation)
+    if bias is None and residual is None and kind == "identity":
+        return fprop(x, *match_varying(x, w), geometry)
+    if bias is None:
+        bias = jnp.zeros((w.shape[-1],), x.dtype)
+    w, bias = match_varying(x, w, bias)
+    return fused(x, w, bias, residual, geometry, Epilogue(kind, float(param), residual is not None))
 
 
 def _transpose_pads(window, stride, padding):
@@ -335,7 +351,7 @@ def conv(x, w, bias=None, *, activation=None, residual=None, strides=1, padding=
       [N, *out, K] in x's dtype. Differentiable to any order (`jax.jvp` is not supported); the
       backward's dbias is XLA's reduction of dz = act'(z) dy.
     """
-    kind, param = epilogue("conv", activation)
+    kind, _ = epilogue("conv", activation)  # checks the name early
     x, w = (a if hasattr(a, "shape") and hasattr(a, "dtype") else jnp.asarray(a) for a in (x, w))
     spatial = x.ndim - 2
     if spatial in _CHANNELS_LAST:
@@ -344,8 +360,7 @@ def conv(x, w, bias=None, *, activation=None, residual=None, strides=1, padding=
     x5, w5, geometry, finish = _prepare("conv", x, w, strides, padding, None, dilation,
                                         _CHANNELS_LAST.get(spatial), groups, 1, None)
     if bias is None and residual is None and kind == "identity":
-        y = per_row_shard(lambda x, w: fprop(x, *match_varying(x, w), geometry), x5, w5, whole_axes=4)
-        return finish(y)
+        return finish(per_row_shard(lambda x, w: _forward(x, w, geometry), x5, w5, whole_axes=4))
     filters = w.shape[-1]
     if bias is None:
         bias = jnp.zeros((filters,), x.dtype)
@@ -358,11 +373,9 @@ def conv(x, w, bias=None, *, activation=None, residual=None, strides=1, padding=
         if residual.dtype != x.dtype:
             raise TypeError(f"conv: residual must have x's dtype {x.dtype}, got {residual.dtype}")
         operands.append(residual.reshape(y_shape))
-    tail = Epilogue(kind, float(param), residual is not None)
 
     def run(x, w, bias, *residual):
-        w, bias = match_varying(x, w, bias)
-        return fused(x, w, bias, residual[0] if residual else None, geometry, tail)
+        return _forward(x, w, geometry, bias, residual[0] if residual else None, activation)
 
     sharded = explicit_row_sharding(x5, whole_axes=4)
     if sharded is None:

@@ -6,7 +6,8 @@ y [..., N]. The kernel (ffi/dense/dense.h, target `jaxdnn_gemm_v1`) computes, fo
 entry l < L, c[l] = act(op_a(a[l]) . op_b(b[l]) + bias) with op_a / op_b optional transposes,
 float32 accumulation and the operands' dtype out. `dense` folds x's leading axes into M (L = 1);
 the training forward writes z with it and the backward is two more calls, dx = dz . w^T and
-dw = x^T . dz with every leading axis folded into the contracted rows.
+dw = x^T . dz with every leading axis folded into the contracted rows (split into slices summed in
+float32 when the product has few output tiles).
 
 Differentiable with `jax.grad`/`jax.vjp` to any order (every derivative runs on the kernel; the
 activation's derivatives run on jaxdnn's activation kernels); forward-mode `jax.jvp` is not provided
@@ -126,6 +127,33 @@ def _matmul_bwd(trans_a, trans_b, residuals, dc):
 _matmul.defvjp(lambda a, b, trans_a, trans_b: (_matmul(a, b, trans_a, trans_b), (a, b)), _matmul_bwd)
 
 
+# The weight gradient x^T . dz contracts the M rows. With few output tiles (a [147, 64] stem filter,
+# a classifier's [K, 10]: one or two 128-wide tiles) one or two SMs would do all the work, so the
+# rows are split into slices multiplied as a batch (one kernel call) and summed in float32.
+_SMS = 132  # an H100/H200's: the slice count is a function of the shapes alone, the same everywhere
+_MIN_SLICE_ROWS = 4096
+
+
+def _row_slices(rows, k, n):
+    """How many slices of the rows to multiply apart: about one output tile per SM, each slice at
+    least _MIN_SLICE_ROWS long; a divisor of rows (1: no split)."""
+    tiles = max(1, -(-k // 128) * -(-n // 128))
+    limit = min(-(-_SMS // tiles), rows // _MIN_SLICE_ROWS)
+    return next((s for s in range(limit, 1, -1) if rows % s == 0), 1)
+
+
+def _weight_gradient(x, dz):
+    """x^T . dz for x [1, M, K] and dz [1, M, N] -> [1, K, N]. Split into slices, each partial
+    product is rounded to x's dtype before the float32 sum: for 16-bit operands about one more
+    rounding error than one product would make."""
+    rows, k, n = x.shape[1], x.shape[2], dz.shape[2]
+    slices = _row_slices(rows, k, n)
+    if slices == 1:
+        return _matmul(x, dz, 1, 0)
+    parts = _matmul(x.reshape(slices, rows // slices, k), dz.reshape(slices, rows // slices, n), 1, 0)
+    return jnp.sum(parts, axis=0, keepdims=True, dtype=_F32).astype(x.dtype)
+
+
 # --- the fused forward ----------------------------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -146,7 +174,7 @@ def _dense_bwd(kind, param, residuals, dy):
     x, w, bias, z = residuals
     dz = dy if kind == "identity" else jax.vjp(lambda z: _activation(z, kind, param), z)[1](dy)[0]
     dbias = (jnp.sum(dz[0], axis=0, dtype=_F32) if bias.shape[0] else jnp.zeros_like(bias))
-    return _matmul(dz, w, 0, 1), _matmul(x, dz, 1, 0), dbias
+    return _matmul(dz, w, 0, 1), _weight_gradient(x, dz), dbias
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)

@@ -193,7 +193,7 @@ def test_checkpoint_scan_and_jvp(rng):
 
 
 def test_hlo_holds_the_custom_calls(rng):
-    lhs, rhs = normal(rng, (2, 6, 5, 4)), normal(rng, (3, 3, 4, 8))
+    lhs, rhs = normal(rng, (2, 6, 5, 8)), normal(rng, (3, 3, 8, 8))
     op = _op(jaxdnn.conv_general_dilated, dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC))
     fwd_hlo = jax.jit(op).lower(lhs, rhs).as_text()
     assert TARGETS[0] in fwd_hlo and TARGETS[1] not in fwd_hlo and "convolution" not in fwd_hlo
@@ -203,13 +203,31 @@ def test_hlo_holds_the_custom_calls(rng):
     assert all(target in grad_hlo for target in TARGETS) and "convolution" not in grad_hlo
 
 
+def test_few_channels_run_as_an_explicit_gemm(rng):
+    """2 to 7 input channels (an RGB stem): XLA's im2col and the GEMM kernel, forward and backward,
+    against the float64 reference with stride, dilation, negative padding and a fused epilogue."""
+    x, w, bias = normal(rng, (2, 11, 10, 3)), normal(rng, (3, 4, 3, 5)), normal(rng, (5,))
+    kwargs = dict(strides=(2, 1), padding=((2, 1), (-1, 2)), dilation=(1, 2))
+    op = functools.partial(jaxdnn.conv, activation="gelu", **kwargs)
+    oracle = functools.partial(jaxdnn.reference.conv, activation="gelu", **kwargs)
+    hlo = jax.jit(jax.grad(lambda *a: jnp.sum(op(*a) ** 2), argnums=(0, 1, 2))).lower(x, w, bias).as_text()
+    assert "jaxdnn_gemm_v1" in hlo and not any(target in hlo for target in TARGETS)
+    ct = normal(rng, op(x, w, bias).shape)
+    got_y, pullback = jax.vjp(op, x, w, bias)
+    want_y, want_pullback = jax.vjp(oracle, f64(x), f64(w), f64(bias))
+    assert_close(got_y, want_y, 1e-5, "y")
+    for name, got, want in zip(("x", "w", "bias"), pullback(ct), want_pullback(f64(ct))):
+        assert_close(got, want, 1e-5, f"d{name}")
+
+
+@pytest.mark.parametrize("channels", [8, 6], ids=["kernels", "explicit_gemm"])
 @pytest.mark.parametrize("mesh_kind", ["mesh", "auto", "explicit"])
-def test_batch_sharded_runs_per_shard(mesh_kind, devices, rng):
+def test_batch_sharded_runs_per_shard(mesh_kind, channels, devices, rng):
     kwargs = dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)
     op = _op(jaxdnn.conv_general_dilated, kwargs)
     mesh = batch_mesh(mesh_kind, devices)
-    lhs = jax.device_put(normal(rng, (8, 9, 10, 6)), NamedSharding(mesh, P("b")))
-    rhs = jax.device_put(normal(rng, (3, 3, 6, 5)), NamedSharding(mesh, P()))
+    lhs = jax.device_put(normal(rng, (8, 9, 10, channels)), NamedSharding(mesh, P("b")))
+    rhs = jax.device_put(normal(rng, (3, 3, channels, 5)), NamedSharding(mesh, P()))
     ct = jax.device_put(normal(rng, (8, 5, 5, 5)), NamedSharding(mesh, P("b")))
     step = jax.jit(lambda x, w, ct: (lambda y, pullback: (y, *pullback(ct)))(*jax.vjp(op, x, w)))
     with jax.set_mesh(mesh) if mesh_kind == "explicit" else contextlib.nullcontext():
@@ -218,8 +236,10 @@ def test_batch_sharded_runs_per_shard(mesh_kind, devices, rng):
     assert "all-gather" not in hlo
     calls = [line for line in hlo.splitlines() if 'custom_call_target="jaxdnn_' in line]
     assert len(calls) == 3, calls
-    # Every stage reads or writes lhs's per-shard [2, 1, 9, 10, 6] (the kernels' 3-D form).
-    assert all("f32[2,1,9,10,6]" in line for line in calls), calls
+    if channels == 8:  # every stage reads or writes lhs's per-shard [2, 1, 9, 10, 8] (the kernels' 3-D form)
+        assert all("f32[2,1,9,10,8]" in line for line in calls), calls
+    else:  # the GEMM's rows are the shard's 2 * 5 * 5 output pixels
+        assert all("jaxdnn_gemm_v1" in line and "50," in line for line in calls), calls
     want_y, (want_dlhs, want_drhs) = _oracle(kwargs, np.asarray(lhs), np.asarray(rhs), np.asarray(ct))
     assert_close(y, want_y, 1e-5, "sharded forward")
     assert_close(dlhs, want_dlhs, 1e-5, "sharded grad lhs")

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
 from helpers import DTYPES, assert_close, batch_mesh, dtype_id, f64, normal, tolerance
-from jaxdnn.dense import _matmul
+from jaxdnn.dense import _matmul, _row_slices
 
 TARGET = "jaxdnn_gemm_v1"
 
@@ -74,6 +74,17 @@ SHAPES = [((1, 1), 1), ((7, 1), 5), ((13, 5), 1), ((0, 8), 6), ((2, 0, 8), 6), (
 def test_shapes(shape, n, dtype, rng):
     x, w, bias = _inputs(rng, shape, n, dtype)
     _check("gelu", x, w, bias, rng)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+def test_weight_gradient_split_over_rows(dtype, rng):
+    """Many rows and a small w: dw is summed from slices of the rows (here 3 of 4098; the partial
+    products are rounded to x's dtype, hence the wider bf16 tolerance)."""
+    assert _row_slices(3 * 4098, 24, 9) == 3 and _row_slices(4097 * 2 + 1, 24, 9) == 1
+    x, w, bias = _inputs(rng, (2, 3 * 4098 // 2, 24), 9, dtype)
+    hlo = jax.jit(jax.grad(lambda x, w: jnp.sum(jaxdnn.dense(x, w) ** 2), argnums=1)).lower(x, w).as_text()
+    assert "tensor<3x4098x24x" in hlo
+    _check("gelu", x, w, bias, rng, grad_tol=2 * tolerance(dtype, grad=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

@@ -1,4 +1,5 @@
-// CUDA convolution. Stages with 16-bit operands, one group and K a multiple of 8 run on tensor cores:
+// CUDA convolution. Depthwise stages (groups == C, no lhs dilation) run on the memory-bound kernels
+// of depthwise.cu. Stages with 16-bit operands, one group and K a multiple of 8 run on tensor cores:
 // pointwise forwards and dgrads (1x1 windows, unit strides, no padding, C a multiple of 8) on the GEMM
 // of ffi/dense (see PointwiseGemm), the other 2-D stages on the implicit-GEMM kernels of
 // conv_sm90.cuh (through conv_sm90.cu's TensorCoreFprop and friends, with the targets' workspace).
@@ -31,6 +32,7 @@
 #include "conv/conv_epilogue.h"
 #include "conv/conv_geometry.h"
 #include "conv/conv_sm90.h"
+#include "conv/depthwise.h"
 #include "dense/gemm_sm90.h"
 
 namespace jaxdnn {
@@ -160,6 +162,12 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::An
                        float activation_param, ffi::AnyBuffer& y, ffi::AnyBuffer& workspace) {
   const int64_t items = g.OutPixels() * g.filters;
   if (items == 0) return ffi::Error::Success();
+  if (IsDepthwise(g)) {
+    return DepthwiseFprop(stream, g, x.element_type(), x.untyped_data(), w.untyped_data(),
+                          bias != nullptr ? bias->untyped_data() : nullptr,
+                          residual != nullptr ? residual->untyped_data() : nullptr, activation, activation_param,
+                          y.untyped_data());
+  }
   if (auto status = TensorCoreFprop(stream, g, x.element_type(), x.untyped_data(), w.untyped_data(),
                                     bias != nullptr ? bias->untyped_data() : nullptr,
                                     residual != nullptr ? residual->untyped_data() : nullptr, activation,
@@ -213,6 +221,9 @@ ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(dy, w, *dx));
   const int64_t items = g.InPixels() * g.channels;
   if (items == 0) return ffi::Error::Success();
+  if (IsDepthwise(g)) {
+    return DepthwiseDgrad(stream, g, dy.element_type(), dy.untyped_data(), w.untyped_data(), dx->untyped_data());
+  }
   if (auto status = PointwiseGemm(stream, g, dy.untyped_data(), w.untyped_data(), dx->untyped_data(),
                                   g.InPixels(), g.channels, g.filters, false, true, dy.element_type())) {
     return std::move(*status);
@@ -238,6 +249,10 @@ ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
   // An empty batch still writes dw (zeros): the blocks sum over no pixels.
   const int64_t rows = g.Taps() * g.GroupChannels();
   if (rows * g.filters == 0) return ffi::Error::Success();
+  if (IsDepthwise(g)) {
+    return DepthwiseWgrad(stream, g, x.element_type(), x.untyped_data(), dy.untyped_data(),
+                          workspace->untyped_data(), workspace->size_bytes(), dw->untyped_data());
+  }
   // Pointwise stages too go to the conv kernel first: it splits the pixels (the GEMM's K) over slices.
   if (auto status = TensorCoreWgrad(stream, g, x.element_type(), x.untyped_data(), dy.untyped_data(),
                                     dw->untyped_data(), workspace->untyped_data(), workspace->size_bytes())) {

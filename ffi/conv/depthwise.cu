@@ -643,7 +643,8 @@ ffi::Error LaunchDgrad(cudaStream_t stream, const ConvGeometry& g, const T* dy, 
   return LaunchOneWave(stream, "dgrad", DepthwiseDgradKernel<T, 1>, g, MakePlan(g.channels, g.batch, g.in), dy, w, dx);
 }
 
-// Wgrad's number of slices: a function of g alone (see depthwise.h), at least 1.
+// The bound on wgrad's number of slices: a function of g alone (see depthwise.h), at least 1;
+// jaxdnn/_conv_kernels.py's _depthwise_wgrad_slices is the same formula.
 int64_t WgradSlices(const ConvGeometry& g) {
   const int64_t strips = g.batch * g.out[0] * g.out[1] * CeilDiv(g.out[2], kStrip);
   const int64_t by_blocks = kWgradBlocks / CeilDiv(g.filters, kWgradChannels);
@@ -698,12 +699,6 @@ bool IsDepthwise(const ConvGeometry& g) {
   return g.channels >= 1 && g.groups == g.channels && g.filters >= g.channels && g.filters % g.channels == 0;
 }
 
-size_t DepthwiseWgradWorkspaceBytes(const ConvGeometry& g) {
-  if (!IsDepthwise(g)) return 0;
-  const int64_t slices = WgradSlices(g);
-  return slices > 1 ? size_t(slices * g.Taps() * g.filters) * sizeof(float) : 0;
-}
-
 ffi::Error DepthwiseFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x,
                           const void* w, const void* bias, const void* residual, int64_t activation,
                           float activation_param, void* y) {
@@ -741,17 +736,15 @@ ffi::Error DepthwiseDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataT
 }
 
 ffi::Error DepthwiseWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x,
-                          const void* dy, void* workspace, void* dw) {
+                          const void* dy, void* workspace, size_t workspace_bytes, void* dw) {
   if (!IsDepthwise(g)) return NotDepthwise("wgrad");
   if (g.Taps() * g.filters == 0) return ffi::Error::Success();
-  const int64_t slices = WgradSlices(g);
   if (dw == nullptr || (g.InPixels() > 0 && x == nullptr) || (g.OutPixels() > 0 && dy == nullptr)) {
     return InvalidArgument("depthwise wgrad: null operand");
   }
-  if (slices > 1 && workspace == nullptr) {
-    return InvalidArgument("depthwise wgrad: needs a workspace of " +
-                           std::to_string(DepthwiseWgradWorkspaceBytes(g)) + " bytes");
-  }
+  const int64_t partial_bytes = g.Taps() * g.filters * int64_t(sizeof(float));
+  const int64_t held = workspace != nullptr ? int64_t(workspace_bytes) / partial_bytes : 0;
+  const int64_t slices = std::max<int64_t>(1, std::min(WgradSlices(g), held));
   return DispatchFloat<float, __nv_bfloat16, __half>(dtype, "depthwise wgrad dtype", [&](auto type_tag) {
     using T = decltype(type_tag);
     return LaunchWgrad<T>(stream, g, static_cast<const T*>(x), static_cast<const T*>(dy), slices,

@@ -24,11 +24,6 @@ namespace jaxdnn {
 // every axis.
 bool IsDepthwise(const ConvGeometry& g);
 
-// float32 workspace bytes DepthwiseWgrad needs (0 allowed); the caller allocates it (XLA's scratch
-// allocator). A function of g alone, so the split of the reduction, and the result's bits, are the
-// same on every device.
-size_t DepthwiseWgradWorkspaceBytes(const ConvGeometry& g);
-
 // y = act(conv(x, w) + bias + residual); bias [K] or nullptr, residual y's shape or nullptr;
 // activation an Activation (common/activation.h), 0 = identity.
 ffi::Error DepthwiseFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x,
@@ -39,9 +34,12 @@ ffi::Error DepthwiseFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataT
 ffi::Error DepthwiseDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* dy,
                           const void* w, void* dx);
 
-// dw [T, U, V, 1, K] = the gradient w.r.t. w, summed over N and the output pixels; `workspace` holds
-// DepthwiseWgradWorkspaceBytes(g) bytes (nullptr when that is 0).
+// dw [T, U, V, 1, K] = the gradient w.r.t. w, summed over N and the output pixels. The reduction is
+// split into slices (float32 partial gradients in `workspace`, added in a fixed order): as many as
+// the workspace holds, up to a bound of g's. The caller sizes it (the wgrad target's last result,
+// by jaxdnn/_conv_kernels.py's copy of that bound): a function of g alone, so the result has the
+// same bits on every device.
 ffi::Error DepthwiseWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x,
-                          const void* dy, void* workspace, void* dw);
+                          const void* dy, void* workspace, size_t workspace_bytes, void* dw);
 
 }  // namespace jaxdnn
