@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxdnn import _conv_gemm
+from jaxdnn import _conv_few_channels as few_channels
 from jaxdnn._conv_kernels import Conv, Epilogue, fprop, fused, stack_features
 from jaxdnn._primitive import explicit_row_sharding, match_varying, per_row_shard
 from jaxdnn.activation import epilogue
@@ -236,11 +236,13 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
 
 
 def _forward(x, w, geometry, bias=None, residual=None, activation=None):
-    """act(conv(x, w) + bias + residual) on the canonical layout: few-channel convolutions as an
-    explicit GEMM (jaxdnn/_conv_gemm.py), the rest on the convolution kernels (with an epilogue, in
-    the fused kernel's)."""
-    if residual is None and _conv_gemm.takes(x.shape, w.shape, geometry):
-        return _conv_gemm.convolve(x, w, geometry, bias, activation)
+    """act(conv(x, w) + bias + residual) on the canonical layout, on the convolution kernels (with
+    an epilogue, in the fused kernel's). Few-channel convolutions are rewritten first
+    (jaxdnn/_conv_few_channels.py): strided ones by space-to-depth, the others as an explicit GEMM."""
+    if few_channels.takes_space_to_depth(x.shape, w.shape, geometry):
+        x, w, geometry = few_channels.space_to_depth(x, w, geometry)
+    elif residual is None and few_channels.takes_gemm(x.shape, w.shape, geometry):
+        return few_channels.gemm_convolve(x, w, geometry, bias, activation)
     kind, param = epilogue("conv", activation)
     if bias is None and residual is None and kind == "identity":
         return fprop(x, *match_varying(x, w), geometry)

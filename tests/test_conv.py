@@ -203,15 +203,22 @@ def test_hlo_holds_the_custom_calls(rng):
     assert all(target in grad_hlo for target in TARGETS) and "convolution" not in grad_hlo
 
 
-def test_few_channels_run_as_an_explicit_gemm(rng):
-    """2 to 7 input channels (an RGB stem): XLA's im2col and the GEMM kernel, forward and backward,
-    against the float64 reference with stride, dilation, negative padding and a fused epilogue."""
+@pytest.mark.parametrize("strides,padding,dilation,kernels", [
+    ((2, 1), ((2, 1), (-1, 2)), (1, 2), "jaxdnn_conv_"),  # space-to-depth on H (W keeps its dilation)
+    ((3, 2), "SAME", 1, "jaxdnn_conv_"),                   # both axes, a stride larger than the window
+    ((1, 1), ((2, 1), (-1, 2)), (2, 1), "jaxdnn_gemm_"),   # unit stride: the explicit GEMM
+], ids=["space_to_depth_h", "space_to_depth_hw", "explicit_gemm"])
+def test_few_channels_are_rewritten(strides, padding, dilation, kernels, rng):
+    """2 to 7 input channels (an RGB stem): strided convolutions become unit-stride ones on more
+    channels (space-to-depth), the others XLA's im2col and the GEMM kernel. Forward and backward
+    with a fused epilogue against the float64 reference; the HLO holds the expected kernels only."""
     x, w, bias = normal(rng, (2, 11, 10, 3)), normal(rng, (3, 4, 3, 5)), normal(rng, (5,))
-    kwargs = dict(strides=(2, 1), padding=((2, 1), (-1, 2)), dilation=(1, 2))
+    kwargs = dict(strides=strides, padding=padding, dilation=dilation)
     op = functools.partial(jaxdnn.conv, activation="gelu", **kwargs)
     oracle = functools.partial(jaxdnn.reference.conv, activation="gelu", **kwargs)
     hlo = jax.jit(jax.grad(lambda *a: jnp.sum(op(*a) ** 2), argnums=(0, 1, 2))).lower(x, w, bias).as_text()
-    assert "jaxdnn_gemm_v1" in hlo and not any(target in hlo for target in TARGETS)
+    other = "jaxdnn_gemm_" if kernels == "jaxdnn_conv_" else "jaxdnn_conv_"
+    assert kernels in hlo and other not in hlo and "convolution" not in hlo
     ct = normal(rng, op(x, w, bias).shape)
     got_y, pullback = jax.vjp(op, x, w, bias)
     want_y, want_pullback = jax.vjp(oracle, f64(x), f64(w), f64(bias))
@@ -220,7 +227,7 @@ def test_few_channels_run_as_an_explicit_gemm(rng):
         assert_close(got, want, 1e-5, f"d{name}")
 
 
-@pytest.mark.parametrize("channels", [8, 6], ids=["kernels", "explicit_gemm"])
+@pytest.mark.parametrize("channels", [8, 6], ids=["kernels", "space_to_depth"])
 @pytest.mark.parametrize("mesh_kind", ["mesh", "auto", "explicit"])
 def test_batch_sharded_runs_per_shard(mesh_kind, channels, devices, rng):
     kwargs = dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)
@@ -236,10 +243,10 @@ def test_batch_sharded_runs_per_shard(mesh_kind, channels, devices, rng):
     assert "all-gather" not in hlo
     calls = [line for line in hlo.splitlines() if 'custom_call_target="jaxdnn_' in line]
     assert len(calls) == 3, calls
-    if channels == 8:  # every stage reads or writes lhs's per-shard [2, 1, 9, 10, 8] (the kernels' 3-D form)
-        assert all("f32[2,1,9,10,8]" in line for line in calls), calls
-    else:  # the GEMM's rows are the shard's 2 * 5 * 5 output pixels
-        assert all("jaxdnn_gemm_v1" in line and "50," in line for line in calls), calls
+    # Every stage reads or writes lhs's per-shard [2, 1, 9, 10, 8] in the kernels' 3-D form; with 6
+    # channels, space-to-depth's [2, 1, 6, 6, 24] (2 x 2 blocks of pixels, the input padded to 12 x 12).
+    x_shape = "f32[2,1,9,10,8]" if channels == 8 else "f32[2,1,6,6,24]"
+    assert all(x_shape in line for line in calls), calls
     want_y, (want_dlhs, want_drhs) = _oracle(kwargs, np.asarray(lhs), np.asarray(rhs), np.asarray(ct))
     assert_close(y, want_y, 1e-5, "sharded forward")
     assert_close(dlhs, want_dlhs, 1e-5, "sharded grad lhs")
