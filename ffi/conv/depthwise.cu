@@ -11,7 +11,11 @@
 // strips side by side, so the input rows that 3 output rows share are fetched into L1 once.
 //
 // Kernels:
-// - Depthwise3x3Kernel: the common 1 x 3 x 3 window (any padding, H stride and dilation, W stride 1
+// - DepthwiseTile3x3Kernel: the common 3 x 3 window with 16-bit values, C a multiple of 8, equal H
+//   and W strides of 1 or 2 (also unit-stride dgrad): a block copies the input its tile of 8 output
+//   rows x up to 64 columns x up to 64 channels reads into shared memory with cp.async, then each
+//   thread computes 8 channels of 4 vertically adjacent outputs from there (see its comment).
+// - Depthwise3x3Kernel: the other 1 x 3 x 3 windows (any padding, H stride and dilation, W stride 1
 //   or 2, W dilation 1, m == 1, vector packs). The thread keeps its pack's 9 taps in registers
 //   (float32) and loads the (kStrip - 1) * stride + 3 input pixels of each window row once for its
 //   whole strip, each feeding up to 3 outputs: 4.5 loads per output pack instead of 9. The fused
@@ -32,6 +36,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <initializer_list>
 #include <cstdint>
 #include <string>
 
@@ -569,6 +574,135 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// --- the tiled 3x3 kernel (16-bit, channels a multiple of 8) -------------------------------------------
+
+// A block computes a tile of kTileRows output rows x `cols` output columns x `vectors` 16-byte
+// channel vectors (8 channels each) of one image: it first copies the input pixels the tile's
+// windows read into shared memory with cp.async (zeros outside x), then each thread computes one
+// vector of kTileStrip vertically adjacent outputs from there. The copies hold no registers, so the
+// blocks resident on an SM keep many bytes in flight while others compute: a memory-bound kernel
+// needs that more than the register-staged Depthwise3x3Kernel's reuse.
+constexpr int kTileThreads = 128;
+constexpr int kTileRows = 8;      // output rows per block
+constexpr int kTileStrip = 4;     // output rows per thread
+constexpr int kTileVectors = 8;   // at most 8 vectors (64 channels, 128 bytes) of each pixel per block
+static_assert(kTileThreads % (kTileRows / kTileStrip) == 0, "whole strips per block");
+
+struct TilePlan {
+  int vectors;            // channel vectors per pixel in a block (a power of two <= kTileVectors)
+  int cols;               // output columns per block: kTileThreads / (vectors * strips per column)
+  int64_t chunks;         // blocks across the channels: ceil(C / (8 * vectors))
+  int64_t row_tiles, col_tiles;
+  int64_t images;         // N * D (the trivial depth axis folded into the batch)
+};
+
+TilePlan MakeTilePlan(const ConvGeometry& g) {
+  TilePlan plan;
+  const int64_t vectors = g.channels / 8;
+  plan.vectors = kTileVectors;
+  while (plan.vectors > 1 && plan.vectors / 2 >= vectors) plan.vectors /= 2;
+  plan.cols = kTileThreads / (plan.vectors * (kTileRows / kTileStrip));
+  plan.chunks = CeilDiv(vectors, plan.vectors);
+  plan.row_tiles = CeilDiv(g.out[1], kTileRows);
+  plan.col_tiles = CeilDiv(g.out[2], plan.cols);
+  plan.images = g.batch * g.out[0];
+  return plan;
+}
+
+int TileSpan(int outputs, int stride) { return (outputs - 1) * stride + 3; }
+
+size_t TileSharedBytes(const TilePlan& plan, int stride) {
+  return size_t(TileSpan(kTileRows, stride)) * TileSpan(plan.cols, stride) * plan.vectors * 16;
+}
+
+// out = epilogue(the 3x3 conv of `in` with stride kStride on both axes): g's forward when `flip` is
+// false; with `flip`, the conv with the window reversed (dgrad on the flipped geometry). T is a
+// 16-bit type: a 16-byte vector holds 8 channels.
+template <typename T, int kStride>
+__global__ void __launch_bounds__(kTileThreads, 3)
+    DepthwiseTile3x3Kernel(const ConvGeometry g, const TilePlan plan, const T* __restrict__ in,
+                           const T* __restrict__ w, bool flip, const ConvEpilogue<T> epilogue, T* __restrict__ out) {
+  extern __shared__ uint4 tile[];  // [span rows][span cols][vectors]
+  constexpr int kSpanRows = (kTileRows - 1) * kStride + 3;
+  const int span_cols = (plan.cols - 1) * kStride + 3;
+  int64_t block = blockIdx.x;
+  const int64_t chunk = block % plan.chunks;
+  block /= plan.chunks;
+  const int64_t col_tile = block % plan.col_tiles;
+  block /= plan.col_tiles;
+  const int64_t row_tile = block % plan.row_tiles;
+  const int64_t image = block / plan.row_tiles;
+  const int64_t channels = g.channels;
+  const int64_t c_base = chunk * plan.vectors * 8;
+  const int64_t h0 = row_tile * kTileRows * kStride - g.pad[1];
+  const int64_t w0 = col_tile * plan.cols * kStride - g.pad[2];
+  const int64_t in_image = image * g.in[1] * g.in[2];
+
+  // The input pixels of the tile's windows, zeros outside x and past the channels.
+  const int loads = kSpanRows * span_cols * plan.vectors;
+  for (int i = threadIdx.x; i < loads; i += kTileThreads) {
+    const int vector = i % plan.vectors, pixel = i / plan.vectors;
+    const int64_t h = h0 + pixel / span_cols, col = w0 + pixel % span_cols;
+    const int64_t c = c_base + vector * 8;
+    if (h >= 0 && h < g.in[1] && col >= 0 && col < g.in[2] && c < channels) {
+      CpAsync16(&tile[i], in + (in_image + h * g.in[2] + col) * channels + c);
+    } else {
+      tile[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  CpAsyncCommit();
+
+  const int vector = threadIdx.x % plan.vectors;
+  const int col = (threadIdx.x / plan.vectors) % plan.cols;
+  const int strip = threadIdx.x / (plan.vectors * plan.cols);
+  const int64_t c0 = c_base + vector * 8;
+  const bool active = c0 < channels;
+  float taps[9][8];
+#pragma unroll
+  for (int t = 0; t < 9; ++t) {
+    const Pack<T, 8> pack = active ? *reinterpret_cast<const Pack<T, 8>*>(w + (flip ? 8 - t : t) * channels + c0)
+                                   : Pack<T, 8>{};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) taps[t][e] = ToFloat(pack.v[e]);
+  }
+  CpAsyncWait<0>();
+  __syncthreads();
+  if (!active) return;
+
+  float acc[kTileStrip][8] = {};
+  const int first_row = strip * kTileStrip * kStride;
+#pragma unroll
+  for (int r = 0; r < (kTileStrip - 1) * kStride + 3; ++r) {
+    float value[3][8];
+#pragma unroll
+    for (int v = 0; v < 3; ++v) {
+      const uint4 word = tile[((first_row + r) * span_cols + col * kStride + v) * plan.vectors + vector];
+      const Pack<T, 8> pack = *reinterpret_cast<const Pack<T, 8>*>(&word);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) value[v][e] = ToFloat(pack.v[e]);
+    }
+#pragma unroll
+    for (int o = 0; o < kTileStrip; ++o) {
+      const int u = r - o * kStride;
+      if (u < 0 || u > 2) continue;
+#pragma unroll
+      for (int v = 0; v < 3; ++v) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[o][e] += value[v][e] * taps[u * 3 + v][e];
+      }
+    }
+  }
+  const int64_t q = col_tile * plan.cols + col;
+  if (q >= g.out[2]) return;
+#pragma unroll
+  for (int o = 0; o < kTileStrip; ++o) {
+    const int64_t p = row_tile * kTileRows + strip * kTileStrip + o;
+    if (p < g.out[1]) {
+      StoreOutputPack<T, 8>(epilogue, acc[o], ((image * g.out[1] + p) * g.out[2] + q) * channels + c0, c0, out);
+    }
+  }
+}
+
 // --- launchers -----------------------------------------------------------------------------------------
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -596,6 +730,31 @@ ffi::Error LaunchOneWave(cudaStream_t stream, const char* stage, Kernel kernel, 
   return LaunchError(stage);
 }
 
+// Whether DepthwiseTile3x3Kernel takes g (with m == 1 and 16-bit values checked by the caller):
+// channels a multiple of 8, 16-byte aligned operands, a 1 x 3 x 3 window without dilation, equal H
+// and W strides of 1 or 2, and a trivial depth axis (folded into the batch).
+bool TakesTile3x3(const ConvGeometry& g, std::initializer_list<const void*> operands) {
+  for (const void* p : operands) {
+    if (!Aligned16(p)) return false;
+  }
+  return g.channels % 8 == 0 && IsWindow3x3(g) && g.rhs_dilation[1] == 1 &&
+         g.stride[1] == g.stride[2] && g.stride[1] <= 2 && g.stride[0] == 1 && g.pad[0] == 0 &&
+         g.in[0] == g.out[0];
+}
+
+template <typename T>
+ffi::Error LaunchTile3x3(cudaStream_t stream, const ConvGeometry& g, const T* in, const T* w, bool flip,
+                         const ConvEpilogue<T>& epilogue, T* out) {
+  const TilePlan plan = MakeTilePlan(g);
+  const int64_t blocks = plan.chunks * plan.col_tiles * plan.row_tiles * plan.images;
+  if (blocks > INT_MAX) return TooLarge("3x3 tile", blocks);
+  // At most 17 x 17 pixels of 8 vectors (or 17 x 129 of one): 37 KB, within the default 48 KB.
+  const size_t shared = TileSharedBytes(plan, g.stride[1]);
+  auto kernel = g.stride[1] == 1 ? DepthwiseTile3x3Kernel<T, 1> : DepthwiseTile3x3Kernel<T, 2>;
+  kernel<<<int(blocks), kTileThreads, shared, stream>>>(g, plan, in, w, flip, epilogue, out);
+  return LaunchError("depthwise 3x3 tile");
+}
+
 template <typename T>
 ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const T* x, const T* w,
                        const ConvEpilogue<T>& epilogue, T* y) {
@@ -603,6 +762,11 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const T* x, c
   const int64_t m = g.filters / g.channels;
   const bool vector = g.filters % kVec == 0 && Aligned16(w) && Aligned16(y) && Aligned16(epilogue.bias) &&
                       Aligned16(epilogue.residual) && (m > 1 || Aligned16(x));
+  if constexpr (sizeof(T) == 2) {
+    if (m == 1 && TakesTile3x3(g, {x, w, y, epilogue.bias, epilogue.residual})) {
+      return LaunchTile3x3<T>(stream, g, x, w, false, epilogue, y);
+    }
+  }
   if (vector && m == 1 && IsWindow3x3(g) && g.stride[2] <= 2) {
     const StripPlan plan = MakePlan(g.filters / kVec, g.batch, g.out);
     if (g.stride[2] == 1) {
@@ -632,6 +796,9 @@ ffi::Error LaunchDgrad(cudaStream_t stream, const ConvGeometry& g, const T* dy, 
       flipped.in[a] = g.out[a];
       flipped.out[a] = g.in[a];
       flipped.pad[a] = (g.window[a] - 1) * g.rhs_dilation[a] - g.pad[a];
+    }
+    if constexpr (sizeof(T) == 2) {
+      if (TakesTile3x3(flipped, {dy, w, dx})) return LaunchTile3x3<T>(stream, flipped, dy, w, true, ConvEpilogue<T>{}, dx);
     }
     return LaunchOneWave(stream, "dgrad", Depthwise3x3Kernel<T, 1>, flipped, MakePlan(g.channels / kVec, g.batch, g.in),
                          dy, w, true, ConvEpilogue<T>{}, dx);
