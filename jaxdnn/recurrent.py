@@ -262,7 +262,7 @@ def _public_name(mode):
 def _check_nonlinearity(name, nonlinearity):
     if nonlinearity not in _ref.NONLINEARITIES:
         raise ValueError(f"{name}: nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}")
-    return "rnn_" + nonlinearity
+    return "rnn_" + str(nonlinearity)  # a str subclass (np.str_) becomes a plain static string
 
 
 def _as_array(v):
