@@ -63,6 +63,8 @@ const Target kTargets[] = {
     {"jaxdnn_lstm_bwd_v1", LstmBwdCpu, JAXDNN_CUDA_HANDLER(LstmBwdCuda)},
     {"jaxdnn_gru_fwd_v1", GruFwdCpu, JAXDNN_CUDA_HANDLER(GruFwdCuda)},
     {"jaxdnn_gru_bwd_v1", GruBwdCpu, JAXDNN_CUDA_HANDLER(GruBwdCuda)},
+    {"jaxdnn_rnn_fwd_v1", RnnFwdCpu, JAXDNN_CUDA_HANDLER(RnnFwdCuda)},
+    {"jaxdnn_rnn_bwd_v1", RnnBwdCpu, JAXDNN_CUDA_HANDLER(RnnBwdCuda)},
 };
 
 nb::capsule Capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }

@@ -11,7 +11,7 @@ from jaxdnn.dense import dense
 from jaxdnn.group_norm import group_norm
 from jaxdnn.norm import layer_norm, rms_norm
 from jaxdnn.pool import avg_pool, max_pool
-from jaxdnn.recurrent import gru, gru_cell, lstm, lstm_cell
+from jaxdnn.recurrent import gru, gru_cell, lstm, lstm_cell, rnn, rnn_cell
 from jaxdnn.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
@@ -41,6 +41,8 @@ __all__ = [
     "relu",
     "relu6",
     "rms_norm",
+    "rnn",
+    "rnn_cell",
     "sigmoid",
     "silu",
     "softmax",

@@ -1,18 +1,20 @@
 """Recurrent networks over whole sequences with cuDNN's flat weight layout: a multi-layer, optionally
-bidirectional LSTM (a drop-in for `jax.experimental.rnn.lstm`) and GRU (cuDNN's formulation), on CPU
-and GPU, in float32, bfloat16 and float16.
+bidirectional LSTM (a drop-in for `jax.experimental.rnn.lstm`), GRU (cuDNN's formulation) and plain
+(Elman) RNN with a tanh or relu nonlinearity, on CPU and GPU, in float32, bfloat16 and float16.
 
 Shapes: B batch rows, T time steps, I input features, H hidden units, G gate rows (LSTM 4H: i, f,
-g, o; GRU 3H: r, z, n), L layers, D directions (2 when bidirectional); pseudo-layer p = l D + d.
+g, o; GRU 3H: r, z, n; plain RNN H), L layers, D directions (2 when bidirectional); pseudo-layer
+p = l D + d. Internally `mode` is cuDNN's name of the cell: "lstm", "gru", "rnn_tanh", "rnn_relu".
 
 Per layer and direction:
 - the input projection of every time step, gates_x = x W_ih^T + biases [B, T, G], is one GEMM done
   by XLA (`jnp.einsum`, float32 results);
-- the recurrence is a kernel stage (`jaxdnn_lstm_fwd_v1`, `jaxdnn_gru_fwd_v1`): the hidden states,
-  the gate activations the backward needs, and the final states;
-- backward through time is a kernel stage (`jaxdnn_lstm_bwd_v1`, `jaxdnn_gru_bwd_v1`): the gradients
-  of gates_x, of the recurrent pre-activations (the same for the LSTM) and of the initial states; the
-  weight and bias gradients and the input gradient are GEMMs / sums over those, done by XLA after.
+- the recurrence is a kernel stage (`jaxdnn_lstm_fwd_v1`, `jaxdnn_gru_fwd_v1`, `jaxdnn_rnn_fwd_v1`):
+  the hidden states, the gate activations the backward needs, and the final states;
+- backward through time is a kernel stage (`jaxdnn_lstm_bwd_v1`, `jaxdnn_gru_bwd_v1`,
+  `jaxdnn_rnn_bwd_v1`): the gradients of gates_x, of the recurrent pre-activations (the same for the
+  LSTM and the plain RNN) and of the initial states; the weight and bias gradients and the input
+  gradient are GEMMs / sums over those, done by XLA after.
 Each stage is a primitive differentiated through `jaxdnn.reference.rnn` (second order works); the
 whole stack is one `jax.custom_vjp`.
 """
@@ -67,13 +69,25 @@ def _gru_bwd_avals(dh_seq, dh_n, saved, h_seq, h0, w_hh, seq_lengths, **attrs):
     return [gates, gates, jax.core.ShapedArray(dh_n.shape, _F32)]
 
 
+def _rnn_fwd_avals(gates_x, w_hh, h0, seq_lengths, **attrs):
+    """(h_seq [B, T, H], h_n [B, H]), float32 (G = H)."""
+    return [jax.core.ShapedArray(gates_x.shape, _F32), jax.core.ShapedArray(h0.shape, _F32)]
+
+
+def _rnn_bwd_avals(dh_seq, dh_n, h_seq, w_hh, seq_lengths, **attrs):
+    """(dgates [B, T, H], dh0 [B, H]), float32."""
+    return [jax.core.ShapedArray(h_seq.shape, _F32), jax.core.ShapedArray(dh_n.shape, _F32)]
+
+
 def _fold_rows_batch_rule(prim, args, dims, *, shared, reference, **attrs):
     """vmap folds the mapped axis into the batch rows, [V, B, ...] -> [V B, ...] (unbatched operands
     broadcast), with the operands at indices `shared` (W_hh, b_hh) shared. Batched ones (vmap over
-    the weights) have no kernel: the stage runs through its reference in XLA."""
+    the weights) have no kernel: the stage runs through its reference in XLA, given the attributes
+    as keywords (reverse as a bool, the plain RNN's nonlinearity as is)."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     if any(dims[i] is not None for i in shared):
-        outs = jax.vmap(lambda *a: reference(*a, bool(attrs["reverse"])), in_axes=tuple(dims))(*args)
+        options = dict(attrs, reverse=bool(attrs["reverse"]))
+        outs = jax.vmap(lambda *a: reference(*a, **options), in_axes=tuple(dims))(*args)
         return list(outs), [0] * len(outs)
 
     def fold(a, d):
@@ -98,42 +112,43 @@ _gru_fwd = _primitive("gru_fwd", _gru_fwd_avals, (1, 2), _ref.gru_fwd,
                       "... t g, g h, g, ... h, ... -> ... t h, ... t s, ... h")
 _gru_bwd = _primitive("gru_bwd", _gru_bwd_avals, (5,), _ref.gru_bwd,
                       "... t h, ... h, ... t s, ... t h, ... h, g h, ... -> ... t g, ... t g, ... h")
+_rnn_fwd = _primitive("rnn_fwd", _rnn_fwd_avals, (1,), _ref.rnn_fwd,
+                      "... t g, g h, ... h, ... -> ... t h, ... h")
+_rnn_bwd = _primitive("rnn_bwd", _rnn_bwd_avals, (3,), _ref.rnn_bwd,
+                      "... t h, ... h, ... t h, g h, ... -> ... t g, ... h")
 
 
-def _stage(prim, reference, reverse, *operands):
-    """A kernel stage of one layer and direction, differentiated through its reference."""
-    return with_reference_vjp(lambda *a: tuple(prim.bind(*a, reverse=np.int64(reverse))),
-                               lambda *a: reference(*a, reverse), *operands)
+def _stage(prim, reference, reverse, *operands, **options):
+    """A kernel stage of one layer and direction, differentiated through its reference; `options`
+    are further attributes, passed to the reference as they are (the plain RNN's nonlinearity)."""
+    return with_reference_vjp(lambda *a: tuple(prim.bind(*a, reverse=np.int64(reverse), **options)),
+                               lambda *a: reference(*a, reverse, **options), *operands)
 
 
 # --- the differentiable stack -----------------------------------------------------------------
 
-def _previous_states(h_seq, h0, seq_lengths, reverse):
-    """h_prev [B, T, H]: the state each step started from (h0 at a row's first step), the right
-    operand of dW_hh = sum_t dgates_t^T h_prev_t. Steps past a row's end have dgates = 0."""
-    steps = h_seq.shape[1]
-    zero = jnp.zeros_like(h_seq[:, :1])
-    if reverse:
-        shifted = jnp.concatenate([h_seq[:, 1:], zero], axis=1)
-        first = jnp.arange(steps)[None, :] == _ref.valid_steps(seq_lengths, steps)[:, None] - 1
-    else:
-        shifted = jnp.concatenate([zero, h_seq[:, :-1]], axis=1)
-        first = jnp.broadcast_to(jnp.arange(steps)[None, :] == 0, h_seq.shape[:2])
-    return jnp.where(first[..., None], h0[:, None], shifted)
+def _nonlinearity(mode):
+    """The plain RNN's nonlinearity, "tanh" or "relu", from its mode "rnn_tanh" or "rnn_relu"."""
+    return mode.removeprefix("rnn_")
 
 
 def _layer_fwd(mode, layer_in, params, inits, seq_lengths, reverse, precision):
     """One layer and direction: (h_seq [B, T, H], residuals, final states)."""
     w_ih, w_hh, b_ih, b_hh = params
-    if mode == "lstm":  # both biases fold into the projection
-        gates_x = _ref.project_inputs(layer_in, w_ih, b_ih + b_hh, precision)
+    if mode == "gru":
+        gates_x = _ref.project_inputs(layer_in, w_ih, b_ih, precision)  # b_hh is inside the reset gate
+        h_seq, saved, h_n = _stage(_gru_fwd, _ref.gru_fwd, reverse, gates_x, w_hh, b_hh.astype(_F32),
+                                   inits[0], seq_lengths)
+        return h_seq, (saved,), (h_n,)
+    # The LSTM and the plain RNN: both biases fold into the projection.
+    gates_x = _ref.project_inputs(layer_in, w_ih, _ref.folded_bias(b_ih, b_hh), precision)
+    if mode == "lstm":
         h_seq, c_seq, acts, h_n, c_n = _stage(_lstm_fwd, _ref.lstm_fwd, reverse, gates_x, w_hh, *inits,
                                               seq_lengths)
         return h_seq, (c_seq, acts), (h_n, c_n)
-    gates_x = _ref.project_inputs(layer_in, w_ih, b_ih, precision)  # b_hh is inside the reset gate
-    h_seq, saved, h_n = _stage(_gru_fwd, _ref.gru_fwd, reverse, gates_x, w_hh, b_hh.astype(_F32), inits[0],
-                               seq_lengths)
-    return h_seq, (saved,), (h_n,)
+    h_seq, h_n = _stage(_rnn_fwd, _ref.rnn_fwd, reverse, gates_x, w_hh, inits[0], seq_lengths,
+                        nonlinearity=_nonlinearity(mode))
+    return h_seq, (), (h_n,)  # act' comes from h_seq itself
 
 
 def _layer_bwd(mode, dh_seq, d_finals, h_seq, residuals, inits, w_hh, seq_lengths, reverse):
@@ -144,9 +159,13 @@ def _layer_bwd(mode, dh_seq, d_finals, h_seq, residuals, inits, w_hh, seq_length
         dgates, dh0, dc0 = _stage(_lstm_bwd, _ref.lstm_bwd, reverse, dh_seq, *d_finals, acts, c_seq, inits[1],
                                   w_hh, seq_lengths)
         return dgates, dgates, (dh0, dc0)
-    dgates_x, dgates_h, dh0 = _stage(_gru_bwd, _ref.gru_bwd, reverse, dh_seq, d_finals[0], residuals[0],
-                                     h_seq, inits[0], w_hh, seq_lengths)
-    return dgates_x, dgates_h, (dh0,)
+    if mode == "gru":
+        dgates_x, dgates_h, dh0 = _stage(_gru_bwd, _ref.gru_bwd, reverse, dh_seq, d_finals[0], residuals[0],
+                                         h_seq, inits[0], w_hh, seq_lengths)
+        return dgates_x, dgates_h, (dh0,)
+    dgates, dh0 = _stage(_rnn_bwd, _ref.rnn_bwd, reverse, dh_seq, d_finals[0], h_seq, w_hh, seq_lengths,
+                         nonlinearity=_nonlinearity(mode))
+    return dgates, dgates, (dh0,)
 
 
 def _previous_states(h_seq, h0, seq_lengths, reverse):
@@ -166,8 +185,9 @@ def _previous_states(h_seq, h0, seq_lengths, reverse):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _rnn_stack(x, states, weights, seq_lengths, masks, mode, sizes, precision):
     """(y [B, T, D H] in x's dtype, final states [L D, B, H] float32, one per initial state); states
-    = (h_0, c_0) for the LSTM, (h_0,) for the GRU, float32. sizes = (I, H, L, bidirectional). masks:
-    the dropout scales of the outputs of layers 0 .. len(masks) - 1 (reference.rnn.dropout_masks)."""
+    = (h_0, c_0) for the LSTM, (h_0,) for the GRU and the plain RNN, float32. sizes = (I, H, L,
+    bidirectional). masks: the dropout scales of the outputs of layers 0 .. len(masks) - 1
+    (reference.rnn.dropout_masks)."""
     return _rnn_stack_fwd(x, states, weights, seq_lengths, masks, mode, sizes, precision)[0]
 
 
@@ -234,6 +254,17 @@ _rnn_stack.defvjp(_rnn_stack_fwd, _rnn_stack_bwd)
 
 # --- public API -------------------------------------------------------------------------------
 
+def _public_name(mode):
+    """The public function of `mode`, which error messages name: lstm, gru, or rnn (rnn_tanh, rnn_relu)."""
+    return mode.partition("_")[0]
+
+
+def _check_nonlinearity(name, nonlinearity):
+    if nonlinearity not in _ref.NONLINEARITIES:
+        raise ValueError(f"{name}: nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}")
+    return "rnn_" + str(nonlinearity)  # a str subclass (np.str_) becomes a plain static string
+
+
 def _as_array(v):
     return v if hasattr(v, "shape") and hasattr(v, "dtype") else jnp.asarray(v)
 
@@ -253,36 +284,38 @@ def _float_array(mode, name, value):
 
 def _rnn(mode, x, states, weights, seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional,
          precision, dropout_rng):
-    """Checks the arguments of `lstm` / `gru` and runs the stack; states is {name: initial state}."""
-    x, weights = _float_array(mode, "x", x), _float_array(mode, "weights", weights)
-    states = {name: _float_array(mode, name, s) for name, s in states.items()}
+    """Checks the arguments of `lstm` / `gru` / `rnn` and runs the stack; states is {name: initial
+    state}."""
+    name = _public_name(mode)
+    x, weights = _float_array(name, "x", x), _float_array(name, "weights", weights)
+    states = {n: _float_array(name, n, s) for n, s in states.items()}
     seq_lengths = _as_array(seq_lengths)
     named = (("input_size", input_size), ("hidden_size", hidden_size), ("num_layers", num_layers))
-    sizes = tuple(_positive_int(mode, n, v) for n, v in named)
+    sizes = tuple(_positive_int(name, n, v) for n, v in named)
     if not isinstance(bidirectional, (bool, np.bool_)):
-        raise TypeError(f"{mode}: bidirectional must be a bool, got {bidirectional!r}")
+        raise TypeError(f"{name}: bidirectional must be a bool, got {bidirectional!r}")
     sizes += (bool(bidirectional),)
     if not isinstance(dropout, (int, float, np.integer, np.floating)) or not 0 <= dropout < 1:
-        raise ValueError(f"{mode}: dropout must be a number in [0, 1), got {dropout!r}")
+        raise ValueError(f"{name}: dropout must be a number in [0, 1), got {dropout!r}")
     if dropout and dropout_rng is None:
-        raise ValueError(f"{mode}: dropout = {dropout} needs a dropout_rng key (jax.random.key)")
+        raise ValueError(f"{name}: dropout = {dropout} needs a dropout_rng key (jax.random.key)")
     if x.ndim != 3 or x.shape[2] != sizes[0]:
-        raise ValueError(f"{mode}: x must have shape (B, T, input_size) = (B, T, {sizes[0]}), got {x.shape}")
+        raise ValueError(f"{name}: x must have shape (B, T, input_size) = (B, T, {sizes[0]}), got {x.shape}")
     batch = x.shape[0]
     state_shape = (sizes[2] * (2 if sizes[3] else 1), batch, sizes[1])
-    for name, state in states.items():
+    for n, state in states.items():
         if state.shape != state_shape:
-            raise ValueError(f"{mode}: {name} must have shape (num_layers * directions, B, hidden_size) = "
+            raise ValueError(f"{name}: {n} must have shape (num_layers * directions, B, hidden_size) = "
                              f"{state_shape}, got {state.shape}")
     count = _ref.weight_count(mode, *sizes)
     if weights.shape != (count,):
-        raise ValueError(f"{mode}: weights must be a flat vector of {count} elements for "
+        raise ValueError(f"{name}: weights must be a flat vector of {count} elements for "
                          f"input_size={sizes[0]}, hidden_size={sizes[1]}, num_layers={sizes[2]}, "
                          f"bidirectional={sizes[3]}, got shape {weights.shape}")
     if seq_lengths.dtype != jnp.int32:
-        raise TypeError(f"{mode}: seq_lengths must be int32, got {seq_lengths.dtype}")
+        raise TypeError(f"{name}: seq_lengths must be int32, got {seq_lengths.dtype}")
     if seq_lengths.shape != (batch,):
-        raise ValueError(f"{mode}: seq_lengths must have shape (B,) = ({batch},), got {seq_lengths.shape}")
+        raise ValueError(f"{name}: seq_lengths must have shape (B,) = ({batch},), got {seq_lengths.shape}")
     initial = tuple(states.values())
     width = sizes[1] * (2 if sizes[3] else 1)
     masks = _ref.dropout_masks(dropout_rng, float(dropout), (batch, x.shape[1], width), sizes[2])
@@ -372,6 +405,34 @@ def gru(x, h_0, weights, seq_lengths, input_size, hidden_size, num_layers, dropo
                 bidirectional, precision, dropout_rng)
 
 
+def rnn(x, h_0, weights, seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional,
+        precision=None, dropout_rng=None, nonlinearity="tanh"):
+    """A multi-layer plain (Elman) RNN over whole sequences, cuDNN's RNN_TANH / RNN_RELU (PyTorch's
+    `nn.RNN`), with `lstm`'s conventions.
+
+    Per step: h = act(W_ih x + b_ih + W_hh h_prev + b_hh), act tanh or relu.
+
+    Args:
+      x: [B, T, I] float32, bfloat16 or float16 (batch first).
+      h_0: [L D, B, H] initial state, float32 (or bfloat16/float16; carried in float32 either way).
+      weights: [P] cuDNN's flat vector, laid out as `lstm`'s with G = H rows: (W_ih [H, I_l], W_hh
+        [H, H]) of every pseudo-layer, then (b_ih [H], b_hh [H]) of every pseudo-layer
+        (`jaxdnn.reference.rnn.unpack_weights(weights, "rnn_tanh", ...)` splits it).
+      seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional, precision,
+      dropout_rng: as `lstm`.
+      nonlinearity: "tanh" (the default, as cuDNN and PyTorch) or "relu".
+
+    Returns:
+      (y [B, T, D H] in x's dtype, h_n [L D, B, H] in h_0's dtype).
+
+    Differentiable with `jax.grad`/`jax.vjp` to any order (not with `jax.jvp`); the backward pass
+    through time is a kernel, deterministic. relu's derivative is 0 at 0, as `jax.nn.relu`'s.
+    """
+    mode = _check_nonlinearity("rnn", nonlinearity)
+    return _rnn(mode, x, {"h_0": h_0}, weights, seq_lengths, input_size, hidden_size, num_layers, dropout,
+                bidirectional, precision, dropout_rng)
+
+
 # --- single steps (cells) ---------------------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -404,24 +465,25 @@ _cell.defvjp(_cell_fwd, _cell_bwd)
 
 def _check_cell(mode, x, states, w_ih, w_hh, b_ih, b_hh):
     gates_per_unit = _ref.GATES[mode]
-    x = _float_array(mode + "_cell", "x", x)
-    states = {n: _float_array(mode + "_cell", n, s) for n, s in states.items()}
-    params = {n: _float_array(mode + "_cell", n, p) for n, p in
+    name = _public_name(mode) + "_cell"
+    x = _float_array(name, "x", x)
+    states = {n: _float_array(name, n, s) for n, s in states.items()}
+    params = {n: _float_array(name, n, p) for n, p in
               (("w_ih", w_ih), ("w_hh", w_hh), ("b_ih", b_ih), ("b_hh", b_hh))}
     if x.ndim != 2:
-        raise ValueError(f"{mode}_cell: x must have shape (B, I), got {x.shape}")
+        raise ValueError(f"{name}: x must have shape (B, I), got {x.shape}")
     batch, inputs = x.shape
     hidden = states["h"].shape[-1] if states["h"].ndim == 2 else None
-    for name, state in states.items():
+    for n, state in states.items():
         if state.shape != (batch, hidden):
-            raise ValueError(f"{mode}_cell: {name} must have shape (B, H) = ({batch}, H), one H for every "
+            raise ValueError(f"{name}: {n} must have shape (B, H) = ({batch}, H), one H for every "
                              f"state, got {state.shape}")
     gates = gates_per_unit * hidden
     expected = {"w_ih": (gates, inputs), "w_hh": (gates, hidden), "b_ih": (gates,), "b_hh": (gates,)}
-    for name, shape in expected.items():
-        if params[name].shape != shape:
-            raise ValueError(f"{mode}_cell: {name} must have shape {shape} (G = {gates_per_unit}H rows), got "
-                             f"{params[name].shape}")
+    for n, shape in expected.items():
+        if params[n].shape != shape:
+            raise ValueError(f"{name}: {n} must have shape {shape} (G = {gates_per_unit}H rows), got "
+                             f"{params[n].shape}")
     return x, states, tuple(params.values())
 
 
@@ -460,4 +522,23 @@ def gru_cell(x, h, w_ih, w_hh, b_ih, b_hh):
     """
     x, states, params = _check_cell("gru", x, {"h": h}, w_ih, w_hh, b_ih, b_hh)
     (new,) = _cell("gru", x, (states["h"].astype(_F32),), params)
+    return new.astype(states["h"].dtype)
+
+
+def rnn_cell(x, h, w_ih, w_hh, b_ih, b_hh, nonlinearity="tanh"):
+    """One plain RNN step, h = act(W_ih x + b_ih + W_hh h + b_hh) (see `rnn`), for a user's own
+    `lax.scan` loop.
+
+    Args:
+      x: [B, I] float32, bfloat16 or float16.
+      h: [B, H] the state (carried in float32).
+      w_ih [H, I], w_hh [H, H], b_ih [H], b_hh [H]: one pseudo-layer of `rnn`'s weights.
+      nonlinearity: "tanh" or "relu".
+
+    Returns:
+      h after the step, in the given h's dtype. Differentiable to any order (not with `jax.jvp`).
+    """
+    mode = _check_nonlinearity("rnn_cell", nonlinearity)
+    x, states, params = _check_cell(mode, x, {"h": h}, w_ih, w_hh, b_ih, b_hh)
+    (new,) = _cell(mode, x, (states["h"].astype(_F32),), params)
     return new.astype(states["h"].dtype)

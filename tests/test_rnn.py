@@ -1,7 +1,10 @@
-"""lstm and gru against the float64 reference (itself checked against jax.experimental.rnn.lstm_ref
-and flax.linen.GRUCell): forward and VJP of every input over layers, directions, ragged, empty and
-out-of-range seq_lengths, dtypes; transforms, batch sharding, export, errors, and the custom calls in
-the HLO."""
+"""lstm, gru and the plain rnn (tanh and relu) against the float64 reference (itself checked against
+jax.experimental.rnn.lstm_ref, flax.linen.GRUCell and a step-by-step numpy RNN): forward and VJP of
+every input over layers, directions, ragged, empty and out-of-range seq_lengths, dtypes; transforms,
+batch sharding, export, errors, and the custom calls in the HLO.
+
+A test's `mode` is cuDNN's name of the cell, as jaxdnn.reference.rnn's: "lstm", "gru", "rnn_tanh",
+"rnn_relu" (jaxdnn.rnn with that nonlinearity)."""
 
 import functools
 
@@ -17,7 +20,7 @@ import jaxdnn
 from helpers import assert_close, dtype_id, f64, normal, tolerance
 from jaxdnn.reference import rnn as ref
 
-MODES = ("lstm", "gru")
+MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 mode_param = pytest.mark.parametrize("mode", MODES)
 # (B, T, I, H, L, bidirectional, seq_lengths or None for all T)
 CASES = [
@@ -37,6 +40,19 @@ def _state_names(mode):
     return ("h_0", "c_0") if mode == "lstm" else ("h_0",)
 
 
+def _name(mode):
+    """The function of `mode` (lstm, gru or rnn), which names its FFI targets and its errors."""
+    return mode.partition("_")[0]
+
+
+def _function(module, mode, suffix=""):
+    """`mode`'s function (suffix "_cell": its cell) in `module`, jaxdnn or the reference; the plain
+    RNN's with its nonlinearity bound."""
+    name, _, nonlinearity = mode.partition("_")
+    fn = getattr(module, name + suffix)
+    return functools.partial(fn, nonlinearity=nonlinearity) if nonlinearity else fn
+
+
 def _inputs(rng, mode, case, dtype=jnp.float32, state_dtype=jnp.float32):
     """((x, states, weights, seq_lengths), sizes) for `case`; states = (h_0, c_0) or (h_0,)."""
     batch, steps, inputs, hidden, layers, bidirectional, lengths = case
@@ -50,15 +66,20 @@ def _inputs(rng, mode, case, dtype=jnp.float32, state_dtype=jnp.float32):
 
 
 def _ours(mode, x, states, weights, seq_lengths, sizes):
-    """(y, *final states) of jaxdnn.lstm / jaxdnn.gru."""
-    return getattr(jaxdnn, mode)(x, *states, weights, seq_lengths, *sizes)
+    """(y, *final states) of jaxdnn.lstm / jaxdnn.gru / jaxdnn.rnn."""
+    return _function(jaxdnn, mode)(x, *states, weights, seq_lengths, *sizes)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
 def _oracle(mode, x, states, weights, seq_lengths, sizes):
     """The reference in float64."""
-    out = getattr(ref, mode)(f64(x), *map(f64, states), f64(weights), seq_lengths, *sizes)
-    return out
+    return _function(ref, mode)(f64(x), *map(f64, states), f64(weights), seq_lengths, *sizes)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _oracle_rounding_layers(mode, x, states, weights, seq_lengths, sizes):
+    """The reference in float64 but for x: each layer's output is rounded to x's dtype, as jaxdnn's."""
+    return _function(ref, mode)(x, *map(f64, states), f64(weights), seq_lengths, *sizes)
 
 
 def _to64(args):
@@ -80,7 +101,12 @@ def _vjp(fn, mode, args, cts, sizes):
 
 def _check(mode, args, sizes, cts, tol, grad_tol):
     out, grads = _vjp(_ours, mode, args, cts, sizes)
-    want, want_grads = _vjp(_oracle, mode, _to64(args), cts, sizes)
+    # relu' jumps at 0: a layer output rounded to 16 bits by jaxdnn and not by the oracle can move a
+    # next-layer pre-activation across 0 and flip its derivative, so that oracle rounds them too.
+    if mode == "rnn_relu":
+        want, want_grads = _vjp(_oracle_rounding_layers, mode, (args[0],) + _to64(args)[1:], cts, sizes)
+    else:
+        want, want_grads = _vjp(_oracle, mode, _to64(args), cts, sizes)
     inputs = [args[0], *args[1], args[2]]
     for name, o, w, a in zip(("y",) + _state_names(mode), out, want, inputs):
         assert o.dtype == a.dtype, name
@@ -124,6 +150,84 @@ def test_gru_matches_flax_gru_cell(rng):
                       hidden, 1, 0.0, False)
     assert_close(y, jnp.swapaxes(ys, 0, 1), 1e-5, "y")
     assert_close(h[0], h_n, 1e-5, "h_n")
+
+
+def _rnn_step_by_step(x, h_0, weights, lengths, sizes, nonlinearity):
+    """The plain RNN written out row by row and step by step in numpy float64, the flat weights
+    unpacked by hand: an oracle sharing no code with the reference (no scans, flips or masks)."""
+    inputs, hidden, layers, _, bidirectional = sizes
+    directions = 2 if bidirectional else 1
+    act = np.tanh if nonlinearity == "tanh" else (lambda v: np.maximum(v, 0.0))
+    x, h_0, weights = (np.asarray(a, np.float64) for a in (x, h_0, weights))
+    matrices, offset = [], 0
+    for p in range(layers * directions):  # (W_ih, W_hh) of every pseudo-layer, then the biases
+        width = inputs if p < directions else directions * hidden
+        for rows, cols in ((hidden, width), (hidden, hidden)):
+            matrices.append(weights[offset:offset + rows * cols].reshape(rows, cols))
+            offset += rows * cols
+    biases = weights[offset:].reshape(layers * directions, 2, hidden)  # (b_ih, b_hh) per pseudo-layer
+    batch, steps = x.shape[:2]
+    y, h_n = np.zeros((batch, steps, directions * hidden)), h_0.copy()
+    for b in range(batch):
+        valid = min(max(int(lengths[b]), 0), steps)
+        layer_in = x[b]
+        for layer in range(layers):
+            out = np.zeros((steps, directions * hidden))
+            for d in range(directions):
+                p = layer * directions + d
+                h = h_0[p, b]
+                for t in (range(valid) if d == 0 else reversed(range(valid))):
+                    w_ih, w_hh = matrices[2 * p], matrices[2 * p + 1]
+                    h = act(w_ih @ layer_in[t] + biases[p, 0] + w_hh @ h + biases[p, 1])
+                    out[t, d * hidden:(d + 1) * hidden] = h
+                h_n[p, b] = h
+            layer_in = out
+        y[b] = layer_in
+    return y, h_n
+
+
+@pytest.mark.parametrize("mode", ["rnn_tanh", "rnn_relu"])
+@case_param
+def test_rnn_matches_step_by_step(mode, case, rng):
+    """jaxdnn.rnn (float32) and its float64 reference against the plain RNN written out in numpy."""
+    args, sizes = _inputs(rng, mode, case)
+    x, (h_0,), weights, seq_lengths = args
+    want = _rnn_step_by_step(x, h_0, weights, np.asarray(seq_lengths), sizes, mode.removeprefix("rnn_"))
+    for name, o, r, w in zip(["y", "h_n"], _ours(mode, *args, sizes), _oracle(mode, *args, sizes), want):
+        assert_close(o, w, tolerance(jnp.float32), name)
+        assert_close(r, w, 1e-12, f"reference {name}")
+
+
+def test_rnn_relu_kink():
+    """relu's derivative is 0 at 0, as jax.nn.relu's: zero weights and h_0 keep every pre-activation at
+    exactly 0, so nothing reaches x, h_0 or the weights' inputs."""
+    x, h_0 = jnp.ones((2, 3, 4), jnp.float32), jnp.zeros((1, 2, 5), jnp.float32)
+    weights = jnp.zeros((ref.weight_count("rnn_relu", 4, 5, 1, False),), jnp.float32)
+    lengths = jnp.full((2,), 3, jnp.int32)
+
+    def loss(fn, x, h_0, weights):
+        return jnp.sum(fn(x, h_0, weights, lengths, 4, 5, 1, 0.0, False, nonlinearity="relu")[0])
+
+    got = jax.grad(functools.partial(loss, jaxdnn.rnn), argnums=(0, 1, 2))(x, h_0, weights)
+    want = jax.grad(functools.partial(loss, ref.rnn), argnums=(0, 1, 2))(x, h_0, weights)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    assert not np.any(np.asarray(got[0]))
+
+
+def test_rnn_bad_nonlinearity(rng):
+    with pytest.raises(ValueError, match="rnn: nonlinearity must be 'tanh' or 'relu', got 'gelu'"):
+        _bad_call("rnn_tanh", nonlinearity="gelu")
+    with pytest.raises(ValueError, match="rnn: nonlinearity must be 'tanh' or 'relu', got None"):
+        _bad_call("rnn_tanh", nonlinearity=None)
+    args, sizes = _inputs(rng, "rnn_tanh", CASES[0])
+    with pytest.raises(ValueError, match="rnn: nonlinearity must be 'tanh' or 'relu', got 'Tanh'"):
+        ref.rnn(args[0], *args[1], *args[2:], *sizes, nonlinearity="Tanh")
+    from jaxdnn import recurrent as stages  # the kernels check the attribute too
+    gates_x, h0 = normal(rng, (2, 3, 4)), normal(rng, (2, 4))
+    with pytest.raises(jax.errors.JaxRuntimeError, match='nonlinearity must be "tanh" or "relu", got "gelu"'):
+        stages._rnn_fwd.bind(gates_x, jnp.ones((4, 4)), h0, jnp.full((2,), 3, jnp.int32), reverse=np.int64(0),
+                             nonlinearity="gelu")
 
 
 @mode_param
@@ -242,7 +346,7 @@ def test_hlo_holds_the_custom_calls(mode, rng):
     x, states, weights, seq_lengths = args
     hlo = jax.jit(jax.grad(lambda x, w: jnp.sum(_ours(mode, x, states, w, seq_lengths, sizes)[0] ** 2),
                            argnums=(0, 1))).lower(x, weights).as_text()
-    for target in [f"jaxdnn_{mode}_fwd_v1", f"jaxdnn_{mode}_bwd_v1"]:
+    for target in [f"jaxdnn_{_name(mode)}_fwd_v1", f"jaxdnn_{_name(mode)}_bwd_v1"]:
         assert hlo.count(target) >= 2, target  # one per direction
 
 
@@ -283,7 +387,7 @@ def test_batch_sharded_runs_per_shard(mode, rng, devices):
         jax.device_put(c, s.sharding) for c, s in zip(cts[1:], placed[1]))
     hlo = _vjp.lower(_ours, mode, placed, placed_cts, sizes).compile().as_text()
     assert "all-gather" not in hlo
-    calls = [line for line in hlo.splitlines() if f'custom_call_target="jaxdnn_{mode}_' in line]
+    calls = [line for line in hlo.splitlines() if f'custom_call_target="jaxdnn_{_name(mode)}_' in line]
     assert calls and all("f32[2,4,5]" in line for line in calls), calls  # 2 rows [T, H] per device
     out, grads = _vjp(_ours, mode, placed, placed_cts, sizes)
     _check_sharded(mode, out, grads, args, sizes, cts)
@@ -338,10 +442,10 @@ def test_dropout_between_layers(mode, rng):
     key = jax.random.key(3)
 
     def ours(mode, x, states, weights, seq_lengths, sizes, key=key):
-        return getattr(jaxdnn, mode)(x, *states, weights, seq_lengths, *sizes, dropout_rng=key)
+        return _function(jaxdnn, mode)(x, *states, weights, seq_lengths, *sizes, dropout_rng=key)
 
     def oracle(mode, x, states, weights, seq_lengths, sizes):
-        return getattr(ref, mode)(x, *states, weights, seq_lengths, *sizes, dropout_rng=key)
+        return _function(ref, mode)(x, *states, weights, seq_lengths, *sizes, dropout_rng=key)
 
     cts = _cotangents(rng, ours(mode, *args, dropped))
     out, grads = _vjp(ours, mode, args, cts, dropped)
@@ -361,7 +465,7 @@ def test_dropout_between_layers(mode, rng):
 
 
 def _bad_call(mode, **overrides):
-    """lstm / gru on valid inputs (B=2, T=3, I=4, H=5, one layer, one direction) with some replaced."""
+    """lstm / gru / rnn on valid inputs (B=2, T=3, I=4, H=5, one layer, one direction) with some replaced."""
     f32 = jnp.float32
     args = dict(x=jnp.ones((2, 3, 4), f32), h_0=jnp.ones((1, 2, 5), f32),
                 weights=jnp.ones((ref.weight_count(mode, 4, 5, 1, False),), f32),
@@ -370,7 +474,7 @@ def _bad_call(mode, **overrides):
     if mode == "lstm":
         args["c_0"] = jnp.ones((1, 2, 5), f32)
     args.update(overrides)
-    return getattr(jaxdnn, mode)(**args)
+    return _function(jaxdnn, mode)(**args)
 
 
 BAD_INPUTS = [
@@ -397,7 +501,7 @@ BAD_INPUTS = [
     "x-int", "x-width", "x-rank", "h0-shape", "h0-dtype", "weights-size", "directions", "lengths-dtype",
     "lengths-shape", "dropout-key", "dropout-rate", "hidden", "layers", "bidirectional"])
 def test_bad_input(mode, overrides, error, message):
-    with pytest.raises(error, match=f"{mode}: {message}"):
+    with pytest.raises(error, match=f"{_name(mode)}: {message}"):
         _bad_call(mode, **overrides)
 
 
@@ -424,7 +528,7 @@ def _reference_cell(mode):
         *states, w_ih, w_hh, b_ih, b_hh = rest
         inputs, hidden = x.shape[1], states[0].shape[1]
         weights = ref.pack_weights([(w_ih, w_hh, b_ih, b_hh)])
-        _, *new = getattr(ref, mode)(x[:, None], *(s[None] for s in states), weights,
+        _, *new = _function(ref, mode)(x[:, None], *(s[None] for s in states), weights,
                                      jnp.ones(x.shape[:1], jnp.int32), inputs, hidden, 1, 0.0, False)
         new = tuple(n[0] for n in new)
         return new if mode == "lstm" else new[0]
@@ -434,12 +538,13 @@ def _reference_cell(mode):
 @mode_param
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
 def test_cell_in_a_scan(mode, dtype, rng):
-    """lstm_cell / gru_cell scanned over a sequence: the values and gradients of the reference."""
+    """lstm_cell / gru_cell / rnn_cell scanned over a sequence: the values and gradients of the
+    reference."""
     args, sizes = _inputs(rng, mode, (3, 6, 4, 5, 1, False, None), dtype)
     x, states, weights, _ = args
     states = tuple(s[0] for s in states)
     params = ref.unpack_weights(weights, mode, *sizes[:3], False)[0]
-    cell = getattr(jaxdnn, f"{mode}_cell")
+    cell = _function(jaxdnn, mode, "_cell")
     ct = normal(rng, x.shape[:2] + (5,))
 
     def loss(cell, x, states, params):
@@ -454,7 +559,7 @@ def test_cell_in_a_scan(mode, dtype, rng):
         assert g.dtype == dtype or g.dtype == jnp.float32
         assert_close(g, w, tolerance(dtype, grad=True), "cell gradient")
     hlo = jax.jit(jax.grad(functools.partial(loss, cell))).lower(x, states, params).as_text()
-    assert f"jaxdnn_{mode}_fwd_v1" in hlo and f"jaxdnn_{mode}_bwd_v1" in hlo
+    assert f"jaxdnn_{_name(mode)}_fwd_v1" in hlo and f"jaxdnn_{_name(mode)}_bwd_v1" in hlo
 
 
 @mode_param
@@ -463,7 +568,7 @@ def test_cell_vmap_and_grad_of_grad(mode, rng):
     x, states, weights, _ = args
     x, states = x[:, 0], tuple(s[0] for s in states)
     params = ref.unpack_weights(weights, mode, *sizes[:3], False)[0]
-    cell, oracle = getattr(jaxdnn, f"{mode}_cell"), _reference_cell(mode)
+    cell, oracle = _function(jaxdnn, mode, "_cell"), _reference_cell(mode)
     xs = normal(rng, (2,) + x.shape)
     got = jax.vmap(lambda x: cell(x, *states, *params))(xs)
     want = jax.vmap(lambda x: oracle(x, *map(f64, states), *map(f64, params)))(f64(xs))
@@ -494,6 +599,11 @@ def test_cell_bad_input():
         jaxdnn.gru_cell(x[None], h, w_ih, w_hh, b, b)
     with pytest.raises(TypeError, match="gru_cell: h must be float32"):
         jaxdnn.gru_cell(x, h.astype(jnp.int32), w_ih, w_hh, b, b)
+    w_ih, w_hh, b = jnp.ones((5, 4), f32), jnp.ones((5, 5), f32), jnp.ones((5,), f32)
+    with pytest.raises(ValueError, match=r"rnn_cell: b_hh must have shape \(5,\) \(G = 1H rows\)"):
+        jaxdnn.rnn_cell(x, h, w_ih, w_hh, b, jnp.ones((15,), f32))
+    with pytest.raises(ValueError, match="rnn_cell: nonlinearity must be 'tanh' or 'relu', got 'sigmoid'"):
+        jaxdnn.rnn_cell(x, h, w_ih, w_hh, b, b, nonlinearity="sigmoid")
 
 
 @mode_param
@@ -508,27 +618,35 @@ def test_kernel_stages_match_their_references(mode, reverse, rng):
     gates_x = normal(rng, (batch, steps, gates))
     w_hh = normal(rng, (gates, hidden), jnp.bfloat16, scale=0.4)
     h0, c0 = normal(rng, (batch, hidden)), normal(rng, (batch, hidden))
+    options = {}  # attributes beyond reverse, given to the reference as they are
     if mode == "lstm":
         fwd_args = (gates_x, w_hh, h0, c0, lengths)
         fwd_prim, fwd_ref, bwd_prim, bwd_ref = stages._lstm_fwd, ref.lstm_fwd, stages._lstm_bwd, ref.lstm_bwd
-    else:
+    elif mode == "gru":
         fwd_args = (gates_x, w_hh, normal(rng, (gates,)), h0, lengths)
         fwd_prim, fwd_ref, bwd_prim, bwd_ref = stages._gru_fwd, ref.gru_fwd, stages._gru_bwd, ref.gru_bwd
-    attrs = dict(reverse=np.int64(reverse))
+    else:
+        fwd_args = (gates_x, w_hh, h0, lengths)
+        fwd_prim, fwd_ref, bwd_prim, bwd_ref = stages._rnn_fwd, ref.rnn_fwd, stages._rnn_bwd, ref.rnn_bwd
+        options = dict(nonlinearity=mode.removeprefix("rnn_"))
+    attrs = dict(reverse=np.int64(reverse), **options)
     to64 = lambda args: [a if a.dtype == jnp.int32 else f64(a) for a in args]  # noqa: E731
     got = jax.jit(lambda *a: fwd_prim.bind(*a, **attrs))(*fwd_args)
-    want = fwd_ref(*to64(fwd_args), reverse)
+    want = fwd_ref(*to64(fwd_args), reverse, **options)
     for g, w in zip(got, want):
         assert_close(g, w, 1e-5, f"{mode} fwd stage")
     if mode == "lstm":
         h_seq, c_seq, acts = got[:3]
         cotangents = (normal(rng, h_seq.shape), normal(rng, h0.shape), normal(rng, c0.shape))
         bwd_args = (*cotangents, acts, c_seq, c0, w_hh, lengths)
-    else:
+    elif mode == "gru":
         h_seq, saved = got[:2]
         bwd_args = (normal(rng, h_seq.shape), normal(rng, h0.shape), saved, h_seq, h0, w_hh, lengths)
+    else:
+        h_seq = got[0]
+        bwd_args = (normal(rng, h_seq.shape), normal(rng, h0.shape), h_seq, w_hh, lengths)
     got = jax.jit(lambda *a: bwd_prim.bind(*a, **attrs))(*bwd_args)
-    want = bwd_ref(*to64(bwd_args), reverse)
+    want = bwd_ref(*to64(bwd_args), reverse, **options)
     for g, w in zip(got, want):
         assert_close(g, w, 1e-5, f"{mode} bwd stage")
     past_end = np.arange(steps)[None, :] >= np.minimum(np.asarray(lengths), steps)[:, None]

@@ -1,4 +1,4 @@
-// CUDA LSTM and GRU recurrences (see rnn.h): a CORRECTNESS BASELINE, without tensor cores. Later
+// CUDA LSTM, GRU and plain RNN recurrences (see rnn.h): a CORRECTNESS BASELINE, without tensor cores. Later
 // sessions replace it with a persistent kernel that keeps W_hh on chip across the SMs of a
 // cluster/grid.
 //
@@ -11,11 +11,13 @@
 // - backward, per step: each thread computes its units' gate gradients (rnn_cell.h), then
 //   dh_prev[j] = sum_k W_hh[k, j] dgates[k] with threads along j (coalesced columns).
 // Traffic: per step and row, G H elements of W_hh from L2, plus that step's float32 values in HBM
-// (LSTM: 2G + 2H forward, 2G + 3H backward; GRU: G + 5H forward, 2G + 6H backward). The B blocks share
+// (LSTM: 2G + 2H forward, 2G + 3H backward; GRU: G + 5H forward, 2G + 6H backward; plain RNN: 2H
+// forward, 3H backward). The B blocks share
 // W_hh through L2, but each step waits on a full pass over it, and with B far below the SM count most
 // of the GPU idles: this is only a baseline.
 #include <algorithm>
 #include <cstdint>
+#include <string_view>
 
 #include "common/cuda_common.cuh"
 #include "rnn/rnn.h"
@@ -30,7 +32,7 @@ constexpr int kWarps = kThreads / 32;
 
 // Shared memory per block, at most six float vectors of H: LSTM h, c and 4H pre-activations (dh, dc
 // and 4H gate gradients in the backward); GRU h and 3H recurrent pre-activations (dh, the bypass
-// part of dh_prev and 3H gradients).
+// part of dh_prev and 3H gradients); the plain RNN h and H pre-activations (dh and H gradients).
 size_t SharedBytes(int64_t hidden) { return size_t(6 * hidden) * sizeof(float); }
 
 __device__ __forceinline__ float WarpSum(float v) {
@@ -228,6 +230,69 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t j = threadIdx.x; j < H; j += blockDim.x) dh0[b * H + j] = dh[j];
 }
 
+// The plain RNN: LstmFwdKernel's decomposition with one gate row per unit, h = act(pre).
+template <typename W>
+__global__ void __launch_bounds__(kThreads)
+    RnnFwdKernel(const float* __restrict__ gates_x, const W* __restrict__ w_hh, const float* __restrict__ h0,
+                 const int32_t* __restrict__ seq_lengths, RecurrenceShape s, bool reverse, Activation act,
+                 float* __restrict__ h_seq, float* __restrict__ h_n) {
+  extern __shared__ float smem[];
+  const int64_t H = s.hidden, b = blockIdx.x, T = s.steps;
+  float* h = smem;
+  float* pre = smem + H;
+  const int64_t len = ValidSteps(seq_lengths[b], T);
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) h[j] = h0[b * H + j];
+  ZeroPastEnd(h_seq, b, T, len, H);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t step = 0; step < len; ++step) {
+    const int64_t row = b * T + StepTime(step, len, reverse);
+    __syncthreads();  // h of the previous step is complete (and pre no longer read)
+    for (int64_t k = warp; k < H; k += kWarps) {
+      const W* w = w_hh + k * H;
+      float sum = 0.f;
+      for (int64_t j = lane; j < H; j += 32) sum += ToFloat(w[j]) * h[j];
+      sum = WarpSum(sum);
+      if (lane == 0) pre[k] = gates_x[row * H + k] + sum;
+    }
+    __syncthreads();  // every pre[k] is written, every read of h is done
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
+      h[j] = RnnActivate(act, pre[j]);
+      h_seq[row * H + j] = h[j];
+    }
+  }
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) h_n[b * H + j] = h[j];
+}
+
+template <typename W>
+__global__ void __launch_bounds__(kThreads)
+    RnnBwdKernel(const float* __restrict__ dh_seq, const float* __restrict__ dh_n, const float* __restrict__ h_seq,
+                 const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths, RecurrenceShape s,
+                 bool reverse, Activation act, float* __restrict__ dgates, float* __restrict__ dh0) {
+  extern __shared__ float smem[];
+  const int64_t H = s.hidden, T = s.steps, b = blockIdx.x;
+  float* dh = smem;      // gradient reaching h from the next step
+  float* dg = smem + H;  // gradients of the pre-activations
+  const int64_t len = ValidSteps(seq_lengths[b], T);
+  // Every thread owns the same units j in both phases, so dh[j] needs no sync of its own.
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) dh[j] = dh_n[b * H + j];
+  ZeroPastEnd(dgates, b, T, len, H);
+  for (int64_t step = len - 1; step >= 0; --step) {
+    const int64_t row = b * T + StepTime(step, len, reverse);
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
+      dg[j] = RnnCellGrad(act, h_seq[row * H + j], dh_seq[row * H + j] + dh[j]);
+      dgates[row * H + j] = dg[j];
+    }
+    __syncthreads();  // every dg[k] is written
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < H; ++k) sum += ToFloat(w_hh[k * H + j]) * dg[k];
+      dh[j] = sum;
+    }
+    __syncthreads();  // every read of dg is done before the next step overwrites it
+  }
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) dh0[b * H + j] = dh[j];
+}
+
 // Lets `kernel` use `bytes` of dynamic shared memory (above 48 KiB needs an opt-in), or says why not.
 template <typename Kernel>
 ffi::Error AllowSharedMemory(Kernel kernel, size_t bytes) {
@@ -345,6 +410,54 @@ ffi::Error GruBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
   });
 }
 
+ffi::Error RnnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::AnyBuffer w_hh,
+                      ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::S32> seq_lengths,
+                      ffi::Result<ffi::Buffer<ffi::F32>> h_seq, ffi::Result<ffi::Buffer<ffi::F32>> h_n,
+                      int64_t reverse, std::string_view nonlinearity) {
+  RecurrenceShape s;
+  Activation act;
+  JAXDNN_RETURN_IF_ERROR(DecodeNonlinearity(nonlinearity, &act));
+  JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 1, 1, &s));
+  JAXDNN_RETURN_IF_ERROR(
+      CheckRecurrenceOperands(s, w_hh, {h0.dimensions(), h_n->dimensions()}, seq_lengths.dimensions()));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {h_seq->dimensions()}));
+  if (s.empty()) return ffi::Error::Success();
+  if (s.batch > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
+  return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
+    using W = decltype(tag);
+    const size_t bytes = SharedBytes(s.hidden);
+    JAXDNN_RETURN_IF_ERROR(AllowSharedMemory(RnnFwdKernel<W>, bytes));
+    RnnFwdKernel<W><<<unsigned(s.batch), kThreads, bytes, stream>>>(
+        gates_x.typed_data(), static_cast<const W*>(w_hh.untyped_data()), h0.typed_data(), seq_lengths.typed_data(),
+        s, reverse != 0, act, h_seq->typed_data(), h_n->typed_data());
+    return LaunchError("rnn forward");
+  });
+}
+
+ffi::Error RnnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Buffer<ffi::F32> dh_n,
+                      ffi::Buffer<ffi::F32> h_seq, ffi::AnyBuffer w_hh, ffi::Buffer<ffi::S32> seq_lengths,
+                      ffi::Result<ffi::Buffer<ffi::F32>> dgates, ffi::Result<ffi::Buffer<ffi::F32>> dh0,
+                      int64_t reverse, std::string_view nonlinearity) {
+  RecurrenceShape s;
+  Activation act;
+  JAXDNN_RETURN_IF_ERROR(DecodeNonlinearity(nonlinearity, &act));
+  JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(h_seq.dimensions(), 1, 1, &s));
+  JAXDNN_RETURN_IF_ERROR(
+      CheckRecurrenceOperands(s, w_hh, {dh_n.dimensions(), dh0->dimensions()}, seq_lengths.dimensions()));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {dh_seq.dimensions(), dgates->dimensions()}));
+  if (s.empty()) return ffi::Error::Success();
+  if (s.batch > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
+  return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
+    using W = decltype(tag);
+    const size_t bytes = SharedBytes(s.hidden);
+    JAXDNN_RETURN_IF_ERROR(AllowSharedMemory(RnnBwdKernel<W>, bytes));
+    RnnBwdKernel<W><<<unsigned(s.batch), kThreads, bytes, stream>>>(
+        dh_seq.typed_data(), dh_n.typed_data(), h_seq.typed_data(), static_cast<const W*>(w_hh.untyped_data()),
+        seq_lengths.typed_data(), s, reverse != 0, act, dgates->typed_data(), dh0->typed_data());
+    return LaunchError("rnn backward");
+  });
+}
+
 }  // namespace
 }  // namespace jaxdnn
 
@@ -357,4 +470,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCuda, jaxdnn::LstmBwdImpl, jaxdnn::BindLstm
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCuda, jaxdnn::GruFwdImpl, jaxdnn::BindGruFwd(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCuda, jaxdnn::GruBwdImpl, jaxdnn::BindGruBwd(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnFwdCuda, jaxdnn::RnnFwdImpl, jaxdnn::BindRnnFwd(jaxdnn::BindCuda()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnBwdCuda, jaxdnn::RnnBwdImpl, jaxdnn::BindRnnBwd(jaxdnn::BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,11 +1,11 @@
-// Recurrent-network FFI handlers: the time recurrence of one LSTM or GRU layer in one direction. The
-// input projection of every time step (x W_ih^T + biases) is a GEMM done before, in XLA, and the
-// weight gradients after (jaxdnn/rnn.py); these targets are the sequential part only.
+// Recurrent-network FFI handlers: the time recurrence of one LSTM, GRU or plain RNN layer in one
+// direction. The input projection of every time step (x W_ih^T + biases) is a GEMM done before, in
+// XLA, and the weight gradients after (jaxdnn/recurrent.py); these targets are the sequential part only.
 // Shapes: B batch rows, T time steps, H hidden units, G gate rows: 4H for the LSTM, in the order
-// (i, f, g, o), 3H for the GRU, (r, z, n), as cuDNN and PyTorch order them. State and accumulation
-// are float32; W_hh is float32, bfloat16 or float16. Row b runs over its first
-// len_b = clamp(seq_lengths[b], 0, T) steps, in time order or (reverse = 1) from t = len_b - 1 down to
-// 0; steps t >= len_b hold zeros in every per-step result.
+// (i, f, g, o), 3H for the GRU, (r, z, n), as cuDNN and PyTorch order them, H for the plain RNN. State
+// and accumulation are float32; W_hh is float32, bfloat16 or float16. Row b runs over its first
+// len_b = clamp(seq_lengths[b], 0, T) steps, in time order or (reverse = 1) from t = len_b - 1 down
+// to 0; steps t >= len_b hold zeros in every per-step result.
 // Targets (the ABI of exported programs, hence versioned):
 //   jaxdnn_lstm_fwd_v1 (gates_x, w_hh, h0, c0, seq_lengths) -> (h_seq, c_seq, acts, h_n, c_n)
 //       gates_x = x W_ih^T + b_ih + b_hh [B, T, 4H]; acts[b, t] = (sigmoid(i), sigmoid(f), tanh(g),
@@ -21,9 +21,17 @@
 //   jaxdnn_gru_bwd_v1 (dh_seq, dh_n, saved, h_seq, h0, w_hh, seq_lengths) -> (dgates_x, dgates_h, dh0)
 //       dgates_x = d(loss)/d(gates_x), dgates_h = d(loss)/d(hp) [B, T, 3H] (they differ in n: the
 //       reset gate scales hp_n), dh0. attrs: reverse.
+//   jaxdnn_rnn_fwd_v1 (gates_x, w_hh, h0, seq_lengths) -> (h_seq, h_n)
+//       the plain (Elman) RNN, cuDNN's RNN_TANH / RNN_RELU: gates_x = x W_ih^T + b_ih + b_hh [B, T, H];
+//       h = act(gates_x + W_hh h_prev). h_seq is also the backward's residual. attrs: reverse,
+//       nonlinearity ("tanh" or "relu").
+//   jaxdnn_rnn_bwd_v1 (dh_seq, dh_n, h_seq, w_hh, seq_lengths) -> (dgates, dh0)
+//       dgates = d(loss)/d(gates_x), also the gradient of W_hh h_prev, with act' taken from the output
+//       h (1 - h^2, or [h > 0]); dh0. attrs: reverse, nonlinearity.
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -97,16 +105,49 @@ auto BindGruBwd(Binding binding) {
       .template Attr<int64_t>("reverse");
 }
 
+template <typename Binding>
+auto BindRnnFwd(Binding binding) {
+  namespace ffi = xla::ffi;
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::F32>>()   // gates_x [B, T, H]: x W_ih^T + b_ih + b_hh
+      .template Arg<ffi::AnyBuffer>()          // w_hh [H, H]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // h0 [B, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // seq_lengths [B]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // h_seq [B, T, H]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // h_n [B, H]
+      .template Attr<int64_t>("reverse")
+      .template Attr<std::string_view>("nonlinearity");  // "tanh" or "relu"
+}
+
+template <typename Binding>
+auto BindRnnBwd(Binding binding) {
+  namespace ffi = xla::ffi;
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::F32>>()   // dh_seq [B, T, H]: cotangent of h_seq
+      .template Arg<ffi::Buffer<ffi::F32>>()   // dh_n [B, H]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // h_seq [B, T, H] from the forward
+      .template Arg<ffi::AnyBuffer>()          // w_hh [H, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // seq_lengths [B]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // dgates [B, T, H]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // dh0 [B, H]
+      .template Attr<int64_t>("reverse")
+      .template Attr<std::string_view>("nonlinearity");  // "tanh" or "relu"
+}
+
 }  // namespace jaxdnn
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LstmFwdCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LstmBwdCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GruFwdCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GruBwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RnnFwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RnnBwdCpu);
 
 #ifdef JAXDNN_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LstmFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LstmBwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GruFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GruBwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RnnFwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RnnBwdCuda);
 #endif

@@ -1,4 +1,4 @@
-// The per-unit LSTM and GRU math shared by the CPU and CUDA kernels (host/device code), so the CPU
+// The per-unit LSTM, GRU and plain RNN math shared by the CPU and CUDA kernels (host/device code), so the CPU
 // tests exercise the CUDA kernels' own arithmetic; only the recurrent matrix-vector products differ
 // in their summation order.
 #pragma once
@@ -15,7 +15,7 @@ struct RecurrenceShape {
   int64_t batch = 0;           // B
   int64_t steps = 0;           // T
   int64_t hidden = 0;          // H
-  int64_t gates_per_unit = 4;  // 4 (LSTM) or 3 (GRU)
+  int64_t gates_per_unit = 4;  // 4 (LSTM), 3 (GRU) or 1 (plain RNN)
   JAXDNN_HOST_DEVICE int64_t gates() const { return gates_per_unit * hidden; }
   JAXDNN_HOST_DEVICE bool empty() const { return batch == 0 || hidden == 0; }
 };
@@ -83,6 +83,21 @@ JAXDNN_HOST_DEVICE inline float GruCellGrad(const GruGates& a, float h_n, float 
   d_h[1] = d_x[1];
   d_h[2] = dn * a.r;
   return dh * a.z;
+}
+
+// --- plain (Elman) RNN, cuDNN's RNN_TANH / RNN_RELU: h = act(x + W_hh h_prev), act tanh or relu ------
+// (x the input projection with both biases). `act` is Activation::kTanh or kRelu (rnn_common.h
+// decodes the attribute), a run-time value: one uniform branch per unit, no kernel per nonlinearity.
+
+JAXDNN_HOST_DEVICE inline float RnnActivate(Activation act, float pre) {
+  return act == Activation::kRelu ? Activate<Activation::kRelu>(pre, 0.f) : Activate<Activation::kTanh>(pre, 0.f);
+}
+
+// One unit's backward step: the gradient of its pre-activation from the gradient dh reaching h, with
+// act' taken from the output h itself (so the forward saves nothing but h): tanh' = 1 - h^2,
+// relu' = [h > 0] (0 at the kink, as jax.nn.relu's gradient).
+JAXDNN_HOST_DEVICE inline float RnnCellGrad(Activation act, float h, float dh) {
+  return act == Activation::kRelu ? (h > 0.f ? dh : 0.f) : dh * (1.f - h * h);
 }
 
 }  // namespace jaxdnn

@@ -3,6 +3,7 @@
 
 #include <initializer_list>
 #include <string>
+#include <string_view>
 
 #include "common/ffi_common.h"
 #include "rnn/rnn_cell.h"  // RecurrenceShape
@@ -46,6 +47,18 @@ inline ffi::Error CheckSequences(const RecurrenceShape& s, int64_t width_per_uni
                                  std::initializer_list<ffi::AnyBuffer::Dimensions> sequences) {
   for (auto dims : sequences) {
     JAXDNN_RETURN_IF_ERROR(ExpectShape("a per-step operand", dims, {s.batch, s.steps, width_per_unit * s.hidden}));
+  }
+  return ffi::Error::Success();
+}
+
+// The plain RNN's `nonlinearity` attribute: "tanh" -> Activation::kTanh, "relu" -> kRelu.
+inline ffi::Error DecodeNonlinearity(std::string_view name, Activation* act) {
+  if (name == "tanh") {
+    *act = Activation::kTanh;
+  } else if (name == "relu") {
+    *act = Activation::kRelu;
+  } else {
+    return InvalidArgument("rnn: nonlinearity must be \"tanh\" or \"relu\", got \"" + std::string(name) + "\"");
   }
   return ffi::Error::Success();
 }

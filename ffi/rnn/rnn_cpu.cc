@@ -1,10 +1,11 @@
-// CPU LSTM and GRU recurrences: the CUDA kernels' decomposition, with a chunk of up to kChunkRows batch
-// rows (instead of one) stepping through time together, so each row of W_hh read from cache serves
-// every row of the chunk. Per step: the recurrent products of the chunk's running rows (rows past
+// CPU LSTM, GRU and plain RNN recurrences: the CUDA kernels' decomposition, with a chunk of up to
+// kChunkRows batch rows (instead of one) stepping through time together, so each row of W_hh read
+// from cache serves every row of the chunk. Per step: the recurrent products of the chunk's running rows (rows past
 // their length drop out), then the per-unit cell math of rnn_cell.h. W_hh is converted to float32
 // (and, for the forward, transposed) once per call, so every inner loop is an axpy over contiguous
 // floats that the compiler vectorizes.
 #include <algorithm>
+#include <string_view>
 #include <vector>
 
 #include "common/half_cpu.h"
@@ -276,6 +277,77 @@ ffi::Error GruBwdImpl(F32 dh_seq, F32 dh_n, F32 saved, F32 h_seq, F32 h0, ffi::A
   return ffi::Error::Success();
 }
 
+ffi::Error RnnFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, ffi::Buffer<ffi::S32> seq_lengths, F32Result h_seq,
+                      F32Result h_n, int64_t reverse, std::string_view nonlinearity) {
+  RecurrenceShape s;
+  Activation act;
+  JAXDNN_RETURN_IF_ERROR(DecodeNonlinearity(nonlinearity, &act));
+  JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 1, 1, &s));
+  JAXDNN_RETURN_IF_ERROR(
+      CheckRecurrenceOperands(s, w_hh, {h0.dimensions(), h_n->dimensions()}, seq_lengths.dimensions()));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {h_seq->dimensions()}));
+  if (s.empty()) return ffi::Error::Success();
+  std::vector<float> wt;
+  JAXDNN_RETURN_IF_ERROR(WeightsAsFloat(w_hh, /*transpose=*/true, &wt));
+  const int64_t H = s.hidden, T = s.steps;
+  std::fill_n(h_seq->typed_data(), s.batch * T * H, 0.f);
+  std::vector<float> h(kChunkRows * H), pre(kChunkRows * H);
+  for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) {
+    const RowChunk chunk = MakeChunk(seq_lengths.typed_data(), begin, s.batch, T);
+    const int64_t rows = int64_t(chunk.lens.size());
+    std::copy_n(h0.typed_data() + begin * H, rows * H, h.begin());
+    for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
+      RecurrentProducts(wt, h.data(), chunk, step, H, H, pre.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        if (step >= chunk.lens[r]) continue;
+        const int64_t row = (begin + r) * T + StepTime(step, chunk.lens[r], reverse != 0);
+        const float* gx = gates_x.typed_data() + row * H;
+        const float* p = pre.data() + r * H;
+        float* hr = h.data() + r * H;
+        for (int64_t j = 0; j < H; ++j) hr[j] = h_seq->typed_data()[row * H + j] = RnnActivate(act, gx[j] + p[j]);
+      }
+    }
+    std::copy_n(h.begin(), rows * H, h_n->typed_data() + begin * H);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RnnBwdImpl(F32 dh_seq, F32 dh_n, F32 h_seq, ffi::AnyBuffer w_hh, ffi::Buffer<ffi::S32> seq_lengths,
+                      F32Result dgates, F32Result dh0, int64_t reverse, std::string_view nonlinearity) {
+  RecurrenceShape s;
+  Activation act;
+  JAXDNN_RETURN_IF_ERROR(DecodeNonlinearity(nonlinearity, &act));
+  JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(h_seq.dimensions(), 1, 1, &s));
+  JAXDNN_RETURN_IF_ERROR(
+      CheckRecurrenceOperands(s, w_hh, {dh_n.dimensions(), dh0->dimensions()}, seq_lengths.dimensions()));
+  JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {dh_seq.dimensions(), dgates->dimensions()}));
+  if (s.empty()) return ffi::Error::Success();
+  std::vector<float> w;
+  JAXDNN_RETURN_IF_ERROR(WeightsAsFloat(w_hh, /*transpose=*/false, &w));
+  const int64_t H = s.hidden, T = s.steps;
+  std::fill_n(dgates->typed_data(), s.batch * T * H, 0.f);
+  std::vector<float> dh(kChunkRows * H), dg(kChunkRows * H);
+  for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) {
+    const RowChunk chunk = MakeChunk(seq_lengths.typed_data(), begin, s.batch, T);
+    const int64_t rows = int64_t(chunk.lens.size());
+    std::copy_n(dh_n.typed_data() + begin * H, rows * H, dh.begin());
+    for (int64_t step = chunk.MaxSteps() - 1; step >= 0; --step) {
+      for (int64_t r = 0; r < rows; ++r) {
+        if (step >= chunk.lens[r]) continue;
+        const int64_t row = (begin + r) * T + StepTime(step, chunk.lens[r], reverse != 0);
+        const float* h = h_seq.typed_data() + row * H;
+        const float* dy = dh_seq.typed_data() + row * H;
+        float* out = dgates->typed_data() + row * H;
+        float *dgr = dg.data() + r * H, *dhr = dh.data() + r * H;
+        for (int64_t j = 0; j < H; ++j) out[j] = dgr[j] = RnnCellGrad(act, h[j], dy[j] + dhr[j]);
+      }
+      TransposedProducts(w, dg.data(), chunk, step, H, H, dh.data());
+    }
+    std::copy_n(dh.begin(), rows * H, dh0->typed_data() + begin * H);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxdnn
 
@@ -285,3 +357,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCpu, jaxdnn::LstmFwdImpl, jaxdnn::BindLstmF
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCpu, jaxdnn::LstmBwdImpl, jaxdnn::BindLstmBwd(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCpu, jaxdnn::GruFwdImpl, jaxdnn::BindGruFwd(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCpu, jaxdnn::GruBwdImpl, jaxdnn::BindGruBwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnFwdCpu, jaxdnn::RnnFwdImpl, jaxdnn::BindRnnFwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnBwdCpu, jaxdnn::RnnBwdImpl, jaxdnn::BindRnnBwd(ffi::Ffi::Bind()));

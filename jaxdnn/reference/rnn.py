@@ -1,8 +1,11 @@
-"""Reference LSTM and GRU: `jax.experimental.rnn.lstm`'s math on cuDNN's flat weight layout, cuDNN's
-GRU on the same layout, and the kernel stages of jaxdnn.recurrent.
+"""Reference LSTM, GRU and plain RNN: `jax.experimental.rnn.lstm`'s math on cuDNN's flat weight
+layout, cuDNN's GRU and plain (Elman) RNN on the same layout, and the kernel stages of
+jaxdnn.recurrent.
 
 Shapes: B batch rows, T time steps, I input features, H hidden units, G gate pre-activations (LSTM:
-4H in the order (i, f, g, o); GRU: 3H, (r, z, n)), L layers, D directions (2 when bidirectional).
+4H in the order (i, f, g, o); GRU: 3H, (r, z, n); plain RNN: H), L layers, D directions (2 when
+bidirectional). `mode` names the cell as cuDNN's cudnnRNNMode_t does: "lstm", "gru", "rnn_tanh" or
+"rnn_relu" (the plain RNN with its nonlinearity).
 Row b runs over its first len_b = clip(seq_lengths[b], 0, T) steps; the reverse direction runs over
 that valid part backwards.
 Steps past a row's end hold zeros, and a row with len_b = 0 keeps its initial state (where
@@ -21,11 +24,12 @@ def _compute_type(*arrays):
     return jnp.result_type(jnp.float32, *(a.dtype for a in arrays))
 
 
-GATES = {"lstm": 4, "gru": 3}  # gate rows per hidden unit
+GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}  # gate rows per hidden unit, per mode
+NONLINEARITIES = ("tanh", "relu")  # of the plain RNN: its modes are "rnn_" + nonlinearity
 
 
 def weight_shapes(mode, input_size, hidden_size, num_layers, bidirectional):
-    """The shapes in cuDNN's flat weight vector of `mode` ("lstm" or "gru"), in order: (W_ih [G, I_l],
+    """The shapes in cuDNN's flat weight vector of `mode` (a key of GATES), in order: (W_ih [G, I_l],
     W_hh [G, H]) for every pseudo-layer p = l D + d, then (b_ih [G], b_hh [G]) for every pseudo-layer.
     I_l is input_size for the first layer and D H after it (the directions' outputs concatenated)."""
     directions = 2 if bidirectional else 1
@@ -152,6 +156,14 @@ def project_inputs(x, w_ih, bias, precision=None):
     return gates + bias.astype(dtype)
 
 
+def folded_bias(b_ih, b_hh):
+    """b_ih + b_hh (the LSTM's and the plain RNN's projection bias) in float32, or float64 for
+    float64 biases: summed in a 16-bit dtype, the bias would be rounded once more than the rest of
+    the float32 pre-activation."""
+    dtype = _compute_type(b_ih, b_hh)
+    return b_ih.astype(dtype) + b_hh.astype(dtype)
+
+
 def gru_fwd(gates_x, w_hh, b_hh, h0, seq_lengths, reverse):
     """The GRU recurrence of one layer and direction (cuDNN's: the reset gate scales the recurrent
     product): (h_seq [B, T, H], saved [B, T, 4H], h_n [B, H]) from gates_x [B, T, 3H] (x W_ih^T +
@@ -211,6 +223,57 @@ def gru_bwd(dh_seq, dh_n, saved, h_seq, h0, w_hh, seq_lengths, reverse):
     return (*grads, dh0)
 
 
+def rnn_fwd(gates_x, w_hh, h0, seq_lengths, reverse, nonlinearity):
+    """The plain RNN recurrence of one layer and direction (cuDNN's RNN_TANH / RNN_RELU):
+    (h_seq [B, T, H], h_n [B, H]) from gates_x [B, T, H] (x W_ih^T + b_ih + b_hh), w_hh [H, H], h0
+    [B, H] and seq_lengths [B]: h = act(gates_x + h_prev W_hh^T), act `nonlinearity` ("tanh" or
+    "relu"). h_seq is the backward's only residual (act' is taken from the output)."""
+    dtype = _compute_type(gates_x, w_hh, h0)
+    gates_x, w_hh, h0 = (a.astype(dtype) for a in (gates_x, w_hh, h0))
+    act = jnp.tanh if nonlinearity == "tanh" else jax.nn.relu
+    lens = valid_steps(seq_lengths, gates_x.shape[1])
+    if reverse:
+        gates_x = flip_sequences(gates_x, seq_lengths)
+
+    def step(h, inputs):
+        gx, s = inputs
+        h_new = act(gx + h @ w_hh.T)
+        valid = (s < lens)[:, None]
+        return jnp.where(valid, h_new, h), jnp.where(valid, h_new, 0)
+
+    h_n, h_seq = jax.lax.scan(step, h0, (jnp.swapaxes(gates_x, 0, 1), jnp.arange(gates_x.shape[1])))
+    h_seq = jnp.swapaxes(h_seq, 0, 1)
+    if reverse:
+        h_seq = flip_sequences(h_seq, seq_lengths)
+    return h_seq, h_n
+
+
+def rnn_bwd(dh_seq, dh_n, h_seq, w_hh, seq_lengths, reverse, nonlinearity):
+    """Backward through time of `rnn_fwd`: (dgates [B, T, H], dh0 [B, H]), dgates the gradient of
+    the pre-activations (of gates_x and of h_prev W_hh^T alike), with act' from the output h:
+    1 - h^2 for tanh, [h > 0] for relu (0 at the kink, as jax.nn.relu's gradient)."""
+    dtype = _compute_type(dh_seq, dh_n, h_seq, w_hh)
+    dh_seq, dh_n, h_seq, w_hh = (a.astype(dtype) for a in (dh_seq, dh_n, h_seq, w_hh))
+    lens = valid_steps(seq_lengths, h_seq.shape[1])
+    if reverse:
+        dh_seq, h_seq = (flip_sequences(a, seq_lengths) for a in (dh_seq, h_seq))
+
+    def step(dh_next, inputs):
+        dy, h, s = inputs
+        dh = dy + dh_next
+        d_pre = dh * (1 - h * h) if nonlinearity == "tanh" else jnp.where(h > 0, dh, 0)
+        valid = (s < lens)[:, None]
+        d_pre = jnp.where(valid, d_pre, 0)
+        return jnp.where(valid, d_pre @ w_hh, dh_next), d_pre
+
+    per_step = [jnp.swapaxes(a, 0, 1) for a in (dh_seq, h_seq)]
+    dh0, dgates = jax.lax.scan(step, dh_n, (*per_step, jnp.arange(h_seq.shape[1])), reverse=True)
+    dgates = jnp.swapaxes(dgates, 0, 1)
+    if reverse:
+        dgates = flip_sequences(dgates, seq_lengths)
+    return dgates, dh0
+
+
 def dropout_masks(dropout_rng, rate, shape, num_layers):
     """The scales that dropout between layers multiplies the outputs of layers 0 .. L - 2 by: one
     float32 array of `shape` [B, T, D H] per boundary, 1 / (1 - rate) where kept and 0 where dropped,
@@ -235,11 +298,15 @@ def _stack(mode, x, states, weights, seq_lengths, input_size, hidden_size, num_l
             p = layer * directions + d
             w_ih, w_hh, b_ih, b_hh = params[p]
             if mode == "lstm":
-                gates_x = project_inputs(layer_in, w_ih, b_ih + b_hh, precision)
+                gates_x = project_inputs(layer_in, w_ih, folded_bias(b_ih, b_hh), precision)
                 h_seq, _, _, *last = lstm_fwd(gates_x, w_hh, states[0][p], states[1][p], seq_lengths, d == 1)
-            else:
+            elif mode == "gru":
                 gates_x = project_inputs(layer_in, w_ih, b_ih, precision)
                 h_seq, _, *last = gru_fwd(gates_x, w_hh, b_hh, states[0][p], seq_lengths, d == 1)
+            else:  # "rnn_tanh", "rnn_relu"
+                gates_x = project_inputs(layer_in, w_ih, folded_bias(b_ih, b_hh), precision)
+                nonlinearity = mode.removeprefix("rnn_")
+                h_seq, *last = rnn_fwd(gates_x, w_hh, states[0][p], seq_lengths, d == 1, nonlinearity)
             outputs.append(h_seq.astype(x.dtype))
             for final, state in zip(finals, last):
                 final.append(state)
@@ -268,4 +335,16 @@ def gru(x, h_0, weights, seq_lengths, input_size, hidden_size, num_layers, dropo
     (y [B, T, D H], h_n [L D, B, H]). Conventions as `lstm`."""
     y, (h_n,) = _stack("gru", x, (h_0,), weights, seq_lengths, input_size, hidden_size, num_layers, dropout,
                        bidirectional, precision, dropout_rng)
+    return y, h_n
+
+
+def rnn(x, h_0, weights, seq_lengths, input_size, hidden_size, num_layers, dropout, bidirectional,
+        precision=None, dropout_rng=None, nonlinearity="tanh"):
+    """cuDNN's plain (Elman) RNN in pure JAX, h = act(W_ih x + b_ih + W_hh h_prev + b_hh) with act
+    `nonlinearity` ("tanh" or "relu"), on the flat weight layout of `lstm` with G = H rows:
+    (y [B, T, D H], h_n [L D, B, H]). Conventions as `lstm`."""
+    if nonlinearity not in NONLINEARITIES:
+        raise ValueError(f"rnn: nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}")
+    y, (h_n,) = _stack("rnn_" + nonlinearity, x, (h_0,), weights, seq_lengths, input_size, hidden_size,
+                       num_layers, dropout, bidirectional, precision, dropout_rng)
     return y, h_n
