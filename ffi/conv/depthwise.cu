@@ -12,10 +12,9 @@
 //
 // Kernels:
 // - DepthwiseTile3x3Kernel: the common 3 x 3 window with 16-bit values, C a multiple of 8, equal H
-//   and W strides of 1 or 2 (also unit-stride dgrad): persistent blocks copy the input a tile of 8
-//   output rows x up to 64 columns x up to 64 channels reads into shared memory with cp.async,
-//   double-buffered (the next tile's copies fly while the current one is computed), and each thread
-//   computes 8 channels of 4 vertically adjacent outputs from there (see its comment).
+//   and W strides of 1 or 2 (also unit-stride dgrad): a block copies the input its tile of 8 output
+//   rows x up to 64 columns x up to 64 channels reads into shared memory with cp.async, then each
+//   thread computes 8 channels of 4 vertically adjacent outputs from there (see its comment).
 // - Depthwise3x3Kernel: the other 1 x 3 x 3 windows (any padding, H stride and dilation, W stride 1
 //   or 2, W dilation 1, m == 1, vector packs). The thread keeps its pack's 9 taps in registers
 //   (float32) and loads the (kStrip - 1) * stride + 3 input pixels of each window row once for its
@@ -577,26 +576,24 @@ __global__ void __launch_bounds__(kThreads)
 
 // --- the tiled 3x3 kernel (16-bit, channels a multiple of 8) -------------------------------------------
 
-// A tile is kTileRows output rows x `cols` output columns x `vectors` 16-byte channel vectors (8
-// channels each) of one image. A block copies the input pixels a tile's windows read into shared
-// memory with cp.async (zeros outside x), then each thread computes one vector of kTileStrip
-// vertically adjacent outputs from there. Blocks are persistent and double-buffered: the copies
-// for a block's next tile are in flight while it computes the current one, so each SM keeps reads
-// outstanding all the time without holding registers for them (the kernel is memory-bound).
+// A block computes a tile of kTileRows output rows x `cols` output columns x `vectors` 16-byte
+// channel vectors (8 channels each) of one image: it first copies the input pixels the tile's
+// windows read into shared memory with cp.async (zeros outside x), then each thread computes one
+// vector of kTileStrip vertically adjacent outputs from there. The copies hold no registers, so the
+// blocks resident on an SM keep many bytes in flight while others compute: a memory-bound kernel
+// needs that more than the register-staged Depthwise3x3Kernel's reuse.
 constexpr int kTileThreads = 128;
-constexpr int kTileRows = 8;      // output rows per tile
+constexpr int kTileRows = 8;      // output rows per block
 constexpr int kTileStrip = 4;     // output rows per thread
-constexpr int kTileVectors = 8;   // at most 8 vectors (64 channels, 128 bytes) of each pixel per tile
-constexpr int kTileBlocksPerSm = 3;
+constexpr int kTileVectors = 8;   // at most 8 vectors (64 channels, 128 bytes) of each pixel per block
 static_assert(kTileThreads % (kTileRows / kTileStrip) == 0, "whole strips per block");
 
 struct TilePlan {
-  int vectors;            // channel vectors per pixel in a tile (a power of two <= kTileVectors)
-  int cols;               // output columns per tile: kTileThreads / (vectors * strips per column)
-  int64_t chunks;         // tiles across the channels: ceil(C / (8 * vectors))
+  int vectors;            // channel vectors per pixel in a block (a power of two <= kTileVectors)
+  int cols;               // output columns per block: kTileThreads / (vectors * strips per column)
+  int64_t chunks;         // blocks across the channels: ceil(C / (8 * vectors))
   int64_t row_tiles, col_tiles;
   int64_t images;         // N * D (the trivial depth axis folded into the batch)
-  __host__ __device__ int64_t Tiles() const { return chunks * col_tiles * row_tiles * images; }
 };
 
 TilePlan MakeTilePlan(const ConvGeometry& g) {
@@ -612,117 +609,97 @@ TilePlan MakeTilePlan(const ConvGeometry& g) {
   return plan;
 }
 
-__host__ __device__ int TileSpan(int outputs, int stride) { return (outputs - 1) * stride + 3; }
+int TileSpan(int outputs, int stride) { return (outputs - 1) * stride + 3; }
 
-// 16-byte words of one tile's input: at most 17 x 17 pixels of 8 vectors (or 17 x 129 of one).
-__host__ __device__ int TileWords(const TilePlan& plan, int stride) {
-  return TileSpan(kTileRows, stride) * TileSpan(plan.cols, stride) * plan.vectors;
+size_t TileSharedBytes(const TilePlan& plan, int stride) {
+  return size_t(TileSpan(kTileRows, stride)) * TileSpan(plan.cols, stride) * plan.vectors * 16;
 }
-
-// A tile's position: image, first output row and column, first channel.
-struct TileAt {
-  int64_t image, row, col, channel;
-
-  __device__ TileAt(const TilePlan& plan, int64_t tile) {
-    channel = tile % plan.chunks * plan.vectors * 8;
-    tile /= plan.chunks;
-    col = tile % plan.col_tiles * plan.cols;
-    tile /= plan.col_tiles;
-    row = tile % plan.row_tiles * kTileRows;
-    image = tile / plan.row_tiles;
-  }
-};
 
 // out = epilogue(the 3x3 conv of `in` with stride kStride on both axes): g's forward when `flip` is
 // false; with `flip`, the conv with the window reversed (dgrad on the flipped geometry). T is a
 // 16-bit type: a 16-byte vector holds 8 channels.
 template <typename T, int kStride>
-__global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm)
+__global__ void __launch_bounds__(kTileThreads, 3)
     DepthwiseTile3x3Kernel(const ConvGeometry g, const TilePlan plan, const T* __restrict__ in,
                            const T* __restrict__ w, bool flip, const ConvEpilogue<T> epilogue, T* __restrict__ out) {
-  extern __shared__ uint4 buffers[];  // 2 x [span rows][span cols][vectors]
-  const int span_cols = TileSpan(plan.cols, kStride);
-  const int words = TileWords(plan, kStride);
-  const int64_t channels = g.channels, tiles = plan.Tiles();
+  extern __shared__ uint4 tile[];  // [span rows][span cols][vectors]
+  constexpr int kSpanRows = (kTileRows - 1) * kStride + 3;
+  const int span_cols = (plan.cols - 1) * kStride + 3;
+  int64_t block = blockIdx.x;
+  const int64_t chunk = block % plan.chunks;
+  block /= plan.chunks;
+  const int64_t col_tile = block % plan.col_tiles;
+  block /= plan.col_tiles;
+  const int64_t row_tile = block % plan.row_tiles;
+  const int64_t image = block / plan.row_tiles;
+  const int64_t channels = g.channels;
+  const int64_t c_base = chunk * plan.vectors * 8;
+  const int64_t h0 = row_tile * kTileRows * kStride - g.pad[1];
+  const int64_t w0 = col_tile * plan.cols * kStride - g.pad[2];
+  const int64_t in_image = image * g.in[1] * g.in[2];
 
-  // Starts the copies of tile t's input into `buffer` (zeros outside x and past the channels).
-  auto fetch = [&](int64_t t, uint4* buffer) {
-    const TileAt at(plan, t);
-    const int64_t h0 = at.row * kStride - g.pad[1], w0 = at.col * kStride - g.pad[2];
-    const T* image = in + at.image * g.in[1] * g.in[2] * channels;
-    for (int i = threadIdx.x; i < words; i += kTileThreads) {
-      const int vector = i % plan.vectors, pixel = i / plan.vectors;
-      const int64_t h = h0 + pixel / span_cols, col = w0 + pixel % span_cols;
-      const int64_t c = at.channel + vector * 8;
-      if (h >= 0 && h < g.in[1] && col >= 0 && col < g.in[2] && c < channels) {
-        CpAsync16(&buffer[i], image + (h * g.in[2] + col) * channels + c);
-      } else {
-        buffer[i] = make_uint4(0, 0, 0, 0);
-      }
+  // The input pixels of the tile's windows, zeros outside x and past the channels.
+  const int loads = kSpanRows * span_cols * plan.vectors;
+  for (int i = threadIdx.x; i < loads; i += kTileThreads) {
+    const int vector = i % plan.vectors, pixel = i / plan.vectors;
+    const int64_t h = h0 + pixel / span_cols, col = w0 + pixel % span_cols;
+    const int64_t c = c_base + vector * 8;
+    if (h >= 0 && h < g.in[1] && col >= 0 && col < g.in[2] && c < channels) {
+      CpAsync16(&tile[i], in + (in_image + h * g.in[2] + col) * channels + c);
+    } else {
+      tile[i] = make_uint4(0, 0, 0, 0);
     }
-    CpAsyncCommit();
-  };
+  }
+  CpAsyncCommit();
 
   const int vector = threadIdx.x % plan.vectors;
   const int col = (threadIdx.x / plan.vectors) % plan.cols;
   const int strip = threadIdx.x / (plan.vectors * plan.cols);
-  int64_t t = blockIdx.x;
-  if (t < tiles) fetch(t, buffers);
-  for (int current = 0; t < tiles; t += gridDim.x, current ^= 1) {
-    if (t + gridDim.x < tiles) {
-      fetch(t + gridDim.x, buffers + (current ^ 1) * words);
-    } else {
-      CpAsyncCommit();  // an empty group keeps the wait count uniform
+  const int64_t c0 = c_base + vector * 8;
+  const bool active = c0 < channels;
+  float taps[9][8];
+#pragma unroll
+  for (int t = 0; t < 9; ++t) {
+    const Pack<T, 8> pack = active ? *reinterpret_cast<const Pack<T, 8>*>(w + (flip ? 8 - t : t) * channels + c0)
+                                   : Pack<T, 8>{};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) taps[t][e] = ToFloat(pack.v[e]);
+  }
+  CpAsyncWait<0>();
+  __syncthreads();
+  if (!active) return;
+
+  float acc[kTileStrip][8] = {};
+  const int first_row = strip * kTileStrip * kStride;
+#pragma unroll
+  for (int r = 0; r < (kTileStrip - 1) * kStride + 3; ++r) {
+    float value[3][8];
+#pragma unroll
+    for (int v = 0; v < 3; ++v) {
+      const uint4 word = tile[((first_row + r) * span_cols + col * kStride + v) * plan.vectors + vector];
+      const Pack<T, 8> pack = *reinterpret_cast<const Pack<T, 8>*>(&word);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) value[v][e] = ToFloat(pack.v[e]);
     }
-    const TileAt at(plan, t);
-    const int64_t c0 = at.channel + vector * 8;
-    const bool active = c0 < channels;
-    float taps[9][8];
 #pragma unroll
-    for (int i = 0; i < 9; ++i) {
-      Pack<T, 8> pack{};
-      if (active) pack = *reinterpret_cast<const Pack<T, 8>*>(w + (flip ? 8 - i : i) * channels + c0);
+    for (int o = 0; o < kTileStrip; ++o) {
+      const int u = r - o * kStride;
+      if (u < 0 || u > 2) continue;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) taps[i][e] = ToFloat(pack.v[e]);
-    }
-    CpAsyncWait<1>();  // this tile's copies have landed (the next tile's may still be in flight)
-    __syncthreads();
-    const int64_t q = at.col + col;
-    if (active && q < g.out[2]) {
-      const uint4* tile = buffers + current * words;
-      float acc[kTileStrip][8] = {};
-      const int first_row = strip * kTileStrip * kStride;
+      for (int v = 0; v < 3; ++v) {
 #pragma unroll
-      for (int r = 0; r < (kTileStrip - 1) * kStride + 3; ++r) {
-        float value[3][8];
-#pragma unroll
-        for (int v = 0; v < 3; ++v) {
-          const uint4 word = tile[((first_row + r) * span_cols + col * kStride + v) * plan.vectors + vector];
-          const Pack<T, 8> pack = *reinterpret_cast<const Pack<T, 8>*>(&word);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) value[v][e] = ToFloat(pack.v[e]);
-        }
-#pragma unroll
-        for (int o = 0; o < kTileStrip; ++o) {
-          const int u = r - o * kStride;
-          if (u < 0 || u > 2) continue;
-#pragma unroll
-          for (int v = 0; v < 3; ++v) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[o][e] += value[v][e] * taps[u * 3 + v][e];
-          }
-        }
-      }
-#pragma unroll
-      for (int o = 0; o < kTileStrip; ++o) {
-        const int64_t p = at.row + strip * kTileStrip + o;
-        if (p < g.out[1]) {
-          StoreOutputPack<T, 8>(epilogue, acc[o], ((at.image * g.out[1] + p) * g.out[2] + q) * channels + c0, c0,
-                                out);
-        }
+        for (int e = 0; e < 8; ++e) acc[o][e] += value[v][e] * taps[u * 3 + v][e];
       }
     }
-    __syncthreads();  // the buffer is refilled by the next iteration's fetch
+  }
+  const int64_t q = col_tile * plan.cols + col;
+  if (q >= g.out[2]) return;
+#pragma unroll
+  for (int o = 0; o < kTileStrip; ++o) {
+    const int64_t p = row_tile * kTileRows + strip * kTileStrip + o;
+    if (p < g.out[1]) {
+      StoreOutputPack<T, 8>(epilogue, acc[o], ((image * g.out[1] + p) * g.out[2] + q) * channels + c0, c0, out);
+    }
   }
 }
 
@@ -769,11 +746,11 @@ template <typename T>
 ffi::Error LaunchTile3x3(cudaStream_t stream, const ConvGeometry& g, const T* in, const T* w, bool flip,
                          const ConvEpilogue<T>& epilogue, T* out) {
   const TilePlan plan = MakeTilePlan(g);
-  const size_t shared = 2 * size_t(TileWords(plan, g.stride[1])) * 16;  // two buffers: up to 74 KB
+  const int64_t blocks = plan.chunks * plan.col_tiles * plan.row_tiles * plan.images;
+  if (blocks > INT_MAX) return TooLarge("3x3 tile", blocks);
+  // At most 17 x 17 pixels of 8 vectors (or 17 x 129 of one): 37 KB, within the default 48 KB.
+  const size_t shared = TileSharedBytes(plan, g.stride[1]);
   auto kernel = g.stride[1] == 1 ? DepthwiseTile3x3Kernel<T, 1> : DepthwiseTile3x3Kernel<T, 2>;
-  JAXDNN_RETURN_IF_ERROR(CudaError(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)), "depthwise 3x3 tile"));
-  const int64_t blocks = std::min<int64_t>(plan.Tiles(), ResidentBlocks(kernel, kTileThreads, shared));
   kernel<<<int(blocks), kTileThreads, shared, stream>>>(g, plan, in, w, flip, epilogue, out);
   return LaunchError("depthwise 3x3 tile");
 }
