@@ -227,9 +227,9 @@ def test_rnn_bad_nonlinearity(rng):
     gates_x, h0 = normal(rng, (2, 3, 4)), normal(rng, (2, 4))
     with pytest.raises(jax.errors.JaxRuntimeError, match='nonlinearity must be "tanh" or "relu", got "gelu"'):
         # Waited for: on a GPU the kernel's error surfaces when the (asynchronous) result is.
-        lengths = jnp.full((2,), 3, jnp.int32)
-        jax.block_until_ready(stages._rnn_fwd.bind(gates_x, jnp.ones((4, 4)), h0, lengths, reverse=np.int64(0),
-                                                   nonlinearity="gelu"))
+        outs = stages._rnn_fwd.bind(gates_x, jnp.ones((4, 4)), h0, jnp.full((2,), 3, jnp.int32),
+                                    reverse=np.int64(0), nonlinearity="gelu")
+        jax.block_until_ready(outs)
 
 
 @mode_param
