@@ -458,7 +458,11 @@ def test_dropout_between_layers(mode, rng):
         assert_close(g, w, tolerance(jnp.float32, grad=True), "grad")
     undropped = _ours(mode, *args, sizes)
     assert float(jnp.max(jnp.abs(out[0] - undropped[0]))) > 0.1  # dropout changed y
-    np.testing.assert_array_equal(ours(mode, *args, dropped)[0], out[0])
+    # The same key gives the same result (bit for bit in one program; the VJP's forward is another
+    # program, whose XLA projections may round differently).
+    again = ours(mode, *args, dropped)[0]
+    np.testing.assert_array_equal(ours(mode, *args, dropped)[0], again)
+    assert_close(again, out[0], tolerance(jnp.float32), "y again")
     other = ours(mode, *args, dropped, key=jax.random.key(4))[0]
     assert float(jnp.max(jnp.abs(other - out[0]))) > 0.1
     one_layer, one_sizes = _inputs(rng, mode, (2, 4, 3, 5, 1, False, None))
@@ -549,14 +553,17 @@ def test_cell_in_a_scan(mode, dtype, rng):
     cell = _function(jaxdnn, mode, "_cell")
     ct = normal(rng, x.shape[:2] + (5,))
 
-    def loss(cell, x, states, params):
+    def loss(cell, x, states, params, size=lambda a: a):
         y, final = _scan_cells(mode, x, states, params, cell)
-        return jnp.sum(y * ct.astype(y.dtype)) + sum(jnp.sum(jnp.sin(f)) for f in final)
+        return jnp.sum(size(y * ct.astype(y.dtype))) + sum(jnp.sum(size(jnp.sin(f))) for f in final)
 
     got = jax.jit(jax.value_and_grad(functools.partial(loss, cell), argnums=(0, 1, 2)))(x, states, params)
-    want = jax.jit(jax.value_and_grad(functools.partial(loss, _reference_cell(mode)), argnums=(0, 1, 2)))(
-        f64(x), tuple(map(f64, states)), tuple(map(f64, params)))
-    assert_close(got[0], want[0], tolerance(dtype), "loss")
+    want_args = f64(x), tuple(map(f64, states)), tuple(map(f64, params))
+    reference_loss = functools.partial(loss, _reference_cell(mode))
+    want = jax.jit(jax.value_and_grad(reference_loss, argnums=(0, 1, 2)))(*want_args)
+    # The loss sums terms of both signs: its error is relative to the terms' magnitudes, not the sum's.
+    magnitude = float(reference_loss(*want_args, size=jnp.abs))
+    assert abs(float(got[0]) - float(want[0])) <= tolerance(dtype) * magnitude, (got[0], want[0], magnitude)
     for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
         assert g.dtype == dtype or g.dtype == jnp.float32
         assert_close(g, w, tolerance(dtype, grad=True), "cell gradient")
