@@ -9,8 +9,13 @@ groups (C = G * Cg, K = G * Kg). Any `dimension_numbers` is transposed to that l
 feature groups over the batch split in B (as XLA does). Every stage accumulates in float32 and
 writes the operands' dtype.
 
+Convolutions of 2 to 7 input channels with one group (an RGB stem) are rewritten first
+(jaxdnn/_conv_few_channels.py): strided ones by space-to-depth into unit-stride ones on more
+channels, unit-stride ones into XLA's im2col and dense's GEMM.
+
 Differentiable with `jax.grad`/`jax.vjp` to any order (every derivative runs on the fprop, dgrad
-and wgrad kernels); forward-mode `jax.jvp` is not provided (custom_vjp).
+and wgrad kernels, or dense's GEMM for the explicit-GEMM form); forward-mode `jax.jvp` is not
+provided (custom_vjp).
 """
 
 from __future__ import annotations
