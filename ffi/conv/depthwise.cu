@@ -14,7 +14,7 @@
 // - DepthwiseTile3x3Kernel: the common 3 x 3 window with 16-bit values, C a multiple of 8, equal H
 //   and W strides of 1 or 2 (also unit-stride dgrad): a block copies the input its tile of 8 output
 //   rows x up to 64 columns x up to 64 channels reads into shared memory with cp.async, then each
-//   thread computes 4 channels of 4 vertically adjacent outputs from there (see its comment).
+//   thread computes 8 channels of 4 vertically adjacent outputs from there (see its comment).
 // - Depthwise3x3Kernel: the other 1 x 3 x 3 windows (any padding, H stride and dilation, W stride 1
 //   or 2, W dilation 1, m == 1, vector packs). The thread keeps its pack's 9 taps in registers
 //   (float32) and loads the (kStrip - 1) * stride + 3 input pixels of each window row once for its
@@ -579,21 +579,18 @@ __global__ void __launch_bounds__(kThreads)
 // A block computes a tile of kTileRows output rows x `cols` output columns x `vectors` 16-byte
 // channel vectors (8 channels each) of one image: it first copies the input pixels the tile's
 // windows read into shared memory with cp.async (zeros outside x), then each thread computes one
-// half vector (4 channels) of kTileStrip vertically adjacent outputs from there. The copies hold no
-// registers, so the blocks resident on an SM keep many bytes in flight while others compute; and 4
-// channels a thread (9 x 4 float taps, 4 x 4 accumulators) keep the registers few enough for 24
-// warps an SM (8 channels needed 146 registers: 10 warps, 0.8 TB/s measured on an H200).
-constexpr int kTileThreads = 256;
-constexpr int kThreadChannels = 4;  // half of a 16-byte vector of 16-bit values
-constexpr int kHalves = 8 / kThreadChannels;
+// vector of kTileStrip vertically adjacent outputs from there. The copies hold no registers, so the
+// blocks resident on an SM keep many bytes in flight while others compute: a memory-bound kernel
+// needs that more than the register-staged Depthwise3x3Kernel's reuse.
+constexpr int kTileThreads = 128;
 constexpr int kTileRows = 8;      // output rows per block
 constexpr int kTileStrip = 4;     // output rows per thread
 constexpr int kTileVectors = 8;   // at most 8 vectors (64 channels, 128 bytes) of each pixel per block
-static_assert(kTileThreads % (kHalves * kTileVectors * (kTileRows / kTileStrip)) == 0, "whole strips per block");
+static_assert(kTileThreads % (kTileRows / kTileStrip) == 0, "whole strips per block");
 
 struct TilePlan {
   int vectors;            // channel vectors per pixel in a block (a power of two <= kTileVectors)
-  int cols;               // output columns per block: kTileThreads / (threads per pixel * strips per column)
+  int cols;               // output columns per block: kTileThreads / (vectors * strips per column)
   int64_t chunks;         // blocks across the channels: ceil(C / (8 * vectors))
   int64_t row_tiles, col_tiles;
   int64_t images;         // N * D (the trivial depth axis folded into the batch)
@@ -604,7 +601,7 @@ TilePlan MakeTilePlan(const ConvGeometry& g) {
   const int64_t vectors = g.channels / 8;
   plan.vectors = kTileVectors;
   while (plan.vectors > 1 && plan.vectors / 2 >= vectors) plan.vectors /= 2;
-  plan.cols = kTileThreads / (plan.vectors * kHalves * (kTileRows / kTileStrip));
+  plan.cols = kTileThreads / (plan.vectors * (kTileRows / kTileStrip));
   plan.chunks = CeilDiv(vectors, plan.vectors);
   plan.row_tiles = CeilDiv(g.out[1], kTileRows);
   plan.col_tiles = CeilDiv(g.out[2], plan.cols);
@@ -655,37 +652,34 @@ __global__ void __launch_bounds__(kTileThreads, 3)
   }
   CpAsyncCommit();
 
-  constexpr int kC = kThreadChannels;
-  const int lanes = plan.vectors * kHalves;  // threads per pixel
-  const int lane = threadIdx.x % lanes;      // the thread's half vector: word `lane` of 8 bytes
-  const int col = (threadIdx.x / lanes) % plan.cols;
-  const int strip = threadIdx.x / (lanes * plan.cols);
-  const int64_t c0 = c_base + lane * kC;
+  const int vector = threadIdx.x % plan.vectors;
+  const int col = (threadIdx.x / plan.vectors) % plan.cols;
+  const int strip = threadIdx.x / (plan.vectors * plan.cols);
+  const int64_t c0 = c_base + vector * 8;
   const bool active = c0 < channels;
-  float taps[9][kC];
+  float taps[9][8];
 #pragma unroll
   for (int t = 0; t < 9; ++t) {
-    const Pack<T, kC> pack = active ? *reinterpret_cast<const Pack<T, kC>*>(w + (flip ? 8 - t : t) * channels + c0)
-                                    : Pack<T, kC>{};
+    const Pack<T, 8> pack = active ? *reinterpret_cast<const Pack<T, 8>*>(w + (flip ? 8 - t : t) * channels + c0)
+                                   : Pack<T, 8>{};
 #pragma unroll
-    for (int e = 0; e < kC; ++e) taps[t][e] = ToFloat(pack.v[e]);
+    for (int e = 0; e < 8; ++e) taps[t][e] = ToFloat(pack.v[e]);
   }
   CpAsyncWait<0>();
   __syncthreads();
   if (!active) return;
 
-  const uint2* words = reinterpret_cast<const uint2*>(tile);
-  float acc[kTileStrip][kC] = {};
+  float acc[kTileStrip][8] = {};
   const int first_row = strip * kTileStrip * kStride;
 #pragma unroll
   for (int r = 0; r < (kTileStrip - 1) * kStride + 3; ++r) {
-    float value[3][kC];
+    float value[3][8];
 #pragma unroll
     for (int v = 0; v < 3; ++v) {
-      const uint2 word = words[((first_row + r) * span_cols + col * kStride + v) * lanes + lane];
-      const Pack<T, kC> pack = *reinterpret_cast<const Pack<T, kC>*>(&word);
+      const uint4 word = tile[((first_row + r) * span_cols + col * kStride + v) * plan.vectors + vector];
+      const Pack<T, 8> pack = *reinterpret_cast<const Pack<T, 8>*>(&word);
 #pragma unroll
-      for (int e = 0; e < kC; ++e) value[v][e] = ToFloat(pack.v[e]);
+      for (int e = 0; e < 8; ++e) value[v][e] = ToFloat(pack.v[e]);
     }
 #pragma unroll
     for (int o = 0; o < kTileStrip; ++o) {
@@ -694,7 +688,7 @@ __global__ void __launch_bounds__(kTileThreads, 3)
 #pragma unroll
       for (int v = 0; v < 3; ++v) {
 #pragma unroll
-        for (int e = 0; e < kC; ++e) acc[o][e] += value[v][e] * taps[u * 3 + v][e];
+        for (int e = 0; e < 8; ++e) acc[o][e] += value[v][e] * taps[u * 3 + v][e];
       }
     }
   }
@@ -704,7 +698,7 @@ __global__ void __launch_bounds__(kTileThreads, 3)
   for (int o = 0; o < kTileStrip; ++o) {
     const int64_t p = row_tile * kTileRows + strip * kTileStrip + o;
     if (p < g.out[1]) {
-      StoreOutputPack<T, kC>(epilogue, acc[o], ((image * g.out[1] + p) * g.out[2] + q) * channels + c0, c0, out);
+      StoreOutputPack<T, 8>(epilogue, acc[o], ((image * g.out[1] + p) * g.out[2] + q) * channels + c0, c0, out);
     }
   }
 }
