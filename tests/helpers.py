@@ -182,3 +182,31 @@ _jit_oracle_vjp = jax.jit(
     lambda op, args, cotangent, epsilon: _vjp(lambda *a: op.reference(*a, epsilon=epsilon), args,
                                              cotangent),
     static_argnums=0, static_argnames="epsilon")
+
+
+def check_fused_conv(x, w, kwargs, activation, with_residual, rng):
+    """jaxdnn.conv(x, w, bias, activation=, residual=, **kwargs) and its VJP (x, w, bias, residual;
+    random cotangent) against the float64 reference, in x's dtype. Returns the jitted op and its
+    arguments (x, w, bias, residual)."""
+    dtype = x.dtype
+    bias = normal(rng, w.shape[-1:], dtype)
+    out_shape = jax.eval_shape(lambda x, w: jaxdnn.reference.conv(x, w, **kwargs), x, w).shape
+    residual = normal(rng, out_shape, dtype) if with_residual else None
+    args = (x, w, bias, residual)
+
+    def op(fn):
+        return lambda x, w, bias, residual: fn(x, w, bias, activation=activation, residual=residual, **kwargs)
+    y = jax.jit(op(jaxdnn.conv))(*args)
+    want = op(jaxdnn.reference.conv)(*(f64(a) for a in args))
+    assert y.shape == want.shape and y.dtype == dtype
+    assert_close(y, want, tolerance(dtype), "forward")
+    ct = normal(rng, y.shape, dtype)
+    got = jax.jit(lambda args, ct: jax.vjp(op(jaxdnn.conv), *args)[1](ct))(args, ct)
+    want = jax.vjp(op(jaxdnn.reference.conv), *(f64(a) for a in args))[1](f64(ct))
+    for name, g, want_g in zip(("x", "w", "bias", "residual"), got, want):
+        if want_g is None:
+            assert g is None
+            continue
+        assert g.dtype == dtype
+        assert_close(g, want_g, tolerance(dtype, grad=True), f"grad {name}")
+    return jax.jit(op(jaxdnn.conv)), args

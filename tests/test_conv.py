@@ -14,7 +14,7 @@ from jax import export, lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
-from helpers import DTYPES, assert_close, batch_mesh, dtype_id, f64, normal, tolerance
+from helpers import DTYPES, assert_close, batch_mesh, check_fused_conv, dtype_id, f64, normal, tolerance
 
 TARGETS = ("jaxdnn_conv_fprop_v2", "jaxdnn_conv_dgrad_v2", "jaxdnn_conv_wgrad_v2")
 
@@ -398,26 +398,7 @@ FUSED_EPILOGUES = [(jnp.float32, a) for a in (None, "relu", "gelu", "silu", "lea
 @pytest.mark.parametrize("with_residual", [False, True], ids=["bias", "bias+residual"])
 def test_conv_fused(dtype, activation, x_shape, w_shape, kwargs, with_residual, rng):
     x, w = normal(rng, x_shape, dtype), normal(rng, w_shape, dtype, scale=0.5)
-    bias = normal(rng, w_shape[-1:], dtype)
-    out_shape = jax.eval_shape(lambda x, w: jaxdnn.reference.conv(x, w, **kwargs), x, w).shape
-    residual = normal(rng, out_shape, dtype) if with_residual else None
-    args = (x, w, bias, residual)
-
-    def op(fn):
-        return lambda x, w, bias, residual: fn(x, w, bias, activation=activation, residual=residual, **kwargs)
-    y = jax.jit(op(jaxdnn.conv))(*args)
-    want = op(jaxdnn.reference.conv)(*(f64(a) for a in args))
-    assert y.shape == want.shape and y.dtype == dtype
-    assert_close(y, want, tolerance(dtype), "forward")
-    ct = normal(rng, y.shape, dtype)
-    got = jax.jit(lambda args, ct: jax.vjp(op(jaxdnn.conv), *args)[1](ct))(args, ct)
-    want = jax.vjp(op(jaxdnn.reference.conv), *(f64(a) for a in args))[1](f64(ct))
-    for name, g, want_g in zip(("x", "w", "bias", "residual"), got, want):
-        if want_g is None:
-            assert g is None
-            continue
-        assert g.dtype == dtype
-        assert_close(g, want_g, tolerance(dtype, grad=True), f"grad {name}")
+    check_fused_conv(x, w, kwargs, activation, with_residual, rng)
 
 
 @pytest.mark.parametrize("dtype,activation", [(jnp.bfloat16, "gelu"), (jnp.float16, "relu")], ids=str)

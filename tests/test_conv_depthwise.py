@@ -16,7 +16,7 @@ import pytest
 from jax import lax
 
 import jaxdnn
-from helpers import DTYPES, assert_close, dtype_id, f64, normal, tolerance
+from helpers import DTYPES, assert_close, check_fused_conv, dtype_id, f64, normal, tolerance
 
 _CHANNELS_LAST = {3: ("NWC", "WIO", "NWC"), 4: ("NHWC", "HWIO", "NHWC"), 5: ("NDHWC", "DHWIO", "NDHWC")}
 
@@ -127,25 +127,5 @@ FUSED_EPILOGUES = [(jnp.float32, "gelu"), (jnp.float32, "leaky_relu"), (jnp.bflo
 @pytest.mark.parametrize("with_residual", [False, True], ids=["bias", "bias+residual"])
 def test_conv_fused(dtype, activation, x_shape, window, multiplier, kwargs, with_residual, rng):
     x, w = _operands(rng, x_shape, window, multiplier, dtype)
-    kwargs = dict(kwargs, groups=x_shape[-1])
-    bias = normal(rng, w.shape[-1:], dtype)
-    out_shape = jax.eval_shape(lambda x, w: jaxdnn.reference.conv(x, w, **kwargs), x, w).shape
-    residual = normal(rng, out_shape, dtype) if with_residual else None
-    args = (x, w, bias, residual)
-
-    def op(fn):
-        return lambda x, w, bias, residual: fn(x, w, bias, activation=activation, residual=residual, **kwargs)
-    y = jax.jit(op(jaxdnn.conv))(*args)
-    want = op(jaxdnn.reference.conv)(*(f64(a) for a in args))
-    assert y.shape == want.shape and y.dtype == dtype
-    assert_close(y, want, tolerance(dtype), "forward")
-    ct = normal(rng, y.shape, dtype)
-    got = jax.jit(lambda args, ct: jax.vjp(op(jaxdnn.conv), *args)[1](ct))(args, ct)
-    want = jax.vjp(op(jaxdnn.reference.conv), *(f64(a) for a in args))[1](f64(ct))
-    for name, g, want_g in zip(("x", "w", "bias", "residual"), got, want):
-        if want_g is None:
-            assert g is None
-            continue
-        assert g.dtype == dtype
-        assert_close(g, want_g, tolerance(dtype, grad=True), f"grad {name}")
-    assert "jaxdnn_conv_fprop_fused_v2" in jax.jit(op(jaxdnn.conv)).lower(*args).as_text()
+    op, args = check_fused_conv(x, w, dict(kwargs, groups=x_shape[-1]), activation, with_residual, rng)
+    assert "jaxdnn_conv_fprop_fused_v2" in op.lower(*args).as_text()
