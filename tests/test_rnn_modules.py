@@ -1,6 +1,8 @@
 """The Flax layers over whole sequences and the parameter converters from Flax's LSTMCell /
-OptimizedLSTMCell / GRUCell and Haiku's LSTM: jaxdnn.lstm / gru with the converted weights give the
-stock cells' outputs (scanned in float64 by the stock modules themselves)."""
+OptimizedLSTMCell / GRUCell / SimpleCell and Haiku's LSTM: jaxdnn.lstm / gru / rnn with the converted
+weights give the stock cells' outputs (scanned in float64 by the stock modules themselves)."""
+
+import functools
 
 import flax.linen as nn
 import haiku as hk
@@ -76,6 +78,24 @@ def test_gru_weights_from_flax(rng):
     assert_close(y, want, 1e-5, "y")
 
 
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+def test_simple_rnn_weights_from_flax(nonlinearity, rng):
+    batch, steps, inputs, hidden = 2, 6, 4, 5
+    x = normal(rng, (batch, steps, inputs))
+    activation = jax.nn.relu if nonlinearity == "relu" else jnp.tanh
+    cell = nn.SimpleCell(features=hidden, activation_fn=activation, dtype=jnp.float64,
+                         param_dtype=jnp.float64)
+    params = [_perturbed(rng, cell.init(jax.random.key(p), jnp.zeros((batch, hidden)),
+                                        jnp.zeros((batch, inputs if p < 2 else 2 * hidden)))["params"])
+              for p in range(4)]
+    step_fns = [lambda h, xt, p=p: cell.apply({"params": p}, h, xt) for p in params]
+    want = _stack_scan(step_fns, f64(x), lambda b: jnp.zeros((b, hidden), jnp.float64), True)
+    weights = jflax.simple_rnn_weights_from_flax(params).astype(jnp.float32)
+    h_0, lengths = jnp.zeros((4, batch, hidden), jnp.float32), jnp.full((batch,), steps, jnp.int32)
+    y, _ = jaxdnn.rnn(x, h_0, weights, lengths, inputs, hidden, 2, 0.0, True, nonlinearity=nonlinearity)
+    assert_close(y, want, 1e-5, "y")
+
+
 def test_lstm_weights_from_haiku(rng):
     batch, steps, inputs, hidden = 3, 6, 4, 5
 
@@ -96,7 +116,9 @@ def test_lstm_weights_from_haiku(rng):
         jhk.lstm_weights_from_haiku([params["lstm/linear"]], 7)
 
 
-@pytest.mark.parametrize("layer_type", [jflax.LSTM, jflax.GRU], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("layer_type", [jflax.LSTM, jflax.GRU, jflax.SimpleRNN,
+                                        functools.partial(jflax.SimpleRNN, nonlinearity="relu")],
+                         ids=["LSTM", "GRU", "SimpleRNN-tanh", "SimpleRNN-relu"])
 def test_flax_layer(layer_type, rng):
     """The layer's `weights` feed the functional op unchanged; dropout between layers draws from the
     "dropout" stream when not deterministic."""
@@ -109,8 +131,8 @@ def test_flax_layer(layer_type, rng):
     assert weights.shape == (jaxdnn.reference.rnn.weight_count(layer.mode, inputs, hidden, 2, True),)
     y, finals = layer.apply(variables, x, lengths)
     zero = jnp.zeros((4, batch, hidden), jnp.float32)
-    want = getattr(jaxdnn, layer.mode)(x, *([zero] * (2 if layer.mode == "lstm" else 1)), weights, lengths,
-                                       inputs, hidden, 2, 0.0, True)
+    want = layer.op(x, *([zero] * (2 if layer.mode == "lstm" else 1)), weights, lengths, inputs, hidden, 2,
+                    0.0, True)
     np.testing.assert_array_equal(y, want[0])
     assert y.shape == (batch, steps, 2 * hidden)
     dropped, _ = layer.apply(variables, x, lengths, deterministic=False, rngs={"dropout": jax.random.key(1)})
