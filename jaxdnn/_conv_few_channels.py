@@ -114,7 +114,5 @@ def gemm_convolve(x, w, geometry, bias=None, activation=None):
     """act(conv(x, w) + bias): x [N, D, H, W, C], w [T, U, V, C, K], bias None or [K] -> [N, P, Q, R, K]
     in x's dtype (float32 accumulation), differentiable to any order (XLA's gather and transpose
     around dense's)."""
-    patches = _patches(x, geometry)
-    filters = w.reshape(-1, w.shape[-1])
-    filters = jnp.pad(filters, ((0, patches.shape[-1] - filters.shape[0]), (0, 0)))
-    return dense(patches, filters, bias, activation=activation)
+    filters = _pad_channels(w.reshape(-1, w.shape[-1]), 0)  # rows as the patches' columns
+    return dense(_patches(x, geometry), filters, bias, activation=activation)

@@ -163,17 +163,22 @@ class DigitsMLP(nn.Module):
         return nn.Dense(self.classes)(x)
 
 
-def demo_mlp(args: argparse.Namespace) -> PartResult:
-    print("[mlp] digits MLP: Dense -> jaxdnn.flax.LayerNorm -> relu -> Dense -> "
-          "jaxdnn.flax.RMSNorm -> relu -> Dense")
-    data = digits_split(args.seed)
-    print(f"[mlp] {len(data.x_train)} train / {len(data.x_test)} test examples, "
+def _train_part(name: str, description: str, model: nn.Module, data, args: argparse.Namespace,
+                learning_rate: float, examples: str = "examples") -> PartResult:
+    """Prints what part `name` trains, trains `model` on `data` and returns its test accuracy."""
+    print(f"[{name}] {description}")
+    print(f"[{name}] {len(data.x_train)} train / {len(data.x_test)} test {examples}, "
           f"batch {args.batch_size}, {args.epochs} epochs")
     start = time.perf_counter()
-    test_acc = train_classifier(DigitsMLP(), data, epochs=args.epochs,
-                                batch_size=args.batch_size, learning_rate=1e-3,
-                                seed=args.seed)
-    return PartResult("mlp", test_acc, target=0.90, seconds=time.perf_counter() - start)
+    test_acc = train_classifier(model, data, epochs=args.epochs, batch_size=args.batch_size,
+                                learning_rate=learning_rate, seed=args.seed)
+    return PartResult(name, test_acc, target=0.90, seconds=time.perf_counter() - start)
+
+
+def demo_mlp(args: argparse.Namespace) -> PartResult:
+    return _train_part("mlp", "digits MLP: Dense -> jaxdnn.flax.LayerNorm -> relu -> Dense -> "
+                       "jaxdnn.flax.RMSNorm -> relu -> Dense",
+                       DigitsMLP(), digits_split(args.seed), args, 1e-3)
 
 
 # --- part: CNN ----------------------------------------------------------------------------
@@ -218,16 +223,10 @@ class DigitsCNN(nn.Module):
 
 
 def demo_cnn(args: argparse.Namespace) -> PartResult:
-    print("[cnn] digits CNN: jaxdnn Conv -> jaxdnn BatchNorm -> relu -> residual block (BatchNorm fused with "
-          "add + relu) -> jaxdnn max_pool -> Conv -> BatchNorm + relu -> jaxdnn avg_pool -> Dense")
-    data = digits_split(args.seed, image=True)
-    print(f"[cnn] {len(data.x_train)} train / {len(data.x_test)} test examples, "
-          f"batch {args.batch_size}, {args.epochs} epochs")
-    start = time.perf_counter()
-    test_acc = train_classifier(DigitsCNN(), data, epochs=args.epochs,
-                                batch_size=args.batch_size, learning_rate=1e-3,
-                                seed=args.seed)
-    return PartResult("cnn", test_acc, target=0.90, seconds=time.perf_counter() - start)
+    return _train_part("cnn", "digits CNN: jaxdnn Conv -> jaxdnn BatchNorm -> relu -> residual block "
+                       "(BatchNorm fused with add + relu) -> jaxdnn max_pool -> Conv -> BatchNorm + relu -> "
+                       "jaxdnn avg_pool -> Dense",
+                       DigitsCNN(), digits_split(args.seed, image=True), args, 1e-3)
 
 
 # --- part: LSTM ---------------------------------------------------------------------------
@@ -246,16 +245,9 @@ class DigitsLSTM(nn.Module):
 
 
 def demo_lstm(args: argparse.Namespace) -> PartResult:
-    print("[lstm] digits as sequences of rows: jaxdnn.flax.LSTM (2 layers, bidirectional) -> mean over "
-          "time -> jaxdnn LayerNorm -> Dense")
-    data = digits_split(args.seed)
-    print(f"[lstm] {len(data.x_train)} train / {len(data.x_test)} test sequences of 8 steps, "
-          f"batch {args.batch_size}, {args.epochs} epochs")
-    start = time.perf_counter()
-    test_acc = train_classifier(DigitsLSTM(), data, epochs=args.epochs,
-                                batch_size=args.batch_size, learning_rate=1e-2,
-                                seed=args.seed)
-    return PartResult("lstm", test_acc, target=0.90, seconds=time.perf_counter() - start)
+    return _train_part("lstm", "digits as sequences of rows: jaxdnn.flax.LSTM (2 layers, bidirectional) -> "
+                       "mean over time -> jaxdnn LayerNorm -> Dense", DigitsLSTM(), digits_split(args.seed),
+                       args, 1e-2, examples="sequences of 8 steps")
 
 
 PARTS: dict[str, Callable[[argparse.Namespace], PartResult]] = {
