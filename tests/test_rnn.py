@@ -615,17 +615,26 @@ def test_cell_bad_input():
         jaxdnn.rnn_cell(x, h, w_ih, w_hh, b, b, nonlinearity="sigmoid")
 
 
+# (B, T, H) of the kernel-stage tests. On a GPU: one block per 1 to 3 units of a small layer; 37 rows
+# over 100 blocks of 3 units, in two batch chunks; and a layer whose W_hh slices do not fit in one
+# SM's shared memory on a 132-SM Hopper, which takes the per-row kernel (rnn_persistent.h).
+STAGE_SIZES = {"small": (5, 6, 7), "chunks": (37, 5, 300),
+               "wide": (2, 3, {"lstm": 2048, "gru": 2304, "rnn_tanh": 4096, "rnn_relu": 4096})}
+
+
 @mode_param
+@pytest.mark.parametrize("size", STAGE_SIZES)
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
-def test_kernel_stages_match_their_references(mode, reverse, rng):
+def test_kernel_stages_match_their_references(mode, size, reverse, rng):
     """Each kernel stage (the FFI targets' contract, every result incl. the saved residuals and the
     zeros past each row's end) against its reference stage in float64, with bf16 W_hh."""
     from jaxdnn import recurrent as stages
-    batch, steps, hidden = 5, 6, 7
+    batch, steps, hidden = STAGE_SIZES[size]
+    hidden = hidden[mode] if isinstance(hidden, dict) else hidden
     gates = ref.GATES[mode] * hidden
-    lengths = jnp.asarray([6, 0, 3, 9, 1], jnp.int32)
+    lengths = jnp.asarray(rng.integers(-1, steps + 2, batch), jnp.int32).at[0].set(steps)
     gates_x = normal(rng, (batch, steps, gates))
-    w_hh = normal(rng, (gates, hidden), jnp.bfloat16, scale=0.4)
+    w_hh = normal(rng, (gates, hidden), jnp.bfloat16, scale=min(0.4, 1.5 / np.sqrt(hidden)))
     h0, c0 = normal(rng, (batch, hidden)), normal(rng, (batch, hidden))
     options = {}  # attributes beyond reverse, given to the reference as they are
     if mode == "lstm":

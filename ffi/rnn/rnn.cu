@@ -1,6 +1,7 @@
-// CUDA LSTM, GRU and plain RNN recurrences (see rnn.h): a CORRECTNESS BASELINE, without tensor cores. Later
-// sessions replace it with a persistent kernel that keeps W_hh on chip across the SMs of a
-// cluster/grid.
+// CUDA LSTM, GRU and plain RNN recurrences (see rnn.h). Each handler runs the persistent kernel of
+// rnn_persistent.cu (W_hh on chip across a cooperative grid) when its plan fits the device, and
+// otherwise the per-row kernels below: a fallback without on-chip weights, for layers whose W_hh
+// slices do not fit in the SMs' shared memory (on a 132-SM Hopper, H above about 2000 for the LSTM).
 //
 // One block per batch row steps through that row's valid time steps; the row's state (h, c, or
 // the recurrent gradients in the backward) lives in shared memory, so no grid-wide sync is needed.
@@ -14,7 +15,7 @@
 // (LSTM: 2G + 2H forward, 2G + 3H backward; GRU: G + 5H forward, 2G + 6H backward; plain RNN: 2H
 // forward, 3H backward). The B blocks share
 // W_hh through L2, but each step waits on a full pass over it, and with B far below the SM count most
-// of the GPU idles: this is only a baseline.
+// of the GPU idles: hence the persistent kernels.
 #include <algorithm>
 #include <cstdint>
 #include <string_view>
@@ -23,6 +24,7 @@
 #include "rnn/rnn.h"
 #include "rnn/rnn_cell.h"
 #include "rnn/rnn_common.h"
+#include "rnn/rnn_persistent.h"
 
 namespace jaxdnn {
 namespace {
@@ -323,6 +325,12 @@ ffi::Error LstmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 4, {acts->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
   if (s.batch > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
+  const LstmFwdIo io{gates_x.typed_data(), h0.typed_data(), c0.typed_data(), h_seq->typed_data(),
+                     c_seq->typed_data(), acts->typed_data(), h_n->typed_data(), c_n->typed_data()};
+  bool launched = false;
+  JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
+                                              seq_lengths.typed_data(), s, reverse != 0, io, &launched));
+  if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
     const size_t bytes = SharedBytes(s.hidden);
@@ -349,6 +357,13 @@ ffi::Error LstmBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::B
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 4, {dgates->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
   if (s.batch > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
+  const LstmBwdIo io{dh_seq.typed_data(), dh_n.typed_data(), dc_n.typed_data(), acts.typed_data(),
+                     c_seq.typed_data(), c0.typed_data(), dgates->typed_data(), dh0->typed_data(),
+                     dc0->typed_data()};
+  bool launched = false;
+  JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
+                                              seq_lengths.typed_data(), s, reverse != 0, io, &launched));
+  if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
     const size_t bytes = SharedBytes(s.hidden);
@@ -374,6 +389,12 @@ ffi::Error GruFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::A
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 4, {saved->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
   if (s.batch > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
+  const GruFwdIo io{gates_x.typed_data(), b_hh.typed_data(), h0.typed_data(), h_seq->typed_data(),
+                    saved->typed_data(), h_n->typed_data()};
+  bool launched = false;
+  JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
+                                              seq_lengths.typed_data(), s, reverse != 0, io, &launched));
+  if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
     const size_t bytes = SharedBytes(s.hidden);
@@ -398,6 +419,12 @@ ffi::Error GruBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 3, {dgates_x->dimensions(), dgates_h->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
   if (s.batch > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
+  const GruBwdIo io{dh_seq.typed_data(), dh_n.typed_data(), saved.typed_data(), h_seq.typed_data(),
+                    h0.typed_data(), dgates_x->typed_data(), dgates_h->typed_data(), dh0->typed_data()};
+  bool launched = false;
+  JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
+                                              seq_lengths.typed_data(), s, reverse != 0, io, &launched));
+  if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
     const size_t bytes = SharedBytes(s.hidden);
@@ -423,6 +450,11 @@ ffi::Error RnnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::A
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {h_seq->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
   if (s.batch > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
+  const RnnFwdIo io{gates_x.typed_data(), h0.typed_data(), h_seq->typed_data(), h_n->typed_data(), act};
+  bool launched = false;
+  JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
+                                              seq_lengths.typed_data(), s, reverse != 0, io, &launched));
+  if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
     const size_t bytes = SharedBytes(s.hidden);
@@ -447,6 +479,12 @@ ffi::Error RnnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {dh_seq.dimensions(), dgates->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
   if (s.batch > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
+  const RnnBwdIo io{dh_seq.typed_data(), dh_n.typed_data(), h_seq.typed_data(), dgates->typed_data(),
+                    dh0->typed_data(), act};
+  bool launched = false;
+  JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
+                                              seq_lengths.typed_data(), s, reverse != 0, io, &launched));
+  if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
     const size_t bytes = SharedBytes(s.hidden);
@@ -463,15 +501,10 @@ ffi::Error RnnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCuda, jaxdnn::LstmFwdImpl, jaxdnn::BindLstmFwd(jaxdnn::BindCuda()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCuda, jaxdnn::LstmBwdImpl, jaxdnn::BindLstmBwd(jaxdnn::BindCuda()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCuda, jaxdnn::GruFwdImpl, jaxdnn::BindGruFwd(jaxdnn::BindCuda()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCuda, jaxdnn::GruBwdImpl, jaxdnn::BindGruBwd(jaxdnn::BindCuda()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnFwdCuda, jaxdnn::RnnFwdImpl, jaxdnn::BindRnnFwd(jaxdnn::BindCuda()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnBwdCuda, jaxdnn::RnnBwdImpl, jaxdnn::BindRnnBwd(jaxdnn::BindCuda()),
-                              {ffi::Traits::kCmdBufferCompatible});
+// Not kCmdBufferCompatible: the persistent kernels are cooperative launches, kept out of CUDA graphs.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCuda, jaxdnn::LstmFwdImpl, jaxdnn::BindLstmFwd(jaxdnn::BindCuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCuda, jaxdnn::LstmBwdImpl, jaxdnn::BindLstmBwd(jaxdnn::BindCuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCuda, jaxdnn::GruFwdImpl, jaxdnn::BindGruFwd(jaxdnn::BindCuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCuda, jaxdnn::GruBwdImpl, jaxdnn::BindGruBwd(jaxdnn::BindCuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnFwdCuda, jaxdnn::RnnFwdImpl, jaxdnn::BindRnnFwd(jaxdnn::BindCuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnBwdCuda, jaxdnn::RnnBwdImpl, jaxdnn::BindRnnBwd(jaxdnn::BindCuda()));

@@ -1,0 +1,616 @@
+// Persistent recurrence kernels (see rnn_persistent.h): one cooperative launch per layer-direction,
+// instead of the baseline's block per batch row re-reading W_hh from L2 at every step.
+//
+// Decomposition. The H hidden units are split across P blocks (at most one per SM), `units` each.
+// A block copies the W_hh entries its units need into shared memory once, then loops over time:
+// - forward step: every block reads the whole previous h [B, H] (from h_seq, in L2) in chunks of
+//   batch rows, multiplies it by its gate rows of W_hh (kGates * units rows), and runs the cell math
+//   of rnn_cell.h for its own units, writing this step's h (and c, activations) to global memory;
+// - backward step: every block first computes the gate gradients of its own units (pointwise, from
+//   the gradient reaching h that it keeps in shared memory) and writes them to global memory, then
+//   reads every unit's gate gradients back and multiplies them by its columns of W_hh (W_hh^T
+//   restricted to its units) to get the gradient reaching its units of h_prev.
+// Either way one grid-wide barrier per step separates the writes of a step from the reads of them.
+// The recurrent products are exact float32 sums over CUDA cores (W_hh converted from its dtype on
+// the fly), as the baseline and the CPU kernel compute them, in a different summation order.
+//
+// Barrier. A monotone arrival counter in global memory: after a step each block adds one; before
+// the next it waits until the counter reaches (steps done) * P. The launch is cooperative, so all P
+// blocks are resident and the spin cannot deadlock. No workspace operand exists in the targets'
+// ABI, so the counter borrows the first word of a result that is written last (h_n forward, dh0
+// backward): the handler zeroes it, and block 0, which owns that word, writes its final values
+// only after every block has arrived for the last time, i.e. has left its last wait.
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/cuda_common.cuh"
+#include "rnn/rnn_persistent.h"
+
+namespace jaxdnn {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+// One warp's tile of a block product: 4 rows x 8 batch rows, 32 sums, one per lane after the
+// reduction across lanes.
+constexpr int kTileRows = 4;
+constexpr int kTileCols = 8;
+constexpr int kMaxChunk = 32;  // batch rows per pass over the shared input buffer
+
+// --- grid barrier -----------------------------------------------------------------------------
+
+__device__ __forceinline__ void GridArrive(unsigned* counter) {
+  __syncthreads();  // the block's writes of this step are issued
+  // Release at GPU scope: the block's writes (ordered before by the barrier) are visible to any
+  // block that acquires the new count.
+  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
+__device__ __forceinline__ void GridWait(const unsigned* counter, unsigned target) {
+  if (threadIdx.x == 0) {
+    unsigned seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    } while (seen < target);
+  }
+  __syncthreads();  // the acquire orders the whole block's later reads after it
+}
+
+// dst[i][0, width) = src(i)[0, width) for i < rows, zeros where src(i) is null: a warp per row,
+// 16-byte loads where the row allows. The rows were written by other blocks of this launch, so they
+// are read through L2 (__ldcg), never from a possibly stale L1 line.
+template <typename Src>
+__device__ void LoadRows(float* dst, int rows, int width, Src src) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = warp; i < rows; i += kWarps) {
+    const float* from = src(i);
+    float* to = dst + i * width;
+    if (from != nullptr && width % 4 == 0 && reinterpret_cast<uintptr_t>(from) % 16 == 0) {
+      for (int k = lane; k < width / 4; k += 32) {
+        reinterpret_cast<float4*>(to)[k] = __ldcg(reinterpret_cast<const float4*>(from) + k);
+      }
+    } else {
+      for (int k = lane; k < width; k += 32) to[k] = from != nullptr ? __ldcg(from + k) : 0.f;
+    }
+  }
+}
+
+// Starts moving a step's own per-unit operands from HBM to L2 before the barrier wait, so that the
+// cell math after it does not wait on HBM.
+__device__ __forceinline__ void PrefetchL2(const float* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// --- block product ----------------------------------------------------------------------------
+
+// One round of WarpTransposeSum: a lane keeps the half of v[0, 2 width) that its lane bit `width`
+// selects, adds the partner lane's copy of that half, and leaves it in v[0, width).
+template <int kWidth>
+__device__ __forceinline__ void TransposeSumRound(float (&v)[32], int lane) {
+  const bool upper = lane & kWidth;
+#pragma unroll
+  for (int i = 0; i < kWidth; ++i) {
+    const float send = upper ? v[i] : v[i + kWidth];
+    const float keep = upper ? v[i + kWidth] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kWidth);
+  }
+}
+
+// Sums v[i] over the warp's lanes for all 32 i at once (31 shuffles): lane l returns the sum of v[l].
+__device__ __forceinline__ float WarpTransposeSum(float (&v)[32], int lane) {
+  TransposeSumRound<16>(v, lane);
+  TransposeSumRound<8>(v, lane);
+  TransposeSumRound<4>(v, lane);
+  TransposeSumRound<2>(v, lane);
+  TransposeSumRound<1>(v, lane);
+  return v[0];
+}
+
+// out[c * rows + r] = sum_k w[r * K + k] * x[c * K + k] for r < rows, c < cols, with w and x in
+// shared memory. Warps take tiles of kTileRows x kTileCols; when there are fewer tiles than warps,
+// the warps of a tile split K and `partial` (kWarps * 32 floats) holds their sums, added in a fixed
+// order (the result is deterministic). Lanes stride along k, so the shared-memory reads are
+// conflict-free. Ends with the block synchronized.
+template <typename W>
+__device__ void BlockMatmul(const W* w, const float* x, int rows, int cols, int K, float* out, float* partial) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tiles_r = (rows + kTileRows - 1) / kTileRows;
+  const int tiles = tiles_r * ((cols + kTileCols - 1) / kTileCols);
+  const int splits = tiles >= kWarps ? 1 : std::max(1, std::min(kWarps / tiles, (K + 31) / 32));
+  for (int item = warp; item < tiles * splits; item += kWarps) {
+    const int tile = item % tiles, split = item / tiles;
+    const int r0 = (tile % tiles_r) * kTileRows, c0 = (tile / tiles_r) * kTileCols;
+    int w_off[kTileRows], x_off[kTileCols];  // rows and columns past the edge repeat the last one
+#pragma unroll
+    for (int i = 0; i < kTileRows; ++i) w_off[i] = std::min(r0 + i, rows - 1) * K;
+#pragma unroll
+    for (int j = 0; j < kTileCols; ++j) x_off[j] = std::min(c0 + j, cols - 1) * K;
+    float v[32] = {};
+    for (int k = split * 32 + lane; k < K; k += 32 * splits) {
+      float wv[kTileRows], xv[kTileCols];
+#pragma unroll
+      for (int i = 0; i < kTileRows; ++i) wv[i] = ToFloat(w[w_off[i] + k]);
+#pragma unroll
+      for (int j = 0; j < kTileCols; ++j) xv[j] = x[x_off[j] + k];
+#pragma unroll
+      for (int i = 0; i < kTileRows; ++i) {
+#pragma unroll
+        for (int j = 0; j < kTileCols; ++j) v[i * kTileCols + j] = fmaf(wv[i], xv[j], v[i * kTileCols + j]);
+      }
+    }
+    const float sum = WarpTransposeSum(v, lane);
+    const int r = r0 + lane / kTileCols, c = c0 + lane % kTileCols;
+    if (splits > 1) {
+      partial[item * 32 + lane] = sum;
+    } else if (r < rows && c < cols) {
+      out[c * rows + r] = sum;
+    }
+  }
+  __syncthreads();
+  if (splits == 1) return;
+  for (int e = threadIdx.x; e < tiles * 32; e += kThreads) {
+    const int tile = e / 32, l = e % 32;
+    const int r = (tile % tiles_r) * kTileRows + l / kTileCols, c = (tile / tiles_r) * kTileCols + l % kTileCols;
+    float sum = 0.f;
+    for (int sp = 0; sp < splits; ++sp) sum += partial[(sp * tiles + tile) * 32 + l];
+    if (r < rows && c < cols) out[c * rows + r] = sum;
+  }
+  __syncthreads();
+}
+
+// --- cells: the per-unit work of each target ----------------------------------------------------
+// Forward cells: Step(s, b, j, t, t_prev, rec, stride) runs unit j of row b at time t (t_prev < 0:
+// the first step, from the initial state), given rec[q * stride] = (W_hh h_prev)[q H + j];
+// Zero(...) writes the zeros of a step past the row's end; Final(..., t_last) writes the final
+// state (t_last < 0: the row has no valid step). h_seq and h0 are where the next step's h comes from.
+// Backward cells keep per-(row, unit) state in shared memory, state[0] (the gradient reaching h
+// from the next step) and state[stride] (the LSTM's dc, or the GRU's part of dh_prev that bypasses
+// W_hh): Init, then Step writes the gate gradients (`exchange` is the one multiplied by W_hh^T),
+// then Final writes the gradients of the initial state.
+
+inline __device__ int64_t At(const RecurrenceShape& s, int64_t b, int64_t t) { return b * s.steps + t; }
+
+template <typename Io>
+struct Cell;
+
+template <>
+struct Cell<LstmFwdIo> {
+  static constexpr int kGates = 4;
+  LstmFwdIo io;
+  __device__ const float* HPrev(const RecurrenceShape& s, int64_t b, int64_t t_prev) const {
+    return t_prev < 0 ? io.h0 + b * s.hidden : io.h_seq + At(s, b, t_prev) * s.hidden;
+  }
+  __device__ void Step(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t, int64_t t_prev, const float* rec,
+                       int stride) const {
+    const int64_t H = s.hidden, row = At(s, b, t);
+    const float* gx = io.gates_x + row * 4 * H;
+    const float c_prev = t_prev < 0 ? io.c0[b * H + j] : io.c_seq[At(s, b, t_prev) * H + j];
+    const LstmGates a = LstmActivate(gx[j] + rec[0], gx[H + j] + rec[stride], gx[2 * H + j] + rec[2 * stride],
+                                     gx[3 * H + j] + rec[3 * stride]);
+    const float c = a.f * c_prev + a.i * a.g;
+    io.c_seq[row * H + j] = c;
+    io.h_seq[row * H + j] = a.o * tanhf(c);
+    float* act = io.acts + row * 4 * H;
+    act[j] = a.i;
+    act[H + j] = a.f;
+    act[2 * H + j] = a.g;
+    act[3 * H + j] = a.o;
+  }
+  __device__ void Zero(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+    const int64_t H = s.hidden, row = At(s, b, t);
+    io.h_seq[row * H + j] = 0.f;
+    io.c_seq[row * H + j] = 0.f;
+    for (int q = 0; q < 4; ++q) io.acts[row * 4 * H + q * H + j] = 0.f;
+  }
+  __device__ void Final(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t_last) const {
+    const int64_t H = s.hidden;
+    io.h_n[b * H + j] = t_last < 0 ? io.h0[b * H + j] : io.h_seq[At(s, b, t_last) * H + j];
+    io.c_n[b * H + j] = t_last < 0 ? io.c0[b * H + j] : io.c_seq[At(s, b, t_last) * H + j];
+  }
+  __host__ __device__ unsigned* Counter() const { return reinterpret_cast<unsigned*>(io.h_n); }
+};
+
+template <>
+struct Cell<GruFwdIo> {
+  static constexpr int kGates = 3;
+  GruFwdIo io;
+  __device__ const float* HPrev(const RecurrenceShape& s, int64_t b, int64_t t_prev) const {
+    return t_prev < 0 ? io.h0 + b * s.hidden : io.h_seq + At(s, b, t_prev) * s.hidden;
+  }
+  __device__ void Step(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t, int64_t t_prev, const float* rec,
+                       int stride) const {
+    const int64_t H = s.hidden, row = At(s, b, t);
+    const float* gx = io.gates_x + row * 3 * H;
+    const float hp_n = rec[2 * stride] + io.b_hh[2 * H + j];
+    const GruGates a = GruActivate(gx[j], gx[H + j], gx[2 * H + j], rec[0] + io.b_hh[j],
+                                   rec[stride] + io.b_hh[H + j], hp_n);
+    io.h_seq[row * H + j] = GruOutput(a, HPrev(s, b, t_prev)[j]);
+    float* keep = io.saved + row * 4 * H;
+    keep[j] = a.r;
+    keep[H + j] = a.z;
+    keep[2 * H + j] = a.n;
+    keep[3 * H + j] = hp_n;
+  }
+  __device__ void Zero(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+    const int64_t H = s.hidden, row = At(s, b, t);
+    io.h_seq[row * H + j] = 0.f;
+    for (int q = 0; q < 4; ++q) io.saved[row * 4 * H + q * H + j] = 0.f;
+  }
+  __device__ void Final(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t_last) const {
+    io.h_n[b * s.hidden + j] = HPrev(s, b, t_last)[j];
+  }
+  __host__ __device__ unsigned* Counter() const { return reinterpret_cast<unsigned*>(io.h_n); }
+};
+
+template <>
+struct Cell<RnnFwdIo> {
+  static constexpr int kGates = 1;
+  RnnFwdIo io;
+  __device__ const float* HPrev(const RecurrenceShape& s, int64_t b, int64_t t_prev) const {
+    return t_prev < 0 ? io.h0 + b * s.hidden : io.h_seq + At(s, b, t_prev) * s.hidden;
+  }
+  __device__ void Step(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t, int64_t, const float* rec,
+                       int) const {
+    const int64_t row = At(s, b, t) * s.hidden + j;
+    io.h_seq[row] = RnnActivate(io.act, io.gates_x[row] + rec[0]);
+  }
+  __device__ void Zero(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+    io.h_seq[At(s, b, t) * s.hidden + j] = 0.f;
+  }
+  __device__ void Final(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t_last) const {
+    io.h_n[b * s.hidden + j] = HPrev(s, b, t_last)[j];
+  }
+  __host__ __device__ unsigned* Counter() const { return reinterpret_cast<unsigned*>(io.h_n); }
+};
+
+template <>
+struct Cell<LstmBwdIo> {
+  static constexpr bool kBypass = false;
+  LstmBwdIo io;
+  __device__ const float* Exchange() const { return io.dgates; }
+  __device__ void Init(const RecurrenceShape& s, int64_t b, int64_t j, float* state, int64_t stride) const {
+    state[0] = io.dh_n[b * s.hidden + j];
+    state[stride] = io.dc_n[b * s.hidden + j];
+  }
+  __device__ void Prefetch(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+    const int64_t H = s.hidden, row = At(s, b, t);
+    for (int q = 0; q < 4; ++q) PrefetchL2(io.acts + row * 4 * H + q * H + j);
+    PrefetchL2(io.c_seq + row * H + j);
+    PrefetchL2(io.dh_seq + row * H + j);
+  }
+  __device__ void Step(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t, int64_t t_prev, float* state,
+                       int64_t stride) const {
+    const int64_t H = s.hidden, row = At(s, b, t);
+    const float* a = io.acts + row * 4 * H;
+    const float c_prev = t_prev < 0 ? io.c0[b * H + j] : io.c_seq[At(s, b, t_prev) * H + j];
+    float d_pre[4];
+    state[stride] = LstmCellGrad(LstmGates{a[j], a[H + j], a[2 * H + j], a[3 * H + j]}, io.c_seq[row * H + j],
+                                 c_prev, io.dh_seq[row * H + j] + state[0], state[stride], d_pre);
+    for (int q = 0; q < 4; ++q) io.dgates[row * 4 * H + q * H + j] = d_pre[q];
+  }
+  __device__ void Zero(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+    for (int q = 0; q < 4; ++q) io.dgates[At(s, b, t) * 4 * s.hidden + q * s.hidden + j] = 0.f;
+  }
+  __device__ void Final(const RecurrenceShape& s, int64_t b, int64_t j, const float* state, int64_t stride) const {
+    io.dh0[b * s.hidden + j] = state[0];
+    io.dc0[b * s.hidden + j] = state[stride];
+  }
+  __host__ __device__ unsigned* Counter() const { return reinterpret_cast<unsigned*>(io.dh0); }
+};
+
+template <>
+struct Cell<GruBwdIo> {
+  static constexpr bool kBypass = true;
+  GruBwdIo io;
+  __device__ const float* Exchange() const { return io.dgates_h; }
+  __device__ void Init(const RecurrenceShape& s, int64_t b, int64_t j, float* state, int64_t stride) const {
+    state[0] = io.dh_n[b * s.hidden + j];
+    state[stride] = 0.f;
+  }
+  __device__ void Prefetch(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+    const int64_t H = s.hidden, row = At(s, b, t);
+    for (int q = 0; q < 4; ++q) PrefetchL2(io.saved + row * 4 * H + q * H + j);
+    PrefetchL2(io.dh_seq + row * H + j);
+  }
+  __device__ void Step(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t, int64_t t_prev, float* state,
+                       int64_t stride) const {
+    const int64_t H = s.hidden, row = At(s, b, t);
+    const float* keep = io.saved + row * 4 * H;
+    const float h_prev = t_prev < 0 ? io.h0[b * H + j] : io.h_seq[At(s, b, t_prev) * H + j];
+    float d_x[3], d_h[3];
+    state[stride] = GruCellGrad(GruGates{keep[j], keep[H + j], keep[2 * H + j]}, keep[3 * H + j], h_prev,
+                                io.dh_seq[row * H + j] + state[0], d_x, d_h);
+    for (int q = 0; q < 3; ++q) {
+      io.dgates_x[row * 3 * H + q * H + j] = d_x[q];
+      io.dgates_h[row * 3 * H + q * H + j] = d_h[q];
+    }
+  }
+  __device__ void Zero(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+    for (int q = 0; q < 3; ++q) {
+      io.dgates_x[At(s, b, t) * 3 * s.hidden + q * s.hidden + j] = 0.f;
+      io.dgates_h[At(s, b, t) * 3 * s.hidden + q * s.hidden + j] = 0.f;
+    }
+  }
+  __device__ void Final(const RecurrenceShape& s, int64_t b, int64_t j, const float* state, int64_t) const {
+    io.dh0[b * s.hidden + j] = state[0];
+  }
+  __host__ __device__ unsigned* Counter() const { return reinterpret_cast<unsigned*>(io.dh0); }
+};
+
+template <>
+struct Cell<RnnBwdIo> {
+  static constexpr bool kBypass = false;
+  RnnBwdIo io;
+  __device__ const float* Exchange() const { return io.dgates; }
+  __device__ void Init(const RecurrenceShape& s, int64_t b, int64_t j, float* state, int64_t) const {
+    state[0] = io.dh_n[b * s.hidden + j];
+  }
+  __device__ void Prefetch(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+    PrefetchL2(io.h_seq + At(s, b, t) * s.hidden + j);
+    PrefetchL2(io.dh_seq + At(s, b, t) * s.hidden + j);
+  }
+  __device__ void Step(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t, int64_t, float* state,
+                       int64_t) const {
+    const int64_t row = At(s, b, t) * s.hidden + j;
+    io.dgates[row] = RnnCellGrad(io.act, io.h_seq[row], io.dh_seq[row] + state[0]);
+  }
+  __device__ void Zero(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+    io.dgates[At(s, b, t) * s.hidden + j] = 0.f;
+  }
+  __device__ void Final(const RecurrenceShape& s, int64_t b, int64_t j, const float* state, int64_t) const {
+    io.dh0[b * s.hidden + j] = state[0];
+  }
+  __host__ __device__ unsigned* Counter() const { return reinterpret_cast<unsigned*>(io.dh0); }
+};
+
+template <typename Io>
+constexpr bool kIsBackward = false;
+template <>
+constexpr bool kIsBackward<LstmBwdIo> = true;
+template <>
+constexpr bool kIsBackward<GruBwdIo> = true;
+template <>
+constexpr bool kIsBackward<RnnBwdIo> = true;
+
+// Backward state slots per (row, unit): the gradient reaching h, and the LSTM's dc or GRU's bypass.
+template <typename Io>
+constexpr int kStateSlots = (std::is_same_v<Io, RnnBwdIo> ? 1 : 2);
+
+// --- kernels ----------------------------------------------------------------------------------
+
+// The shared-memory layout of both kernels: W_hh's slice, then the float buffers.
+struct Plan {
+  int units = 0;   // hidden units per block (the last block may have fewer)
+  int blocks = 0;  // P
+  int chunk = 0;   // batch rows per pass over the input buffer
+  size_t weight_bytes = 0, smem_bytes = 0;
+};
+
+__host__ __device__ inline size_t AlignUp(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// Forward: block p owns units [p * units, p * units + U); smem holds w [kGates * U][H] (row q U + u
+// is W_hh row q H + j0 + u), the chunk of previous h [chunk][H], the products [chunk][kGates U] and
+// the split sums.
+template <typename W, typename Io>
+__global__ void __launch_bounds__(kThreads, 1)
+    PersistentFwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
+                        RecurrenceShape s, bool reverse, Plan plan) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int kGates = Cell<Io>::kGates;
+  const int H = int(s.hidden), j0 = blockIdx.x * plan.units, U = std::min(plan.units, H - j0), R = kGates * U;
+  const int64_t B = s.batch, T = s.steps;
+  W* w = reinterpret_cast<W*>(smem);
+  float* x = reinterpret_cast<float*>(smem + plan.weight_bytes);
+  float* pre = x + plan.chunk * H;
+  float* partial = pre + plan.chunk * kGates * plan.units;
+  unsigned* counter = cell.Counter();
+  for (int e = threadIdx.x; e < R * H; e += kThreads) {
+    const int r = e / H, k = e % H;
+    w[e] = w_hh[(int64_t(r / U) * H + j0 + r % U) * H + k];
+  }
+  for (int64_t step = 0; step < T; ++step) {
+    for (int e = threadIdx.x; e < B * U; e += kThreads) {
+      const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
+      const float* gx = cell.io.gates_x + At(s, b, StepTime(step, len, reverse)) * kGates * H + j0 + e % U;
+      if (step < len) {
+        for (int q = 0; q < kGates; ++q) PrefetchL2(gx + q * H);
+      }
+    }
+    if (step > 0) GridWait(counter, unsigned(step) * gridDim.x);  // every block wrote step - 1
+    for (int64_t b0 = 0; b0 < B; b0 += plan.chunk) {
+      const int rows = int(std::min<int64_t>(plan.chunk, B - b0));
+      LoadRows(x, rows, H, [&](int i) -> const float* {
+        const int64_t b = b0 + i, len = ValidSteps(seq_lengths[b], T);
+        return step < len ? cell.HPrev(s, b, step == 0 ? -1 : StepTime(step - 1, len, reverse)) : nullptr;
+      });
+      __syncthreads();
+      BlockMatmul(w, x, R, rows, H, pre, partial);
+      for (int e = threadIdx.x; e < rows * U; e += kThreads) {
+        const int64_t b = b0 + e / U, j = j0 + e % U, len = ValidSteps(seq_lengths[b], T);
+        if (step < len) {
+          const int64_t t_prev = step == 0 ? -1 : StepTime(step - 1, len, reverse);
+          cell.Step(s, b, j, StepTime(step, len, reverse), t_prev, pre + (e / U) * R + e % U, U);
+        } else {
+          cell.Zero(s, b, j, step);  // steps past the row's end are t = len .. T - 1
+        }
+      }
+      __syncthreads();  // before the next chunk overwrites x and pre
+    }
+    GridArrive(counter);
+  }
+  if (blockIdx.x == 0) GridWait(counter, unsigned(T) * gridDim.x);  // the counter word is ours to write
+  for (int e = threadIdx.x; e < B * U; e += kThreads) {
+    const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
+    cell.Final(s, b, j0 + e % U, len == 0 ? -1 : StepTime(len - 1, len, reverse));
+  }
+}
+
+// Backward: block p owns units [j0, j0 + U); smem holds wt [U][G] (wt[u][k] = W_hh[k][j0 + u]), the
+// chunk of gate gradients [chunk][G], the products [chunk][U], the state [slots][B][units] and the
+// split sums.
+template <typename W, typename Io>
+__global__ void __launch_bounds__(kThreads, 1)
+    PersistentBwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
+                        RecurrenceShape s, bool reverse, Plan plan) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int H = int(s.hidden), G = int(s.gates()), j0 = blockIdx.x * plan.units, U = std::min(plan.units, H - j0);
+  const int64_t B = s.batch, T = s.steps, stride = B * plan.units;
+  W* wt = reinterpret_cast<W*>(smem);
+  float* x = reinterpret_cast<float*>(smem + plan.weight_bytes);
+  float* out = x + plan.chunk * G;
+  float* state = out + plan.chunk * plan.units;
+  float* partial = state + kStateSlots<Io> * stride;
+  unsigned* counter = cell.Counter();
+  for (int e = threadIdx.x; e < U * G; e += kThreads) {
+    const int k = e / U, u = e % U;
+    wt[u * G + k] = w_hh[int64_t(k) * H + j0 + u];
+  }
+  for (int e = threadIdx.x; e < B * U; e += kThreads) {
+    const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
+    cell.Init(s, b, j0 + e % U, state + b * plan.units + e % U, stride);
+    if (T - 1 < len) cell.Prefetch(s, b, j0 + e % U, StepTime(T - 1, len, reverse));
+  }
+  for (int64_t step = T - 1; step >= 0; --step) {
+    // Gate gradients of the own units (their state lives with the same (row, unit) mapping).
+    for (int e = threadIdx.x; e < B * U; e += kThreads) {
+      const int64_t b = e / U, j = j0 + e % U, len = ValidSteps(seq_lengths[b], T);
+      if (step < len) {
+        const int64_t t_prev = step == 0 ? -1 : StepTime(step - 1, len, reverse);
+        cell.Step(s, b, j, StepTime(step, len, reverse), t_prev, state + b * plan.units + e % U, stride);
+      } else {
+        cell.Zero(s, b, j, step);
+      }
+    }
+    GridArrive(counter);
+    for (int e = threadIdx.x; e < B * U && step > 0; e += kThreads) {  // the next step's operands
+      const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
+      if (step - 1 < len) cell.Prefetch(s, b, j0 + e % U, StepTime(step - 1, len, reverse));
+    }
+    GridWait(counter, unsigned(T - step) * gridDim.x);  // every block wrote this step's gradients
+    // The gradient reaching h_prev of the own units: W_hh^T (every unit's gate gradients).
+    for (int64_t b0 = 0; b0 < B; b0 += plan.chunk) {
+      const int rows = int(std::min<int64_t>(plan.chunk, B - b0));
+      LoadRows(x, rows, G, [&](int i) -> const float* {
+        const int64_t b = b0 + i, len = ValidSteps(seq_lengths[b], T);
+        return step < len ? cell.Exchange() + At(s, b, StepTime(step, len, reverse)) * G : nullptr;
+      });
+      __syncthreads();
+      BlockMatmul(wt, x, U, rows, G, out, partial);
+      for (int e = threadIdx.x; e < rows * U; e += kThreads) {
+        const int64_t b = b0 + e / U, len = ValidSteps(seq_lengths[b], T);
+        float* st = state + b * plan.units + e % U;
+        if (step < len) st[0] = out[e] + (Cell<Io>::kBypass ? st[stride] : 0.f);
+      }
+      __syncthreads();  // before the next chunk overwrites x and out
+    }
+  }
+  // Block 0 owns the counter word: it writes its results once every block has left its last wait.
+  GridArrive(counter);
+  if (blockIdx.x == 0) GridWait(counter, unsigned(T + 1) * gridDim.x);
+  for (int e = threadIdx.x; e < B * U; e += kThreads) {
+    cell.Final(s, e / U, j0 + e % U, state + (e / U) * plan.units + e % U, stride);
+  }
+}
+
+// --- host -------------------------------------------------------------------------------------
+
+// Sizes the grid: the fewest units per block that spread H over the SMs, then the largest batch
+// chunk (a multiple of the tile width when possible) that fits next to W_hh's slice. False when
+// nothing fits.
+template <typename Io>
+bool MakePlan(const RecurrenceShape& s, size_t w_size, int sms, size_t smem_limit, Plan* plan) {
+  const int64_t H = s.hidden, G = s.gates();
+  plan->units = int((H + sms - 1) / sms);
+  plan->blocks = int((H + plan->units - 1) / plan->units);
+  const int64_t units = plan->units, partial = kWarps * 32;
+  int64_t fixed, per_row;
+  if constexpr (kIsBackward<Io>) {
+    plan->weight_bytes = AlignUp(size_t(units * G) * w_size);
+    fixed = kStateSlots<Io> * s.batch * units + partial;
+    per_row = G + units;
+  } else {
+    plan->weight_bytes = AlignUp(size_t(Cell<Io>::kGates * units * H) * w_size);
+    fixed = partial;
+    per_row = H + Cell<Io>::kGates * units;
+  }
+  const int64_t room = (int64_t(smem_limit) - int64_t(plan->weight_bytes)) / int64_t(sizeof(float)) - fixed;
+  if (room < per_row) return false;
+  int64_t chunk = std::min<int64_t>({s.batch, kMaxChunk, room / per_row});
+  if (chunk > kTileCols) chunk = chunk / kTileCols * kTileCols;
+  plan->chunk = int(chunk);
+  plan->smem_bytes = plan->weight_bytes + size_t(fixed + chunk * per_row) * sizeof(float);
+  return true;
+}
+
+template <typename W, typename Io>
+ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths, const RecurrenceShape& s,
+                  bool reverse, const Io& io, bool* launched) {
+  int device = 0, sms = 0, smem_limit = 0, per_sm = 0;
+  JAXDNN_RETURN_IF_ERROR(CudaError(cudaGetDevice(&device), "cudaGetDevice"));
+  JAXDNN_RETURN_IF_ERROR(
+      CudaError(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute"));
+  JAXDNN_RETURN_IF_ERROR(CudaError(
+      cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute"));
+  Plan plan;
+  if (s.hidden > INT32_MAX / 4 || !MakePlan<Io>(s, sizeof(W), sms, size_t(smem_limit), &plan)) {
+    return ffi::Error::Success();
+  }
+  auto kernel = [] {
+    if constexpr (kIsBackward<Io>) {
+      return PersistentBwdKernel<W, Io>;
+    } else {
+      return PersistentFwdKernel<W, Io>;
+    }
+  }();
+  JAXDNN_RETURN_IF_ERROR(CudaError(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem_bytes)),
+      "cudaFuncSetAttribute"));
+  JAXDNN_RETURN_IF_ERROR(CudaError(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, plan.smem_bytes), "occupancy"));
+  if (int64_t(per_sm) * sms < plan.blocks) return ffi::Error::Success();
+
+  const Cell<Io> cell{io};
+  JAXDNN_RETURN_IF_ERROR(
+      CudaError(cudaMemsetAsync(cell.Counter(), 0, sizeof(unsigned), stream), "cudaMemsetAsync (rnn barrier)"));
+  cudaLaunchAttribute cooperative;
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(plan.blocks));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = plan.smem_bytes;
+  config.stream = stream;
+  config.attrs = &cooperative;
+  config.numAttrs = 1;
+  JAXDNN_RETURN_IF_ERROR(
+      CudaError(cudaLaunchKernelEx(&config, kernel, cell, w_hh, seq_lengths, s, reverse, plan), "rnn persistent"));
+  *launched = true;
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+template <typename Io>
+ffi::Error PersistentRecurrence(cudaStream_t stream, ffi::DataType w_type, const void* w_hh,
+                                const int32_t* seq_lengths, const RecurrenceShape& shape, bool reverse, const Io& io,
+                                bool* launched) {
+  *launched = false;
+  return DispatchFloat<float, __nv_bfloat16, __half>(w_type, "w_hh", [&](auto tag) {
+    using W = decltype(tag);
+    return Launch(stream, static_cast<const W*>(w_hh), seq_lengths, shape, reverse, io, launched);
+  });
+}
+
+template ffi::Error PersistentRecurrence<LstmFwdIo>(cudaStream_t, ffi::DataType, const void*, const int32_t*,
+                                                    const RecurrenceShape&, bool, const LstmFwdIo&, bool*);
+template ffi::Error PersistentRecurrence<LstmBwdIo>(cudaStream_t, ffi::DataType, const void*, const int32_t*,
+                                                    const RecurrenceShape&, bool, const LstmBwdIo&, bool*);
+template ffi::Error PersistentRecurrence<GruFwdIo>(cudaStream_t, ffi::DataType, const void*, const int32_t*,
+                                                   const RecurrenceShape&, bool, const GruFwdIo&, bool*);
+template ffi::Error PersistentRecurrence<GruBwdIo>(cudaStream_t, ffi::DataType, const void*, const int32_t*,
+                                                   const RecurrenceShape&, bool, const GruBwdIo&, bool*);
+template ffi::Error PersistentRecurrence<RnnFwdIo>(cudaStream_t, ffi::DataType, const void*, const int32_t*,
+                                                   const RecurrenceShape&, bool, const RnnFwdIo&, bool*);
+template ffi::Error PersistentRecurrence<RnnBwdIo>(cudaStream_t, ffi::DataType, const void*, const int32_t*,
+                                                   const RecurrenceShape&, bool, const RnnBwdIo&, bool*);
+
+}  // namespace jaxdnn

@@ -1,0 +1,51 @@
+// The persistent recurrence kernels (rnn_persistent.cu): one cooperative grid runs a layer-direction's
+// whole sequence, forward or backward through time, with W_hh held on chip. rnn.cu's handlers call
+// them first and fall back to the per-row baseline when the plan does not fit the device.
+// Shapes and meanings are rnn.h's; the *Io structs carry each target's operands and results.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/ffi_common.h"
+#include "rnn/rnn_cell.h"
+
+namespace jaxdnn {
+
+struct LstmFwdIo {
+  const float *gates_x, *h0, *c0;
+  float *h_seq, *c_seq, *acts, *h_n, *c_n;
+};
+struct LstmBwdIo {
+  const float *dh_seq, *dh_n, *dc_n, *acts, *c_seq, *c0;
+  float *dgates, *dh0, *dc0;
+};
+struct GruFwdIo {
+  const float *gates_x, *b_hh, *h0;
+  float *h_seq, *saved, *h_n;
+};
+struct GruBwdIo {
+  const float *dh_seq, *dh_n, *saved, *h_seq, *h0;
+  float *dgates_x, *dgates_h, *dh0;
+};
+struct RnnFwdIo {
+  const float *gates_x, *h0;
+  float *h_seq, *h_n;
+  Activation act;
+};
+struct RnnBwdIo {
+  const float *dh_seq, *dh_n, *h_seq;
+  float *dgates, *dh0;
+  Activation act;
+};
+
+// Launches the persistent kernel of `Io`'s target on `stream` and sets *launched, or leaves *launched
+// false (and launches nothing) when W_hh's slices or the per-block buffers do not fit in shared memory
+// or the grid cannot be co-resident. w_hh [G, H] has dtype w_type (float32, bfloat16 or float16).
+template <typename Io>
+ffi::Error PersistentRecurrence(cudaStream_t stream, ffi::DataType w_type, const void* w_hh,
+                                const int32_t* seq_lengths, const RecurrenceShape& shape, bool reverse, const Io& io,
+                                bool* launched);
+
+}  // namespace jaxdnn
