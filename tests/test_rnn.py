@@ -615,7 +615,7 @@ def test_cell_bad_input():
         jaxdnn.rnn_cell(x, h, w_ih, w_hh, b, b, nonlinearity="sigmoid")
 
 
-# (B, T, H) of the kernel-stage tests. On a GPU: one block per 1 to 3 units of a small layer; 37 rows
+# (B, T, H) of the kernel-stage tests. On a GPU: a small layer at one unit a block; 37 rows
 # over 100 blocks of 3 units, in two batch chunks; and a layer whose W_hh slices do not fit in one
 # SM's shared memory on a 132-SM Hopper, which takes the per-row kernel (rnn_persistent.h).
 STAGE_SIZES = {"small": (5, 6, 7), "chunks": (37, 5, 300),
