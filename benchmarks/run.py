@@ -18,10 +18,12 @@ Conventions (see ARCHITECTURE.md, "Benchmarks"):
   read + write kernel; `x * 1` or `x + 0` would be optimized away), counting bytes read + written; compute
   = a bf16 8192^3 matmul, 2*M*N*K FLOPs. `ceiling_fraction` = value / the ceiling of the same metric.
 - Memory-bound families report GB/s of compulsory traffic (each family documents its byte count).
-- Results: `<out>/<device>-<date>.json` (`-quick` is appended for `--quick` runs), a JSON list of
-  records {"family", "case", "dtype", "jaxdnn_ms", "peer", "peer_ms", "speedup" (peer_ms / jaxdnn_ms),
-  "metric", "value", "ceiling_fraction", "jax", "device", "date"}; the ceilings are records of family
-  "ceiling" with null peer fields. A table is printed at the end.
+- Results: `<out>/<device>-<date>.json` (`-autotune`, `-quick` are appended for `--autotune` and
+  `--quick` runs), a JSON list of records {"family", "case", "dtype", "jaxdnn_ms", "peer", "peer_ms",
+  "speedup" (peer_ms / jaxdnn_ms), "metric", "value", "ceiling_fraction", "jax", "device", "date",
+  "autotune"}; the ceilings are records of family "ceiling" with null peer fields. A table is printed
+  at the end. `--autotune` runs with jaxdnn.config.autotune on (candidates timed while a case is
+  compiled, outside its timing), its choices kept in `<out>/autotune.json`.
 
 Adding a family: write `def <family>_cases(quick) -> list[Case]` and add it to `FAMILIES`.
 """
@@ -780,11 +782,19 @@ def main() -> int:
     parser.add_argument(
         "--case", default=None, help="only the cases whose name matches this regular expression"
     )
+    parser.add_argument(
+        "--autotune", action="store_true",
+        help="time jaxdnn's candidate kernels first (jaxdnn.config.autotune), caching the choices in "
+             "<out>/autotune.json; results go to <device>-<date>-autotune.json"
+    )
     args = parser.parse_args()
     repeats = args.repeats or (3 if args.quick else 20)
+    if args.autotune:
+        jaxdnn.config.autotune = True
+        jaxdnn.config.autotune_cache = os.path.join(args.out, "autotune.json")
 
     device, date = device_name(), datetime.date.today().isoformat()
-    common = {"jax": jax.__version__, "device": device, "date": date}
+    common = {"jax": jax.__version__, "device": device, "date": date, "autotune": args.autotune}
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind!r}; "
         f"jaxdnn CUDA kernels: {jaxdnn.has_cuda_kernels()}",
@@ -851,7 +861,8 @@ def main() -> int:
             print(f"{case.name}: {ms:.4f} ms (peer {peer_ms:.4f} ms)", flush=True)
 
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{device}-{date}{'-quick' if args.quick else ''}.json")
+    suffix = ("-autotune" if args.autotune else "") + ("-quick" if args.quick else "")
+    path = os.path.join(args.out, f"{device}-{date}{suffix}.json")
     with open(path, "w") as f:
         json.dump(records, f, indent=1)
         f.write("\n")

@@ -1,5 +1,6 @@
 """jaxdnn: fast fused deep-learning primitives for JAX (CUDA kernels through the XLA FFI)."""
 
+from jaxdnn import config
 from jaxdnn._ffi import has_cuda_kernels, target_names
 from jaxdnn._export import export_safety_checks
 from jaxdnn.activation import (elu, gelu, hard_tanh, leaky_relu, relu, relu6, sigmoid, silu, softplus,
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "avg_pool",
     "batch_norm",
+    "config",
     "conv",
     "conv_general_dilated",
     "conv_transpose",

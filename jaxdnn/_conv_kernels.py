@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
+from jaxdnn import _autotune, _ffi  # noqa: F401  (_ffi registers the FFI targets)
 from jaxdnn._primitive import ffi_primitive, move_to_front
 from jaxdnn.activation import _activation, epilogue_attrs
 
@@ -100,6 +100,33 @@ def _depthwise_wgrad_slices(batch, out_spatial, filters):
     return max(1, min(3 * _SMS // -(-filters // 128), strips // 32))
 
 
+# The `algorithm` attribute's kernels (ffi/conv/conv.h's ConvAlgorithm) that autotuning times.
+_GEMM, _TILE_WIDE, _TILE_TALL, _TILE_SMALL = 1, 2, 3, 4
+
+
+def _candidates(stage, dtype, channels, filters, attrs):
+    """The algorithms a stage can run on (conv_sm90.cu's MakeProblem and conv.cu's PointwiseGemm
+    conditions): none where the tensor cores cannot take it; the implicit-GEMM tiles; the GEMM for a
+    pointwise stage (not the fused forward, whose epilogue the GEMM lacks)."""
+    if not _on_tensor_cores(dtype, channels, attrs) or filters % 8:
+        return ()
+    window, strides, pads = (_spatial(attrs, name) for name in ("window", "stride", "pad"))
+    if window[0] != 1 or strides[0] != 1 or pads[0] != 0 or _spatial(attrs, "lhs_dilation") != (1, 1, 1):
+        return ()
+    tiles = (_TILE_WIDE, _TILE_TALL) + ((_TILE_SMALL,) if stage in ("fprop", "fused", "dgrad") else ())
+    pointwise = window == (1, 1, 1) and strides == (1, 1, 1) and pads == (0, 0, 0)
+    gemm = (_GEMM,) if stage != "fused" and pointwise and channels % 8 == 0 else ()
+    return gemm + tiles
+
+
+def _bind_tuned(prim, stage, operands, channels, filters, attrs):
+    """prim's public result on operands, with the algorithm autotuning picks (0 when it is off)
+    among the candidates of `stage` (a key of _candidates) for x's `channels` and `filters`."""
+    candidates = _candidates(stage, operands[0].dtype, channels, filters, attrs)
+    algorithm = _autotune.choose(prim, operands, attrs, candidates)
+    return prim.bind(*operands, **attrs, algorithm=np.int64(algorithm))[0]
+
+
 def _fprop_avals(x, w, **attrs):
     elements = 0
     if _on_tensor_cores(x.dtype, x.shape[-1], attrs):
@@ -172,7 +199,7 @@ def _batch_rule(prim, args, dims, *, batch_major, **attrs):
 
 
 def _stage(name, result_avals, rule, batch_major, target=None, **kwargs):
-    return ffi_primitive(f"jaxdnn_conv_{name}", f"jaxdnn_conv_{target or name}_v2",
+    return ffi_primitive(f"jaxdnn_conv_{name}", f"jaxdnn_conv_{target or name}_v3",
                          result_avals=result_avals, sharding_rule=rule, scratch_results=1,
                          batch_rule=functools.partial(_batch_rule, batch_major=batch_major), **kwargs)
 
@@ -195,17 +222,17 @@ _fused_stage = {
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def fprop(x, w, conv):
-    return _fprop_stage.bind(x, w, **conv.attrs())[0]
+    return _bind_tuned(_fprop_stage, "fprop", (x, w), x.shape[-1], w.shape[-1], conv.attrs())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _dgrad(dy, w, conv):
-    return _dgrad_stage.bind(dy, w, **conv.attrs())[0]
+    return _bind_tuned(_dgrad_stage, "dgrad", (dy, w), w.shape[3] * conv.groups, w.shape[-1], conv.attrs())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _wgrad(x, dy, conv):
-    return _wgrad_stage.bind(x, dy, **conv.attrs())[0]
+    return _bind_tuned(_wgrad_stage, "wgrad", (x, dy), x.shape[-1], dy.shape[-1], conv.attrs())
 
 
 def _fprop_bwd(conv, residuals, dy):
@@ -240,7 +267,8 @@ class Epilogue:
 
 def _fused_call(x, w, bias, residual, conv, kind, param):
     ops = (x, w, bias) + (() if residual is None else (residual,))
-    return _fused_stage[residual is not None].bind(*ops, **conv.attrs(), **epilogue_attrs(kind, param))[0]
+    attrs = dict(conv.attrs(), **epilogue_attrs(kind, param))
+    return _bind_tuned(_fused_stage[residual is not None], "fused", ops, x.shape[-1], w.shape[-1], attrs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

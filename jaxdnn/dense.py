@@ -2,7 +2,7 @@
 GEMM kernel.
 
 Shapes: x [..., K] (any leading axes, M rows in all), w [K, N] (flax's `kernel` layout), bias [N],
-y [..., N]. The kernel (ffi/dense/dense.h, target `jaxdnn_gemm_v1`) computes, for every batch
+y [..., N]. The kernel (ffi/dense/dense.h, target `jaxdnn_gemm_v2`) computes, for every batch
 entry l < L, c[l] = act(op_a(a[l]) . op_b(b[l]) + bias) with op_a / op_b optional transposes,
 float32 accumulation and the operands' dtype out. `dense` folds x's leading axes into M (L = 1);
 the training forward writes z with it and the backward is two more calls, dx = dz . w^T and
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
+from jaxdnn import _autotune, _ffi  # noqa: F401  (_ffi registers the FFI targets)
 from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front, per_row_shard
 from jaxdnn.activation import KINDS, _activation, epilogue, epilogue_attrs
 from jaxdnn.reference.activation import FUNCTIONS
@@ -35,7 +35,7 @@ _KIND_NAMES = {value: name for name, value in KINDS.items()}  # the activation a
 
 # --- the kernel as primitives ---------------------------------------------------------------------
 
-def _gemm_avals(a, b, bias, *, trans_a, trans_b, activation, activation_param):
+def _gemm_avals(a, b, bias, *, trans_a, trans_b, activation, activation_param, algorithm):
     m = a.shape[2] if trans_a else a.shape[1]
     n = b.shape[1] if trans_b else b.shape[2]
     return [jax.core.ShapedArray((a.shape[0], m, n), a.dtype)]
@@ -71,7 +71,7 @@ def _batch_rule(prim, args, dims, **attrs):
 
 
 def _gemm_primitive(layout: str, rule: str, **kwargs):
-    return ffi_primitive(f"jaxdnn_gemm_{layout}", "jaxdnn_gemm_v1", result_avals=_gemm_avals,
+    return ffi_primitive(f"jaxdnn_gemm_{layout}", "jaxdnn_gemm_v2", result_avals=_gemm_avals,
                          batch_rule=_batch_rule, sharding_rule=rule, **kwargs)
 
 
@@ -89,8 +89,22 @@ _GEMM = {
 }
 
 
+# The `algorithm` attribute's tile configurations (ffi/dense/dense.h's GemmAlgorithm) that autotuning
+# times: 128 x 256 in clusters of 2, 128 x 128, 128 x 64.
+_TILE_CONFIGS = (1, 2, 3)
+
+
+def _candidates(a, b, trans_b):
+    """The tile configurations, where the tensor cores take the product (16-bit operands, 16-byte
+    aligned rows: dense.cu's GemmOnTensorCores)."""
+    n = b.shape[1] if trans_b else b.shape[2]
+    aligned = a.shape[-1] % 8 == 0 and b.shape[-1] % 8 == 0 and n % 8 == 0
+    return _TILE_CONFIGS if jnp.dtype(a.dtype).itemsize == 2 and aligned else ()
+
+
 def _bind(a, b, bias, **attrs):
-    """The kernel on a [L, M, K] (or [L, K, M]), b [L, K, N] (or [L, N, K]), bias [N] or [0]."""
+    """The kernel on a [L, M, K] (or [L, K, M]), b [L, K, N] (or [L, N, K]), bias [N] or [0]; the
+    tile configuration from autotuning (any `algorithm` in attrs is chosen anew for these shapes)."""
     batch, trans_a, trans_b = a.shape[0], int(attrs["trans_a"]), int(attrs["trans_b"])
     if isinstance(batch, int) and batch == 1:
         # trans_a with trans_b (only in second-order terms): the contracted rows are b's last axis,
@@ -98,7 +112,9 @@ def _bind(a, b, bias, **attrs):
         layout = "contract" if trans_a and not trans_b else ("batched" if trans_a else "rows")
     else:
         layout = "batched"
-    return _GEMM[layout].bind(a, b, bias, **attrs)[0]
+    attrs = {k: v for k, v in attrs.items() if k != "algorithm"}
+    algorithm = _autotune.choose(_GEMM[layout], (a, b, bias), attrs, _candidates(a, b, trans_b))
+    return _GEMM[layout].bind(a, b, bias, **attrs, algorithm=np.int64(algorithm))[0]
 
 
 def _gemm(a, b, bias, trans_a, trans_b, kind="identity", param=0.0):

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxdnn
 from helpers import DTYPES, assert_close, batch_mesh, check_fused_conv, dtype_id, f64, normal, tolerance
 
-TARGETS = ("jaxdnn_conv_fprop_v2", "jaxdnn_conv_dgrad_v2", "jaxdnn_conv_wgrad_v2")
+TARGETS = ("jaxdnn_conv_fprop_v3", "jaxdnn_conv_dgrad_v3", "jaxdnn_conv_wgrad_v3")
 
 # (lhs shape, rhs shape, kwargs of conv_general_dilated). Odd sizes, channel counts with and without
 # a multiple of 8, size-1 axes; the rhs shape is in the layout dimension_numbers names.
@@ -134,7 +134,7 @@ def test_vmap(lhs_axis, rhs_axis, rng):
     assert_close(jax.jit(vmapped)(lhs, rhs), want, 1e-5, "vmap")
     # The batch is folded into N or into feature groups: one kernel call, not a loop.
     hlo = jax.jit(vmapped).lower(lhs, rhs).as_text()
-    assert hlo.count("@jaxdnn_conv_fprop_v2(") == 1 and "stablehlo.while" not in hlo
+    assert hlo.count("@jaxdnn_conv_fprop_v3(") == 1 and "stablehlo.while" not in hlo
     ct = normal(rng, want.shape)
 
     def grads(fn, lhs, rhs, ct):
@@ -376,7 +376,7 @@ def test_conv_transpose(dtype, lhs_shape, rhs_shape, kwargs, rng):
     got, want = _vjp(op, lhs, rhs, cotangent), pullback(f64(cotangent))
     assert_close(got[0], want[0], tolerance(dtype, grad=True), "grad lhs")
     assert_close(got[1], want[1], tolerance(dtype, grad=True), "grad rhs")
-    assert "jaxdnn_conv_fprop_v2" in jax.jit(op).lower(lhs, rhs).as_text()
+    assert "jaxdnn_conv_fprop_v3" in jax.jit(op).lower(lhs, rhs).as_text()
 
 
 # (x shape, w shape, kwargs of conv), channels last; bias and residual are added by the test.
@@ -416,7 +416,7 @@ def test_conv_fused_hlo_and_second_order(rng):
     def op(fn):
         return lambda x, w, bias: fn(x, w, bias, activation="silu", residual=residual)
     infer_hlo = jax.jit(op(jaxdnn.conv)).lower(x, w, bias).as_text()
-    assert "jaxdnn_conv_fprop_fused_v2" in infer_hlo and "jaxdnn_activation" not in infer_hlo
+    assert "jaxdnn_conv_fprop_fused_v3" in infer_hlo and "jaxdnn_activation" not in infer_hlo
     assert "convolution" not in infer_hlo
 
     def penalty(fn, x, w, bias):
@@ -427,7 +427,7 @@ def test_conv_fused_hlo_and_second_order(rng):
     for name, g, want_g in zip(("x", "w", "bias"), grad(x, w, bias), want(f64(x), f64(w), f64(bias))):
         assert_close(g, want_g, 1e-5, f"grad of grad {name}")
     hlo = grad.lower(x, w, bias).as_text()
-    assert all(target in hlo for target in TARGETS + ("jaxdnn_conv_fprop_fused_v2",))
+    assert all(target in hlo for target in TARGETS + ("jaxdnn_conv_fprop_fused_v3",))
     assert "convolution" not in hlo
 
 

@@ -18,7 +18,7 @@ import jaxdnn.flax as jflax  # noqa: E402
 import jaxdnn.haiku as jhk  # noqa: E402
 
 F32 = jnp.float32
-TARGETS = ("jaxdnn_conv_fprop_v2", "jaxdnn_conv_dgrad_v2", "jaxdnn_conv_wgrad_v2")
+TARGETS = ("jaxdnn_conv_fprop_v3", "jaxdnn_conv_dgrad_v3", "jaxdnn_conv_wgrad_v3")
 
 
 def _check_against(apply, apply_stock, params, x, rng):
@@ -37,7 +37,7 @@ def _check_against(apply, apply_stock, params, x, rng):
     hlo = run.lower(params, x, ct).as_text()
     assert "convolution" not in hlo
     assert (all(f"@{target}(" in hlo for target in TARGETS)
-            or "@jaxdnn_gemm_v1(" in hlo), "jaxdnn's conv kernels missing from the HLO"
+            or "@jaxdnn_gemm_v2(" in hlo), "jaxdnn's conv kernels missing from the HLO"
 
 
 # --- Flax linen ---------------------------------------------------------------------------------

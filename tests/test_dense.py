@@ -17,7 +17,7 @@ import jaxdnn
 from helpers import DTYPES, assert_close, batch_mesh, dtype_id, f64, normal, tolerance
 from jaxdnn.dense import _matmul, _row_slices
 
-TARGET = "jaxdnn_gemm_v1"
+TARGET = "jaxdnn_gemm_v2"
 
 
 def _op(activation):

@@ -21,7 +21,7 @@ import jaxdnn.haiku as jhk  # noqa: E402
 from jaxdnn.flax import nnx as jnnx  # noqa: E402
 
 F32 = jnp.float32
-TARGET = "jaxdnn_gemm_v1"
+TARGET = "jaxdnn_gemm_v2"
 
 
 def _check_against(apply, apply_stock, params, x, rng):

@@ -156,10 +156,16 @@ std::optional<ffi::Error> PointwiseGemm(cudaStream_t stream, const ConvGeometry&
   return GemmOnTensorCores(p, dtype, stream);
 }
 
+// Whether a pointwise fprop or dgrad tries the GEMM before the implicit-GEMM kernels: unless the
+// algorithm asks for one of their tiles (the GEMM stays their fallback).
+bool TriesGemmFirst(int64_t algorithm) {
+  return algorithm != kConvTileWide && algorithm != kConvTileTall && algorithm != kConvTileSmall;
+}
+
 // The forward with an epilogue (the plain one passes none); `bias` and `residual` may be null.
 ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
                        const ffi::AnyBuffer* bias, const ffi::AnyBuffer* residual, int64_t activation,
-                       float activation_param, ffi::AnyBuffer& y, ffi::AnyBuffer& workspace) {
+                       float activation_param, int64_t algorithm, ffi::AnyBuffer& y, ffi::AnyBuffer& workspace) {
   const int64_t items = g.OutPixels() * g.filters;
   if (items == 0) return ffi::Error::Success();
   if (IsDepthwise(g)) {
@@ -172,7 +178,7 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::An
                                     bias != nullptr ? bias->untyped_data() : nullptr,
                                     residual != nullptr ? residual->untyped_data() : nullptr, activation,
                                     activation_param, y.untyped_data(), workspace.untyped_data(),
-                                    workspace.size_bytes())) {
+                                    workspace.size_bytes(), algorithm)) {
     return std::move(*status);
   }
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {
@@ -194,13 +200,13 @@ ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), w.dimensions(), y->dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
-  if (g.OutPixels() * g.filters > 0) {
+  if (g.OutPixels() * g.filters > 0 && TriesGemmFirst(attrs.algorithm)) {
     if (auto status = PointwiseGemm(stream, g, x.untyped_data(), w.untyped_data(), y->untyped_data(),
                                     g.OutPixels(), g.filters, g.channels, false, false, x.element_type())) {
       return std::move(*status);
     }
   }
-  return LaunchFprop(stream, g, x, w, nullptr, nullptr, 0, 0.0f, *y, *workspace);
+  return LaunchFprop(stream, g, x, w, nullptr, nullptr, 0, 0.0f, attrs.algorithm, *y, *workspace);
 }
 
 ffi::Error ConvFpropFusedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
@@ -211,7 +217,7 @@ ffi::Error ConvFpropFusedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
   JAXDNN_RETURN_IF_ERROR(CheckEpilogue(g, x, bias, residual, *y, attrs.activation));
   return LaunchFprop(stream, g, x, w, &bias, residual.has_value() ? &*residual : nullptr, attrs.activation,
-                     attrs.activation_param, *y, *workspace);
+                     attrs.activation_param, attrs.conv.algorithm, *y, *workspace);
 }
 
 ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
@@ -224,12 +230,19 @@ ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
   if (IsDepthwise(g)) {
     return DepthwiseDgrad(stream, g, dy.element_type(), dy.untyped_data(), w.untyped_data(), dx->untyped_data());
   }
-  if (auto status = PointwiseGemm(stream, g, dy.untyped_data(), w.untyped_data(), dx->untyped_data(),
-                                  g.InPixels(), g.channels, g.filters, false, true, dy.element_type())) {
-    return std::move(*status);
+  if (TriesGemmFirst(attrs.algorithm)) {
+    if (auto status = PointwiseGemm(stream, g, dy.untyped_data(), w.untyped_data(), dx->untyped_data(),
+                                    g.InPixels(), g.channels, g.filters, false, true, dy.element_type())) {
+      return std::move(*status);
+    }
   }
   if (auto status = TensorCoreDgrad(stream, g, dy.element_type(), dy.untyped_data(), w.untyped_data(),
-                                    dx->untyped_data(), workspace->untyped_data(), workspace->size_bytes())) {
+                                    dx->untyped_data(), workspace->untyped_data(), workspace->size_bytes(),
+                                    attrs.algorithm)) {
+    return std::move(*status);
+  }
+  if (auto status = PointwiseGemm(stream, g, dy.untyped_data(), w.untyped_data(), dx->untyped_data(),
+                                  g.InPixels(), g.channels, g.filters, false, true, dy.element_type())) {
     return std::move(*status);
   }
   return DispatchFloat<float, __nv_bfloat16, __half>(dy.element_type(), "dy", [&](auto type_tag) {
@@ -253,15 +266,21 @@ ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
     return DepthwiseWgrad(stream, g, x.element_type(), x.untyped_data(), dy.untyped_data(),
                           workspace->untyped_data(), workspace->size_bytes(), dw->untyped_data());
   }
-  // Pointwise stages too go to the conv kernel first: it splits the pixels (the GEMM's K) over slices.
+  // Pointwise stages too go to the conv kernel first unless asked otherwise: it splits the pixels
+  // (the GEMM's K) over slices.
+  auto gemm = [&] {
+    return PointwiseGemm(stream, g, x.untyped_data(), dy.untyped_data(), dw->untyped_data(), g.channels,
+                         g.filters, g.InPixels(), true, false, x.element_type());
+  };
+  if (attrs.algorithm == kConvGemm) {
+    if (auto status = gemm()) return std::move(*status);
+  }
   if (auto status = TensorCoreWgrad(stream, g, x.element_type(), x.untyped_data(), dy.untyped_data(),
-                                    dw->untyped_data(), workspace->untyped_data(), workspace->size_bytes())) {
+                                    dw->untyped_data(), workspace->untyped_data(), workspace->size_bytes(),
+                                    attrs.algorithm)) {
     return std::move(*status);
   }
-  if (auto status = PointwiseGemm(stream, g, x.untyped_data(), dy.untyped_data(), dw->untyped_data(),
-                                  g.channels, g.filters, g.InPixels(), true, false, x.element_type())) {
-    return std::move(*status);
-  }
+  if (auto status = gemm()) return std::move(*status);
   const int64_t blocks = std::min(kMaxBlocks, rows * ((g.filters + kWgradLanes - 1) / kWgradLanes));
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {
     using T = decltype(type_tag);

@@ -13,16 +13,17 @@
 // result `workspace`: scratch for the GPU's tensor-core kernels, which take filters [K, T, U, V, Cg]
 // (the filter, or wgrad's result, transposed there). Sized at trace time: T*U*V*Cg*K elements of
 // x's dtype for 16-bit dtypes, none otherwise; a smaller one sends the stage to another kernel.
-//   jaxdnn_conv_fprop_v2  (x, w)  -> (y)    the forward
-//   jaxdnn_conv_fprop_fused_v2  (x, w, bias, [residual]) -> (y)
+//   jaxdnn_conv_fprop_v3  (x, w)  -> (y)    the forward
+//   jaxdnn_conv_fprop_fused_v3  (x, w, bias, [residual]) -> (y)
 //                                         y = act(conv(x, w) + bias + residual): bias [K], residual
 //                                         y's shape, both x's dtype; attributes activation (int64, the
 //                                         Activation enum of common/activation.h), activation_param (f32)
-//   jaxdnn_conv_dgrad_v2  (dy, w) -> (dx)   the gradient w.r.t. x (the transpose of fprop in x)
-//   jaxdnn_conv_wgrad_v2  (x, dy) -> (dw)   the gradient w.r.t. w (summed over N and the output pixels)
+//   jaxdnn_conv_dgrad_v3  (dy, w) -> (dx)   the gradient w.r.t. x (the transpose of fprop in x)
+//   jaxdnn_conv_wgrad_v3  (x, dy) -> (dw)   the gradient w.r.t. w (summed over N and the output pixels)
 // Attributes (int64, per spatial axis d h w): in_* (D H W), out_* (P Q R), window_* (T U V), stride_*,
-// pad_*, lhs_dilation_*, rhs_dilation_*, and groups. The sizes are checked against the buffers' shapes
-// (every stage's abstract evaluation needs the one size its operands do not give).
+// pad_*, lhs_dilation_*, rhs_dilation_*, groups, and algorithm (a ConvAlgorithm). The sizes are checked
+// against the buffers' shapes (every stage's abstract evaluation needs the one size its operands do
+// not give).
 #pragma once
 
 #include <cstdint>
@@ -31,6 +32,18 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxdnn {
+
+// The kernel a GPU stage runs on (the `algorithm` attribute), chosen by jaxdnn/_autotune.py when
+// autotuning is on: kConvAuto is the heuristic; the others ask for one kernel and get the heuristic's
+// choice where that kernel cannot take the stage (so every value is valid for every stage). All are
+// deterministic; they differ only in float32 summation order. The CPU kernels ignore it.
+enum ConvAlgorithm : int64_t {
+  kConvAuto = 0,
+  kConvGemm = 1,       // a pointwise stage (1x1 window, unit strides) on ffi/dense's GEMM
+  kConvTileWide = 2,   // implicit GEMM, 128 x 128 CTA tiles (wgrad: 128 filters a tile)
+  kConvTileTall = 3,   // implicit GEMM, 256 x 64 tiles (wgrad: 64 filters a tile)
+  kConvTileSmall = 4,  // implicit GEMM, 128 x 64 tiles, two CTAs an SM (fprop and dgrad)
+};
 
 // The convolution's attributes as decoded from a target's attribute dictionary (by name).
 struct ConvAttrs {
@@ -42,6 +55,7 @@ struct ConvAttrs {
   int64_t lhs_dilation_d, lhs_dilation_h, lhs_dilation_w;
   int64_t rhs_dilation_d, rhs_dilation_h, rhs_dilation_w;
   int64_t groups;
+  int64_t algorithm;  // a ConvAlgorithm
 };
 
 // The fused forward's attributes: the convolution's and its epilogue's.
@@ -118,7 +132,8 @@ auto BindConvWgrad(Binding binding) {
   StructMember<int64_t>("rhs_dilation_d"),  \
   StructMember<int64_t>("rhs_dilation_h"),  \
   StructMember<int64_t>("rhs_dilation_w"),  \
-  StructMember<int64_t>("groups")
+  StructMember<int64_t>("groups"),  \
+  StructMember<int64_t>("algorithm")
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxdnn::ConvAttrs, JAXDNN_CONV_ATTR_MEMBERS);
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxdnn::ConvFusedAttrs, JAXDNN_CONV_ATTR_MEMBERS,

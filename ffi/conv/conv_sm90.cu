@@ -141,7 +141,7 @@ ffi::Error FilterToKrsc(cudaStream_t stream, const ConvGeometry& g, const void* 
 }
 
 // CUTLASS's 2-D problem for g (its channels padded), when its kernels take g (see conv_sm90.h).
-bool MakeProblem(const ConvGeometry& g, ffi::DataType dtype, ConvSm90Problem* p) {
+bool MakeProblem(const ConvGeometry& g, ffi::DataType dtype, int64_t algorithm, ConvSm90Problem* p) {
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
   if (g.groups != 1 || g.filters % 8 != 0) return false;
   if (g.window[0] != 1 || g.stride[0] != 1 || g.pad[0] != 0 || g.in[0] != g.out[0]) return false;
@@ -153,6 +153,7 @@ bool MakeProblem(const ConvGeometry& g, ffi::DataType dtype, ConvSm90Problem* p)
   if (g.OutPixels() == 0) return false;
   *p = ConvSm90Problem{int(g.batch * g.in[0]), int(g.in[1]),     int(g.in[2]),  int(PaddedChannels(g)),
                        int(g.filters),         int(g.window[1]), int(g.window[2]), int(g.out[1]), int(g.out[2])};
+  p->algorithm = algorithm;
   for (int a = 0; a < 2; ++a) {
     const int axis = a + 1;
     // TMA's im2col mode bounds the padding and the window's offsets; 64 is well inside them.
@@ -216,10 +217,10 @@ bool Strided(const ConvGeometry& g) { return g.stride[1] > 1 || g.stride[2] > 1;
 std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
                                           const void* x, const void* w, const void* bias, const void* residual,
                                           int64_t activation, float activation_param, void* y, void* workspace,
-                                          size_t workspace_bytes) {
+                                          size_t workspace_bytes, int64_t algorithm) {
   ConvSm90Problem p;
   const size_t need = size_t(FilterElements(g) + PaddedInputElements(g)) * 2;
-  if (!MakeProblem(g, dtype, &p) || workspace_bytes < need) return std::nullopt;
+  if (!MakeProblem(g, dtype, algorithm, &p) || workspace_bytes < need) return std::nullopt;
   char* wt = static_cast<char*>(workspace);
   JAXDNN_RETURN_IF_ERROR(FilterToKrsc(stream, g, w, wt));
   if (Padded(g)) {
@@ -232,7 +233,7 @@ std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometr
 
 std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
                                           const void* dy, const void* w, void* dx, void* workspace,
-                                          size_t workspace_bytes) {
+                                          size_t workspace_bytes, int64_t algorithm) {
   // The unit-stride problem over the zero-inserted dy (the same one when the strides are 1).
   ConvGeometry unit = g;
   for (int a = 1; a < 3; ++a) {
@@ -242,7 +243,7 @@ std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometr
   ConvSm90Problem p;
   const int64_t spread = Strided(g) ? SpreadPixels(g) * g.filters : 0;
   const size_t need = size_t(FilterElements(g) + spread + PaddedInputElements(g)) * 2;
-  if (!MakeProblem(unit, dtype, &p) || workspace_bytes < need) return std::nullopt;
+  if (!MakeProblem(unit, dtype, algorithm, &p) || workspace_bytes < need) return std::nullopt;
   char* wt = static_cast<char*>(workspace);
   JAXDNN_RETURN_IF_ERROR(FilterToKrsc(stream, g, w, wt));
   if (Strided(g)) {
@@ -261,12 +262,12 @@ std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometr
 
 std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
                                           const void* x, const void* dy, void* dw, void* workspace,
-                                          size_t workspace_bytes) {
+                                          size_t workspace_bytes, int64_t algorithm) {
   ConvSm90Problem p;
   const size_t slice_bytes = size_t(FilterElements(g)) * sizeof(float);
   const size_t padded_bytes = size_t(PaddedInputElements(g)) * 2;
   const int64_t rows = g.Taps() * g.channels, cols = g.filters;
-  if (!MakeProblem(g, dtype, &p) || workspace_bytes < slice_bytes + padded_bytes || rows > int64_t(kTile) * 65535) {
+  if (!MakeProblem(g, dtype, algorithm, &p) || workspace_bytes < slice_bytes + padded_bytes || rows > int64_t(kTile) * 65535) {
     return std::nullopt;
   }
   // As many slices as the workspace holds partial sums (the Python side sizes it), at most one per image.

@@ -24,6 +24,7 @@
 
 #include "common/cuda_common.cuh"
 #include "common/sm90_activation.cuh"
+#include "conv/conv.h"
 #include "conv/conv_sm90.h"
 
 namespace jaxdnn {
@@ -32,17 +33,30 @@ namespace sm90 {
 // CTA tiles (M x N x K per pipeline stage), all for one consumer warp group (CUTLASS's Hopper conv
 // has neither the cooperative nor the persistent schedule): the wide one for most layers; a tall one
 // where the GEMM's N (fprop's K, dgrad's C) is at most 64, as in ResNet's 64-channel stages, whose
-// short reductions (R * S * 64) leave a 128 x 64 tile's pipeline fill and epilogue exposed; and
-// wgrad's, whose N (the filter's (R, S, C) modes) nests as the others' K does, 64 rows tall for
-// K <= 64 filters.
+// short reductions (R * S * 64) leave a 128 x 64 tile's pipeline fill and epilogue exposed; a small
+// one with half the shared memory, so that two CTAs share an SM and one's fill and epilogue overlap
+// the other's main loop (an autotuning candidate); and wgrad's, whose N (the filter's (R, S, C)
+// modes) nests as the others' K does, 64 rows tall for K <= 64 filters.
 using ConvTileWide = cute::Shape<cute::_128, cute::_128, cute::Shape<cute::_64>>;
 using ConvTileTall = cute::Shape<cute::_256, cute::_64, cute::Shape<cute::_64>>;
+using ConvTileSmall = cute::Shape<cute::_128, cute::_64, cute::Shape<cute::_64>>;
 using ConvTileWgrad = cute::Shape<cute::_128, cute::Shape<cute::_128>, cute::Shape<cute::_64>>;
 using ConvTileWgradShort = cute::Shape<cute::_64, cute::Shape<cute::_128>, cute::Shape<cute::_64>>;
 
+// The shared memory a tile's pipeline leaves unused: none (as many stages as fit), or half of it.
+enum class Occupancy { kOneCta, kTwoCtas };
+
+// A kernel whose launch bounds ask for two resident CTAs an SM: the compiler keeps it within 128
+// registers a thread (CUTLASS's own asks for one CTA and takes about 160).
+template <class Base>
+struct TwoCtas : Base {
+  static constexpr uint32_t MinBlocksPerMultiprocessor = 2;
+};
+
 // The kernel of one stage, operand type, tile and result type. Fusion is the epilogue's operation:
 // the forward's bias + residual + activation, or a plain store.
-template <cutlass::conv::Operator Op, class Element, class Tile, class ElementC, class ElementD, class Fusion>
+template <cutlass::conv::Operator Op, class Element, class Tile, class ElementC, class ElementD, class Fusion,
+          Occupancy kOccupancy = Occupancy::kOneCta>
 struct Conv {
   using Act = cutlass::layout::TensorNHWC;  // [N, H, W, C] activations, [K, R, S, C] filters
   using LayoutC = cute::conditional_t<Op == cutlass::conv::Operator::kWgrad, cutlass::layout::TensorKCSR, Act>;
@@ -53,27 +67,33 @@ struct Conv {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutC, kAlign, ElementD, LayoutC,
       kAlignD, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
+  // Bytes of shared memory the pipeline's stages leave to the epilogue (and to a second CTA).
+  static constexpr int kCarveout =
+      static_cast<int>(sizeof(typename Epilogue::SharedStorage)) +
+      (kOccupancy == Occupancy::kTwoCtas ? cutlass::gemm::collective::detail::sm90_smem_capacity_bytes / 2 : 0);
   using Mainloop = typename cutlass::conv::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Op, Element, Act, kAlign, Element, Act, kAlign, float,
       Tile, Cluster,
-      cutlass::conv::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::conv::collective::StageCountAutoCarveout<kCarveout>,
       cutlass::conv::collective::KernelScheduleAuto>::CollectiveOp;
   using ProblemShape = cutlass::conv::ConvProblemShape<Op, 2>;
-  using Kernel = cutlass::conv::kernel::ConvUniversal<ProblemShape, Mainloop, Epilogue>;
+  using OneCtaKernel = cutlass::conv::kernel::ConvUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Kernel = cute::conditional_t<kOccupancy == Occupancy::kTwoCtas, TwoCtas<OneCtaKernel>, OneCtaKernel>;
   using Adapter = cutlass::conv::device::ConvUniversalAdapter<Kernel>;
 };
 
 // The forward: y = act(acc + bias[k] + residual), the residual as CUTLASS's source C (beta 1).
-template <class Element, class Tile>
+template <class Element, class Tile, Occupancy kOccupancy>
 using ConvFprop =
     Conv<cutlass::conv::Operator::kFprop, Element, Tile, Element, Element,
-         cutlass::epilogue::fusion::LinCombPerColBiasEltAct<RuntimeActivation, Element, float, Element, Element>>;
+         cutlass::epilogue::fusion::LinCombPerColBiasEltAct<RuntimeActivation, Element, float, Element, Element>,
+         kOccupancy>;
 
 // The backward stages store the accumulator (no source): dgrad in the operands' type, wgrad in
 // float32 (partial sums over a slice of the images, added up by the caller).
-template <cutlass::conv::Operator Op, class Element, class Tile, class ElementD>
-using ConvPlain =
-    Conv<Op, Element, Tile, void, ElementD, cutlass::epilogue::fusion::LinearCombination<ElementD, float, void>>;
+template <cutlass::conv::Operator Op, class Element, class Tile, class ElementD, Occupancy kOccupancy>
+using ConvPlain = Conv<Op, Element, Tile, void, ElementD,
+                       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void>, kOccupancy>;
 
 template <cutlass::conv::Operator Op>
 cutlass::conv::ConvProblemShape<Op, 2> MakeShape(const ConvSm90Problem& p) {
@@ -118,11 +138,11 @@ typename Kernel::StrideD OutputStride(const Shape& shape) {
   return stride;
 }
 
-template <class Element, class Tile>
+template <class Element, class Tile, Occupancy kOccupancy = Occupancy::kOneCta>
 std::optional<ffi::Error> FpropTiled(const ConvSm90Problem& p, const void* x, const void* w, const void* bias,
                                      const void* residual, int activation, float activation_param, void* y,
                                      cudaStream_t stream) {
-  using Cfg = ConvFprop<Element, Tile>;
+  using Cfg = ConvFprop<Element, Tile, kOccupancy>;
   const auto shape = MakeShape<cutlass::conv::Operator::kFprop>(p);
   const auto stride = OutputStride<typename Cfg::Kernel>(shape);
   typename Cfg::Adapter::Arguments args{
@@ -136,21 +156,36 @@ std::optional<ffi::Error> FpropTiled(const ConvSm90Problem& p, const void* x, co
   return Launch<Cfg>(args, stream, "conv fprop (tensor cores)");
 }
 
+// The tile of a fprop or dgrad: the one p asks for, else the tall one where the GEMM's N (`columns`,
+// fprop's K or dgrad's C) is at most 64, else the wide one.
+inline int64_t TileFor(const ConvSm90Problem& p, int columns) {
+  if (p.algorithm == kConvTileWide || p.algorithm == kConvTileTall || p.algorithm == kConvTileSmall) {
+    return p.algorithm;
+  }
+  return columns <= 64 ? kConvTileTall : kConvTileWide;
+}
+
 template <class Element>
 std::optional<ffi::Error> Fprop(const ConvSm90Problem& p, const void* x, const void* w, const void* bias,
                                 const void* residual, int activation, float activation_param, void* y,
                                 cudaStream_t stream) {
-  if (p.k <= 64) {
-    return FpropTiled<Element, ConvTileTall>(p, x, w, bias, residual, activation, activation_param, y, stream);
+  switch (TileFor(p, p.k)) {
+    case kConvTileTall:
+      return FpropTiled<Element, ConvTileTall>(p, x, w, bias, residual, activation, activation_param, y, stream);
+    case kConvTileSmall:
+      return FpropTiled<Element, ConvTileSmall, Occupancy::kTwoCtas>(p, x, w, bias, residual, activation,
+                                                                     activation_param, y, stream);
+    default:
+      return FpropTiled<Element, ConvTileWide>(p, x, w, bias, residual, activation, activation_param, y, stream);
   }
-  return FpropTiled<Element, ConvTileWide>(p, x, w, bias, residual, activation, activation_param, y, stream);
 }
 
 // dgrad (A = dy, B = w, D = dx) and wgrad (A = dy, B = x, D = dw): plain stores.
-template <cutlass::conv::Operator Op, class Element, class Tile, class ElementD>
+template <cutlass::conv::Operator Op, class Element, class Tile, class ElementD,
+          Occupancy kOccupancy = Occupancy::kOneCta>
 std::optional<ffi::Error> BackwardTiled(const ConvSm90Problem& p, const void* a, const void* b, void* d,
                                         cudaStream_t stream, const char* what) {
-  using Cfg = ConvPlain<Op, Element, Tile, ElementD>;
+  using Cfg = ConvPlain<Op, Element, Tile, ElementD, kOccupancy>;
   const auto shape = MakeShape<Op>(p);
   const auto stride = OutputStride<typename Cfg::Kernel>(shape);
   typename Cfg::Adapter::Arguments args{
@@ -167,16 +202,26 @@ std::optional<ffi::Error> Dgrad(const ConvSm90Problem& p, const void* dy, const 
                                 cudaStream_t stream) {
   constexpr auto kDgrad = cutlass::conv::Operator::kDgrad;
   constexpr const char* kWhat = "conv dgrad (tensor cores)";
-  if (p.c <= 64) return BackwardTiled<kDgrad, Element, ConvTileTall, Element>(p, dy, w, dx, stream, kWhat);
-  return BackwardTiled<kDgrad, Element, ConvTileWide, Element>(p, dy, w, dx, stream, kWhat);
+  switch (TileFor(p, p.c)) {
+    case kConvTileTall:
+      return BackwardTiled<kDgrad, Element, ConvTileTall, Element>(p, dy, w, dx, stream, kWhat);
+    case kConvTileSmall:
+      return BackwardTiled<kDgrad, Element, ConvTileSmall, Element, Occupancy::kTwoCtas>(p, dy, w, dx, stream,
+                                                                                        kWhat);
+    default:
+      return BackwardTiled<kDgrad, Element, ConvTileWide, Element>(p, dy, w, dx, stream, kWhat);
+  }
 }
 
+// wgrad's tile: 64 filters a tile where p asks for the tall tile or has at most 64 filters and asks
+// for no tile of wgrad's, else 128.
 template <class Element>
 std::optional<ffi::Error> Wgrad(const ConvSm90Problem& p, const void* x, const void* dy, float* dw,
                                 cudaStream_t stream) {
   constexpr auto kWgrad = cutlass::conv::Operator::kWgrad;
   constexpr const char* kWhat = "conv wgrad (tensor cores)";
-  if (p.k <= 64) return BackwardTiled<kWgrad, Element, ConvTileWgradShort, float>(p, dy, x, dw, stream, kWhat);
+  const bool short_tile = p.algorithm == kConvTileTall || (p.algorithm != kConvTileWide && p.k <= 64);
+  if (short_tile) return BackwardTiled<kWgrad, Element, ConvTileWgradShort, float>(p, dy, x, dw, stream, kWhat);
   return BackwardTiled<kWgrad, Element, ConvTileWgrad, float>(p, dy, x, dw, stream, kWhat);
 }
 

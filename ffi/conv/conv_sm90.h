@@ -19,6 +19,7 @@ struct ConvSm90Problem {
   int k, r, s;     // the filter
   int p, q;        // the output y (dy)
   int pad_lo[2], pad_hi[2], stride[2], dilation[2];  // (h, w)
+  int64_t algorithm;  // the tile asked for: a ConvAlgorithm (conv.h); others get the heuristic's
 };
 
 // The CUTLASS kernels (conv_sm90_{fprop,dgrad,wgrad}.cu). Each returns the launch's status, or
@@ -40,17 +41,18 @@ std::optional<ffi::Error> ConvSm90Wgrad(const ConvSm90Problem& p, ffi::DataType 
 // non-negative padding, C and K multiples of 8 (TMA's 16-byte rows) and sizes within int32; the
 // depth axis must be trivial (window 1, stride 1, no padding) and is folded into N. Each returns the
 // launch's status, or nothing when g (or a workspace too small for it) needs another kernel.
+// `algorithm` (a ConvAlgorithm) picks the tile where it names one the stage has.
 // Workspace (bytes): fprop the filter; dgrad the filter plus, for strides > 1, dy with zeros
 // inserted between its pixels; wgrad float32 partial filter gradients, one per slice of the images.
 std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
                                           const void* x, const void* w, const void* bias, const void* residual,
                                           int64_t activation, float activation_param, void* y, void* workspace,
-                                          size_t workspace_bytes);
+                                          size_t workspace_bytes, int64_t algorithm);
 std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
                                           const void* dy, const void* w, void* dx, void* workspace,
-                                          size_t workspace_bytes);
+                                          size_t workspace_bytes, int64_t algorithm);
 std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
                                           const void* x, const void* dy, void* dw, void* workspace,
-                                          size_t workspace_bytes);
+                                          size_t workspace_bytes, int64_t algorithm);
 
 }  // namespace jaxdnn

@@ -94,7 +94,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   const GemmProblem p{a.untyped_data(), b.untyped_data(),
                       bias.element_count() > 0 ? bias.typed_data() : nullptr, c->untyped_data(),
                       shape.batch, shape.m, shape.n, shape.k, attrs.trans_a != 0, attrs.trans_b != 0,
-                      int(attrs.activation), attrs.activation_param};
+                      int(attrs.activation), attrs.activation_param, attrs.algorithm};
   if (auto status = GemmOnTensorCores(p, a.element_type(), stream)) return std::move(*status);
   return GemmTiledCuda(p, a.element_type(), stream);
 }

@@ -7,9 +7,10 @@
 //   bias  [N] float32, or [0] for no bias
 //   c     [L, M, N], a's dtype (b must have it too): float32, bfloat16 or float16
 // Target (versioned: the ABI of exported programs):
-//   jaxdnn_gemm_v1  (a, b, bias) -> (c)
+//   jaxdnn_gemm_v2  (a, b, bias) -> (c)
 //   attributes: trans_a, trans_b (int64, 0 or 1); activation (int64, the Activation enum of
-//   common/activation.h); activation_param (float32, leaky_relu's slope or elu's alpha).
+//   common/activation.h); activation_param (float32, leaky_relu's slope or elu's alpha); algorithm
+//   (int64, a GemmAlgorithm).
 #pragma once
 
 #include <cstdint>
@@ -20,10 +21,21 @@
 
 namespace jaxdnn {
 
+// The tensor-core GEMM's tile configuration (the `algorithm` attribute, ffi/dense/gemm_sm90.cuh),
+// chosen by jaxdnn/_autotune.py when autotuning is on: kGemmAuto is the heuristic; the others ask for
+// one configuration (each takes every problem the tensor cores take). The CPU kernel ignores it.
+enum GemmAlgorithm : int64_t {
+  kGemmAuto = 0,
+  kGemmLarge = 1,   // 128 x 256 tiles in clusters of 2
+  kGemmSmall = 2,   // 128 x 128
+  kGemmNarrow = 3,  // 128 x 64
+};
+
 struct GemmAttrs {
   int64_t trans_a, trans_b;
   int64_t activation;
   float activation_param;
+  int64_t algorithm;  // a GemmAlgorithm
 };
 
 // The problem's sizes, read from the buffers.
@@ -50,7 +62,8 @@ xla::ffi::Error CheckGemm(xla::ffi::AnyBuffer a, xla::ffi::AnyBuffer b, xla::ffi
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxdnn::GemmAttrs, StructMember<int64_t>("trans_a"),
                                       StructMember<int64_t>("trans_b"), StructMember<int64_t>("activation"),
-                                      StructMember<float>("activation_param"));
+                                      StructMember<float>("activation_param"),
+                                      StructMember<int64_t>("algorithm"));
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GemmCpu);
 

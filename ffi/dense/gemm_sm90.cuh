@@ -19,6 +19,7 @@
 
 #include "common/cuda_common.cuh"
 #include "common/sm90_activation.cuh"
+#include "dense/dense.h"
 #include "dense/gemm_sm90.h"
 
 namespace jaxdnn {
@@ -128,13 +129,17 @@ ffi::Error Run(const GemmProblem& p, cudaStream_t stream) {
   return LaunchError("gemm (tensor cores)");
 }
 
-// The heuristic: narrow tiles for N <= 64 (wider ones would mostly multiply padding), else large
-// tiles when they give every SM at least one, else the small ones.
+// The configuration p asks for, or the heuristic's: narrow tiles for N <= 64 (wider ones would mostly
+// multiply padding), else large tiles when they give every SM at least one, else the small ones.
 template <class Element, class LayoutA, class LayoutB>
 ffi::Error RunTiled(const GemmProblem& p, cudaStream_t stream) {
-  if (p.n <= 64) return Run<Element, LayoutA, LayoutB, CooperativeNarrow>(p, stream);
-  const int64_t large_tiles = (p.m + 127) / 128 * ((p.n + 255) / 256) * p.batch;
-  if (large_tiles >= SmCount()) return Run<Element, LayoutA, LayoutB, CooperativeLarge>(p, stream);
+  int64_t config = p.algorithm;
+  if (config != kGemmLarge && config != kGemmSmall && config != kGemmNarrow) {
+    const int64_t large_tiles = (p.m + 127) / 128 * ((p.n + 255) / 256) * p.batch;
+    config = p.n <= 64 ? kGemmNarrow : large_tiles >= SmCount() ? kGemmLarge : kGemmSmall;
+  }
+  if (config == kGemmNarrow) return Run<Element, LayoutA, LayoutB, CooperativeNarrow>(p, stream);
+  if (config == kGemmLarge) return Run<Element, LayoutA, LayoutB, CooperativeLarge>(p, stream);
   return Run<Element, LayoutA, LayoutB, CooperativeSmall>(p, stream);
 }
 

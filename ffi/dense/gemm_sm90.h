@@ -21,6 +21,7 @@ struct GemmProblem {
   bool trans_a, trans_b;
   int activation;
   float activation_param;
+  int64_t algorithm = 0;  // a GemmAlgorithm (dense.h): the tile configuration, 0 the heuristic
 };
 
 // Runs p on the Hopper tensor cores when they take it: bfloat16 or float16 operands, an sm_90 device,
