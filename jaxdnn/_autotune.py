@@ -12,6 +12,7 @@ cannot take a problem falls back to the heuristic's), so a stale or shared cache
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -30,9 +31,8 @@ from jaxdnn import config
 TUNABLE_PLATFORMS = ("gpu",)
 # Bumped when the candidates' meaning changes, so that older cache entries are not read.
 _KEY_VERSION = 1
-_WARMUPS = 2   # untimed calls of each candidate after its compilation
-_TRIALS = 3    # timed runs of each candidate; the fastest counts
-_CALLS = 5     # calls per timed run (their mean is the run's time)
+_TRIALS = 5   # timed runs of each candidate; the fastest counts
+_CALLS = 16   # calls per run (their mean is the run's time)
 
 _lock = threading.Lock()
 _entries: dict | None = None  # the cache: key -> {"algorithm": int, "ms": {candidate: ms}}
@@ -74,27 +74,39 @@ def _plain(value):
 
 
 def time_candidates(prim, operands, attrs: dict, candidates, device) -> dict[int, float]:
-    """Seconds per call of each candidate that runs, on random operands on `device`."""
+    """Seconds per call of each candidate that runs, on random operands on `device`. One jitted
+    program makes `_CALLS` calls in a chain (each one's operands behind an optimization barrier with
+    the previous result, so none is merged or overlapped with another), which spreads the host's
+    dispatch over them; the fastest of `_TRIALS` runs counts."""
     rng = np.random.default_rng(0)
-    times = {}
-    with jax.ensure_compile_time_eval():  # run now, even while a program is being traced
+    with jax.ensure_compile_time_eval():  # real arrays, even while a program is being traced
         args = [jax.device_put(_random(rng, o), device) for o in operands]
-        for candidate in candidates:
-            run = jax.jit(lambda *ops, c=candidate: prim.bind(*ops, **attrs, algorithm=np.int64(c)))
-            try:
-                for _ in range(_WARMUPS):
-                    jax.block_until_ready(run(*args))
-                best = math.inf
-                for _ in range(_TRIALS):
-                    start = time.perf_counter()
-                    results = [run(*args) for _ in range(_CALLS)]
-                    jax.block_until_ready(results)
-                    best = min(best, (time.perf_counter() - start) / _CALLS)
-            except Exception as error:  # noqa: BLE001  (a candidate that fails is not chosen)
-                warnings.warn(f"jaxdnn autotuning: {prim.name} candidate {candidate} failed: {error}")
-                continue
-            times[candidate] = best
+    times = {}
+    for candidate in candidates:
+        try:
+            # Compiled ahead of time and called as an executable: no tracing or dispatch on the path
+            # (a jitted call made under ensure_compile_time_eval takes a slow path on every call).
+            run = jax.jit(functools.partial(_chain, prim, attrs, np.int64(candidate))).lower(*args).compile()
+            jax.block_until_ready(run(*args))  # warms up
+            best = math.inf
+            for _ in range(_TRIALS):
+                start = time.perf_counter()
+                jax.block_until_ready(run(*args))
+                best = min(best, (time.perf_counter() - start) / _CALLS)
+        except Exception as error:  # noqa: BLE001  (a candidate that fails is not chosen)
+            warnings.warn(f"jaxdnn autotuning: {prim.name} candidate {candidate} failed: {error}")
+            continue
+        times[candidate] = best
     return times
+
+
+def _chain(prim, attrs, algorithm, *operands):
+    result = None
+    for _ in range(_CALLS):
+        if result is not None:
+            operands, _ = jax.lax.optimization_barrier((operands, result))
+        result = prim.bind(*operands, **attrs, algorithm=algorithm)
+    return result
 
 
 def _random(rng, operand) -> np.ndarray:
