@@ -32,7 +32,7 @@ TUNABLE_PLATFORMS = ("gpu",)
 # Bumped when the candidates' meaning changes, so that older cache entries are not read.
 _KEY_VERSION = 1
 _TRIALS = 5   # timed runs of each candidate; the fastest counts
-_CALLS = 16   # calls per run (their mean is the run's time)
+_CALLS = 8    # calls per run, on as many copies of the first operand (their mean is the run's time)
 
 _lock = threading.Lock()
 _entries: dict | None = None  # the cache: key -> {"algorithm": int, "ms": {candidate: ms}}
@@ -74,24 +74,28 @@ def _plain(value):
 
 
 def time_candidates(prim, operands, attrs: dict, candidates, device) -> dict[int, float]:
-    """Seconds per call of each candidate that runs, on random operands on `device`. One jitted
-    program makes `_CALLS` calls in a chain (each one's operands behind an optimization barrier with
-    the previous result, so none is merged or overlapped with another), which spreads the host's
-    dispatch over them; the fastest of `_TRIALS` runs counts."""
+    """Seconds per call of each candidate that runs, on random operands on `device`. One compiled
+    program makes `_CALLS` calls in a chain (see `_chain`), which spreads the host's dispatch over
+    them; the fastest of `_TRIALS` runs counts."""
     rng = np.random.default_rng(0)
     with jax.ensure_compile_time_eval():  # real arrays, even while a program is being traced
-        args = [jax.device_put(_random(rng, o), device) for o in operands]
+        first, *rest = (jax.device_put(_random(rng, o), device) for o in operands)
+        # Distinct first operands, so that XLA can merge no two calls (and none reads the last one's
+        # inputs from L2).
+        firsts = [first * (1 + i / _CALLS) if jnp.issubdtype(first.dtype, jnp.floating) else first
+                  for i in range(_CALLS)]
     times = {}
     for candidate in candidates:
         try:
             # Compiled ahead of time and called as an executable: no tracing or dispatch on the path
             # (a jitted call made under ensure_compile_time_eval takes a slow path on every call).
-            run = jax.jit(functools.partial(_chain, prim, attrs, np.int64(candidate))).lower(*args).compile()
-            jax.block_until_ready(run(*args))  # warms up
+            chain = functools.partial(_chain, prim, attrs, np.int64(candidate))
+            run = jax.jit(chain).lower(firsts, rest).compile()
+            jax.block_until_ready(run(firsts, rest))  # warms up
             best = math.inf
             for _ in range(_TRIALS):
                 start = time.perf_counter()
-                jax.block_until_ready(run(*args))
+                jax.block_until_ready(run(firsts, rest))
                 best = min(best, (time.perf_counter() - start) / _CALLS)
         except Exception as error:  # noqa: BLE001  (a candidate that fails is not chosen)
             warnings.warn(f"jaxdnn autotuning: {prim.name} candidate {candidate} failed: {error}")
@@ -100,13 +104,18 @@ def time_candidates(prim, operands, attrs: dict, candidates, device) -> dict[int
     return times
 
 
-def _chain(prim, attrs, algorithm, *operands):
-    result = None
-    for _ in range(_CALLS):
+def _chain(prim, attrs, algorithm, firsts, rest):
+    """The candidate called on each first operand in turn (with the other operands `rest`). Each
+    call's operands pass an optimization barrier with the previous result, so that the calls run
+    one after the other; one element of each result is returned, so that none is dead code."""
+    outs, result = [], None
+    for first in firsts:
+        operands = (first, *rest)
         if result is not None:
             operands, _ = jax.lax.optimization_barrier((operands, result))
         result = prim.bind(*operands, **attrs, algorithm=algorithm)
-    return result
+        outs.append(jax.tree.leaves(result)[0].ravel()[0])
+    return outs
 
 
 def _random(rng, operand) -> np.ndarray:
