@@ -55,11 +55,14 @@ def _spatial(attrs, prefix):
 # take 16-bit operands and one group: the filter in their layout [K, T, U, V, Cp], Cp the channels
 # padded to a multiple of 8; x (dgrad: dx) with padded channels when C % 8 != 0; for dgrad with
 # strides, dy with zeros between its pixels; for wgrad, float32 partial filter gradients of slices of
-# the batch, enough slices to give about every SM of an H100/H200 an output tile (128 x 128, 64 x 128
-# for up to 64 filters; CUTLASS's Hopper conv has no split-K). The depthwise wgrad
+# the batch (CUTLASS's Hopper conv has no split-K), about one per SM of an H100/H200 in units of
+# 128 x 128 output tiles (64 x 128 for up to 64 filters; the kernel's tile is 64 x 128, so about two
+# CTAs an SM), at most 16 (conv_sm90.h's
+# kWgradMaxSlices, one launch; the host's time per slice made more slower: an H200's dw of 56x56
+# 256->64 1x1 took 0.088 ms in 16 slices, 0.12 in 64). The depthwise wgrad
 # (ffi/conv/depthwise.cu, any dtype) splits its reduction the same way. Empty for everything else.
 _SMS = 132
-_MAX_WGRAD_SLICES = 32
+_MAX_WGRAD_SLICES = 16
 
 
 def _workspace(dtype, elements):

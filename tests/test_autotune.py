@@ -163,5 +163,5 @@ def test_a_failing_candidate_is_skipped():
 def test_the_key_names_device_shapes_and_attributes():
     ops = (jax.ShapeDtypeStruct((2, 3), jnp.bfloat16),)
     key = _autotune.problem_key("NVIDIA H200", "p", ops, {"b": np.int64(2), "a": 1, "algorithm": 4})
-    assert key == "v1|NVIDIA H200|p|bfloat16[2, 3]|a=1,b=2"
+    assert key == "v2|NVIDIA H200|p|bfloat16[2, 3]|a=1,b=2"
     assert key != _autotune.problem_key("NVIDIA H100", "p", ops, {"a": 1, "b": 2})

@@ -105,6 +105,8 @@ TENSOR_CORE_CASES = [
     # channels padded to a multiple of 8: an RGB stem, and C = 12
     ((2, 20, 20, 3), (7, 7, 3, 16), dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)),
     ((3, 7, 9, 12), (3, 3, 12, 8), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
+    # a batch of 45 and one output tile: wgrad in 16 slices of 2 or 3 images
+    ((45, 6, 5, 8), (3, 3, 8, 16), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
 ]
 
 
@@ -112,6 +114,15 @@ TENSOR_CORE_CASES = [
 @pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", TENSOR_CORE_CASES, ids=str)
 def test_tensor_core_shapes(dtype, lhs_shape, rhs_shape, kwargs, rng):
     test_forward_and_grad(dtype, lhs_shape, rhs_shape, kwargs, rng)
+
+
+def test_wgrad_slices():
+    """The tensor-core wgrad's slice count: about an output tile per SM, at most one per image and 16."""
+    from jaxdnn._conv_kernels import _wgrad_slices
+    assert _wgrad_slices(45, 3 * 3 * 8 * 16, 16) == 16  # one tile
+    assert _wgrad_slices(128, 3 * 3 * 128 * 128, 128) == 15  # 9 tiles
+    assert _wgrad_slices(128, 3 * 3 * 512 * 512, 512) == 1  # 144 tiles
+    assert _wgrad_slices(3, 256 * 64, 64) == 3  # one image a slice
 
 
 # A grouped, strided, dilated NHWC convolution for the transform tests (groups make the vmap rule's

@@ -7,15 +7,13 @@
 //   stride - 1 zeros inserted between its pixels (the zero-padded dy of a unit-stride convolution
 //   whose output positions o * stride are the strided one's): stride^2 times the work, but on the
 //   tensor cores;
-// - wgrad: the images split into slices whose float32 partial sums [K, R, S, C] run concurrently on
-//   side streams (one slice's output tiles alone would leave most SMs idle: CUTLASS's Hopper conv
-//   has no split-K), then one kernel adds the slices in a fixed order (deterministic) and transposes
-//   the sum to dw [R, S, C, K].
+// - wgrad: the images split into slices whose float32 partial sums [K, R, S, C] run side by side in
+//   one launch (one slice's output tiles alone would leave most SMs idle: CUTLASS's Hopper conv has
+//   no split-K), then one kernel adds the slices in a fixed order (deterministic) and transposes the
+//   sum to dw [R, S, C, K].
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <map>
-#include <mutex>
 #include <optional>
 
 #include "common/cuda_common.cuh"
@@ -27,7 +25,6 @@ namespace {
 constexpr int kTile = 32;      // the transposes' tile: 32 x 32 values through shared memory
 constexpr int kTileRows = 8;   // threads per tile column: each moves 4 values
 constexpr int kBlock = 256;
-constexpr int kMaxSlices = 32;  // wgrad's side streams
 
 // out[c, r] = in[r, c] for a row-major [rows, cols] matrix of 16-bit values; reads and writes
 // coalesced.
@@ -173,35 +170,6 @@ bool MakeProblem(const ConvGeometry& g, ffi::DataType dtype, int64_t algorithm, 
   return true;
 }
 
-// Streams beside XLA's for wgrad's slices, per device, made on first use and kept for the process.
-struct SideStreams {
-  cudaStream_t streams[kMaxSlices];
-  cudaEvent_t fork;
-  cudaEvent_t join[kMaxSlices];
-};
-
-std::mutex side_streams_mutex;  // also serializes the fork-join sections that reuse the events
-
-ffi::Error GetSideStreams(SideStreams** out) {
-  static std::map<int, SideStreams> by_device;
-  int device = 0;
-  JAXDNN_RETURN_IF_ERROR(CudaError(cudaGetDevice(&device), "cudaGetDevice"));
-  auto found = by_device.find(device);
-  if (found == by_device.end()) {
-    SideStreams side;
-    for (int i = 0; i < kMaxSlices; ++i) {
-      JAXDNN_RETURN_IF_ERROR(CudaError(cudaStreamCreateWithFlags(&side.streams[i], cudaStreamNonBlocking),
-                                       "conv wgrad side streams"));
-      JAXDNN_RETURN_IF_ERROR(
-          CudaError(cudaEventCreateWithFlags(&side.join[i], cudaEventDisableTiming), "conv wgrad events"));
-    }
-    JAXDNN_RETURN_IF_ERROR(CudaError(cudaEventCreateWithFlags(&side.fork, cudaEventDisableTiming), "conv wgrad events"));
-    found = by_device.emplace(device, side).first;
-  }
-  *out = &found->second;
-  return ffi::Error::Success();
-}
-
 // Pixels of dy with zeros inserted between them (the unit-stride form of a strided dgrad).
 int64_t SpreadPixels(const ConvGeometry& g) {
   return g.batch * g.out[0] * ((g.out[1] - 1) * g.stride[1] + 1) * ((g.out[2] - 1) * g.stride[2] + 1);
@@ -272,41 +240,15 @@ std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometr
   }
   // As many slices as the workspace holds partial sums (the Python side sizes it), at most one per image.
   const int slices = int(std::min<int64_t>(
-      {int64_t((workspace_bytes - padded_bytes) / slice_bytes), int64_t(p.n), int64_t(kMaxSlices)}));
+      {int64_t((workspace_bytes - padded_bytes) / slice_bytes), int64_t(p.n), int64_t(kWgradMaxSlices)}));
   float* partial = static_cast<float*>(workspace);
   if (Padded(g)) {
     void* xp = static_cast<char*>(workspace) + slices * slice_bytes;
     JAXDNN_RETURN_IF_ERROR(CopyChannels(stream, x, g.InPixels(), g.channels, PaddedChannels(g), xp));
     x = xp;
   }
-  const int64_t x_image = int64_t(p.h) * p.w * p.c, dy_image = int64_t(p.p) * p.q * p.k;
-  auto run_slice = [&](int s, cudaStream_t on) {
-    const int first = int(int64_t(p.n) * s / slices), end = int(int64_t(p.n) * (s + 1) / slices);
-    ConvSm90Problem slice = p;
-    slice.n = end - first;
-    return ConvSm90Wgrad(slice, dtype, static_cast<const char*>(x) + first * x_image * 2,
-                         static_cast<const char*>(dy) + first * dy_image * 2, partial + s * FilterElements(g), on);
-  };
-  if (slices == 1) {
-    auto status = run_slice(0, stream);
-    if (!status.has_value() || status->failure()) return status;
-  } else {
-    std::lock_guard<std::mutex> lock(side_streams_mutex);
-    SideStreams* side = nullptr;
-    JAXDNN_RETURN_IF_ERROR(GetSideStreams(&side));
-    JAXDNN_RETURN_IF_ERROR(CudaError(cudaEventRecord(side->fork, stream), "conv wgrad fork"));
-    for (int s = 0; s < slices; ++s) {
-      JAXDNN_RETURN_IF_ERROR(CudaError(cudaStreamWaitEvent(side->streams[s], side->fork, 0), "conv wgrad fork"));
-      auto status = run_slice(s, side->streams[s]);
-      // Every slice is the same problem but for its image count: refused, the first one falls back
-      // (nothing has run); a later one cannot be.
-      if (!status.has_value() && s == 0) return std::nullopt;
-      if (!status.has_value()) return ffi::Error(ffi::ErrorCode::kInternal, "jaxdnn: conv wgrad: a slice was refused");
-      JAXDNN_RETURN_IF_ERROR(std::move(*status));
-      JAXDNN_RETURN_IF_ERROR(CudaError(cudaEventRecord(side->join[s], side->streams[s]), "conv wgrad join"));
-      JAXDNN_RETURN_IF_ERROR(CudaError(cudaStreamWaitEvent(stream, side->join[s], 0), "conv wgrad join"));
-    }
-  }
+  auto status = ConvSm90Wgrad(p, dtype, x, dy, partial, slices, stream);
+  if (!status.has_value() || status->failure()) return status;
   const dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned((rows + kTile - 1) / kTile));
   const dim3 block(kTile, kTileRows);
   if (dtype == ffi::DataType::BF16) {

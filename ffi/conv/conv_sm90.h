@@ -32,9 +32,13 @@ std::optional<ffi::Error> ConvSm90Fprop(const ConvSm90Problem& p, ffi::DataType 
 // dx = the transpose of fprop (unit strides) in x, applied to dy.
 std::optional<ffi::Error> ConvSm90Dgrad(const ConvSm90Problem& p, ffi::DataType dtype, const void* dy,
                                         const void* w, void* dx, cudaStream_t stream);
-// dw [K, R, S, C] float32 = the gradient w.r.t. the filter, summed over the images and output pixels.
+// The gradient w.r.t. the filter in `slices` float32 partial sums, in one launch: partial[s]
+// [K, R, S, C] sums images [n * s / slices, n * (s + 1) / slices) over their output pixels (CUTLASS's
+// Hopper conv has no split-K). 1 <= slices <= min(n, kWgradMaxSlices); jaxdnn/_conv_kernels.py's
+// _MAX_WGRAD_SLICES is the same bound.
+constexpr int kWgradMaxSlices = 16;
 std::optional<ffi::Error> ConvSm90Wgrad(const ConvSm90Problem& p, ffi::DataType dtype, const void* x,
-                                        const void* dy, float* dw, cudaStream_t stream);
+                                        const void* dy, float* partial, int slices, cudaStream_t stream);
 
 // The stages as conv.cu's handlers run them (conv_sm90.cu), on jaxdnn's layouts (conv.h) and with
 // the targets' workspace. They take 2-D problems with 16-bit operands, one group, no lhs dilation,

@@ -4,8 +4,10 @@
 namespace jaxdnn {
 
 std::optional<ffi::Error> ConvSm90Wgrad(const ConvSm90Problem& p, ffi::DataType dtype, const void* x,
-                                        const void* dy, float* dw, cudaStream_t stream) {
-  return sm90::ForDtype(dtype, [&](auto element) { return sm90::Wgrad<decltype(element)>(p, x, dy, dw, stream); });
+                                        const void* dy, float* partial, int slices, cudaStream_t stream) {
+  return sm90::ForDtype(dtype, [&](auto element) {
+    return sm90::Wgrad<decltype(element)>(p, x, dy, partial, slices, stream);
+  });
 }
 
 }  // namespace jaxdnn
