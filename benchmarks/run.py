@@ -25,7 +25,8 @@ Conventions (see ARCHITECTURE.md, "Benchmarks"):
   at the end. `--autotune` runs with jaxdnn.config.autotune on (candidates timed while a case is
   compiled, outside its timing), its choices kept in `<out>/autotune.json`.
 
-Adding a family: write `def <family>_cases(quick) -> list[Case]` and add it to `FAMILIES`.
+Adding a family: write `def <family>_cases(quick) -> list[Case]` and add it to `FAMILIES` (a family
+measured other than by time, such as attention_memory, returns its records and goes in `OTHER_FAMILIES`).
 """
 
 import argparse
@@ -638,6 +639,42 @@ def attention_cases(quick: bool) -> list[Case]:
                               lambda q, k, v, dy, f=peer_fn: f(q, k, v), arg_sets, fwd_flops, "TFLOP/s"))
             cases.append(Case("attention", f"{name} fwd+bwd", _fwd_bwd(fn), peer, _fwd_bwd(peer_fn), arg_sets,
                               3.5 * fwd_flops, "TFLOP/s"))
+    return cases
+
+
+def attention_memory(quick: bool) -> list[dict[str, Any]]:
+    """Device memory of a jitted attention fwd+bwd (bf16, B=1, N=16, H=128, T = S) for jaxdnn and
+    jax.nn's "xla" (and "cudnn" on a GPU): XLA's compiled memory analysis (arguments + outputs +
+    temporaries, no run needed), for S from 4096 to 32768; then jaxdnn's fwd+bwd is run at the
+    largest S and the device's peak bytes in use reported with it."""
+    lengths = [256, 512] if quick else [4096, 8192, 16384, 32768]
+    impls = {"jaxdnn": jaxdnn.dot_product_attention, **_attention_peers()}
+    records = []
+    for s in lengths:
+        shape = jax.ShapeDtypeStruct((1, s, 16, 128), jnp.bfloat16)
+        for impl, attention in impls.items():
+            step = jax.jit(_fwd_bwd(functools.partial(attention, is_causal=True)))
+            try:
+                stats = step.lower(shape, shape, shape, shape).compile().memory_analysis()
+                total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                         + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+            except Exception as error:  # XLA refuses programs that cannot fit
+                print(f"{impl} S{s}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                total = None
+            records.append(dict(family="attention_memory", case=f"B1 T{s} S{s} N16 H128 causal fwd+bwd",
+                                impl=impl, compiled_bytes=total))
+            print(f"memory {impl} S{s}: {'-' if total is None else f'{total / 2**30:.2f} GiB'}", flush=True)
+    s = lengths[-1]
+    key = jax.random.key(3)
+    args = [_normal(k, (1, s, 16, 128), jnp.bfloat16) for k in jax.random.split(key, 4)]
+    step = jax.jit(_fwd_bwd(functools.partial(jaxdnn.dot_product_attention, is_causal=True)))
+    jax.block_until_ready(step(*args))
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    records.append(dict(family="attention_memory", case=f"B1 T{s} S{s} N16 H128 causal fwd+bwd run",
+                        impl="jaxdnn", peak_bytes_in_use=peak))
+    print(f"jaxdnn fwd+bwd at S{s} ran; peak bytes in use {peak}", flush=True)
+    return records
 
 
 def rnn_cases(quick: bool) -> list[Case]:
@@ -711,6 +748,10 @@ FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
     "attention": attention_cases,
     "rnn": rnn_cases,
 }
+# Families measured other than by time, each a function (quick) -> records of its own fields.
+OTHER_FAMILIES: dict[str, Callable[[bool], list[dict[str, Any]]]] = {
+    "attention_memory": attention_memory,
+}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -770,7 +811,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", required=True, nargs="+", choices=[*FAMILIES, "all"],
+    parser.add_argument("--family", required=True, nargs="+", choices=[*FAMILIES, *OTHER_FAMILIES, "all"],
                         help="one or more families, or all")
     parser.add_argument("--out", required=True, help="results folder")
     parser.add_argument(
@@ -822,7 +863,11 @@ def main() -> int:
         print(f"{r['case']}: {r['value']:.1f} {r['metric']}", flush=True)
 
     failures = 0
-    for family in FAMILIES if "all" in args.family else dict.fromkeys(args.family):
+    other_records = []
+    for family in [*FAMILIES, *OTHER_FAMILIES] if "all" in args.family else dict.fromkeys(args.family):
+        if family in OTHER_FAMILIES:
+            other_records += [dict(record, **common) for record in OTHER_FAMILIES[family](args.quick)]
+            continue
         for case in FAMILIES[family](args.quick):
             if args.case and not re.search(args.case, case.name):
                 continue
@@ -833,14 +878,17 @@ def main() -> int:
                         file=sys.stderr,
                     )
                 ms = time_fn(case.fn, case.arg_sets, repeats=repeats)
-                peer_ms = time_fn(
-                    case.peer_fn, case.peer_arg_sets or case.arg_sets, repeats=repeats
-                )
             except Exception:  # keep going: one broken case must not cost the rest of a GPU run
                 traceback.print_exc()
                 print(f"FAILED: {case.name}", file=sys.stderr, flush=True)
                 failures += 1
                 continue
+            try:
+                peer_ms = time_fn(case.peer_fn, case.peer_arg_sets or case.arg_sets, repeats=repeats)
+            except Exception as error:  # a peer that cannot run the case (e.g. out of memory)
+                print(f"{case.name}: peer {case.peer} failed: {type(error).__name__}: {str(error)[:200]}",
+                      file=sys.stderr, flush=True)
+                peer_ms = None
             scale = 1e6 if case.metric == "GB/s" else 1e9  # work per ms -> GB/s or TFLOP/s
             value = case.work / ms / scale
             records.append(
@@ -851,20 +899,21 @@ def main() -> int:
                     jaxdnn_ms=ms,
                     peer=case.peer,
                     peer_ms=peer_ms,
-                    speedup=peer_ms / ms,
+                    speedup=None if peer_ms is None else peer_ms / ms,
                     metric=case.metric,
                     value=value,
                     ceiling_fraction=value / ceilings[case.metric][2],
                     **common,
                 )
             )
-            print(f"{case.name}: {ms:.4f} ms (peer {peer_ms:.4f} ms)", flush=True)
+            peer_text = "-" if peer_ms is None else f"{peer_ms:.4f}"
+            print(f"{case.name}: {ms:.4f} ms (peer {peer_text} ms)", flush=True)
 
     os.makedirs(args.out, exist_ok=True)
     suffix = ("-autotune" if args.autotune else "") + ("-quick" if args.quick else "")
     path = os.path.join(args.out, f"{device}-{date}{suffix}.json")
     with open(path, "w") as f:
-        json.dump(records, f, indent=1)
+        json.dump(records + other_records, f, indent=1)
         f.write("\n")
     print_table(records)
     print(f"\nwrote {path}" + (f"; {failures} case(s) FAILED" if failures else ""))

@@ -1,7 +1,8 @@
-// CUDA attention: a CORRECTNESS BASELINE without tensor cores, to be replaced by a wgmma/TMA
-// flash-attention kernel (FlashAttention-3 style: warp specialization, pipelined TMA loads, online
-// softmax in registers). It runs the algorithm of the CPU kernels (attention_cpu.cc) with the
-// per-logit rules of attention_problem.h, in float32, and keeps memory linear in T and S.
+// CUDA attention handlers. bfloat16 and float16 on a Hopper GPU run the flash-attention kernels on
+// tensor cores (attention_sm90_fwd.cu, attention_sm90_bwd.cu); everything else (float32, other
+// devices) runs the CUDA-core kernels below, which follow the CPU kernels' algorithm
+// (attention_cpu.cc) with the per-logit rules of attention_problem.h, in float32, with memory
+// linear in T and S.
 //
 // Forward: one block of 4 warps per (b, n, tile of 16 queries); each warp owns 4 query rows. The
 // keys the tile can reach (causal / window / length block skipping) stream through shared memory
@@ -22,6 +23,7 @@
 #include "attention/attention.h"
 #include "attention/attention_common.h"
 #include "attention/attention_problem.h"
+#include "attention/attention_sm90.h"
 #include "common/cuda_common.cuh"
 
 namespace jaxdnn {
@@ -378,12 +380,15 @@ ffi::Error AttentionFwdTyped(cudaStream_t stream, const AttentionProblem& p, con
 }
 
 template <typename T>
-ffi::Error AttentionBwdTyped(cudaStream_t stream, const AttentionProblem& p, const T* d_out, const T* q,
-                             const T* k, const T* v, const T* o, const float* lse, T* dq, T* dk, T* dv,
+ffi::Error AttentionBwdTyped(cudaStream_t stream, const AttentionProblem& p, ffi::DataType dtype, const T* d_out,
+                             const T* q, const T* k, const T* v, const T* o, const float* lse, T* dq, T* dk, T* dv,
                              float* dbias, float* delta) {
   const int64_t rows = p.batch * p.q_len * p.heads;
   JAXDNN_RETURN_IF_ERROR(Launch("AttentionDeltaKernel", AttentionDeltaKernel<T>, (rows + kWarps - 1) / kWarps, 0,
                                 stream, p, d_out, o, delta));
+  if (attention_sm90::Sm90Takes(p, dtype)) {
+    return attention_sm90::AttentionBwdSm90(stream, p, dtype, d_out, q, k, v, lse, delta, dq, dk, dv, dbias);
+  }
   const int64_t query_blocks = (p.q_len + kAttnQueryTile - 1) / kAttnQueryTile * p.heads * p.batch;
   JAXDNN_RETURN_IF_ERROR(Launch("AttentionBwdQueryKernel", AttentionBwdQueryKernel<T>, query_blocks,
                                 BwdQuerySharedFloats(int(p.head_dim)), stream, p, d_out, q, k, v, lse,
@@ -409,6 +414,10 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   JAXDNN_RETURN_IF_ERROR(ExpectLike("o", *o, q));
   JAXDNN_RETURN_IF_ERROR(ExpectStat("lse", lse->dimensions(), p));
   if (ElementCount(q.dimensions()) == 0) return ffi::Error::Success();
+  if (attention_sm90::Sm90Takes(p, q.element_type())) {
+    return attention_sm90::AttentionFwdSm90(stream, p, q.element_type(), q.untyped_data(), k.untyped_data(),
+                                            v.untyped_data(), o->untyped_data(), lse->typed_data());
+  }
   return DispatchFloat<float, __nv_bfloat16, __half>(q.element_type(), "q", [&](auto tag) {
     return AttentionFwdTyped<decltype(tag)>(stream, p, q, k, v, *o, lse->typed_data());
   });
@@ -440,9 +449,9 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
     using T = decltype(tag);
     auto in = [](const ffi::AnyBuffer& x) { return static_cast<const T*>(x.untyped_data()); };
     auto out = [](ffi::Result<ffi::AnyBuffer>& x) { return static_cast<T*>(x->untyped_data()); };
-    return AttentionBwdTyped<T>(stream, p, in(d_out), in(q), in(k), in(v), in(o), lse.typed_data(), out(dq),
-                                out(dk), out(dv), bias_grad != 0 ? dbias->typed_data() : nullptr,
-                                delta->typed_data());
+    return AttentionBwdTyped<T>(stream, p, q.element_type(), in(d_out), in(q), in(k), in(v), in(o),
+                                lse.typed_data(), out(dq), out(dk), out(dv),
+                                bias_grad != 0 ? dbias->typed_data() : nullptr, delta->typed_data());
   });
 }
 
