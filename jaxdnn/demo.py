@@ -2,13 +2,12 @@
 
 Run it with ``python -m jaxdnn.demo`` (flags: ``--epochs``, ``--parts``, ``--seed``,
 ``--batch-size``). It needs the ``demo`` extras: ``pip install 'jaxdnn[demo]'``
-(Flax, Optax and scikit-learn, whose bundled digits data set is used, so nothing
-is downloaded).
+(Flax, Optax and scikit-learn, whose bundled digits data set is used; the language
+model reads the source of Python's own standard library, so nothing is downloaded).
 
 Each demo part is one function in ``PARTS`` taking the parsed flags and returning
-a ``PartResult``; ``main()`` runs the selected parts in order. To add a part (a
-CNN block, a transformer block, an LSTM...), write its model and a
-``demo_<name>(args)`` function, and register it in ``PARTS``.
+a ``PartResult``; ``main()`` runs the selected parts in order. To add a part,
+write its model and a ``demo_<name>(args)`` function, and register it in ``PARTS``.
 
 Parts:
   mlp  digits (8x8 images, 10 classes) with an MLP:
@@ -21,12 +20,23 @@ Parts:
   lstm the same digits read as sequences of 8 rows (8 pixels a step) by a 2-layer bidirectional
        jaxdnn LSTM (``jaxdnn.flax.LSTM``: the whole sequence in fused recurrence kernels), its
        outputs averaged over time -> jaxdnn LayerNorm -> Dense.
+  transformer
+       a byte-level causal language model on the source of a few standard-library modules
+       (``TEXT_MODULES``, the last 10% held out), in windows of 64 bytes: byte and position
+       embeddings -> a pre-norm transformer block (jaxdnn LayerNorm ->
+       ``flax.linen.MultiHeadDotProductAttention`` with jaxdnn's causal attention as its
+       ``attention_fn`` -> residual; jaxdnn LayerNorm -> jaxdnn Dense + gelu -> jaxdnn Dense ->
+       residual) -> jaxdnn LayerNorm -> jaxdnn Dense to 256 logits. Its accuracy is the held-out
+       next-byte accuracy.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib
+import inspect
 import sys
 import time
 from typing import Callable
@@ -87,15 +97,38 @@ def digits_split(seed: int, test_fraction: float = 0.2, image: bool = False) -> 
     return Split(x_train, y_train, x_test, y_test)
 
 
+# Text that ships with Python itself: the source of modules every CPython 3 install has.
+TEXT_MODULES = ("textwrap", "string", "shlex", "heapq", "bisect", "functools", "fractions", "difflib")
+
+
+def text_split(context: int, test_fraction: float = 0.1, modules=TEXT_MODULES) -> Split:
+    """The source of a few standard-library modules (about 220 KB) as bytes, the last ``test_fraction``
+    held out, each part cut into non-overlapping windows of ``context + 1`` bytes: x is a window's
+    first ``context`` bytes [N, T], y the same shifted by one (the next byte at each position)."""
+    text = "\n".join(inspect.getsource(importlib.import_module(m)) for m in modules)
+    data = np.frombuffer(text.encode(), np.uint8).astype(np.int32)
+    split = int(len(data) * (1 - test_fraction))
+
+    def windows(tokens):
+        n = (len(tokens) - 1) // context
+        x = tokens[:n * context].reshape(n, context)
+        y = tokens[1:n * context + 1].reshape(n, context)
+        return x, y
+
+    (x_train, y_train), (x_test, y_test) = windows(data[:split]), windows(data[split:])
+    return Split(x_train, y_train, x_test, y_test)
+
+
 # --- training -----------------------------------------------------------------------------
 
 
 def train_classifier(model: nn.Module, data: Split, *, epochs: int, batch_size: int,
                      learning_rate: float, seed: int,
                      log: Callable[[str], None] = print) -> float:
-    """Trains ``model`` (``model(x, train)`` -> logits [B, 10]) with Adam on softmax cross-entropy,
-    updating its ``batch_stats`` collection if it has one; prints loss, train accuracy and test
-    accuracy per epoch and returns the final test accuracy."""
+    """Trains ``model`` (``model(x, train)`` -> logits [B, classes], or [B, T, classes] for a label
+    per position) with Adam on softmax cross-entropy, updating its ``batch_stats`` collection if it
+    has one; prints loss, train accuracy, test loss and test accuracy per epoch and returns the final
+    test accuracy."""
     init_key = jax.random.key(seed)
     variables = model.init(init_key, jnp.asarray(data.x_train[:1]), train=False)
     params, batch_stats = variables["params"], variables.get("batch_stats", {})
@@ -115,9 +148,11 @@ def train_classifier(model: nn.Module, data: Split, *, epochs: int, batch_size: 
         return optax.apply_updates(params, updates), batch_stats, opt_state, loss
 
     @jax.jit
-    def accuracy(params, batch_stats, x, y):
+    def evaluate(params, batch_stats, x, y):
+        """(mean cross-entropy, accuracy) of the predictions over every label in y."""
         logits = model.apply({"params": params, "batch_stats": batch_stats}, x, train=False)
-        return jnp.mean(jnp.argmax(logits, axis=-1) == y)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, jnp.mean(jnp.argmax(logits, axis=-1) == y)
 
     n = len(data.x_train)
     steps = n // batch_size  # a fixed batch shape: one compilation, the tail is reshuffled in
@@ -137,10 +172,10 @@ def train_classifier(model: nn.Module, data: Split, *, epochs: int, batch_size: 
                                                               data.x_train[idx], data.y_train[idx])
             losses.append(loss)
         mean_loss = float(jnp.mean(jnp.stack(losses)))
-        train_acc = float(accuracy(params, batch_stats, x_train_all, y_train_all))
-        test_acc = float(accuracy(params, batch_stats, x_test, y_test))
+        train_acc = float(evaluate(params, batch_stats, x_train_all, y_train_all)[1])
+        test_loss, test_acc = (float(v) for v in evaluate(params, batch_stats, x_test, y_test))
         log(f"  epoch {epoch:2d}/{epochs}  loss {mean_loss:.4f}  train acc {train_acc:.4f}  "
-            f"test acc {test_acc:.4f}  ({time.perf_counter() - start:.2f} s)")
+            f"test loss {test_loss:.4f}  test acc {test_acc:.4f}  ({time.perf_counter() - start:.2f} s)")
     return test_acc
 
 
@@ -164,7 +199,7 @@ class DigitsMLP(nn.Module):
 
 
 def _train_part(name: str, description: str, model: nn.Module, data, args: argparse.Namespace,
-                learning_rate: float, examples: str = "examples") -> PartResult:
+                learning_rate: float, examples: str = "examples", target: float = 0.90) -> PartResult:
     """Prints what part `name` trains, trains `model` on `data` and returns its test accuracy."""
     print(f"[{name}] {description}")
     print(f"[{name}] {len(data.x_train)} train / {len(data.x_test)} test {examples}, "
@@ -172,7 +207,7 @@ def _train_part(name: str, description: str, model: nn.Module, data, args: argpa
     start = time.perf_counter()
     test_acc = train_classifier(model, data, epochs=args.epochs, batch_size=args.batch_size,
                                 learning_rate=learning_rate, seed=args.seed)
-    return PartResult(name, test_acc, target=0.90, seconds=time.perf_counter() - start)
+    return PartResult(name, test_acc, target=target, seconds=time.perf_counter() - start)
 
 
 def demo_mlp(args: argparse.Namespace) -> PartResult:
@@ -250,10 +285,64 @@ def demo_lstm(args: argparse.Namespace) -> PartResult:
                        args, 1e-2, examples="sequences of 8 steps")
 
 
+# --- part: transformer --------------------------------------------------------------------
+
+
+# Flax's attention module with jaxdnn's kernels: the causal mask is the kernel's own (is_causal), so no
+# [T, T] mask is formed and the blocks above the diagonal are skipped.
+causal_attention = functools.partial(jflax.dot_product_attention, is_causal=True)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(LayerNorm(x)), then + MLP(LayerNorm(x)), causal over T."""
+    heads: int
+    mlp_ratio: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        features = x.shape[-1]
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads,
+                                                attention_fn=causal_attention)(jflax.LayerNorm()(x))
+        y = jflax.Dense(self.mlp_ratio * features, activation="gelu")(jflax.LayerNorm()(x))
+        return x + jflax.Dense(features)(y)
+
+
+class ByteTransformer(nn.Module):
+    """[B, T] bytes -> [B, T, 256] logits of the next byte at each position (a causal language model)."""
+    context: int = 64
+    features: int = 64
+    heads: int = 4
+    layers: int = 1
+    vocab: int = 256
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = False):
+        x = nn.Embed(self.vocab, self.features)(tokens)
+        x = x + nn.Embed(self.context, self.features)(jnp.arange(tokens.shape[-1]))
+        for _ in range(self.layers):
+            x = TransformerBlock(self.heads)(x)
+        return jflax.Dense(self.vocab)(jflax.LayerNorm()(x))
+
+
+def demo_transformer(args: argparse.Namespace) -> PartResult:
+    # On the held-out bytes the most frequent next byte after the previous one (a bigram model fit on the
+    # training text) is right 37% of the time, after the previous two 49%; this model reaches about 51%
+    # in 5 epochs (0.508 to 0.513 over seeds 0 to 4), hence the target of 45%.
+    model = ByteTransformer()
+    return _train_part("transformer", "byte-level causal language model on the source of "
+                       f"{', '.join(TEXT_MODULES)}: embeddings -> {model.layers} x [jaxdnn LayerNorm -> "
+                       "flax MultiHeadDotProductAttention (attention_fn: jaxdnn.flax.dot_product_attention, "
+                       "causal) -> residual; jaxdnn LayerNorm -> jaxdnn Dense + gelu -> jaxdnn Dense -> "
+                       "residual] -> jaxdnn LayerNorm -> jaxdnn Dense; accuracy: held-out next-byte",
+                       model, text_split(model.context), args, 6e-3,
+                       examples=f"windows of {model.context} bytes", target=0.45)
+
+
 PARTS: dict[str, Callable[[argparse.Namespace], PartResult]] = {
     "mlp": demo_mlp,
     "cnn": demo_cnn,
     "lstm": demo_lstm,
+    "transformer": demo_transformer,
 }
 
 
