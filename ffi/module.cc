@@ -58,7 +58,7 @@ const Target kTargets[] = {
     {"jaxdnn_conv_wgrad_v3", ConvWgradCpu, JAXDNN_CUDA_HANDLER(ConvWgradCuda)},
     {"jaxdnn_gemm_v2", GemmCpu, JAXDNN_CUDA_HANDLER(GemmCuda)},
     {"jaxdnn_attention_fwd_v1", AttentionFwdCpu, JAXDNN_CUDA_HANDLER(AttentionFwdCuda)},
-    {"jaxdnn_attention_bwd_v1", AttentionBwdCpu, JAXDNN_CUDA_HANDLER(AttentionBwdCuda)},
+    {"jaxdnn_attention_bwd_v2", AttentionBwdCpu, JAXDNN_CUDA_HANDLER(AttentionBwdCuda)},
     {"jaxdnn_lstm_fwd_v1", LstmFwdCpu, JAXDNN_CUDA_HANDLER(LstmFwdCuda)},
     {"jaxdnn_lstm_bwd_v1", LstmBwdCpu, JAXDNN_CUDA_HANDLER(LstmBwdCuda)},
     {"jaxdnn_gru_fwd_v1", GruFwdCpu, JAXDNN_CUDA_HANDLER(GruFwdCuda)},

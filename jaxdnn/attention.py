@@ -48,12 +48,17 @@ def _fwd_avals(q, k, v, *optional, **attrs):
 
 
 def _bwd_avals(d_out, q, k, v, o, lse, *optional, bias_grad, **attrs):
-    """(dq, dk, dv, dbias [B, N, T, S] (when bias_grad) or [0], workspace delta [B, N, T])."""
-    b, t, n, _ = q.shape
+    """(dq, dk, dv, dbias [B, N, T, S] (when bias_grad) or [0], and the workspaces: delta [B, N, T];
+    for the Hopper kernels of 16-bit inputs with H <= 128, dq_accum (float32, q's shape) and the
+    semaphores ordering its adds (B * N * ceil(T / 64) int32), else [0] and [0])."""
+    b, t, n, h = q.shape
     dbias = (b, n, t, k.shape[1]) if bias_grad else (0,)
+    fused = q.dtype in (jnp.bfloat16, jnp.float16) and h <= 128
     return [jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(k.shape, k.dtype),
             jax.core.ShapedArray(v.shape, v.dtype), jax.core.ShapedArray(dbias, _F32),
-            jax.core.ShapedArray((b, n, t), _F32)]
+            jax.core.ShapedArray((b, n, t), _F32),
+            jax.core.ShapedArray(q.shape if fused else (0,), _F32),
+            jax.core.ShapedArray((b * n * (-(-t // 64)),) if fused else (0,), jnp.int32)]
 
 
 def _optional_specs(batch, optional):
@@ -83,8 +88,8 @@ def _stage_primitive(stage: str, optional_specs: tuple, bias_grad: bool):
                              sharding_rule=rule, batch_rule=_batch_rule)
     dbias = "... n t s" if bias_grad else "zb"
     rule = f"{q}, {q}, {kv}, {kv}, {q}, {stat}, {opt} -> {q}, {kv}, {kv}, {dbias}"
-    return ffi_primitive("jaxdnn_attention_bwd", "jaxdnn_attention_bwd_v1", result_avals=_bwd_avals,
-                         sharding_rule=rule, batch_rule=_batch_rule, scratch_results=1)
+    return ffi_primitive("jaxdnn_attention_bwd", "jaxdnn_attention_bwd_v2", result_avals=_bwd_avals,
+                         sharding_rule=rule, batch_rule=_batch_rule, scratch_results=3)
 
 
 def _bind(stage, operands, attrs):

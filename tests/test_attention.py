@@ -236,7 +236,7 @@ def test_transforms(rng):
 def test_hlo_holds_the_custom_calls(rng):
     q, k, v = _inputs(rng, 1, 8, 8, 2, 2, 16)
     hlo = jax.jit(jax.grad(lambda q: jnp.sum(jaxdnn.dot_product_attention(q, k, v) * q))).lower(q).as_text()
-    assert "jaxdnn_attention_fwd_v1" in hlo and "jaxdnn_attention_bwd_v1" in hlo
+    assert "jaxdnn_attention_fwd_v1" in hlo and "jaxdnn_attention_bwd_v2" in hlo
     assert "dot_general" not in hlo  # no T x S matmul: nothing falls back to XLA's attention
 
 

@@ -379,15 +379,25 @@ ffi::Error AttentionFwdTyped(cudaStream_t stream, const AttentionProblem& p, con
                 static_cast<const T*>(v.untyped_data()), static_cast<T*>(o.untyped_data()), lse);
 }
 
+// The backward's workspace results, and whether the Hopper kernels run.
+struct BwdWorkspace {
+  float* delta;     // [B, N, T]
+  bool sm90;
+  float* dq_accum;  // attention_sm90.h
+  int* semaphores;
+};
+
 template <typename T>
 ffi::Error AttentionBwdTyped(cudaStream_t stream, const AttentionProblem& p, ffi::DataType dtype, const T* d_out,
                              const T* q, const T* k, const T* v, const T* o, const float* lse, T* dq, T* dk, T* dv,
-                             float* dbias, float* delta) {
+                             float* dbias, const BwdWorkspace& workspace) {
+  float* delta = workspace.delta;
   const int64_t rows = p.batch * p.q_len * p.heads;
   JAXDNN_RETURN_IF_ERROR(Launch("AttentionDeltaKernel", AttentionDeltaKernel<T>, (rows + kWarps - 1) / kWarps, 0,
                                 stream, p, d_out, o, delta));
-  if (attention_sm90::Sm90Takes(p, dtype)) {
-    return attention_sm90::AttentionBwdSm90(stream, p, dtype, d_out, q, k, v, lse, delta, dq, dk, dv, dbias);
+  if (workspace.sm90) {
+    return attention_sm90::AttentionBwdSm90(stream, p, dtype, d_out, q, k, v, lse, delta, dq, dk, dv, dbias,
+                                            workspace.dq_accum, workspace.semaphores);
   }
   const int64_t query_blocks = (p.q_len + kAttnQueryTile - 1) / kAttnQueryTile * p.heads * p.batch;
   JAXDNN_RETURN_IF_ERROR(Launch("AttentionBwdQueryKernel", AttentionBwdQueryKernel<T>, query_blocks,
@@ -431,6 +441,7 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
                             ffi::Result<ffi::AnyBuffer> dq,
                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                             ffi::Result<ffi::Buffer<ffi::F32>> dbias, ffi::Result<ffi::Buffer<ffi::F32>> delta,
+                            ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, ffi::Result<ffi::Buffer<ffi::S32>> semaphores,
                             float scale, float soft_cap, int64_t causal, int64_t window_left,
                             int64_t window_right, int64_t present, int64_t dropout_keep, int64_t bias_grad) {
   AttentionProblem p;
@@ -445,13 +456,24 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
     JAXDNN_RETURN_IF_ERROR(
         CudaError(cudaMemsetAsync(dbias->typed_data(), 0, dbias->size_bytes(), stream), "cudaMemsetAsync"));
   }
+  const bool sm90 = attention_sm90::Sm90Takes(p, q.element_type());
+  if (sm90 && attention_sm90::FusedBackwardTakes(p) &&
+      (dq_accum->element_count() != ElementCount(q.dimensions()) ||
+       semaphores->element_count() != attention_sm90::FusedBackwardSemaphores(p))) {
+    return InvalidArgument("attention: the backward's dq_accum workspace has " +
+                           std::to_string(dq_accum->element_count()) + " elements and semaphores " +
+                           std::to_string(semaphores->element_count()) + ", expected q's " +
+                           std::to_string(ElementCount(q.dimensions())) + " and " +
+                           std::to_string(attention_sm90::FusedBackwardSemaphores(p)));
+  }
   return DispatchFloat<float, __nv_bfloat16, __half>(q.element_type(), "q", [&](auto tag) {
     using T = decltype(tag);
     auto in = [](const ffi::AnyBuffer& x) { return static_cast<const T*>(x.untyped_data()); };
     auto out = [](ffi::Result<ffi::AnyBuffer>& x) { return static_cast<T*>(x->untyped_data()); };
+    const BwdWorkspace workspace{delta->typed_data(), sm90, dq_accum->typed_data(), semaphores->typed_data()};
     return AttentionBwdTyped<T>(stream, p, q.element_type(), in(d_out), in(q), in(k), in(v), in(o),
                                 lse.typed_data(), out(dq), out(dk), out(dv),
-                                bias_grad != 0 ? dbias->typed_data() : nullptr, delta->typed_data());
+                                bias_grad != 0 ? dbias->typed_data() : nullptr, workspace);
   });
 }
 

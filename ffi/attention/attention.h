@@ -12,10 +12,13 @@
 // Targets (versioned: the ABI of exported programs):
 //   jaxdnn_attention_fwd_v1 (q, k, v, bias, mask, q_lens, kv_lens, q_seg, kv_seg, dropout_seed)
 //       -> (o [B, T, N, H], lse [B, N, T] float32)
-//   jaxdnn_attention_bwd_v1 (do, q, k, v, o, lse, bias, mask, q_lens, kv_lens, q_seg, kv_seg,
+//   jaxdnn_attention_bwd_v2 (do, q, k, v, o, lse, bias, mask, q_lens, kv_lens, q_seg, kv_seg,
 //                            dropout_seed)
-//       -> (dq, dk, dv, dbias [B, N, T, S] float32 or [0], workspace delta [B, N, T] float32)
+//       -> (dq, dk, dv, dbias [B, N, T, S] float32 or [0], workspace delta [B, N, T] float32,
+//           workspace dq_accum [B, T, N, H] float32 or [0], workspace semaphores int32 or [0])
 //       dbias is [0] unless the attr bias_grad is 1 (a bias is present and differentiated).
+//       dq_accum and semaphores (B * N * ceil(T / 64) of them) are for the Hopper kernels of
+//       16-bit inputs with H <= 128 (attention_sm90.h), [0] otherwise.
 // Optional operands are always passed; `present` (a bitmask of AttentionOperand) says which are
 // real, the others are [0] placeholders:
 //   bias [Bb, Nb, Tb, Sb] float32, each axis 1 (broadcast) or full; its gradient is returned
@@ -87,7 +90,9 @@ auto BindAttentionBwd(Binding binding) {
       .template Ret<ffi::AnyBuffer>()                // dk, k's shape and dtype
       .template Ret<ffi::AnyBuffer>()                // dv
       .template Ret<ffi::Buffer<ffi::F32>>()         // dbias [B, N, T, S] or [0]
-      .template Ret<ffi::Buffer<ffi::F32>>())        // workspace: delta = rowsum(do * o) [B, N, T]
+      .template Ret<ffi::Buffer<ffi::F32>>()         // workspace: delta = rowsum(do * o) [B, N, T]
+      .template Ret<ffi::Buffer<ffi::F32>>()         // workspace: dq_accum [B, T, N, H] or [0]
+      .template Ret<ffi::Buffer<ffi::S32>>())        // workspace: semaphores or [0]
       .template Attr<int64_t>("bias_grad");
 }
 

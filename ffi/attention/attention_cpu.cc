@@ -281,8 +281,10 @@ ffi::Error AttentionBwdImpl(ffi::AnyBuffer d_out, ffi::AnyBuffer q, ffi::AnyBuff
                             ffi::Result<ffi::AnyBuffer> dq,
                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                             ffi::Result<ffi::Buffer<ffi::F32>> dbias, ffi::Result<ffi::Buffer<ffi::F32>> delta,
-                            float scale, float soft_cap, int64_t causal, int64_t window_left,
-                            int64_t window_right, int64_t present, int64_t dropout_keep, int64_t bias_grad) {
+                            ffi::Result<ffi::Buffer<ffi::F32>> /*dq_accum: CUDA only*/,
+                            ffi::Result<ffi::Buffer<ffi::S32>> /*semaphores: CUDA only*/, float scale,
+                            float soft_cap, int64_t causal, int64_t window_left, int64_t window_right,
+                            int64_t present, int64_t dropout_keep, int64_t bias_grad) {
   AttentionProblem p;
   JAXDNN_RETURN_IF_ERROR(MakeAttentionProblem(
       {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, &dropout_seed, scale, soft_cap, causal,

@@ -6,8 +6,9 @@
 // window and length block skipping) through kStages stages of k and v. Each consumer warpgroup owns
 // 64 query rows: per key tile it computes s = q k^T (SS wgmma), masks and scales it, updates the
 // online softmax (running max and sum in registers, o rescaled), and adds p v (RS wgmma: p stays in
-// registers, v's tile is its MN-major operand). The epilogue divides by the row sums and writes o
-// and lse = max + log(sum) (-inf, with o = 0, for a row with no key).
+// registers, v's tile is its MN-major operand), the softmax of one tile overlapping the p v of the
+// one before. The epilogue divides by the row sums and writes o and lse = max + log(sum) (-inf,
+// with o = 0, for a row with no key).
 #include "attention/attention_sm90.h"
 #include "attention/attention_sm90.cuh"
 
@@ -100,7 +101,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  // Consumers.
+  // Consumers. Tile j's softmax runs while the tensor cores add the previous tile's p v: per
+  // iteration, s_j = q k_j^T and o += p_{j-1} v_{j-1} are issued together, the softmax of s_j waits
+  // only for the first, and o is rescaled (to tile j's max) once the second is done. The two
+  // warpgroups also take turns to issue (named barriers 2 and 3), so that one's softmax runs while
+  // the other's products occupy the tensor cores (head sizes up to 128).
   sm90::RegistersIncrease<kConsumerRegisters>();
   const int consumer = warpgroup - 1;
   const Fragment f(threadIdx.x % kWarpgroup);
@@ -112,18 +117,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   Zero(o_acc);
   float row_max[2] = {-INFINITY, -INFINITY};  // running max of the log2-scaled logits
   float row_sum[2] = {0.f, 0.f};              // this thread's part of the running sum
+  float s_acc[Tile::kKeys / 2];
+  uint32_t p_frag[Tile::kKeys / 16][4];
 
-  sm90::BarrierWait(q_full, 0);
-  for (int j = 0; j < key_tiles; ++j) {
-    const int stage = j % Tile::kStages;
-    const uint32_t phase = (j / Tile::kStages) & 1;
-    const int s0 = first + j * Tile::kKeys;
-    const T* k_stage = k_s + stage * kStageElems;
-    const T* v_stage = v_s + stage * kStageElems;
-
-    // s = q k^T: 64 x kKeys, reduced over the head's 64-column chunks, 16 columns a step.
-    float s_acc[Tile::kKeys / 2];
-    sm90::BarrierWait(&k_full[stage], phase);
+  auto stage_of = [](int j) { return j % Tile::kStages; };
+  auto phase_of = [](int j) { return uint32_t(j / Tile::kStages) & 1; };
+  // s = q k_j^T: 64 x kKeys, reduced over the head's 64-column chunks, 16 columns a step (one group).
+  auto issue_s = [&](int j) {
+    const T* k_stage = k_s + stage_of(j) * kStageElems;
+    sm90::BarrierWait(&k_full[stage_of(j)], phase_of(j));
     sm90::WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -133,11 +135,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::Wgmma<Tile::kKeys, T>::template SS<0>(s_acc, a, bk, kk > 0);
     }
     sm90::WgmmaCommit();
-    sm90::WgmmaWait<0>();
-    sm90::FenceRegisters(s_acc);
-    sm90::BarrierArrive(&k_empty[stage]);
-
-    // Logits in log2 units (-inf where dropped), the online softmax's new max, p.
+  };
+  // o += p v_j: v's tile is the MN-major B operand (its rows are the reduction axis) (one group).
+  auto issue_pv = [&](int j) {
+    const T* v_stage = v_s + stage_of(j) * kStageElems;
+    sm90::BarrierWait(&v_full[stage_of(j)], phase_of(j));
+    sm90::WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < Tile::kKeys / 16; ++kk) {
+      const uint64_t bv = sm90::DescriptorMNMajor(v_stage + kk * 16 * 64, Tile::kKeys * 128);
+      sm90::Wgmma<kHeadDim, T>::template RS<1>(o_acc, p_frag[kk], bv, 1);
+    }
+    sm90::WgmmaCommit();
+  };
+  // Tile j's logits in log2 units (-inf where dropped), the new running max, and p in s_acc
+  // (dropped by dropout, the sums undropped); returns through `factor` the rescaling of o.
+  auto softmax = [&](int j, float (&factor)[2]) {
+    const int s0 = first + j * Tile::kKeys;
     const bool whole = !kGeneral && rules.Whole(tw, tw + 64, s0, s0 + Tile::kKeys);
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -152,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       s_acc[i] = x;
       tile_max[Fragment::Half(i)] = fmaxf(tile_max[Fragment::Half(i)], x);
     }
-    float factor[2], base[2];
+    float base[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float new_max = fmaxf(row_max[h], QuadMax(tile_max[h]));
@@ -168,23 +182,58 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kGeneral) prob *= DropoutScale(p, b, n, tw + f.Row(i), s0 + f.Col(i));
       s_acc[i] = prob;
     }
-    uint32_t p_frag[Tile::kKeys / 16][4];
-    ToOperand<T>(s_acc, p_frag);
-#pragma unroll
-    for (int i = 0; i < kHeadDim / 2; ++i) o_acc[i] *= factor[Fragment::Half(i)];
+  };
 
-    // o += p v: v's tile is the MN-major B operand (its rows are the reduction axis).
-    sm90::BarrierWait(&v_full[stage], phase);
-    sm90::WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < Tile::kKeys / 16; ++kk) {
-      const uint64_t bv = sm90::DescriptorMNMajor(v_stage + kk * 16 * 64, Tile::kKeys * 128);
-      sm90::Wgmma<kHeadDim, T>::template RS<1>(o_acc, p_frag[kk], bv, 1);
+  // Turns: warpgroup w waits at barrier 2 + w before issuing and then lets the other one go; the
+  // second starts by letting the first go, and skips its last hand-over (nobody waits for it).
+  // Head size 256 is bound by the products (and short of registers for this): no turns.
+  constexpr bool kTurns = kHeadDim <= 128;
+  const int issues = key_tiles + 1;
+  int issued = 0;
+  auto take_turn = [&]() {
+    if constexpr (kTurns) sm90::NamedBarrierSync(2 + consumer, 2 * kWarpgroup);
+  };
+  auto pass_turn = [&]() {
+    if constexpr (kTurns) {
+      if (++issued < issues || consumer == 0) sm90::NamedBarrierArrive(3 - consumer, 2 * kWarpgroup);
     }
-    sm90::WgmmaCommit();
+  };
+
+  sm90::BarrierWait(q_full, 0);
+  if (key_tiles > 0) {
+    float factor[2];
+    if (kTurns && consumer == 1) sm90::NamedBarrierArrive(2, 2 * kWarpgroup);
+    take_turn();
+    issue_s(0);
+    pass_turn();
+    sm90::WgmmaWait<0>();
+    sm90::FenceRegisters(s_acc);
+    sm90::BarrierArrive(&k_empty[stage_of(0)]);
+    softmax(0, factor);  // o is still 0: no rescaling
+    ToOperand<T>(s_acc, p_frag);
+    for (int j = 1; j < key_tiles; ++j) {
+      take_turn();
+      issue_s(j);
+      issue_pv(j - 1);
+      pass_turn();
+      sm90::WgmmaWait<1>();  // s_j is done (groups complete in order), p_{j-1} v_{j-1} may not be
+      sm90::FenceRegisters(s_acc);
+      sm90::BarrierArrive(&k_empty[stage_of(j)]);
+      softmax(j, factor);
+      sm90::WgmmaWait<0>();
+      sm90::FenceRegisters(o_acc);
+      sm90::FenceRegisters(p_frag);  // read by the wgmma until here: not reused before
+      sm90::BarrierArrive(&v_empty[stage_of(j - 1)]);
+#pragma unroll
+      for (int i = 0; i < kHeadDim / 2; ++i) o_acc[i] *= factor[Fragment::Half(i)];
+      ToOperand<T>(s_acc, p_frag);
+    }
+    take_turn();
+    issue_pv(key_tiles - 1);
+    pass_turn();
     sm90::WgmmaWait<0>();
     sm90::FenceRegisters(o_acc);
-    sm90::BarrierArrive(&v_empty[stage]);
+    sm90::BarrierArrive(&v_empty[stage_of(key_tiles - 1)]);
   }
 
   // o = acc / sum and lse, for the rows in the tensor; 0 and -inf for a row with no key (or past
