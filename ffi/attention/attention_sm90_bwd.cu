@@ -18,6 +18,7 @@
 //   the two consumer warpgroups, which then both compute s^T and dp^T of the same 64 keys.
 // With a differentiated bias, ds is also dbias (each element written once).
 #include <algorithm>
+#include <type_traits>
 
 #include "attention/attention_sm90.h"
 #include "attention/attention_sm90.cuh"
@@ -147,24 +148,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::FenceRegisters(dp_acc);
 
     const bool whole = !kGeneral && rules.Whole(tw, tw + 64, s0, s0 + Tile::kKeys);
+    // One loop per kind of tile (a uniform branch), so a whole tile runs no index tests.
+    auto gradients = [&](auto masked) {
 #pragma unroll
-    for (int i = 0; i < Tile::kKeys / 2; ++i) {
-      const int t = tw + f.Row(i), s = s0 + f.Col(i);
-      const int h = Fragment::Half(i);
-      float grad = 0.f;  // d loss / d (q.k)
-      if constexpr (kGeneral) {
-        if (p.Attends(b, n, t, s)) {
-          const float logit = p.Logit(s_acc[i], b, n, t, s);
-          const float prob = exp2f(logit * kLog2e - row_lse[h]);
-          const float ds = prob * (dp_acc[i] * DropoutScale(p, b, n, t, s) - row_delta[h]);
-          if (dbias != nullptr) dbias[p.StatIndex(b, n, t) * p.kv_len + s] = ds;
-          grad = ds == 0.f ? 0.f : p.DotGrad(ds, logit, b, n, t, s);
+      for (int i = 0; i < Tile::kKeys / 2; ++i) {
+        const int t = tw + f.Row(i), s = s0 + f.Col(i);
+        const int h = Fragment::Half(i);
+        float grad = 0.f;  // d loss / d (q.k)
+        if constexpr (kGeneral) {
+          if (p.Attends(b, n, t, s)) {
+            const float logit = p.Logit(s_acc[i], b, n, t, s);
+            const float prob = exp2f(logit * kLog2e - row_lse[h]);
+            const float ds = prob * (dp_acc[i] * DropoutScale(p, b, n, t, s) - row_delta[h]);
+            if (dbias != nullptr) dbias[p.StatIndex(b, n, t) * p.kv_len + s] = ds;
+            grad = ds == 0.f ? 0.f : p.DotGrad(ds, logit, b, n, t, s);
+          }
+        } else if (!decltype(masked)::value || rules.Attends(t, s)) {
+          const float prob = exp2f(s_acc[i] * scale_log2 - row_lse[h]);
+          grad = prob * (dp_acc[i] - row_delta[h]) * p.scale;
         }
-      } else if (whole || rules.Attends(t, s)) {
-        const float prob = exp2f(s_acc[i] * scale_log2 - row_lse[h]);
-        grad = prob * (dp_acc[i] - row_delta[h]) * p.scale;
+        s_acc[i] = grad;
       }
-      s_acc[i] = grad;
+    };
+    if (whole) {
+      gradients(std::false_type{});
+    } else {
+      gradients(std::true_type{});
     }
     uint32_t ds_frag[Tile::kKeys / 16][4];
     ToOperand<T>(s_acc, ds_frag);

@@ -9,6 +9,8 @@
 // registers, v's tile is its MN-major operand), the softmax of one tile overlapping the p v of the
 // one before. The epilogue divides by the row sums and writes o and lse = max + log(sum) (-inf,
 // with o = 0, for a row with no key).
+#include <type_traits>
+
 #include "attention/attention_sm90.h"
 #include "attention/attention_sm90.cuh"
 
@@ -149,38 +151,60 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::WgmmaCommit();
   };
   // Tile j's logits in log2 units (-inf where dropped), the new running max, and p in s_acc
-  // (dropped by dropout, the sums undropped); returns through `factor` the rescaling of o.
+  // (dropped by dropout, the sums undropped); returns through `factor` the rescaling of o. A row's
+  // max and sum over the thread's kKeys / 4 elements of it are taken as 4 interleaved partials
+  // (short dependency chains: two consumer warps a scheduler cannot hide a 32-long one).
   auto softmax = [&](int j, float (&factor)[2]) {
     const int s0 = first + j * Tile::kKeys;
     const bool whole = !kGeneral && rules.Whole(tw, tw + 64, s0, s0 + Tile::kKeys);
-    float tile_max[2] = {-INFINITY, -INFINITY};
+    float partial[2][4];  // [row][partial]
 #pragma unroll
-    for (int i = 0; i < Tile::kKeys / 2; ++i) {
-      const int t = tw + f.Row(i), s = s0 + f.Col(i);
-      float x;
-      if constexpr (kGeneral) {
-        x = p.Attends(b, n, t, s) ? p.Logit(s_acc[i], b, n, t, s) * kLog2e : -INFINITY;
-      } else {
-        x = whole || rules.Attends(t, s) ? s_acc[i] * scale_log2 : -INFINITY;
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) partial[h][k] = -INFINITY;
+    }
+    // One loop per kind of tile (a uniform branch), so a whole tile runs no index tests.
+    auto logits = [&](auto masked) {
+#pragma unroll
+      for (int i = 0; i < Tile::kKeys / 2; ++i) {
+        const int t = tw + f.Row(i), s = s0 + f.Col(i);
+        float x;
+        if constexpr (kGeneral) {
+          x = p.Attends(b, n, t, s) ? p.Logit(s_acc[i], b, n, t, s) * kLog2e : -INFINITY;
+        } else {
+          x = !decltype(masked)::value || rules.Attends(t, s) ? s_acc[i] * scale_log2 : -INFINITY;
+        }
+        s_acc[i] = x;
+        float& m = partial[Fragment::Half(i)][(i >> 2) % 2 * 2 + (i & 1)];
+        m = fmaxf(m, x);
       }
-      s_acc[i] = x;
-      tile_max[Fragment::Half(i)] = fmaxf(tile_max[Fragment::Half(i)], x);
+    };
+    if (whole) {
+      logits(std::false_type{});
+    } else {
+      logits(std::true_type{});
     }
     float base[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float new_max = fmaxf(row_max[h], QuadMax(tile_max[h]));
+      const float tile_max = fmaxf(fmaxf(partial[h][0], partial[h][1]), fmaxf(partial[h][2], partial[h][3]));
+      const float new_max = fmaxf(row_max[h], QuadMax(tile_max));
       base[h] = new_max == -INFINITY ? 0.f : new_max;  // a row with no key yet keeps p = 0
       factor[h] = exp2f(row_max[h] - base[h]);
       row_max[h] = new_max;
-      row_sum[h] *= factor[h];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) partial[h][k] = 0.f;
     }
 #pragma unroll
     for (int i = 0; i < Tile::kKeys / 2; ++i) {
       float prob = exp2f(s_acc[i] - base[Fragment::Half(i)]);
-      row_sum[Fragment::Half(i)] += prob;  // the normalizer is undropped
+      partial[Fragment::Half(i)][(i >> 2) % 2 * 2 + (i & 1)] += prob;  // the normalizer is undropped
       if constexpr (kGeneral) prob *= DropoutScale(p, b, n, tw + f.Row(i), s0 + f.Col(i));
       s_acc[i] = prob;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_sum[h] = row_sum[h] * factor[h] + ((partial[h][0] + partial[h][1]) + (partial[h][2] + partial[h][3]));
     }
   };
 
