@@ -643,13 +643,23 @@ def attention_cases(quick: bool) -> list[Case]:
 
 
 def attention_memory(quick: bool) -> list[dict[str, Any]]:
-    """Device memory of a jitted attention fwd+bwd (bf16, B=1, N=16, H=128, T = S) for jaxdnn and
-    jax.nn's "xla" (and "cudnn" on a GPU): XLA's compiled memory analysis (arguments + outputs +
-    temporaries, no run needed), for S from 4096 to 32768; then jaxdnn's fwd+bwd is run at the
-    largest S and the device's peak bytes in use reported with it."""
+    """Device memory of a jitted attention fwd+bwd (bf16, B=1, N=16, H=128, T = S, causal): first
+    jaxdnn's is run at the largest S and the device's peak bytes in use reported (before anything
+    else of this family allocates: XLA's compiler itself reserves memory for its largest programs);
+    then XLA's compiled memory analysis (arguments + outputs + temporaries, no run needed) of jaxdnn
+    and jax.nn's "xla" (and "cudnn" on a GPU) for S from 4096 to 32768."""
     lengths = [256, 512] if quick else [4096, 8192, 16384, 32768]
     impls = {"jaxdnn": jaxdnn.dot_product_attention, **_attention_peers()}
-    records = []
+    s = lengths[-1]
+    key = jax.random.key(3)
+    args = [_normal(k, (1, s, 16, 128), jnp.bfloat16) for k in jax.random.split(key, 4)]
+    step = jax.jit(_fwd_bwd(functools.partial(jaxdnn.dot_product_attention, is_causal=True)))
+    jax.block_until_ready(step(*args))
+    del args
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    records = [dict(family="attention_memory", case=f"B1 T{s} S{s} N16 H128 causal fwd+bwd run",
+                    impl="jaxdnn", peak_bytes_in_use=peak)]
+    print(f"jaxdnn fwd+bwd at S{s} ran; peak bytes in use {peak}", flush=True)
     for s in lengths:
         shape = jax.ShapeDtypeStruct((1, s, 16, 128), jnp.bfloat16)
         for impl, attention in impls.items():
@@ -664,16 +674,6 @@ def attention_memory(quick: bool) -> list[dict[str, Any]]:
             records.append(dict(family="attention_memory", case=f"B1 T{s} S{s} N16 H128 causal fwd+bwd",
                                 impl=impl, compiled_bytes=total))
             print(f"memory {impl} S{s}: {'-' if total is None else f'{total / 2**30:.2f} GiB'}", flush=True)
-    s = lengths[-1]
-    key = jax.random.key(3)
-    args = [_normal(k, (1, s, 16, 128), jnp.bfloat16) for k in jax.random.split(key, 4)]
-    step = jax.jit(_fwd_bwd(functools.partial(jaxdnn.dot_product_attention, is_causal=True)))
-    jax.block_until_ready(step(*args))
-    stats = jax.devices()[0].memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use")
-    records.append(dict(family="attention_memory", case=f"B1 T{s} S{s} N16 H128 causal fwd+bwd run",
-                        impl="jaxdnn", peak_bytes_in_use=peak))
-    print(f"jaxdnn fwd+bwd at S{s} ran; peak bytes in use {peak}", flush=True)
     return records
 
 

@@ -56,7 +56,8 @@ CASES = {
     "h32-lengths-causal": ((2, 256, 256, 4, 1, 32), dict(
         is_causal=True, query_seq_lengths=np.array([256, 100], np.int32),
         key_value_seq_lengths=np.array([200, 256], np.int32))),
-    "decode": ((2, 1, 700, 4, 4, 128), {}),
+    "decode": ((2, 1, 700, 4, 4, 128), {}),  # few query tiles for many key tiles: the separate kernels
+    "h64-decode-causal-t>s": ((1, 2, 1100, 2, 2, 64), dict(is_causal=True, local_window_size=(900, 0))),
 }
 
 

@@ -19,9 +19,9 @@ bool Sm90Takes(const AttentionProblem& p, ffi::DataType dtype);
 ffi::Error AttentionFwdSm90(cudaStream_t stream, const AttentionProblem& p, ffi::DataType dtype, const void* q,
                             const void* k, const void* v, void* o, float* lse);
 
-// Whether the backward of this problem runs the fused kernel, which needs the workspaces
+// Whether the backward of this problem may run the fused kernel, which needs the workspaces
 // dq_accum (float32, q's shape) and semaphores (FusedBackwardSemaphores int32) of
-// jaxdnn_attention_bwd_v2; the head size 256 kernels need neither.
+// jaxdnn_attention_bwd_v2; the separate kernels (head size 256, decoding shapes) need neither.
 bool FusedBackwardTakes(const AttentionProblem& p);
 int64_t FusedBackwardSemaphores(const AttentionProblem& p);
 

@@ -10,12 +10,14 @@
 //   the q and do tiles as MN-major operands), and this key tile's share of dq, ds k, added to a
 //   float32 dq_accum in a fixed order (see AttentionBwdFusedKernel). The group's query heads are
 //   summed in the CTA, in a fixed order.
-// Head size 256 (dk and dv alone fill the registers): two kernels.
+// Head size 256 (dk and dv alone fill the registers), and problems with few query tiles for their
+// key tiles (decoding: the fused kernel's ordered adds would wait in a long chain): two kernels.
 //   dq: one CTA per (b, n, tile of 128 queries), the forward's structure; per key tile s = q k^T and
 //   dp = do v^T (SS), ds as above, dq += ds k (RS: ds from registers, k's tile as the MN-major
 //   operand).
-//   dk, dv: the fused kernel's loop without dq, over 64 keys a CTA, the head's columns split between
-//   the two consumer warpgroups, which then both compute s^T and dp^T of the same 64 keys.
+//   dk, dv: the fused kernel's loop without dq; for head size 256 over 64 keys a CTA, the head's
+//   columns split between the two consumer warpgroups, which then both compute s^T and dp^T of the
+//   same 64 keys.
 // With a differentiated bias, ds is also dbias (each element written once).
 #include <algorithm>
 #include <type_traits>
@@ -31,8 +33,8 @@ namespace {
 
 template <int kHeadDim>
 struct DqTile {
-  static constexpr int kRows = 128;  // queries a CTA, 64 per consumer warpgroup
-  static constexpr int kKeys = 32;   // keys a stage (dq alone is 128 floats a thread)
+  static constexpr int kRows = 128;                        // queries a CTA, 64 per consumer warpgroup
+  static constexpr int kKeys = kHeadDim == 256 ? 32 : 64;  // keys a stage (H 256: dq is 128 floats a thread)
   static constexpr int kStages = 2;
   static constexpr int kChunks = kHeadDim / 64;
   static constexpr int kQBytes = kRows * kHeadDim * 2;     // q, and do
@@ -338,13 +340,14 @@ __device__ __forceinline__ void IssueKeyGradients(const T* q_stage, const T* do_
   sm90::WgmmaCommit();
 }
 
-// ---- dk, dv (head size 256, beside the dq kernel) -------------------------------------------------
+// ---- dk, dv (beside the dq kernel) ----------------------------------------------------------------
 
 template <int kHeadDim>
 struct DkvTile {
-  static constexpr int kKeys = 64;             // keys a CTA, both warpgroups on the same keys
-  static constexpr int kCols = kHeadDim / 2;   // dk / dv columns a warpgroup
-  static constexpr int kRows = 64;             // queries a stage
+  static constexpr bool kSplitColumns = kHeadDim == 256;        // both warpgroups on the same keys
+  static constexpr int kKeys = kSplitColumns ? 64 : 128;        // keys a CTA
+  static constexpr int kCols = kSplitColumns ? 128 : kHeadDim;  // dk / dv columns a warpgroup
+  static constexpr int kRows = 64;                              // queries a stage
   static constexpr int kStages = 2;
   static constexpr int kChunks = kHeadDim / 64;
   static constexpr int kKVBytes = kKeys * kHeadDim * 2;      // k, and v
@@ -404,8 +407,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   sm90::RegistersIncrease<kConsumerRegisters>();
   const int consumer = warpgroup - 1;
   const Fragment f(threadIdx.x % kWarpgroup);
-  const int key_row = 0;                         // the warpgroup's keys in the tile
-  const int col0 = consumer * Tile::kCols;       // its dk / dv columns
+  const int key_row = Tile::kSplitColumns ? 0 : 64 * consumer;  // the warpgroup's keys in the tile
+  const int col0 = Tile::kSplitColumns ? 128 * consumer : 0;     // its dk / dv columns
   const int sw = s0 + key_row;
   const IndexRules rules(p, b);
 
@@ -692,25 +695,25 @@ ffi::Error EncodeError() {
   return ffi::Error(ffi::ErrorCode::kInternal, "jaxdnn: attention backward (sm90): cannot encode a TMA descriptor");
 }
 
-// Head size 256: the dq kernel, then the dk/dv kernel.
-template <typename T, bool kGeneral>
+// The dq kernel, then the dk/dv kernel.
+template <typename T, int kHeadDim, bool kGeneral>
 ffi::Error LaunchSeparate(cudaStream_t stream, const AttentionProblem& p, CUtensorMapDataType type, const void* d_out,
                           const void* q, const void* k, const void* v, const float* lse, const float* delta, void* dq,
                           void* dk, void* dv, float* dbias) {
-  using Dq = DqTile<256>;
-  using Dkv = DkvTile<256>;
+  using Dq = DqTile<kHeadDim>;
+  using Dkv = DkvTile<kHeadDim>;
   BwdMaps dq_maps, dkv_maps;
   if (!MakeMaps(p, type, d_out, q, k, v, Dq::kRows, Dq::kKeys, &dq_maps) ||
       !MakeMaps(p, type, d_out, q, k, v, Dkv::kRows, Dkv::kKeys, &dkv_maps)) {
     return EncodeError();
   }
-  auto dq_kernel = AttentionDqKernel<T, 256, kGeneral>;
+  auto dq_kernel = AttentionDqKernel<T, kHeadDim, kGeneral>;
   JAXDNN_RETURN_IF_ERROR(PrepareLaunch(dq_kernel, Dq::kSharedBytes));
   const int64_t dq_blocks = (p.q_len + Dq::kRows - 1) / Dq::kRows * p.heads * p.batch;
   dq_kernel<<<static_cast<unsigned>(dq_blocks), kThreads, Dq::kSharedBytes, stream>>>(
       dq_maps.q, dq_maps.d_out, dq_maps.k, dq_maps.v, p, lse, delta, static_cast<T*>(dq), dbias);
   JAXDNN_RETURN_IF_ERROR(LaunchError("attention dq (sm90)"));
-  auto dkv_kernel = AttentionDkvKernel<T, 256, kGeneral>;
+  auto dkv_kernel = AttentionDkvKernel<T, kHeadDim, kGeneral>;
   JAXDNN_RETURN_IF_ERROR(PrepareLaunch(dkv_kernel, Dkv::kSharedBytes));
   const int64_t dkv_blocks = (p.kv_len + Dkv::kKeys - 1) / Dkv::kKeys * p.kv_heads * p.batch;
   dkv_kernel<<<static_cast<unsigned>(dkv_blocks), kThreads, Dkv::kSharedBytes, stream>>>(
@@ -746,19 +749,39 @@ ffi::Error LaunchFused(cudaStream_t stream, const AttentionProblem& p, CUtensorM
   return LaunchError("attention backward (sm90): dq cast");
 }
 
+// The fused kernel unless its ordered dq adds would be chain-bound: each query tile's adds come one
+// key tile after another, so with few query tiles in all (B N tiles < 2 per SM) and many key tiles
+// for each (more than 4) the chains, not the products, would set the time.
+template <int kHeadDim>
+bool UseFused(const AttentionProblem& p) {
+  using Tile = FusedTile<kHeadDim>;
+  const int64_t query_tiles = (p.q_len + Tile::kRows - 1) / Tile::kRows;
+  const int64_t key_tiles = (p.kv_len + Tile::kKeys - 1) / Tile::kKeys;
+  int device = 0, sms = 132;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return p.batch * p.heads * query_tiles >= 2 * sms || key_tiles <= 4 * query_tiles;
+}
+
 template <typename T, bool kGeneral>
 ffi::Error Dispatch(cudaStream_t stream, const AttentionProblem& p, CUtensorMapDataType type, const void* d_out,
                     const void* q, const void* k, const void* v, const float* lse, const float* delta, void* dq,
                     void* dk, void* dv, float* dbias, float* dq_accum, int* semaphores) {
   switch (PaddedHeadDim(p.head_dim)) {
     case 64:
-      return LaunchFused<T, 64, kGeneral>(stream, p, type, d_out, q, k, v, lse, delta, dq, dk, dv, dbias, dq_accum,
-                                          semaphores);
+      if (UseFused<64>(p)) {
+        return LaunchFused<T, 64, kGeneral>(stream, p, type, d_out, q, k, v, lse, delta, dq, dk, dv, dbias,
+                                            dq_accum, semaphores);
+      }
+      return LaunchSeparate<T, 64, kGeneral>(stream, p, type, d_out, q, k, v, lse, delta, dq, dk, dv, dbias);
     case 128:
-      return LaunchFused<T, 128, kGeneral>(stream, p, type, d_out, q, k, v, lse, delta, dq, dk, dv, dbias, dq_accum,
-                                           semaphores);
+      if (UseFused<128>(p)) {
+        return LaunchFused<T, 128, kGeneral>(stream, p, type, d_out, q, k, v, lse, delta, dq, dk, dv, dbias,
+                                             dq_accum, semaphores);
+      }
+      return LaunchSeparate<T, 128, kGeneral>(stream, p, type, d_out, q, k, v, lse, delta, dq, dk, dv, dbias);
     default:
-      return LaunchSeparate<T, kGeneral>(stream, p, type, d_out, q, k, v, lse, delta, dq, dk, dv, dbias);
+      return LaunchSeparate<T, 256, kGeneral>(stream, p, type, d_out, q, k, v, lse, delta, dq, dk, dv, dbias);
   }
 }
 
