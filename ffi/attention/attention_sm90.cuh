@@ -72,6 +72,32 @@ struct Fragment {
   __device__ __forceinline__ int Col(int i) const { return col + 8 * (i >> 2) + (i & 1); }
 };
 
+// The work of a query-tile CTA (the forward, dq): its tile of kRows queries (blockIdx.x runs over
+// the tiles of a head fastest, later and, under a causal mask, heavier tiles first), head n, batch
+// element b, kv head, and the key tiles it streams: [first, first + key_tiles kKeys), the keys its
+// queries can reach (causal, window and length block skipping) aligned to kKeys.
+struct QueryTileWork {
+  int t0, rows;
+  int64_t n, b, kh;
+  int first, key_tiles;
+
+  template <int kRows, int kKeys>
+  static __device__ QueryTileWork Of(const AttentionProblem& p) {
+    QueryTileWork w;
+    const int tiles = int((p.q_len + kRows - 1) / kRows);
+    w.t0 = (tiles - 1 - int(blockIdx.x % tiles)) * kRows;
+    w.rows = int(p.q_len - w.t0 < kRows ? p.q_len - w.t0 : kRows);
+    w.n = (blockIdx.x / tiles) % p.heads;
+    w.b = blockIdx.x / tiles / p.heads;
+    w.kh = w.n / p.Group();
+    int64_t lo, hi;
+    p.KeyRange(w.b, w.t0, w.t0 + w.rows, &lo, &hi);
+    w.first = lo < hi ? int(lo - lo % kKeys) : 0;
+    w.key_tiles = lo < hi ? int((hi - w.first + kKeys - 1) / kKeys) : 0;
+    return w;
+  }
+};
+
 // Reductions over the 4 threads that hold one row (lanes 4r .. 4r + 3).
 __device__ __forceinline__ float QuadMax(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));

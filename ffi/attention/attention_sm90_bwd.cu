@@ -62,16 +62,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* kv_empty = kv_full + Tile::kStages;
   constexpr int kStageElems = Tile::kKVBytes / 2;
 
-  const int tiles = int((p.q_len + Tile::kRows - 1) / Tile::kRows);
-  const int tile = tiles - 1 - int(blockIdx.x % tiles);
-  const int64_t n = (blockIdx.x / tiles) % p.heads, b = blockIdx.x / tiles / p.heads;
-  const int64_t kh = n / p.Group();
-  const int t0 = tile * Tile::kRows;
-  const int rows = int(p.q_len - t0 < Tile::kRows ? p.q_len - t0 : Tile::kRows);
-  int64_t lo, hi;
-  p.KeyRange(b, t0, t0 + rows, &lo, &hi);
-  const int first = lo < hi ? int(lo - lo % Tile::kKeys) : 0;
-  const int key_tiles = lo < hi ? int((hi - first + Tile::kKeys - 1) / Tile::kKeys) : 0;
+  const auto work = QueryTileWork::Of<Tile::kRows, Tile::kKeys>(p);
+  const int t0 = work.t0, first = work.first, key_tiles = work.key_tiles;
+  const int64_t n = work.n, b = work.b, kh = work.kh;
 
   const int warpgroup = threadIdx.x / kWarpgroup;
   if (threadIdx.x == 0) {
