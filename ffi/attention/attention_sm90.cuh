@@ -61,6 +61,13 @@ struct IndexRules {
   }
 };
 
+// Row t's lse in log2 units for the backward's p = exp2(logit log2(e) - it): +inf for a row past T
+// or with no key (lse -inf), so that its p is 0.
+__device__ __forceinline__ float RowLse2(const AttentionProblem& p, const float* lse, int64_t b, int64_t n, int t) {
+  const float l = t < p.q_len ? lse[p.StatIndex(b, n, t)] : -INFINITY;
+  return l == -INFINITY ? INFINITY : l * kLog2e;
+}
+
 // The rows and columns of a thread's accumulator elements in its warpgroup's 64 x N tile (the layout
 // of sm90::Wgmma): element i is at row Row(i), column Col(i).
 struct Fragment {

@@ -105,13 +105,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tw = t0 + 64 * consumer;
   const IndexRules rules(p, b);
   const float scale_log2 = p.scale * kLog2e;
-  // Per row: lse in log2 units (+inf for a row with no key or past T: p = 0), delta.
-  float row_lse[2], row_delta[2];
+  float row_lse[2], row_delta[2];  // the thread's two rows
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int t = tw + f.row + 8 * h;
-    const float l = t < p.q_len ? lse[p.StatIndex(b, n, t)] : -INFINITY;
-    row_lse[h] = l == -INFINITY ? INFINITY : l * kLog2e;
+    row_lse[h] = RowLse2(p, lse, b, n, t);
     row_delta[h] = t < p.q_len ? delta[p.StatIndex(b, n, t)] : 0.f;
   }
 
@@ -210,7 +208,7 @@ __device__ __forceinline__ int QueryTilesOf(const AttentionProblem& p, int64_t b
 
 // The producer warp of a key-tile kernel: the tile's k and v once (on kv_full), then per step (head
 // n of the group, query tile t0) the q and do tiles by TMA and the rows' lse (log2 units; +inf for
-// a row without a key or past T, so p = 0 there) and delta, which the lanes copy, into stage
+// a row without a key or past T: RowLse2) and delta, which the lanes copy, into stage
 // `step % kStages` (on full[stage] once empty[stage] is released).
 template <typename Tile, typename T>
 __device__ __forceinline__ void ProduceQueryTiles(const CUtensorMap& q_map, const CUtensorMap& do_map,
@@ -236,8 +234,7 @@ __device__ __forceinline__ void ProduceQueryTiles(const CUtensorMap& q_map, cons
     sm90::BarrierWait(&empty[stage], ((j / Tile::kStages) & 1) ^ 1);
     for (int r = lane; r < Tile::kRows; r += 32) {
       const int t = t0 + r;
-      const float l = t < p.q_len ? lse[p.StatIndex(b, n, t)] : -INFINITY;
-      lse_s[stage * Tile::kRows + r] = l == -INFINITY ? INFINITY : l * kLog2e;
+      lse_s[stage * Tile::kRows + r] = RowLse2(p, lse, b, n, t);
       delta_s[stage * Tile::kRows + r] = t < p.q_len ? delta[p.StatIndex(b, n, t)] : 0.f;
     }
     __syncwarp();  // the lanes' shared-memory writes happen before lane 0's arrival releases them
@@ -287,6 +284,8 @@ __device__ __forceinline__ void KeyMajorGradients(const float (&st_acc)[kCount],
                                                   uint32_t (&ds_frag)[kCount / 8][4]) {
   const float scale_log2 = p.scale * kLog2e;
   const bool whole = !kGeneral && rules.Whole(t0, t0 + 2 * kCount, sw, sw + 64);  // 2 kCount queries
+  // One loop tests `whole` per element: a loop per kind of tile, as the forward has, made the fused
+  // kernel spill (its dk and dv fill the registers).
 #pragma unroll
   for (int pair = 0; pair < kCount / 2; ++pair) {
     float prob[2] = {0.f, 0.f}, grad[2] = {0.f, 0.f};
