@@ -2,11 +2,11 @@
 for a channel multiplier m) against lax in float64: forward and VJP (lhs and rhs, random cotangent)
 through conv_general_dilated, and conv(..., groups=C) with its fused bias, residual and activation.
 
-The cases aim at the GPU's depthwise kernels (ffi/conv/depthwise.cu): the 3x3 window they specialize
-(strides 1 and 2, any padding, H dilation, several channel packs per block), their generic kernels
-(other windows, W dilation, multipliers, 1-D and 3-D), the scalar path (odd C), and batches large
-enough to split wgrad's reduction over blocks. On the CPU they check the same semantics on the CPU
-kernels."""
+The cases aim at the GPU's depthwise kernels (ffi/conv/depthwise.cu and depthwise_sm90.cu): the 3x3
+window they specialize (strides 1 and 2, any padding, H dilation, several channel packs per block,
+several column tiles, rings of stages that wrap), their generic kernels (other windows, W dilation,
+multipliers, 1-D and 3-D), the scalar path (odd C), and batches large enough to split wgrad's
+reduction over blocks. On the CPU they check the same semantics on the CPU kernels."""
 
 import functools
 
@@ -44,6 +44,12 @@ CASES = [
     ((1, 15, 9), (3,), 2, dict(window_strides=(2,), padding=((1, 1),), rhs_dilation=(2,))),
     ((1, 5, 4, 6, 8), (3, 3, 3), 1, dict(window_strides=(2, 1, 1), padding="SAME")),
     ((2, 5, 6, 7, 8), (1, 3, 3), 1, dict(window_strides=(2, 1, 1), padding=((1, 1), (1, 1), (1, 1)))),
+    # the streaming kernels of TMA GPUs (depthwise_sm90.cu): rows wider than a block's columns
+    # (several column tiles, stride 1 and 2), and enough units that each block's ring of stages
+    # wraps several times (tiny blocks of 4 columns)
+    ((2, 6, 100, 64), (3, 3), 1, dict(window_strides=(1, 1), padding=((1, 1), (2, 0)))),
+    ((1, 13, 150, 48), (3, 3), 1, dict(window_strides=(2, 2), padding="SAME")),
+    ((2, 6400, 4, 8), (3, 3), 1, dict(window_strides=(1, 1), padding="SAME")),
     # an empty batch (dw is zeros), and batches whose wgrad is split over many blocks
     ((0, 6, 6, 8), (3, 3), 1, dict(window_strides=(1, 1), padding="SAME")),
     ((4, 32, 32, 64), (3, 3), 1, dict(window_strides=(1, 1), padding="SAME")),

@@ -11,10 +11,12 @@
 // strips side by side, so the input rows that 3 output rows share are fetched into L1 once.
 //
 // Kernels:
-// - DepthwiseTile3x3Kernel: the common 3 x 3 window with 16-bit values, C a multiple of 8, equal H
-//   and W strides of 1 or 2 (also unit-stride dgrad): a block copies the input its tile of 8 output
-//   rows x up to 64 columns x up to 64 channels reads into shared memory with cp.async, then each
-//   thread computes 8 channels of 4 vertically adjacent outputs from there (see its comment).
+// - depthwise_sm90.cu's streaming kernels take the common 3 x 3 window with 16-bit values (forward,
+//   unit-stride dgrad and wgrad) on GPUs with TMA; the kernels below serve the rest.
+// - DepthwiseTile3x3Kernel: the same window and conditions on GPUs without TMA (forward and
+//   unit-stride dgrad): a block copies the input its tile of 8 output rows x up to 64 columns x up
+//   to 64 channels reads into shared memory with cp.async, then each thread computes 8 channels of
+//   4 vertically adjacent outputs from there (see its comment).
 // - Depthwise3x3Kernel: the other 1 x 3 x 3 windows (any padding, H stride and dilation, W stride 1
 //   or 2, W dilation 1, m == 1, vector packs). The thread keeps its pack's 9 taps in registers
 //   (float32) and loads the (kStrip - 1) * stride + 3 input pixels of each window row once for its
@@ -44,6 +46,7 @@
 #include "common/cuda_common.cuh"
 #include "conv/conv_epilogue.h"
 #include "conv/conv_geometry.h"
+#include "conv/depthwise_sm90.h"
 
 namespace jaxdnn {
 namespace {
@@ -228,29 +231,6 @@ struct InputChannels {
     }
   }
 };
-
-// out[index .. index + kVec) = act(acc + bias[k0 ..] + residual[index ..]), rounded once.
-template <typename T, int kVec>
-__device__ __forceinline__ void StoreOutputPack(const ConvEpilogue<T>& epilogue, float (&acc)[kVec], int64_t index,
-                                                int64_t k0, T* out) {
-  if (epilogue.bias != nullptr) {
-    float bias[kVec];
-    ToFloats(LoadPack<T, kVec>(epilogue.bias + k0), bias);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) acc[e] += bias[e];
-  }
-  if (epilogue.residual != nullptr) {
-    float residual[kVec];
-    ToFloats(LoadPack<T, kVec>(epilogue.residual + index), residual);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) acc[e] += residual[e];
-  }
-  if (epilogue.activation != 0) ActivateKindN(epilogue.activation, acc, epilogue.activation_param);
-  Pack<T, kVec> pack;
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) pack.v[e] = FromFloat<T>(acc[e]);
-  StoreWords(out + index, pack);
-}
 
 // The input pixels a strip reads through a 1 x 3 x 3 window with W stride kStride and W dilation 1:
 // cols[u][j] = in[n, p * s0 - pad0, q * s1 + u * d1 - pad1, r0 * kStride - pad2 + j, k0 ...] for the
@@ -763,6 +743,9 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const T* x, c
   const bool vector = g.filters % kVec == 0 && Aligned16(w) && Aligned16(y) && Aligned16(epilogue.bias) &&
                       Aligned16(epilogue.residual) && (m > 1 || Aligned16(x));
   if constexpr (sizeof(T) == 2) {
+    if (m == 1 && RowsTake(g, {x, w, y, epilogue.bias, epilogue.residual})) {
+      return RowsConv<T>(stream, g, x, w, false, epilogue, y);
+    }
     if (m == 1 && TakesTile3x3(g, {x, w, y, epilogue.bias, epilogue.residual})) {
       return LaunchTile3x3<T>(stream, g, x, w, false, epilogue, y);
     }
@@ -798,6 +781,7 @@ ffi::Error LaunchDgrad(cudaStream_t stream, const ConvGeometry& g, const T* dy, 
       flipped.pad[a] = (g.window[a] - 1) * g.rhs_dilation[a] - g.pad[a];
     }
     if constexpr (sizeof(T) == 2) {
+      if (RowsTake(flipped, {dy, w, dx})) return RowsConv<T>(stream, flipped, dy, w, true, ConvEpilogue<T>{}, dx);
       if (TakesTile3x3(flipped, {dy, w, dx})) return LaunchTile3x3<T>(stream, flipped, dy, w, true, ConvEpilogue<T>{}, dx);
     }
     return LaunchOneWave(stream, "dgrad", Depthwise3x3Kernel<T, 1>, flipped, MakePlan(g.channels / kVec, g.batch, g.in),
@@ -826,7 +810,11 @@ ffi::Error LaunchWgrad(cudaStream_t stream, const ConvGeometry& g, const T* x, c
   const bool vector = g.filters % kVec == 0 && Aligned16(dy) && (m > 1 || Aligned16(x));
   StripPlan plan = MakePlan(vector ? g.filters / kVec : g.filters, g.batch, g.out);
   SplitStrips(plan, slices);
-  if (vector && m == 1 && IsWindow3x3(g) && g.stride[2] <= 2) {
+  bool rows = false;
+  if constexpr (sizeof(T) == 2) rows = RowsTake(g, {x, dy});
+  if (rows) {
+    JAXDNN_RETURN_IF_ERROR(RowsWgrad<T>(stream, g, x, dy, slices, partial, dw, &slices));
+  } else if (vector && m == 1 && IsWindow3x3(g) && g.stride[2] <= 2) {
     const int64_t blocks = plan.chunks * plan.slices;
     if (blocks > INT_MAX) return TooLarge("wgrad", blocks);
     if (g.stride[2] == 1) {

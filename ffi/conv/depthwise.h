@@ -38,7 +38,8 @@ ffi::Error DepthwiseDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataT
 // split into slices (float32 partial gradients in `workspace`, added in a fixed order): as many as
 // the workspace holds, up to a bound of g's. The caller sizes it (the wgrad target's last result,
 // by jaxdnn/_conv_kernels.py's copy of that bound): a function of g alone, so the result has the
-// same bits on every device.
+// same bits on every run and every device of a kind (GPUs with TMA take depthwise_sm90.cu's
+// kernels, which add in another order than the others).
 ffi::Error DepthwiseWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x,
                           const void* dy, void* workspace, size_t workspace_bytes, void* dw);
 

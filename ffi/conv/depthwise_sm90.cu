@@ -1,0 +1,448 @@
+// The 3 x 3 depthwise kernels streamed through TMA (depthwise_sm90.h), for 16-bit values.
+//
+// A depthwise 3 x 3 conv does 9 multiply-adds per value it moves: it runs at DRAM speed only if
+// every SM keeps tens of kilobytes of loads in flight while it computes. Here the TMA unit keeps
+// them: a block owns 8-channel vectors [chunk * vectors, + vectors) of `cols` output columns and
+// walks its units (blocks of `rows` output rows of one image and column tile) through a ring of
+// `stages` shared-memory stages, each holding the unit's input box ((rows - 1) * s + 3 input rows x
+// (cols - 1) * s + 3 input columns x the vectors; zeros outside x, which is the padding). One
+// thread issues the loads; a block-wide barrier after each unit's compute frees its stage for the
+// load `stages` units ahead, so the stores and the next units' loads overlap the compute.
+// Thread (vector, col) computes `rows` outputs of its column: each input row of the box is read
+// once from shared memory (3 vectors) and meets up to 3 outputs.
+//
+// Units: unit u = (image, row block, column tile), column tile fastest; block (chunk, slice) takes
+// units slice, slice + slices, ... so the blocks that run together read neighbouring rows (the
+// boxes' shared rows then come from L2). The forward has one wave of blocks (at most kWaveBlocks);
+// wgrad's slice count is a function of g alone (each slice's float32 partial dw is summed in a
+// fixed order: the same bits on every run), its block adds its threads' 9 taps per column in order
+// at the end.
+#include "conv/depthwise_sm90.h"
+
+#include <cuda.h>
+
+#include <algorithm>
+#include <climits>
+#include <string>
+
+#include "common/cuda_common.cuh"
+#include "common/sm90_async.cuh"
+
+namespace jaxdnn {
+namespace {
+
+constexpr int kThreads = 192;     // at most, per block: two blocks of up to 168 registers a thread per SM
+constexpr int kMaxStages = 4;     // more measured no faster; fewer than 3 starve the loop
+constexpr int kMinStages = 3;
+// Output rows per unit: a box row then feeds up to 3 outputs ((rows - 1) * s + 3 rows for `rows`
+// outputs); 8 would spill at the register bound, 2 would read each row twice as often.
+constexpr int kRows = 4;
+constexpr int kBoxLimit = 256;    // TMA: at most 256 elements along each box dimension
+constexpr size_t kBlockShared = 72 * 1024;  // three blocks per SM (as many as their registers allow)
+constexpr int kHeader = 128;      // the stages' barriers, before the 128-byte aligned stages
+// At most this many blocks (3 a SM on an H100/H200's 132): a constant, so wgrad's slices are a
+// function of g alone; the forward takes fewer when fewer fit at once (one wave).
+constexpr int64_t kWaveBlocks = 3 * 132;
+
+__host__ __device__ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
+
+struct RowsPlan {
+  int stride = 1;        // s, on both H and W
+  int vectors = 1;       // 8-channel vectors per pixel a block takes, a power of two <= 16
+  int cols = 1;          // output columns per block; threads = vectors * cols
+  int rows = 1;          // output rows per unit
+  int span_cols = 3, span_rows = 3;  // the input box: (cols - 1) * s + 3, (rows - 1) * s + 3
+  int stages = kMaxStages;
+  int stage_bytes = 0;   // the input box, and wgrad's dy box after it, 128-byte aligned
+  int x_box_bytes = 0, dy_box_bytes = 0, dy_offset = 0;  // dy's box starts dy_offset bytes into a stage
+  int64_t chunks = 1, col_tiles = 1, row_blocks = 1, images = 1;
+  int64_t units = 0;
+  int64_t slices = 1;    // blocks per chunk
+
+  __host__ __device__ int Threads() const { return vectors * cols; }
+  size_t Shared(bool wgrad) const {
+    const size_t ring = size_t(stages) * stage_bytes;
+    // wgrad's reduction reuses the ring: every thread's 9 taps of 8 channels as float32.
+    return kHeader + (wgrad ? std::max(ring, size_t(Threads()) * 72 * sizeof(float)) : ring);
+  }
+};
+
+RowsPlan MakeRowsPlan(const ConvGeometry& g, bool wgrad) {
+  RowsPlan plan;
+  plan.stride = int(g.stride[1]);
+  plan.rows = kRows;
+  const int64_t vectors = g.channels / 8, width = g.out[2];
+  plan.vectors = 16;
+  while (plan.vectors > 1 && plan.vectors / 2 >= vectors) plan.vectors /= 2;
+  // At least 4 vectors (64 bytes of a pixel: whole sectors per TMA row) unless C is smaller; 8
+  // (and tiles a third narrower) measured 15% slower on 56 x 56 x 256.
+  while (plan.vectors > 4 && plan.vectors * width > kThreads) plan.vectors /= 2;
+  int64_t tile = std::min<int64_t>({width, kThreads / plan.vectors, (kBoxLimit - 3) / plan.stride + 1});
+  for (;;) {  // the widest tile whose boxes leave room for kMinStages stages
+    plan.col_tiles = CeilDiv(width, tile);
+    plan.cols = int(CeilDiv(width, plan.col_tiles));
+    plan.span_cols = (plan.cols - 1) * plan.stride + 3;
+    plan.span_rows = (kRows - 1) * plan.stride + 3;
+    plan.x_box_bytes = plan.span_rows * plan.span_cols * plan.vectors * 16;
+    plan.dy_box_bytes = wgrad ? kRows * plan.cols * plan.vectors * 16 : 0;
+    plan.dy_offset = int(RoundUp(plan.x_box_bytes, 128));
+    plan.stage_bytes = plan.dy_offset + int(RoundUp(plan.dy_box_bytes, 128));
+    plan.stages = int(std::min<size_t>(kMaxStages, (kBlockShared - kHeader) / plan.stage_bytes));
+    if (plan.stages >= kMinStages || plan.Threads() <= 32) break;
+    if (plan.vectors > 2) {
+      plan.vectors /= 2;
+    } else {
+      tile = (plan.cols + 1) / 2;
+    }
+  }
+  plan.stages = std::max(plan.stages, 2);
+  plan.chunks = CeilDiv(vectors, plan.vectors);
+  plan.row_blocks = CeilDiv(g.out[1], kRows);
+  plan.images = g.batch * g.out[0];
+  plan.units = plan.images * plan.row_blocks * plan.col_tiles;
+  return plan;
+}
+
+// A unit's place: image, first output row and column.
+// (RowsTake and the launchers keep every count here below 2^31: 32-bit divisions.)
+struct Unit {
+  int image, p0, q0;
+
+  __device__ Unit(const RowsPlan& plan, int unit) {
+    const int col_tiles = int(plan.col_tiles), row_blocks = int(plan.row_blocks);
+    const int rest = unit / col_tiles;
+    q0 = (unit - rest * col_tiles) * plan.cols;
+    image = rest / row_blocks;
+    p0 = (rest - image * row_blocks) * plan.rows;
+  }
+};
+
+// The ring: stage buffers after a 128-byte header of their barriers.
+struct Ring {
+  uint64_t* full;
+  uint8_t* stages;
+  int stage_bytes;
+
+  __device__ Ring(uint8_t* shared, const RowsPlan& plan)
+      : full(reinterpret_cast<uint64_t*>(shared)), stages(shared + kHeader), stage_bytes(plan.stage_bytes) {}
+  __device__ const uint4* X(int stage) const { return reinterpret_cast<const uint4*>(stages + stage * stage_bytes); }
+  __device__ const uint4* Dy(int stage, const RowsPlan& plan) const {
+    return reinterpret_cast<const uint4*>(stages + stage * stage_bytes + plan.dy_offset);
+  }
+};
+
+// Thread 0: the loads of the block's j-th unit into `stage` (x's box, and dy's for wgrad).
+__device__ __forceinline__ void IssueUnit(const RowsPlan& plan, const ConvGeometry& g, const Ring& ring,
+                                          const CUtensorMap* x_map, const CUtensorMap* dy_map, int chunk,
+                                          int unit_index, int stage) {
+  const Unit unit(plan, unit_index);
+  const int c = chunk * plan.vectors * 8;
+  uint8_t* base = ring.stages + stage * ring.stage_bytes;
+  sm90::BarrierArriveExpectTx(&ring.full[stage], plan.x_box_bytes + plan.dy_box_bytes);
+  sm90::TmaLoad4d(base, x_map, &ring.full[stage], c, unit.q0 * plan.stride - int(g.pad[2]),
+                  unit.p0 * plan.stride - int(g.pad[1]), unit.image);
+  if (dy_map != nullptr) sm90::TmaLoad4d(base + plan.dy_offset, dy_map, &ring.full[stage], c, unit.q0, unit.p0, unit.image);
+}
+
+// The block's walk: for each of its units j (in order), waits for the unit's stage, calls
+// compute(unit, stage), frees the stage for unit j + stages, then calls finish(unit) (the stores,
+// which overlap that load). (Per-warp empty barriers instead of the block-wide one, letting the
+// warps drift apart, measured the same.)
+template <typename Compute, typename Finish>
+__device__ __forceinline__ void WalkUnits(const RowsPlan& plan, const ConvGeometry& g, const Ring& ring,
+                                          const CUtensorMap* x_map, const CUtensorMap* dy_map, Compute&& compute,
+                                          Finish&& finish) {
+  const int chunks = int(plan.chunks), slices = int(plan.slices), units = int(plan.units);
+  const int chunk = int(blockIdx.x) % chunks, slice = int(blockIdx.x) / chunks;
+  const int count = slice < units ? (units - slice + slices - 1) / slices : 0;
+  if (threadIdx.x == 0) {
+    sm90::TmaPrefetchDescriptor(x_map);
+    if (dy_map != nullptr) sm90::TmaPrefetchDescriptor(dy_map);
+    for (int s = 0; s < plan.stages; ++s) sm90::BarrierInit(&ring.full[s], 1);
+    sm90::BarrierInitFence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int j = 0; j < min(plan.stages, count); ++j) IssueUnit(plan, g, ring, x_map, dy_map, chunk, slice + j * slices, j);
+  }
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int j = 0; j < count; ++j) {
+    const Unit unit(plan, slice + j * slices);
+    sm90::BarrierWait(&ring.full[stage], phase);
+    compute(unit, stage);
+    __syncthreads();  // every thread is done with the stage
+    if (threadIdx.x == 0 && j + plan.stages < count) {
+      IssueUnit(plan, g, ring, x_map, dy_map, chunk, slice + (j + plan.stages) * slices, stage);
+    }
+    finish(unit);
+    if (++stage == plan.stages) stage = 0, phase ^= 1;
+  }
+}
+
+// The 8 values of a 16-byte vector of 16-bit T as floats.
+template <typename T>
+__device__ __forceinline__ void Unpack(const uint4& word, float (&out)[8]) {
+  const Pack<T, 8> pack = *reinterpret_cast<const Pack<T, 8>*>(&word);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) out[e] = ToFloat(pack.v[e]);
+}
+
+// Calls fn(o, u, value) for each output row o < kRows of the unit and each input row of its box
+// that o reads through window row u, with value[v] the thread's 3 input vectors of that row (window
+// columns v = 0, 1, 2). Each box row is read from shared memory once.
+template <typename T, int kStride, int kRows, typename Fn>
+__device__ __forceinline__ void ForEachWindowRow(const RowsPlan& plan, const uint4* box, int vector, int col, Fn&& fn) {
+#pragma unroll
+  for (int r = 0; r < (kRows - 1) * kStride + 3; ++r) {
+    float value[3][8];
+#pragma unroll
+    for (int v = 0; v < 3; ++v) Unpack<T>(box[(r * plan.span_cols + col * kStride + v) * plan.vectors + vector], value[v]);
+#pragma unroll
+    for (int o = 0; o < kRows; ++o) {
+      const int u = r - o * kStride;
+      if (u >= 0 && u <= 2) fn(o, u, value);
+    }
+  }
+}
+
+// out[image, p, q, c] = epilogue(sum over u, v < 3 of in[image, p * s + u - pad_h, q * s + v - pad_w, c]
+// * w[u, v, c]), with w[2 - u, 2 - v, c] when `flip`.
+template <typename T, int kStride>
+__global__ void __launch_bounds__(kThreads, 2)
+    RowsConvKernel(const __grid_constant__ CUtensorMap in_map, const RowsPlan plan, const ConvGeometry g,
+                   const T* __restrict__ w, bool flip, const ConvEpilogue<T> epilogue, T* __restrict__ out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) uint8_t shared[];
+  const Ring ring(shared, plan);
+  const int vector = threadIdx.x % plan.vectors, col = threadIdx.x / plan.vectors;
+  const int64_t channels = g.channels;
+  const int64_t c0 = ((blockIdx.x % plan.chunks) * plan.vectors + vector) * 8;
+  const bool active = c0 < channels;
+  const bool plain = epilogue.bias == nullptr && epilogue.residual == nullptr && epilogue.activation == 0;
+  float taps[9][8];
+#pragma unroll
+  for (int t = 0; t < 9; ++t) {
+    const Pack<T, 8> pack = active ? *reinterpret_cast<const Pack<T, 8>*>(w + (flip ? 8 - t : t) * channels + c0)
+                                   : Pack<T, 8>{};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) taps[t][e] = ToFloat(pack.v[e]);
+  }
+  float acc[kRows][8];
+  WalkUnits(
+      plan, g, ring, &in_map, nullptr,
+      [&](const Unit&, int stage) {
+#pragma unroll
+        for (int o = 0; o < kRows; ++o) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[o][e] = 0.f;
+        }
+        ForEachWindowRow<T, kStride, kRows>(plan, ring.X(stage), vector, col,
+                                                 [&](int o, int u, const float (&value)[3][8]) {
+#pragma unroll
+                                                   for (int v = 0; v < 3; ++v) {
+#pragma unroll
+                                                     for (int e = 0; e < 8; ++e) {
+                                                       acc[o][e] += value[v][e] * taps[u * 3 + v][e];
+                                                     }
+                                                   }
+                                                 });
+      },
+      [&](const Unit& unit) {
+        const int q = unit.q0 + col;
+        if (!active || q >= g.out[2]) return;
+        const int64_t row = g.out[2] * channels;  // elements between output rows
+        const int64_t first = ((int64_t(unit.image) * g.out[1] + unit.p0) * g.out[2] + q) * channels + c0;
+        const int rows = min(kRows, int(g.out[1]) - unit.p0);
+        if (plain) {  // the short path the compute-bound loop needs (no epilogue code in its way)
+#pragma unroll
+          for (int o = 0; o < kRows; ++o) {
+            Pack<T, 8> pack;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) pack.v[e] = FromFloat<T>(acc[o][e]);
+            if (o < rows) StoreWords(out + first + o * row, pack);
+          }
+        } else {
+#pragma unroll
+          for (int o = 0; o < kRows; ++o) {
+            if (o < rows) StoreOutputPack<T, 8>(epilogue, acc[o], first + o * row, c0, out);
+          }
+        }
+      });
+#endif
+}
+
+// The block's share of dw[u, v, c] = sum over its units' outputs (p, q) of
+// x[image, p * s + u - pad_h, q * s + v - pad_w, c] * dy[image, p, q, c]: to partial[slice] as
+// float32, or to dw when there is one slice.
+template <typename T, int kStride>
+__global__ void __launch_bounds__(kThreads, 2)
+    RowsWgradKernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap dy_map,
+                    const RowsPlan plan, const ConvGeometry g, float* __restrict__ partial, T* __restrict__ dw) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) uint8_t shared[];
+  const Ring ring(shared, plan);
+  const int vector = threadIdx.x % plan.vectors, col = threadIdx.x / plan.vectors;
+  float acc[9][8] = {};
+  WalkUnits(
+      plan, g, ring, &x_map, &dy_map,
+      [&](const Unit& unit, int stage) {
+        float grad[kRows][8];
+        const uint4* dy_box = ring.Dy(stage, plan);
+#pragma unroll
+        for (int o = 0; o < kRows; ++o) Unpack<T>(dy_box[(o * plan.cols + col) * plan.vectors + vector], grad[o]);
+        auto add = [&](int o, int u, const float (&value)[3][8]) {
+#pragma unroll
+          for (int v = 0; v < 3; ++v) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[u * 3 + v][e] += value[v][e] * grad[o][e];
+          }
+        };
+        // Outputs past the image's edge do not exist: skipped, not multiplied by TMA's zero dy (an
+        // inf or nan in x must not reach dw through them). Units inside the image skip the tests.
+        const int rows = unit.q0 + col < g.out[2] ? min(kRows, int(g.out[1]) - unit.p0) : 0;
+        if (rows == kRows) {
+          ForEachWindowRow<T, kStride, kRows>(plan, ring.X(stage), vector, col, add);
+        } else {
+          ForEachWindowRow<T, kStride, kRows>(plan, ring.X(stage), vector, col,
+                                                   [&](int o, int u, const float (&value)[3][8]) {
+                                                     if (o < rows) add(o, u, value);
+                                                   });
+        }
+      },
+      [](const Unit&) {});
+
+  // The block's columns added in order: every thread's taps to shared memory (the ring is free
+  // once every warp is done: every load it was sent has landed), then one thread per (vector, tap,
+  // channel).
+  __syncthreads();
+  float* sums = reinterpret_cast<float*>(shared + kHeader);  // [cols][vectors][9 * 8]
+#pragma unroll
+  for (int t = 0; t < 9; ++t) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sums[threadIdx.x * 72 + t * 8 + e] = acc[t][e];
+  }
+  __syncthreads();
+  const int64_t chunk = blockIdx.x % plan.chunks, slice = blockIdx.x / plan.chunks;
+  const int64_t channels = g.channels;
+  for (int i = threadIdx.x; i < plan.vectors * 72; i += plan.Threads()) {
+    const int v = i / 72, t = (i % 72) / 8, e = i % 8;
+    const int64_t c = (chunk * plan.vectors + v) * 8 + e;
+    if (c >= channels) continue;
+    float total = 0.f;
+    for (int q = 0; q < plan.cols; ++q) total += sums[(q * plan.vectors + v) * 72 + t * 8 + e];
+    if (plan.slices == 1) {
+      dw[t * channels + c] = FromFloat<T>(total);
+    } else {
+      partial[(slice * 9 + t) * channels + c] = total;
+    }
+  }
+#endif
+}
+
+// --- launchers -----------------------------------------------------------------------------------------
+
+// The tensor map of an image array [images, height, width, C] of 16-bit T whose box is
+// box_rows x box_cols pixels x box_vectors 8-channel vectors; zeros outside the array.
+template <typename T>
+CUresult MakeImageMap(CUtensorMap* map, const T* data, const ConvGeometry& g, int64_t images, int64_t height,
+                      int64_t width, int box_vectors, int box_cols, int box_rows) {
+  const CUtensorMapDataType type =
+      std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const cuuint64_t dims[4] = {cuuint64_t(g.channels), cuuint64_t(width), cuuint64_t(height), cuuint64_t(images)};
+  const cuuint64_t strides[3] = {cuuint64_t(g.channels * 2), cuuint64_t(width * g.channels * 2),
+                                 cuuint64_t(height * width * g.channels * 2)};
+  const cuuint32_t box[4] = {cuuint32_t(box_vectors * 8), cuuint32_t(box_cols), cuuint32_t(box_rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  return cuTensorMapEncodeTiled(map, type, 4, const_cast<T*>(data), dims, strides, box, element_strides,
+                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+ffi::Error MapError(const char* stage) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("jaxdnn: depthwise ") + stage + " (sm90): cannot encode a TMA descriptor");
+}
+
+// Sets the kernel's dynamic shared memory and returns how many of its blocks fit on the device.
+template <typename Kernel>
+int64_t PrepareKernel(Kernel kernel, const RowsPlan& plan, size_t shared) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  return ResidentBlocks(kernel, plan.Threads(), shared);
+}
+
+}  // namespace
+
+bool RowsTake(const ConvGeometry& g, std::initializer_list<const void*> operands) {
+  for (const void* p : operands) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  const bool shape = g.channels % 8 == 0 && g.filters == g.channels && g.window[0] == 1 && g.window[1] == 3 &&
+                     g.window[2] == 3 && g.rhs_dilation[1] == 1 && g.rhs_dilation[2] == 1 && g.stride[1] == g.stride[2] &&
+                     g.stride[1] <= 2 && g.stride[0] == 1 && g.pad[0] == 0 && g.in[0] == g.out[0] &&
+                     g.batch >= 1 && g.in[1] >= 1 && g.in[2] >= 1 && g.out[1] >= 1 && g.out[2] >= 1;
+  // TMA coordinates are int32, and the kernels count units (at most one per output pixel) in int.
+  const bool coordinates = g.batch * g.in[0] < INT_MAX && g.in[1] < INT_MAX / 4 && g.in[2] < INT_MAX / 4 &&
+                           g.batch * g.in[0] * g.out[1] * g.out[2] < INT_MAX / 4;
+  if (!shape || !coordinates) return false;
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    return false;
+  }
+  return major >= 9;
+}
+
+template <typename T>
+ffi::Error RowsConv(cudaStream_t stream, const ConvGeometry& g, const T* in, const T* w, bool flip,
+                    const ConvEpilogue<T>& epilogue, T* out) {
+  RowsPlan plan = MakeRowsPlan(g, false);
+  CUtensorMap in_map;
+  if (MakeImageMap(&in_map, in, g, plan.images, g.in[1], g.in[2], plan.vectors, plan.span_cols, plan.span_rows) !=
+      CUDA_SUCCESS) {
+    return MapError("conv");
+  }
+  const size_t shared = plan.Shared(false);
+  auto kernel = g.stride[1] == 1 ? RowsConvKernel<T, 1> : RowsConvKernel<T, 2>;
+  const int64_t resident = PrepareKernel(kernel, plan, shared);
+  plan.slices = std::max<int64_t>(1, std::min(plan.units, std::min(resident, kWaveBlocks) / plan.chunks));
+  const int64_t blocks = plan.chunks * plan.slices;
+  if (blocks > INT_MAX) return InvalidArgument("depthwise conv (sm90): too many blocks");
+  kernel<<<int(blocks), plan.Threads(), shared, stream>>>(in_map, plan, g, w, flip, epilogue, out);
+  return LaunchError("depthwise conv (sm90)");
+}
+
+template <typename T>
+ffi::Error RowsWgrad(cudaStream_t stream, const ConvGeometry& g, const T* x, const T* dy, int64_t max_slices,
+                     float* partial, T* dw, int64_t* slices) {
+  RowsPlan plan = MakeRowsPlan(g, true);
+  CUtensorMap x_map, dy_map;
+  if (MakeImageMap(&x_map, x, g, plan.images, g.in[1], g.in[2], plan.vectors, plan.span_cols, plan.span_rows) !=
+          CUDA_SUCCESS ||
+      MakeImageMap(&dy_map, dy, g, plan.images, g.out[1], g.out[2], plan.vectors, plan.cols, plan.rows) !=
+          CUDA_SUCCESS) {
+    return MapError("wgrad");
+  }
+  const size_t shared = plan.Shared(true);
+  auto kernel = g.stride[1] == 1 ? RowsWgradKernel<T, 1> : RowsWgradKernel<T, 2>;
+  PrepareKernel(kernel, plan, shared);
+  plan.slices = std::max<int64_t>(1, std::min({max_slices, plan.units, kWaveBlocks / plan.chunks}));
+  const int64_t blocks = plan.chunks * plan.slices;
+  if (blocks > INT_MAX) return InvalidArgument("depthwise wgrad (sm90): too many blocks");
+  kernel<<<int(blocks), plan.Threads(), shared, stream>>>(x_map, dy_map, plan, g, partial, dw);
+  *slices = plan.slices;
+  return LaunchError("depthwise wgrad (sm90)");
+}
+
+template ffi::Error RowsConv<__nv_bfloat16>(cudaStream_t, const ConvGeometry&, const __nv_bfloat16*,
+                                            const __nv_bfloat16*, bool, const ConvEpilogue<__nv_bfloat16>&,
+                                            __nv_bfloat16*);
+template ffi::Error RowsConv<__half>(cudaStream_t, const ConvGeometry&, const __half*, const __half*, bool,
+                                     const ConvEpilogue<__half>&, __half*);
+template ffi::Error RowsWgrad<__nv_bfloat16>(cudaStream_t, const ConvGeometry&, const __nv_bfloat16*,
+                                             const __nv_bfloat16*, int64_t, float*, __nv_bfloat16*, int64_t*);
+template ffi::Error RowsWgrad<__half>(cudaStream_t, const ConvGeometry&, const __half*, const __half*, int64_t,
+                                      float*, __half*, int64_t*);
+
+}  // namespace jaxdnn
