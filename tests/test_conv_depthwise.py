@@ -94,6 +94,24 @@ def test_hlo_holds_the_custom_calls(rng):
     assert "convolution" not in hlo
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+def test_second_order(dtype, rng):
+    """A gradient penalty: the backward stages differentiated again (their VJPs run the other
+    stages, on the GPU the streaming kernels in bf16)."""
+    x, w = _operands(rng, (2, 12, 10, 16), (3, 3), 1, dtype)
+    kwargs = dict(window_strides=(1, 1), padding="SAME")
+    op, oracle = _op(jaxdnn.conv_general_dilated, x, kwargs), _op(lax.conv_general_dilated, x, kwargs)
+    ct = normal(rng, x.shape, dtype)
+
+    def penalty(fn, x, w):
+        dx, dw = jax.grad(lambda x, w: jnp.sum(jnp.sin(fn(x, w)) * ct.astype(x.dtype)), argnums=(0, 1))(x, w)
+        return jnp.sum(dx.astype(jnp.float32) ** 2) + jnp.sum(jnp.cos(dw.astype(jnp.float32)))
+    got = jax.jit(jax.grad(functools.partial(penalty, op), argnums=(0, 1)))(x, w)
+    want = jax.grad(functools.partial(penalty, oracle), argnums=(0, 1))(f64(x), f64(w))
+    assert_close(got[0], want[0], tolerance(dtype, grad=True), "grad of grad x")
+    assert_close(got[1], want[1], tolerance(dtype, grad=True), "grad of grad w")
+
+
 @pytest.mark.parametrize("x_axis,w_axis", [(0, None), (None, 0), (1, 3)], ids=str)
 def test_vmap(x_axis, w_axis, rng):
     """vmap stacks the copies as more feature groups: still depthwise, C times the batch."""
