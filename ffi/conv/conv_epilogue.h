@@ -32,28 +32,4 @@ struct ConvEpilogue {
   }
 };
 
-#ifdef __CUDACC__
-// out[index .. index + kVec) = act(acc + bias[k0 ..] + residual[index ..]) for kVec consecutive
-// features from k0, rounded once and stored as one aligned access (the depthwise kernels' packs).
-template <typename T, int kVec>
-__device__ __forceinline__ void StoreOutputPack(const ConvEpilogue<T>& epilogue, float (&acc)[kVec], int64_t index,
-                                                int64_t k0, T* out) {
-  if (epilogue.bias != nullptr) {
-    const Pack<T, kVec> bias = *reinterpret_cast<const Pack<T, kVec>*>(epilogue.bias + k0);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) acc[e] += ToFloat(bias.v[e]);
-  }
-  if (epilogue.residual != nullptr) {
-    const Pack<T, kVec> residual = *reinterpret_cast<const Pack<T, kVec>*>(epilogue.residual + index);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) acc[e] += ToFloat(residual.v[e]);
-  }
-  if (epilogue.activation != 0) ActivateKindN(epilogue.activation, acc, epilogue.activation_param);
-  Pack<T, kVec> pack;
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) pack.v[e] = FromFloat<T>(acc[e]);
-  StoreWords(out + index, pack);
-}
-#endif  // __CUDACC__
-
 }  // namespace jaxdnn

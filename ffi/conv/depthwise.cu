@@ -46,6 +46,7 @@
 #include "common/cuda_common.cuh"
 #include "conv/conv_epilogue.h"
 #include "conv/conv_geometry.h"
+#include "conv/depthwise_pack.cuh"
 #include "conv/depthwise_sm90.h"
 
 namespace jaxdnn {
@@ -638,13 +639,7 @@ __global__ void __launch_bounds__(kTileThreads, 3)
   const int64_t c0 = c_base + vector * 8;
   const bool active = c0 < channels;
   float taps[9][8];
-#pragma unroll
-  for (int t = 0; t < 9; ++t) {
-    const Pack<T, 8> pack = active ? *reinterpret_cast<const Pack<T, 8>*>(w + (flip ? 8 - t : t) * channels + c0)
-                                   : Pack<T, 8>{};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) taps[t][e] = ToFloat(pack.v[e]);
-  }
+  LoadTaps3x3(w, channels, c0, flip, active, taps);
   CpAsyncWait<0>();
   __syncthreads();
   if (!active) return;
@@ -656,10 +651,7 @@ __global__ void __launch_bounds__(kTileThreads, 3)
     float value[3][8];
 #pragma unroll
     for (int v = 0; v < 3; ++v) {
-      const uint4 word = tile[((first_row + r) * span_cols + col * kStride + v) * plan.vectors + vector];
-      const Pack<T, 8> pack = *reinterpret_cast<const Pack<T, 8>*>(&word);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) value[v][e] = ToFloat(pack.v[e]);
+      Unpack<T>(tile[((first_row + r) * span_cols + col * kStride + v) * plan.vectors + vector], value[v]);
     }
 #pragma unroll
     for (int o = 0; o < kTileStrip; ++o) {

@@ -27,6 +27,7 @@
 
 #include "common/cuda_common.cuh"
 #include "common/sm90_async.cuh"
+#include "conv/depthwise_pack.cuh"
 
 namespace jaxdnn {
 namespace {
@@ -181,14 +182,6 @@ __device__ __forceinline__ void WalkUnits(const RowsPlan& plan, const ConvGeomet
   }
 }
 
-// The 8 values of a 16-byte vector of 16-bit T as floats.
-template <typename T>
-__device__ __forceinline__ void Unpack(const uint4& word, float (&out)[8]) {
-  const Pack<T, 8> pack = *reinterpret_cast<const Pack<T, 8>*>(&word);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) out[e] = ToFloat(pack.v[e]);
-}
-
 // Calls fn(o, u, value) for each output row o < kRows of the unit and each input row of its box
 // that o reads through window row u, with value[v] the thread's 3 input vectors of that row (window
 // columns v = 0, 1, 2). Each box row is read from shared memory once.
@@ -222,13 +215,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const bool active = c0 < channels;
   const bool plain = epilogue.bias == nullptr && epilogue.residual == nullptr && epilogue.activation == 0;
   float taps[9][8];
-#pragma unroll
-  for (int t = 0; t < 9; ++t) {
-    const Pack<T, 8> pack = active ? *reinterpret_cast<const Pack<T, 8>*>(w + (flip ? 8 - t : t) * channels + c0)
-                                   : Pack<T, 8>{};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) taps[t][e] = ToFloat(pack.v[e]);
-  }
+  LoadTaps3x3(w, channels, c0, flip, active, taps);
   float acc[kRows][8];
   WalkUnits(
       plan, g, ring, &in_map, nullptr,
