@@ -4,6 +4,11 @@ Shapes: x [..., D, ...], normalized over `axis` (D). The kernels work on the las
 axis is moved there and back (two transposes, which XLA may fuse with neighbours). Sums and
 exponentials are float32; outputs have x's dtype.
 
+`where` (a boolean mask broadcastable to x, as jax.nn's) is applied around the kernels: entries
+outside it enter the kernel as the dtype's lowest finite value, so they get no weight (a row with
+no entry inside normalizes uniformly, never NaN), and their outputs are replaced by 0 (softmax) or
+-inf (log_softmax), as jax.nn's; XLA runs the two selects as elementwise passes beside the kernel.
+
 Each function is a `jax.custom_vjp` over two kernel stages: `*_fwd` (x -> y) and `*_bwd`
 ((dy, y) -> dx, from the saved output). Both stages have their own VJP through the reference
 implementation, so grad of grad works; forward-mode `jax.jvp` is not provided (custom_vjp).
@@ -100,8 +105,13 @@ def _check(fn, x, axis, where):
     if x.ndim == 0:
         raise ValueError(f"{fn}: x must have rank >= 1, got shape {x.shape}")
     if where is not None:
-        raise ValueError(f"{fn}: `where` is not supported by jaxdnn's kernels; use jax.nn.{fn} for masked "
-                         "normalization")
+        where = jnp.asarray(where)
+        try:
+            broadcast = jnp.broadcast_shapes(where.shape, x.shape)
+        except ValueError:
+            broadcast = None
+        if broadcast != x.shape:
+            raise ValueError(f"{fn}: where of shape {where.shape} must broadcast to x's shape {x.shape}")
     if isinstance(axis, (tuple, list)):
         if len(axis) != 1:
             raise ValueError(f"{fn}: axis must be a single axis, got {axis} for x of shape {x.shape}")
@@ -118,7 +128,11 @@ def _check(fn, x, axis, where):
     return x, axis
 
 
-def _apply(x, axis, log):
+def _apply(x, axis, where, log):
+    if where is not None:  # see the module's docstring
+        lowest = jnp.asarray(jnp.finfo(x.dtype).min, x.dtype)
+        y = _apply(jnp.where(where, x, lowest), axis, None, log)
+        return jnp.where(where, y, jnp.asarray(-jnp.inf if log else 0, x.dtype))
     last = x.ndim - 1
     x = jnp.moveaxis(x, axis, last) if axis != last else x
     y = per_row_shard(lambda x: _softmax(x, log), x)
@@ -131,20 +145,21 @@ def softmax(x, axis=-1, where=None):
     Args:
       x: float32, bfloat16 or float16 array of rank >= 1.
       axis: the axis to normalize over (one axis; a non-last axis costs two transposes).
-      where: not supported (must be None; `jax.nn.softmax` serves masks).
+      where: optional mask broadcastable to x's shape: normalize over the entries where it is True;
+        the others give 0 (as `jax.nn.softmax`'s `where`).
 
     Returns:
       x's shape and dtype; computed in float32. Differentiable to any order with `jax.grad`/`jax.vjp`;
       `jax.jvp` is not supported.
     """
     x, axis = _check("softmax", x, axis, where)
-    return _apply(x, axis, log=False)
+    return _apply(x, axis, where, log=False)
 
 
 def log_softmax(x, axis=-1, where=None):
     """Log-softmax over `axis`: `x - max - log(sum(exp(x - max)))`, as `jax.nn.log_softmax`.
 
-    Args and returns as `softmax`.
+    Args and returns as `softmax`; entries outside `where` give -inf (as `jax.nn.log_softmax`'s).
     """
     x, axis = _check("log_softmax", x, axis, where)
-    return _apply(x, axis, log=True)
+    return _apply(x, axis, where, log=True)

@@ -68,6 +68,34 @@ def test_masked_rows_with_minus_infinity(op, oracle, log, rng):
 
 
 @op_param
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("axis,mask_shape", [(-1, (5, 3, 70)), (-1, (1, 3, 70)), (1, (5, 3, 1)), (0, (5, 1, 70))],
+                         ids=["full", "broadcast-rows", "axis1-broadcast", "axis0"])
+def test_where(op, oracle, log, dtype, axis, mask_shape, rng):
+    """jax.nn's `where`: the mask (broadcast to x) selects the entries normalized over; the others
+    give 0 (softmax) or -inf (log_softmax) and no gradient. Some rows are fully masked out."""
+    x = normal(rng, (5, 3, 70), dtype, scale=3.0)
+    mask = rng.random(mask_shape) < 0.6
+    empty = [0, 0, 0]  # the lane at index 0 of the other axes: no entry inside
+    empty[axis] = slice(None)
+    mask[tuple(empty)] = False
+    mask = jnp.asarray(mask)
+    y = jax.jit(lambda x, m: op(x, axis, where=m))(x, mask)
+    want = oracle(f64(x), axis, where=mask)
+    inside = np.broadcast_to(np.asarray(mask), x.shape)
+    assert not inside[tuple(empty)].any() and inside.any(axis=axis).any()
+    assert y.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(y, np.float64)[~inside], -np.inf if log else 0.0)
+    assert_close(jnp.where(inside, y, 0), jnp.where(inside, want, 0), tolerance(dtype), "forward")
+    cotangent = jnp.where(inside, normal(rng, x.shape, dtype), 0)  # finite where y is -inf
+    dx = jax.jit(lambda x, m, ct: jax.vjp(lambda x: op(x, axis, where=m), x)[1](ct)[0])(x, mask, cotangent)
+    want_dx = jax.vjp(lambda x: oracle(x, axis, where=mask), f64(x))[1](f64(cotangent))[0]
+    assert np.all(np.isfinite(np.asarray(dx, np.float64)))
+    np.testing.assert_array_equal(np.asarray(dx, np.float64)[~inside], 0.0)
+    assert_close(dx, jnp.where(inside, want_dx, 0), tolerance(dtype, grad=True), "grad")
+
+
+@op_param
 def test_large_logits_do_not_overflow(op, oracle, log, rng):
     x = normal(rng, (4, 300), jnp.float32, loc=5e3, scale=50.0)
     assert_close(op(x), oracle(f64(x)), tolerance(jnp.float32), "forward")
@@ -148,5 +176,7 @@ def test_bad_options(op, oracle, log):
         op(x, axis=2)
     with pytest.raises(ValueError, match="single axis"):
         op(x, axis=(0, 1))
-    with pytest.raises(ValueError, match="`where` is not supported"):
-        op(x, where=x > 0)
+    with pytest.raises(ValueError, match=r"where of shape \(2, 4\) must broadcast to x's shape \(3, 4\)"):
+        op(x, where=jnp.ones((2, 4), bool))
+    with pytest.raises(ValueError, match=r"where of shape \(3, 4, 1\) must broadcast"):
+        op(x, where=jnp.ones((3, 4, 1), bool))
