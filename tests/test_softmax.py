@@ -69,7 +69,8 @@ def test_masked_rows_with_minus_infinity(op, oracle, log, rng):
 
 @op_param
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
-@pytest.mark.parametrize("axis,mask_shape", [(-1, (5, 3, 70)), (-1, (1, 3, 70)), (1, (5, 3, 1)), (0, (5, 1, 70))],
+@pytest.mark.parametrize("axis,mask_shape",
+                         [(-1, (5, 3, 70)), (-1, (1, 3, 70)), (1, (5, 3, 1)), (0, (5, 1, 70))],
                          ids=["full", "broadcast-rows", "axis1-broadcast", "axis0"])
 def test_where(op, oracle, log, dtype, axis, mask_shape, rng):
     """jax.nn's `where`: the mask (broadcast to x) selects the entries normalized over; the others
