@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
       const LstmGates a = LstmActivate(pre[j], pre[H + j], pre[2 * H + j], pre[3 * H + j]);
       const float c_new = a.f * c[j] + a.i * a.g;
-      const float h_new = a.o * tanhf(c_new);
+      const float h_new = a.o * Tanh(c_new);
       c[j] = c_new;
       h[j] = h_new;
       float* act = acts + row * G;

@@ -37,7 +37,7 @@ struct LstmGates {
 };
 
 JAXDNN_HOST_DEVICE inline LstmGates LstmActivate(float pre_i, float pre_f, float pre_g, float pre_o) {
-  return LstmGates{Sigmoid(pre_i), Sigmoid(pre_f), tanhf(pre_g), Sigmoid(pre_o)};
+  return LstmGates{Sigmoid(pre_i), Sigmoid(pre_f), Tanh(pre_g), Sigmoid(pre_o)};
 }
 
 // One unit's backward step. Given the forward's activations a, cell state c and previous cell
@@ -46,7 +46,7 @@ JAXDNN_HOST_DEVICE inline LstmGates LstmActivate(float pre_i, float pre_f, float
 // gradient reaching c_prev.
 JAXDNN_HOST_DEVICE inline float LstmCellGrad(const LstmGates& a, float c, float c_prev, float dh, float dc_next,
                                              float (&d_pre)[4]) {
-  const float tanh_c = tanhf(c);
+  const float tanh_c = Tanh(c);
   const float dc = dc_next + dh * a.o * (1.f - tanh_c * tanh_c);
   d_pre[0] = dc * a.g * a.i * (1.f - a.i);
   d_pre[1] = dc * c_prev * a.f * (1.f - a.f);
@@ -65,7 +65,7 @@ struct GruGates {
 
 JAXDNN_HOST_DEVICE inline GruGates GruActivate(float x_r, float x_z, float x_n, float h_r, float h_z, float h_n) {
   const float r = Sigmoid(x_r + h_r);
-  return GruGates{r, Sigmoid(x_z + h_z), tanhf(x_n + r * h_n)};
+  return GruGates{r, Sigmoid(x_z + h_z), Tanh(x_n + r * h_n)};
 }
 
 JAXDNN_HOST_DEVICE inline float GruOutput(const GruGates& a, float h_prev) { return (1.f - a.z) * a.n + a.z * h_prev; }
@@ -90,7 +90,7 @@ JAXDNN_HOST_DEVICE inline float GruCellGrad(const GruGates& a, float h_n, float 
 // decodes the attribute), a run-time value: one uniform branch per unit, no kernel per nonlinearity.
 
 JAXDNN_HOST_DEVICE inline float RnnActivate(Activation act, float pre) {
-  return act == Activation::kRelu ? Activate<Activation::kRelu>(pre, 0.f) : Activate<Activation::kTanh>(pre, 0.f);
+  return act == Activation::kRelu ? Activate<Activation::kRelu>(pre, 0.f) : Tanh(pre);
 }
 
 // One unit's backward step: the gradient of its pre-activation from the gradient dh reaching h, with

@@ -122,7 +122,7 @@ ffi::Error LstmFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, F32 c0, ffi::Bu
           const LstmGates g = LstmActivate(gx[j] + p[j], gx[H + j] + p[H + j], gx[2 * H + j] + p[2 * H + j],
                                            gx[3 * H + j] + p[3 * H + j]);
           cr[j] = g.f * cr[j] + g.i * g.g;
-          hr[j] = g.o * tanhf(cr[j]);
+          hr[j] = g.o * Tanh(cr[j]);
           a[j] = g.i, a[H + j] = g.f, a[2 * H + j] = g.g, a[3 * H + j] = g.o;
           h_seq->typed_data()[row * H + j] = hr[j];
           c_seq->typed_data()[row * H + j] = cr[j];

@@ -188,7 +188,7 @@ struct Cell<LstmFwdIo> {
                                      gx[3 * H + j] + rec[3 * stride]);
     const float c = a.f * c_prev + a.i * a.g;
     io.c_seq[row * H + j] = c;
-    io.h_seq[row * H + j] = a.o * tanhf(c);
+    io.h_seq[row * H + j] = a.o * Tanh(c);
     float* act = io.acts + row * 4 * H;
     act[j] = a.i;
     act[H + j] = a.f;
