@@ -49,16 +49,22 @@ def _fwd_avals(q, k, v, *optional, **attrs):
 
 def _bwd_avals(d_out, q, k, v, o, lse, *optional, bias_grad, **attrs):
     """(dq, dk, dv, dbias [B, N, T, S] (when bias_grad) or [0], and the workspaces: delta [B, N, T];
-    for the Hopper kernels of 16-bit inputs with H <= 128, dq_accum (float32, q's shape) and the
-    semaphores ordering its adds (B * N * ceil(T / 64) int32), else [0] and [0])."""
+    dq_accum float32: for decoding (G T <= 4 query rows a kv head, S >= 1024 keys, and B N < 264,
+    under which the other kernels' dq is a few hundred blocks each walking every key) the CUDA
+    decoding kernel's dq partials, ceil(S / 256) x q's size (ffi/attention/attention.cu:
+    DecodeBackwardTakes), else for the Hopper kernels of 16-bit inputs with H <= 128 q's shape, else
+    [0]; and for the latter the semaphores ordering its adds (B * N * ceil(T / 64) int32), else [0])."""
     b, t, n, h = q.shape
-    dbias = (b, n, t, k.shape[1]) if bias_grad else (0,)
+    s = k.shape[1]
+    dbias = (b, n, t, s) if bias_grad else (0,)
     fused = q.dtype in (jnp.bfloat16, jnp.float16) and h <= 128
+    decode = (all(isinstance(d, int) for d in (b, t, s)) and (n // k.shape[2]) * t <= 4 and s >= 1024
+              and b * n < 264)
+    dq_accum = (-(-s // 256) * b * t * n * h,) if decode else q.shape if fused else (0,)
     return [jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(k.shape, k.dtype),
             jax.core.ShapedArray(v.shape, v.dtype), jax.core.ShapedArray(dbias, _F32),
-            jax.core.ShapedArray((b, n, t), _F32),
-            jax.core.ShapedArray(q.shape if fused else (0,), _F32),
-            jax.core.ShapedArray((b * n * (-(-t // 64)),) if fused else (0,), jnp.int32)]
+            jax.core.ShapedArray((b, n, t), _F32), jax.core.ShapedArray(dq_accum, _F32),
+            jax.core.ShapedArray((b * n * (-(-t // 64)),) if fused and not decode else (0,), jnp.int32)]
 
 
 def _optional_specs(batch, optional):

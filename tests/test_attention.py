@@ -516,6 +516,50 @@ def test_dropout_matches_reference_with_the_same_mask(rng):
     assert rel_err(out[1], out[0]) > 0.1  # each batch element has a mask of its own
 
 
+def _reference(q, k, v, bias, mask, **kw):
+    return jaxdnn.reference.attention.dot_product_attention(q, k, v, bias, mask, **kw)
+
+
+# Decoding shapes (G T <= 4 query rows a kv head, S >= 1024 keys): the CUDA backward's one-pass
+# decoding kernel (ffi/attention/attention.cu), S not a multiple of its 256-key chunks.
+DECODE_CASES = {
+    "gqa-h72": ((2, 1, 1500, 8, 2, 72), {}),
+    "t2-lengths": ((2, 2, 1300, 2, 1, 64), dict(key_value_seq_lengths=np.array([1300, 517], np.int32))),
+    "h256-causal-window": ((1, 3, 1030, 1, 1, 256), dict(is_causal=True, local_window_size=(500, 0))),
+    "soft-cap-segments": ((2, 1, 1100, 4, 4, 32), dict(logits_soft_cap=3.0)),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES), ids=list(DECODE_CASES))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+def test_decoding_backward(case, dtype, rng):
+    """Forward and VJP (q, k, v, bias) of decoding-shaped problems against jax.nn, with a bias, a mask,
+    soft cap and segment ids against the reference; dropout with the reference's mask."""
+    (b, t, s, n, kv, h), kw = DECODE_CASES[case]
+    q, k, v = _inputs(rng, b, t, s, n, kv, h, dtype)
+    if case == "soft-cap-segments":
+        kw = dict(kw, q_segment_ids=jnp.zeros((b, t), jnp.int32),
+                  kv_segment_ids=jnp.asarray(rng.random((b, s)) < 0.2, jnp.int32))
+        mask = jnp.asarray(rng.random((b, 1, 1, s)) < 0.7)
+        _check_against(_reference, rng, q, k, v, normal(rng, (1, n, t, s), dtype), mask, **kw)
+    else:
+        _check_against(_xla, rng, q, k, v, normal(rng, (b, 1, t, s), dtype), **kw)
+    key = jax.random.key(int(rng.integers(1 << 31)))
+    seed = jax.random.bits(key, (b, 2), jnp.uint32)
+    kw = {name: value for name, value in kw.items() if not name.endswith("segment_ids")}
+
+    def ours(q, k, v):
+        return jaxdnn.dot_product_attention(q, k, v, dropout_rate=0.25, dropout_rng=key, **kw)
+
+    def oracle(q, k, v):
+        return _reference(q, k, v, None, None, dropout_rate=0.25, dropout_seed=seed, **kw)
+
+    ct = normal(rng, q.shape, dtype)
+    want = vjp(oracle, [f64(x) for x in (q, k, v)], f64(ct))
+    for name, g, e in zip(("dq", "dk", "dv"), vjp(ours, [q, k, v], ct), want):
+        assert_close(g, e, tolerance(dtype, grad=True), f"dropout {name}")
+
+
 def test_dropout_mask_statistics():
     """About `rate` of the probabilities are dropped, and the kept ones are scaled to keep the mean."""
     seed = jax.random.bits(jax.random.key(3), (2, 2), jnp.uint32)

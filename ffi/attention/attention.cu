@@ -13,10 +13,12 @@
 // element written by one block) per (b, n, query tile) streaming keys as the forward; dk and dv per
 // (b, kv head, tile of 16 keys), each warp owning 4 keys and the lanes 32 queries of each streamed
 // query tile, over every query head of the group, so the group's sum happens in the block.
+// Decoding (few query rows, many keys; every dtype and device): one pass, AttentionDecodeBwdKernel.
 // Dropout scales each probability by DropoutScale (a hash of the seed and (n, t, s)) where it
 // meets v (p v, and dp in the backward), so no mask is stored and the backward regenerates it.
 // Head sizes up to 256: accumulators are arrays of kMaxChunks = 8 columns per lane, bounded at
 // run time, so one instantiation per dtype and kernel serves every H.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -35,6 +37,22 @@ constexpr int kRowsPerWarp = kAttnQueryTile / kWarps;     // query rows per warp
 constexpr int kKeysPerWarp = kAttnBwdKeyTile / kWarps;    // keys per warp (dk, dv)
 constexpr int kMaxChunks = 8;                             // H <= 256 = 8 * 32 columns per lane
 static_assert(kAttnKeyTile == 32 && kAttnBwdQueryTile == 32, "one key / query per lane");
+
+// The decoding backward (AttentionDecodeBwdKernel) takes problems of at most kDecodeMaxRows query
+// rows a kv head (G T) and at least kDecodeMinKeys keys, kDecodeKeys keys a block; its dq partials
+// are the dq_accum workspace, chunks x q's size. jaxdnn/attention.py (_bwd_avals) sizes the
+// workspace so where these hold and B N < 264 (fewer (b, n) rows than two an SM, where the other
+// kernels' dq walks are latency-bound), and the handler takes the kernel where the workspace has
+// that size.
+constexpr int kDecodeMaxRows = 4;
+constexpr int64_t kDecodeMinKeys = 1024;
+constexpr int64_t kDecodeKeys = 256;
+
+bool DecodeBackwardTakes(const AttentionProblem& p) {
+  return p.Group() * p.q_len <= kDecodeMaxRows && p.kv_len >= kDecodeMinKeys;
+}
+
+int64_t DecodeChunks(const AttentionProblem& p) { return (p.kv_len + kDecodeKeys - 1) / kDecodeKeys; }
 
 __device__ __forceinline__ float WarpMax(float v) {
 #pragma unroll
@@ -348,6 +366,137 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- decoding backward (DecodeBackwardTakes) -------------------------------------------------------
+// Few query rows a kv head (G T <= kDecodeMaxRows) against many keys: the dq kernels above and on
+// Hopper give each (b, n, query tile) one block that walks every key, a few hundred blocks in one
+// long latency-bound walk. Here one pass over k and v does everything: a block per (b, kv head,
+// chunk of kDecodeKeys keys), a warp per key at a time (lanes own columns col = 32 c + lane), which
+// computes the key's logits with the G T query rows (in shared memory), writes its dk and dv rows
+// (each once, the group's rows summed in a fixed order) and adds ds k to the warp's dq partial. The
+// block's warps sum their partials in order into workspace[chunk] [B, T, N, H] float32, and
+// DecodeDqSum adds the chunks in order: deterministic.
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    AttentionDecodeBwdKernel(AttentionProblem p, const T* __restrict__ d_out, const T* __restrict__ q,
+                             const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ lse,
+                             const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                             float* __restrict__ dbias, float* __restrict__ dq_partials) {
+  __shared__ float q_s[kDecodeMaxRows][kMaxChunks * 32], do_s[kDecodeMaxRows][kMaxChunks * 32];
+  __shared__ float lse_s[kDecodeMaxRows], delta_s[kDecodeMaxRows];
+  __shared__ float dq_s[kWarps][kDecodeMaxRows][kMaxChunks * 32];
+  const int h = static_cast<int>(p.head_dim);
+  const int64_t chunks = (p.kv_len + kDecodeKeys - 1) / kDecodeKeys;
+  const int64_t chunk = blockIdx.x % chunks;
+  const int64_t kh = (blockIdx.x / chunks) % p.kv_heads, b = blockIdx.x / chunks / p.kv_heads;
+  const int64_t group = p.Group(), n0 = kh * group;
+  const int rows = static_cast<int>(group * p.q_len);  // row r: head n0 + r / T, query r % T
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  for (int i = threadIdx.x; i < rows * h; i += kThreads) {
+    const int r = i / h, c = i % h;
+    const int64_t row = p.QueryRow(b, r % p.q_len, n0 + r / p.q_len) + c;
+    q_s[r][c] = ToFloat(q[row]);
+    do_s[r][c] = ToFloat(d_out[row]);
+  }
+  if (threadIdx.x < rows) {
+    const int64_t stat = p.StatIndex(b, n0 + threadIdx.x / p.q_len, threadIdx.x % p.q_len);
+    lse_s[threadIdx.x] = lse[stat];
+    delta_s[threadIdx.x] = delta[stat];
+  }
+  __syncthreads();
+
+  float dq_acc[kDecodeMaxRows][kMaxChunks];
+#pragma unroll
+  for (int r = 0; r < kDecodeMaxRows; ++r) {
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) dq_acc[r][c] = 0.f;
+  }
+  const int64_t s_end = (chunk + 1) * kDecodeKeys < p.kv_len ? (chunk + 1) * kDecodeKeys : p.kv_len;
+  for (int64_t s = chunk * kDecodeKeys + warp; s < s_end; s += kWarps) {
+    const T* k_row = k + p.KeyRow(b, s, kh);
+    const T* v_row = v + p.KeyRow(b, s, kh);
+    float k_reg[kMaxChunks], v_reg[kMaxChunks];
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) {
+      const int col = c * 32 + lane;
+      k_reg[c] = col < h ? ToFloat(k_row[col]) : 0.f;
+      v_reg[c] = col < h ? ToFloat(v_row[col]) : 0.f;
+    }
+    float g[kDecodeMaxRows], prob[kDecodeMaxRows];  // d dot, and the dropped probability, per row
+#pragma unroll
+    for (int r = 0; r < kDecodeMaxRows; ++r) {
+      g[r] = prob[r] = 0.f;
+      if (r >= rows) continue;
+      float qk = 0.f, dov = 0.f;
+#pragma unroll
+      for (int c = 0; c < kMaxChunks; ++c) {
+        const int col = c * 32 + lane;
+        if (col < h) {
+          qk += q_s[r][col] * k_reg[c];
+          dov += do_s[r][col] * v_reg[c];
+        }
+      }
+      qk = WarpSum(qk);
+      dov = WarpSum(dov);
+      const int64_t n = n0 + r / p.q_len, t = r % p.q_len;
+      float ds = 0.f, logit = 0.f;
+      if (p.Attends(b, n, t, s)) {
+        logit = p.Logit(qk, b, n, t, s);
+        const float pr = ProbFromLse(logit, lse_s[r]);
+        const float drop = DropoutScale(p, b, n, t, s);
+        ds = pr * (dov * drop - delta_s[r]);
+        prob[r] = pr * drop;
+      }
+      if (dbias != nullptr && lane == 0) dbias[p.StatIndex(b, n, t) * p.kv_len + s] = ds;
+      g[r] = ds == 0.f ? 0.f : p.DotGrad(ds, logit, b, n, t, s);
+    }
+    T* dk_row = dk + p.KeyRow(b, s, kh);
+    T* dv_row = dv + p.KeyRow(b, s, kh);
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) {
+      const int col = c * 32 + lane;
+      if (col >= h) continue;
+      float dk_sum = 0.f, dv_sum = 0.f;
+#pragma unroll
+      for (int r = 0; r < kDecodeMaxRows; ++r) {
+        if (r >= rows) continue;
+        dk_sum += g[r] * q_s[r][col];
+        dv_sum += prob[r] * do_s[r][col];
+        dq_acc[r][c] += g[r] * k_reg[c];
+      }
+      dk_row[col] = FromFloat<T>(dk_sum);
+      dv_row[col] = FromFloat<T>(dv_sum);
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < kDecodeMaxRows; ++r) {
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) {
+      if (r < rows && c * 32 + lane < h) dq_s[warp][r][c * 32 + lane] = dq_acc[r][c];
+    }
+  }
+  __syncthreads();
+  float* out = dq_partials + chunk * p.batch * p.q_len * p.heads * p.head_dim;
+  for (int i = threadIdx.x; i < rows * h; i += kThreads) {
+    const int r = i / h, c = i % h;
+    float sum = 0.f;
+    for (int w = 0; w < kWarps; ++w) sum += dq_s[w][r][c];
+    out[p.QueryRow(b, r % p.q_len, n0 + r / p.q_len) + c] = sum;
+  }
+}
+
+// dq = the sum over the chunks of the decoding kernel's partials [chunks, B, T, N, H], in order.
+template <typename T>
+__global__ void DecodeDqSum(const float* __restrict__ partials, int64_t chunks, int64_t elements, T* __restrict__ dq) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < elements; i += int64_t(gridDim.x) * blockDim.x) {
+    float sum = 0.f;
+    for (int64_t c = 0; c < chunks; ++c) sum += partials[c * elements + i];
+    dq[i] = FromFloat<T>(sum);
+  }
+}
+
 // Launches `kernel` on `blocks` blocks with `floats` floats of dynamic shared memory (opting in
 // beyond 48 KiB); no launch for an empty grid.
 template <typename Kernel, typename... Args>
@@ -383,7 +532,8 @@ ffi::Error AttentionFwdTyped(cudaStream_t stream, const AttentionProblem& p, con
 struct BwdWorkspace {
   float* delta;     // [B, N, T]
   bool sm90;
-  float* dq_accum;  // attention_sm90.h
+  bool decode;      // AttentionDecodeBwdKernel
+  float* dq_accum;  // attention_sm90.h, or the decoding kernel's dq partials
   int* semaphores;
 };
 
@@ -395,6 +545,15 @@ ffi::Error AttentionBwdTyped(cudaStream_t stream, const AttentionProblem& p, ffi
   const int64_t rows = p.batch * p.q_len * p.heads;
   JAXDNN_RETURN_IF_ERROR(Launch("AttentionDeltaKernel", AttentionDeltaKernel<T>, (rows + kWarps - 1) / kWarps, 0,
                                 stream, p, d_out, o, delta));
+  if (workspace.decode) {
+    const int64_t chunks = DecodeChunks(p);
+    JAXDNN_RETURN_IF_ERROR(Launch("AttentionDecodeBwdKernel", AttentionDecodeBwdKernel<T>,
+                                  chunks * p.kv_heads * p.batch, 0, stream, p, d_out, q, k, v, lse,
+                                  static_cast<const float*>(delta), dk, dv, dbias, workspace.dq_accum));
+    const int64_t elements = p.batch * p.q_len * p.heads * p.head_dim;
+    return Launch("DecodeDqSum", DecodeDqSum<T>, std::min<int64_t>((elements + kThreads - 1) / kThreads, 4096), 0,
+                  stream, static_cast<const float*>(workspace.dq_accum), chunks, elements, dq);
+  }
   if (workspace.sm90) {
     return attention_sm90::AttentionBwdSm90(stream, p, dtype, d_out, q, k, v, lse, delta, dq, dk, dv, dbias,
                                             workspace.dq_accum, workspace.semaphores);
@@ -457,7 +616,10 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
         CudaError(cudaMemsetAsync(dbias->typed_data(), 0, dbias->size_bytes(), stream), "cudaMemsetAsync"));
   }
   const bool sm90 = attention_sm90::Sm90Takes(p, q.element_type());
-  if (sm90 && attention_sm90::FusedBackwardTakes(p) &&
+  // The decoding kernel where the workspace was sized for it (not under a symbolic T or S).
+  const bool decode = DecodeBackwardTakes(p) &&
+                      dq_accum->element_count() == DecodeChunks(p) * ElementCount(q.dimensions());
+  if (!decode && sm90 && attention_sm90::FusedBackwardTakes(p) &&
       (dq_accum->element_count() != ElementCount(q.dimensions()) ||
        semaphores->element_count() != attention_sm90::FusedBackwardSemaphores(p))) {
     return InvalidArgument("attention: the backward's dq_accum workspace has " +
@@ -470,7 +632,8 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
     using T = decltype(tag);
     auto in = [](const ffi::AnyBuffer& x) { return static_cast<const T*>(x.untyped_data()); };
     auto out = [](ffi::Result<ffi::AnyBuffer>& x) { return static_cast<T*>(x->untyped_data()); };
-    const BwdWorkspace workspace{delta->typed_data(), sm90, dq_accum->typed_data(), semaphores->typed_data()};
+    const BwdWorkspace workspace{delta->typed_data(), sm90, decode, dq_accum->typed_data(),
+                                 semaphores->typed_data()};
     return AttentionBwdTyped<T>(stream, p, q.element_type(), in(d_out), in(q), in(k), in(v), in(o),
                                 lse.typed_data(), out(dq), out(dk), out(dv),
                                 bias_grad != 0 ? dbias->typed_data() : nullptr, workspace);
