@@ -105,13 +105,12 @@ def _check(fn, x, axis, where):
     if x.ndim == 0:
         raise ValueError(f"{fn}: x must have rank >= 1, got shape {x.shape}")
     if where is not None:
-        where = jnp.asarray(where)
         try:
-            broadcast = jnp.broadcast_shapes(where.shape, x.shape)
+            broadcast = jnp.broadcast_shapes(jnp.shape(where), x.shape)
         except ValueError:
             broadcast = None
         if broadcast != x.shape:
-            raise ValueError(f"{fn}: where of shape {where.shape} must broadcast to x's shape {x.shape}")
+            raise ValueError(f"{fn}: where of shape {jnp.shape(where)} must broadcast to x's shape {x.shape}")
     if isinstance(axis, (tuple, list)):
         if len(axis) != 1:
             raise ValueError(f"{fn}: axis must be a single axis, got {axis} for x of shape {x.shape}")

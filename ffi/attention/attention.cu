@@ -52,7 +52,9 @@ bool DecodeBackwardTakes(const AttentionProblem& p) {
   return p.Group() * p.q_len <= kDecodeMaxRows && p.kv_len >= kDecodeMinKeys;
 }
 
-int64_t DecodeChunks(const AttentionProblem& p) { return (p.kv_len + kDecodeKeys - 1) / kDecodeKeys; }
+__host__ __device__ int64_t DecodeChunks(const AttentionProblem& p) {
+  return (p.kv_len + kDecodeKeys - 1) / kDecodeKeys;
+}
 
 __device__ __forceinline__ float WarpMax(float v) {
 #pragma unroll
@@ -386,7 +388,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float lse_s[kDecodeMaxRows], delta_s[kDecodeMaxRows];
   __shared__ float dq_s[kWarps][kDecodeMaxRows][kMaxChunks * 32];
   const int h = static_cast<int>(p.head_dim);
-  const int64_t chunks = (p.kv_len + kDecodeKeys - 1) / kDecodeKeys;
+  const int64_t chunks = DecodeChunks(p);
   const int64_t chunk = blockIdx.x % chunks;
   const int64_t kh = (blockIdx.x / chunks) % p.kv_heads, b = blockIdx.x / chunks / p.kv_heads;
   const int64_t group = p.Group(), n0 = kh * group;
