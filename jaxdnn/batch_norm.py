@@ -5,9 +5,10 @@ running statistics [C]. The kernels see x as [O, C, I] (O the axes before `axis`
 those after it), a free reshape. Statistics and accumulation are float32; outputs have x's dtype.
 
 Four kernel stages, each a primitive whose VJP goes through `jaxdnn.reference.batch_norm`:
-- stats: the per-channel sums of (x - shift) and its square, about the running mean as the shift
-  (close to the batch mean, so the variance does not cancel); partial sums over row shards are
-  summed across devices, so a batch sharded over a mesh gets the global statistics (sync BN);
+- stats: the per-channel sums of (x - shift) and its square, about a sample of the batch as the
+  shift (within the batch's spread of its mean, so the variance does not cancel); partial sums
+  over row shards are summed across devices, so a batch sharded over a mesh gets the global
+  statistics (sync BN);
 - fwd: y = act(a (x - mean) + bias [+ residual]) with a = scale * rstd;
 - bwd_sums: sum(g) and sum(g (x - mean)) with g = dy act'(pre-activation);
 - bwd_dx: dx = a g + k1 (x - mean) + k0 (k1, k0 carry the batch statistics' gradient in training),
@@ -140,6 +141,17 @@ def _sum_shards(values, sharded):
     return [jax.lax.psum(v, sharded[1]) for v in values] if sharded else list(values)
 
 
+def _shift(x, mean_in, sharded):
+    """The point [C] the statistics are summed about: each channel's first element x[0, :, 0] (its
+    mean over the shards, so that every shard sums about the same point), whose distance from the
+    batch mean is of the order of the batch's spread, so s2 / n - delta^2 keeps float32's precision.
+    The running mean can be far from it (at initialization above all), which cancelled digits."""
+    if x.shape[0] == 0 or x.shape[2] == 0:
+        return lax.stop_gradient(mean_in)
+    first = lax.stop_gradient(x[0, :, 0].astype(_F32))
+    return jax.lax.pmean(first, sharded[1]) if sharded else first
+
+
 def _batch_stats(x, shift, sharded):
     """(mean, biased variance) [C] over O and I, and over every shard of an Explicit mesh."""
     count = x.shape[0] * x.shape[2] * (sharded[0] if sharded else 1)
@@ -158,7 +170,7 @@ def _batch_norm(x, scale, bias, mean_in, var_in, residual, training, epsilon, ki
 
 def _batch_norm_fwd(x, scale, bias, mean_in, var_in, residual, training, epsilon, kind, param, sharded):
     if training:
-        mean, var = _batch_stats(x, lax.stop_gradient(mean_in), sharded)
+        mean, var = _batch_stats(x, _shift(x, mean_in, sharded), sharded)
     else:
         mean, var = mean_in, var_in
     rstd = lax.rsqrt(var + epsilon)
