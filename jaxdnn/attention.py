@@ -33,6 +33,9 @@ _FLOAT_TYPES = [jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
 _F32 = jnp.float32
 _MAX_HEAD_DIM = 256
 _WHO = "dot_product_attention: "  # the start of every error message
+# The CUDA decoding backward's bounds (kDecodeMaxRows, kDecodeMinKeys, kDecodeKeys in
+# ffi/attention/attention.cu), and the (b, n) rows below which it replaces the other kernels.
+_DECODE_MAX_ROWS, _DECODE_MIN_KEYS, _DECODE_KEYS, _DECODE_MAX_BN = 4, 1024, 256, 264
 
 # The optional operands in the targets' order, their dtypes, and their bits of the `present` attribute.
 _OPTIONAL = ("bias", "mask", "q_lens", "kv_lens", "q_seg", "kv_seg", "dropout_seed")
@@ -58,9 +61,9 @@ def _bwd_avals(d_out, q, k, v, o, lse, *optional, bias_grad, **attrs):
     s = k.shape[1]
     dbias = (b, n, t, s) if bias_grad else (0,)
     fused = q.dtype in (jnp.bfloat16, jnp.float16) and h <= 128
-    decode = (all(isinstance(d, int) for d in (b, t, s)) and (n // k.shape[2]) * t <= 4 and s >= 1024
-              and b * n < 264)
-    dq_accum = (-(-s // 256) * b * t * n * h,) if decode else q.shape if fused else (0,)
+    decode = (all(isinstance(d, int) for d in (b, t, s)) and (n // k.shape[2]) * t <= _DECODE_MAX_ROWS
+              and s >= _DECODE_MIN_KEYS and b * n < _DECODE_MAX_BN)
+    dq_accum = (-(-s // _DECODE_KEYS) * b * t * n * h,) if decode else q.shape if fused else (0,)
     return [jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(k.shape, k.dtype),
             jax.core.ShapedArray(v.shape, v.dtype), jax.core.ShapedArray(dbias, _F32),
             jax.core.ShapedArray((b, n, t), _F32), jax.core.ShapedArray(dq_accum, _F32),
