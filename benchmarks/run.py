@@ -23,7 +23,9 @@ Conventions (see ARCHITECTURE.md, "Benchmarks"):
   "speedup" (peer_ms / jaxdnn_ms), "metric", "value", "ceiling_fraction", "jax", "device", "date",
   "autotune"}; the ceilings are records of family "ceiling" with null peer fields. A table is printed
   at the end. `--autotune` runs with jaxdnn.config.autotune on (candidates timed while a case is
-  compiled, outside its timing), its choices kept in `<out>/autotune.json`.
+  compiled, outside its timing), its choices kept in `<out>/autotune.json`. `--nondeterministic` runs
+  with jaxdnn.config.deterministic off (`-nondeterministic` appended to the file name; the records'
+  "deterministic" field says which).
 
 Adding a family: write `def <family>_cases(quick) -> list[Case]` and add it to `FAMILIES` (a family
 measured other than by time, such as attention_memory, returns its records and goes in `OTHER_FAMILIES`).
@@ -830,14 +832,21 @@ def main() -> int:
         help="time jaxdnn's candidate kernels first (jaxdnn.config.autotune), caching the choices in "
              "<out>/autotune.json; results go to <device>-<date>-autotune.json"
     )
+    parser.add_argument(
+        "--nondeterministic", action="store_true",
+        help="run with jaxdnn.config.deterministic off (attention's backward adds dq unordered, as "
+             "cuDNN's default does); results go to <device>-<date>-nondeterministic.json"
+    )
     args = parser.parse_args()
     repeats = args.repeats or (3 if args.quick else 20)
+    jaxdnn.config.deterministic = not args.nondeterministic
     if args.autotune:
         jaxdnn.config.autotune = True
         jaxdnn.config.autotune_cache = os.path.join(args.out, "autotune.json")
 
     device, date = device_name(), datetime.date.today().isoformat()
-    common = {"jax": jax.__version__, "device": device, "date": date, "autotune": args.autotune}
+    common = {"jax": jax.__version__, "device": device, "date": date, "autotune": args.autotune,
+              "deterministic": not args.nondeterministic}
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind!r}; "
         f"jaxdnn CUDA kernels: {jaxdnn.has_cuda_kernels()}",
@@ -918,7 +927,8 @@ def main() -> int:
             print(f"{case.name}: {ms:.4f} ms (peer {peer_text} ms)", flush=True)
 
     os.makedirs(args.out, exist_ok=True)
-    suffix = ("-autotune" if args.autotune else "") + ("-quick" if args.quick else "")
+    suffix = (("-autotune" if args.autotune else "") + ("-nondeterministic" if args.nondeterministic else "")
+              + ("-quick" if args.quick else ""))
     path = os.path.join(args.out, f"{device}-{date}{suffix}.json")
     with open(path, "w") as f:
         json.dump(records + other_records, f, indent=1)

@@ -172,6 +172,7 @@ def ffi_primitive(
     batch_rule: Callable,
     scratch_results: int = 0,
     reduced_results: Sequence[int] = (),
+    host_attrs: Sequence[str] = (),
 ) -> Primitive:
     """Declares the primitive `name`, computed by the FFI target `target`.
 
@@ -185,6 +186,8 @@ def ffi_primitive(
       batch_rule: `(primitive, args, dims, **attrs) -> (outs, out_dims)`.
       scratch_results: how many trailing FFI results are workspace (not returned).
       reduced_results: indices of public results that are sums over rows.
+      host_attrs: names of attributes read by `result_avals` alone (they size workspaces) and not
+        passed to the kernel.
 
     The primitive is bound as `prim.bind(*operands, **attrs)` and returns a list of public results.
     """
@@ -199,8 +202,9 @@ def ffi_primitive(
     def call_kernel(attrs: Attrs, *operands):
         avals = result_avals(*(jax.core.ShapedArray(o.shape, o.dtype) for o in operands),
                              **dict(attrs))
+        kernel_attrs = {name: value for name, value in attrs if name not in host_attrs}
         results = jax.ffi.ffi_call(
-            target, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])(*operands, **dict(attrs))
+            target, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])(*operands, **kernel_attrs)
         return tuple(results[:len(results) - scratch_results])
 
     partitioned = custom_partitioning(call_kernel, static_argnums=(0,))

@@ -7,9 +7,12 @@ repeating K and V). bias and mask broadcast to [B, N, T, S]; lse (the logsumexp)
 Two kernel stages (ffi/attention/attention.h), each a primitive: `attention_fwd` (q, k, v, ...) ->
 (o, lse) streams the keys through an online softmax, so memory is linear in T and S; and
 `attention_bwd` (do, q, k, v, o, lse, ...) -> (dq, dk, dv, dbias) recomputes the probabilities from
-lse (dK/dV summed over the query heads of a group inside the kernel, in a fixed order: the backward
-is deterministic). Each stage is differentiated through `jaxdnn.reference.attention`, so grad of
-grad works; forward-mode `jax.jvp` is not provided (custom_vjp).
+lse (dK/dV summed over the query heads of a group inside the kernel, in a fixed order). The
+backward is deterministic unless `jaxdnn.config.deterministic` is off when it is traced: then the
+Hopper kernel for head sizes up to 128 adds its dq partials unordered (faster; dq's bits may differ
+between runs, as with cuDNN's default). Each stage is differentiated through
+`jaxdnn.reference.attention`, so grad of grad works; forward-mode `jax.jvp` is not provided
+(custom_vjp).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.sharding import PartitionSpec
 
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
+from jaxdnn import config
 from jaxdnn._primitive import (explicit_row_sharding, ffi_primitive, match_varying, move_to_front,
                                with_reference_vjp)
 from jaxdnn.reference import attention as _ref
@@ -50,13 +54,14 @@ def _fwd_avals(q, k, v, *optional, **attrs):
     return [jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray((b, n, t), _F32)]
 
 
-def _bwd_avals(d_out, q, k, v, o, lse, *optional, bias_grad, **attrs):
+def _bwd_avals(d_out, q, k, v, o, lse, *optional, bias_grad, deterministic, **attrs):
     """(dq, dk, dv, dbias [B, N, T, S] (when bias_grad) or [0], and the workspaces: delta [B, N, T];
     dq_accum float32: for decoding (G T <= 4 query rows a kv head, S >= 1024 keys, and B N < 264,
     under which the other kernels' dq is a few hundred blocks each walking every key) the CUDA
     decoding kernel's dq partials, ceil(S / 256) x q's size (ffi/attention/attention.cu:
     DecodeBackwardTakes), else for the Hopper kernels of 16-bit inputs with H <= 128 q's shape, else
-    [0]; and for the latter the semaphores ordering its adds (B * N * ceil(T / 64) int32), else [0])."""
+    [0]; and for the latter, when deterministic, the semaphores ordering its adds (B * N *
+    ceil(T / 64) int32), else [0] (the kernel adds unordered)."""
     b, t, n, h = q.shape
     s = k.shape[1]
     dbias = (b, n, t, s) if bias_grad else (0,)
@@ -67,7 +72,8 @@ def _bwd_avals(d_out, q, k, v, o, lse, *optional, bias_grad, **attrs):
     return [jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(k.shape, k.dtype),
             jax.core.ShapedArray(v.shape, v.dtype), jax.core.ShapedArray(dbias, _F32),
             jax.core.ShapedArray((b, n, t), _F32), jax.core.ShapedArray(dq_accum, _F32),
-            jax.core.ShapedArray((b * n * (-(-t // 64)),) if fused and not decode else (0,), jnp.int32)]
+            jax.core.ShapedArray((b * n * (-(-t // 64)),) if fused and not decode and deterministic else (0,),
+                                 jnp.int32)]
 
 
 def _optional_specs(batch, optional):
@@ -98,7 +104,8 @@ def _stage_primitive(stage: str, optional_specs: tuple, bias_grad: bool):
     dbias = "... n t s" if bias_grad else "zb"
     rule = f"{q}, {q}, {kv}, {kv}, {q}, {stat}, {opt} -> {q}, {kv}, {kv}, {dbias}"
     return ffi_primitive("jaxdnn_attention_bwd", "jaxdnn_attention_bwd_v2", result_avals=_bwd_avals,
-                         sharding_rule=rule, batch_rule=_batch_rule, scratch_results=3)
+                         sharding_rule=rule, batch_rule=_batch_rule, scratch_results=3,
+                         host_attrs=("deterministic",))
 
 
 def _bind(stage, operands, attrs):
@@ -176,7 +183,8 @@ def _bwd_stage(d_out, q, k, v, o, lse, optional, options, bias_grad):
     """(dq, dk, dv, dbias [B, N, T, S] float32, or None unless bias_grad)."""
     def kernel(d_out, q, k, v, o, lse, *optional):
         dq, dk, dv, dbias = _bind("bwd", [d_out, q, k, v, o, lse, *_operands(q, optional)],
-                                  dict(_attrs(options, optional), bias_grad=np.int64(bias_grad)))
+                                  dict(_attrs(options, optional), bias_grad=np.int64(bias_grad),
+                                       deterministic=bool(config.deterministic)))
         return dq, dk, dv, dbias if bias_grad else None
 
     def reference(d_out, q, k, v, o, lse, *optional):

@@ -105,3 +105,21 @@ def test_tiled_backward_is_deterministic(dtype, rng):
                                            q, k, v)[1](ct))
     first, second = step(q, k, v), step(q, k, v)
     assert all(bit_equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.fixture
+def unordered():
+    """jaxdnn.config.deterministic off for one test (the setting is read when a program is traced)."""
+    saved = jaxdnn.config.deterministic
+    jaxdnn.config.deterministic = False
+    yield
+    jaxdnn.config.deterministic = saved
+
+
+@pytest.mark.parametrize("case", ["h64-ragged", "h128-causal", "h80-window"])
+@dtype_param
+def test_unordered_backward_against_reference(case, dtype, rng, unordered):
+    """With jaxdnn.config.deterministic off, the Hopper backward adds its dq partials unordered (no
+    semaphore workspace): still the reference's gradients, within the same tolerances."""
+    shape, kw = CASES[case]
+    _check(rng, *_inputs(rng, *shape, dtype), **kw)

@@ -536,7 +536,7 @@ struct BwdWorkspace {
   bool sm90;
   bool decode;      // AttentionDecodeBwdKernel
   float* dq_accum;  // attention_sm90.h, or the decoding kernel's dq partials
-  int* semaphores;
+  int* semaphores;  // attention_sm90.h; null: unordered adds
 };
 
 template <typename T>
@@ -621,13 +621,15 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
   // The decoding kernel where the workspace was sized for it (not under a symbolic T or S).
   const bool decode = DecodeBackwardTakes(p) &&
                       dq_accum->element_count() == DecodeChunks(p) * ElementCount(q.dimensions());
+  // The fused kernel's workspaces: dq_accum, and semaphores ordering its adds, or none (unordered).
   if (!decode && sm90 && attention_sm90::FusedBackwardTakes(p) &&
       (dq_accum->element_count() != ElementCount(q.dimensions()) ||
-       semaphores->element_count() != attention_sm90::FusedBackwardSemaphores(p))) {
+       (semaphores->element_count() != 0 &&
+        semaphores->element_count() != attention_sm90::FusedBackwardSemaphores(p)))) {
     return InvalidArgument("attention: the backward's dq_accum workspace has " +
                            std::to_string(dq_accum->element_count()) + " elements and semaphores " +
                            std::to_string(semaphores->element_count()) + ", expected q's " +
-                           std::to_string(ElementCount(q.dimensions())) + " and " +
+                           std::to_string(ElementCount(q.dimensions())) + " and 0 or " +
                            std::to_string(attention_sm90::FusedBackwardSemaphores(p)));
   }
   return DispatchFloat<float, __nv_bfloat16, __half>(q.element_type(), "q", [&](auto tag) {
@@ -635,7 +637,7 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
     auto in = [](const ffi::AnyBuffer& x) { return static_cast<const T*>(x.untyped_data()); };
     auto out = [](ffi::Result<ffi::AnyBuffer>& x) { return static_cast<T*>(x->untyped_data()); };
     const BwdWorkspace workspace{delta->typed_data(), sm90, decode, dq_accum->typed_data(),
-                                 semaphores->typed_data()};
+                                 semaphores->element_count() > 0 ? semaphores->typed_data() : nullptr};
     return AttentionBwdTyped<T>(stream, p, q.element_type(), in(d_out), in(q), in(k), in(v), in(o),
                                 lse.typed_data(), out(dq), out(dk), out(dv),
                                 bias_grad != 0 ? dbias->typed_data() : nullptr, workspace);

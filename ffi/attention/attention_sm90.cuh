@@ -51,8 +51,9 @@ struct IndexRules {
   __device__ IndexRules(const AttentionProblem& p, int64_t b)
       : key_limit(int(p.KeyLimit(b))), causal(p.causal), left(int(p.window_left)), right(int(p.window_right)) {}
 
+  // Bitwise, not short-circuit: a predicate, not a branch per element.
   __device__ bool Attends(int t, int s) const {
-    return s < key_limit && (!causal || s <= t) && (left < 0 || s >= t - left) && (right < 0 || s <= t + right);
+    return (s < key_limit) & (!causal | (s <= t)) & ((left < 0) | (s >= t - left)) & ((right < 0) | (s <= t + right));
   }
   // Whether every query of [t0, t1) attends every key of [s0, s1): the tile needs no per-element test.
   __device__ bool Whole(int t0, int t1, int s0, int s1) const {

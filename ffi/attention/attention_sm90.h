@@ -19,14 +19,16 @@ bool Sm90Takes(const AttentionProblem& p, ffi::DataType dtype);
 ffi::Error AttentionFwdSm90(cudaStream_t stream, const AttentionProblem& p, ffi::DataType dtype, const void* q,
                             const void* k, const void* v, void* o, float* lse);
 
-// Whether the backward of this problem may run the fused kernel, which needs the workspaces
-// dq_accum (float32, q's shape) and semaphores (FusedBackwardSemaphores int32) of
-// jaxdnn_attention_bwd_v2; the separate kernels (head size 256, decoding shapes) need neither.
+// Whether the backward of this problem may run the fused kernel, which needs the workspaces of
+// jaxdnn_attention_bwd_v2: dq_accum (float32, q's shape) and semaphores, FusedBackwardSemaphores
+// int32 that order the kernel's adds to dq_accum (deterministic), or none (unordered adds: dq's
+// bits may differ between runs). The separate kernels (head size 256, decoding shapes) need neither.
 bool FusedBackwardTakes(const AttentionProblem& p);
 int64_t FusedBackwardSemaphores(const AttentionProblem& p);
 
 // dq, dk, dv (and dbias when not null: the elements of attended pairs; the caller zeroes it first)
-// from delta = rowsum(do o) already in `delta`; dq_accum and semaphores as FusedBackwardTakes says.
+// from delta = rowsum(do o) already in `delta`; dq_accum and semaphores (null: unordered adds) as
+// FusedBackwardTakes says.
 ffi::Error AttentionBwdSm90(cudaStream_t stream, const AttentionProblem& p, ffi::DataType dtype, const void* d_out,
                             const void* q, const void* k, const void* v, const float* lse, const float* delta,
                             void* dq, void* dk, void* dv, float* dbias, float* dq_accum, int* semaphores);

@@ -117,6 +117,11 @@ __device__ __forceinline__ void BulkAddToGlobal(float* global, const float* shar
 __device__ __forceinline__ void BulkWaitAll() {
   asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group 0;\n" ::: "memory");
 }
+// Closes this thread's bulk group and waits until every bulk operation it issued has read its
+// shared-memory source (the buffer may be reused; the global writes may still be under way).
+__device__ __forceinline__ void BulkWaitReads() {
+  asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
 // Orders this thread's generic-proxy global accesses with its async-proxy (bulk) ones.
 __device__ __forceinline__ void FenceProxyAsyncGlobal() {
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
@@ -139,7 +144,12 @@ __device__ __forceinline__ void FenceRegisters(float (&r)[kCount]) {
 #pragma unroll
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
-// The same for A fragments in registers (read by the wgmma until its wait).
+// The same for one A fragment (4 packed pairs) or for A fragments in registers (read by the wgmma
+// until its wait).
+__device__ __forceinline__ void FenceRegisters(uint32_t (&r)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[j])::"memory");
+}
 template <int kRows>
 __device__ __forceinline__ void FenceRegisters(uint32_t (&r)[kRows][4]) {
 #pragma unroll
