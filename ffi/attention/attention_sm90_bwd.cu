@@ -275,7 +275,9 @@ __device__ __forceinline__ void KeyMajorLogits(const T* k_s, const T* v_s, const
 // From s^T and dp^T of keys sw.. (rows) x queries t0.. (columns): the A fragments of p^T (dropped:
 // dv's operand) and of the gradient of q.k (ds times the logit's derivative: dk's and dq's), each
 // pair packed as soon as it is computed (the float tiles and the fragments are not all live at
-// once). With dbias (not null), ds itself is written there for every attended pair.
+// once). With dbias (not null), ds itself is written there for every attended pair. kBranchFree
+// (index rules only): every element computed and the masked ones selected away, else a branch per
+// element (the general rules always branch: their operands are read from global memory).
 template <typename T, bool kGeneral, bool kBranchFree, int kCount>
 __device__ __forceinline__ void KeyMajorGradients(const float (&st_acc)[kCount], const float (&dpt_acc)[kCount],
                                                   const Fragment& f, const AttentionProblem& p,
