@@ -153,10 +153,7 @@ __device__ __forceinline__ void FenceRegisters(uint32_t (&r)[4]) {
 template <int kRows>
 __device__ __forceinline__ void FenceRegisters(uint32_t (&r)[kRows][4]) {
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
-  }
+  for (int i = 0; i < kRows; ++i) FenceRegisters(r[i]);
 }
 
 // The shared-memory descriptor of a 128-byte-swizzled operand (see the top of this file).
