@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxdnn
 from helpers import DTYPES, assert_close, dtype_id, f64, normal, tolerance
 
+
 def _gelu_tanh(x):
     """jax.nn.gelu(x) (approximate=True) as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3):
     jax.nn's 0.5 x (1 + tanh(u)) cancels for x < -5 even in float64 (at x = -7.3 its 2.8e-15 is
