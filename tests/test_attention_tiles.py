@@ -108,12 +108,9 @@ def test_tiled_backward_is_deterministic(dtype, rng):
 
 
 @pytest.fixture
-def unordered():
+def unordered(monkeypatch):
     """jaxdnn.config.deterministic off for one test (the setting is read when a program is traced)."""
-    saved = jaxdnn.config.deterministic
-    jaxdnn.config.deterministic = False
-    yield
-    jaxdnn.config.deterministic = saved
+    monkeypatch.setattr(jaxdnn.config, "deterministic", False)
 
 
 @pytest.mark.parametrize("case", ["h64-ragged", "h128-causal", "h80-window"])
