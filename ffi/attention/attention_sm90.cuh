@@ -148,15 +148,17 @@ __device__ __forceinline__ void StoreTile(const float (&acc)[kCount], const Frag
   }
 }
 
-// The tensor map of a [B, L, heads, H] array of 16-bit values (q, o, do: L = T; k, v: L = S) whose
-// box is one 64-column chunk of `rows` consecutive positions of one head: coordinates
-// (column, head, position, batch). Columns past H and positions past L read as zeros.
+// The tensor map of a [B, L, heads, H] array of 16-bit values (q, o, do: L = T; k, v: L = S) or
+// float32 ones (the backward's dq_accum) whose box is one 128-byte chunk of columns (64 16-bit
+// values or 32 floats) of `rows` consecutive positions of one head: coordinates (column, head,
+// position, batch). Columns past H and positions past L read as zeros (and are not written).
 inline CUresult MakeTileMap(CUtensorMap* map, const void* data, CUtensorMapDataType type, int64_t batch, int64_t len,
                             int64_t heads, int64_t head_dim, int rows) {
+  const int64_t bytes = type == CU_TENSOR_MAP_DATA_TYPE_FLOAT32 ? 4 : 2;
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(heads), cuuint64_t(len), cuuint64_t(batch)};
-  const cuuint64_t strides[3] = {cuuint64_t(head_dim * 2), cuuint64_t(heads * head_dim * 2),
-                                 cuuint64_t(len * heads * head_dim * 2)};
-  const cuuint32_t box[4] = {64, 1, cuuint32_t(rows), 1};
+  const cuuint64_t strides[3] = {cuuint64_t(head_dim * bytes), cuuint64_t(heads * head_dim * bytes),
+                                 cuuint64_t(len * heads * head_dim * bytes)};
+  const cuuint32_t box[4] = {cuuint32_t(128 / bytes), 1, cuuint32_t(rows), 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   return cuTensorMapEncodeTiled(map, type, 4, const_cast<void*>(data), dims, strides, box, element_strides,
                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,

@@ -474,7 +474,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ds^T (their 64 keys each) go to shared memory, and each warpgroup multiplies half of the product
 // (split by query rows when a stage holds 128 queries, else by dq's columns) over all 128 keys.
 // The float32 partial goes to a shared buffer that a writer warp of the producer warpgroup adds
-// to dq_accum [B, T, N, H] in global memory with TMA bulk reductions. The adds are ordered for
+// to dq_accum [B, T, N, H] in global memory with TMA tensor reductions (one per 32 columns). The adds are ordered for
 // determinism, in descending key-tile order: a semaphore per (b, n, query tile) counts the key
 // tiles that have added theirs, and a CTA adds when the count equals the number of key tiles after
 // its own that reach the query tile (each CTA computes that with the same QueryTilesOf its peers
@@ -497,14 +497,14 @@ struct FusedTile {
   static constexpr bool kBranchFree = kHeadDim != 64;
   static constexpr int kStages = 2;
   static constexpr int kChunks = kHeadDim / 64;
-  static constexpr int kDqStride = kHeadDim + 4;             // floats a row of the dq buffer
+  static constexpr int kDqChunks = kHeadDim / 32;            // dq buffer: [32-column chunk][kRows][32] floats
   static constexpr int kKVBytes = kKeys * kHeadDim * 2;
   static constexpr int kQBytes = kRows * kHeadDim * 2;       // one q or do stage
   static constexpr int kDsBytes = kKeys * kRows * 2;         // one ds^T buffer: [query chunk][key][64]
   static constexpr int kQOffset = 2 * kKVBytes;
   static constexpr int kDsOffset = kQOffset + 2 * kStages * kQBytes;
   static constexpr int kDqOffset = kDsOffset + 2 * kDsBytes;
-  static constexpr int kStatOffset = kDqOffset + kRows * kDqStride * 4;
+  static constexpr int kStatOffset = kDqOffset + kRows * kHeadDim * 4;
   static constexpr int kBarrierOffset = kStatOffset + 2 * kStages * kRows * 4;
   static constexpr int kSharedBytes = kBarrierOffset + 8 * (3 + 2 * kStages) + 1024;
 };
@@ -515,16 +515,25 @@ constexpr int kFusedConsumerRegisters = 224;  // 128 * 56 + 256 * 224 = 384 * 16
 // Query tiles of 64 a (b, n) semaphore row holds: enough for either FusedTile.
 __host__ __device__ inline int64_t SemaphoreTiles(int64_t q_len) { return (q_len + 63) / 64; }
 
-// The dq writer's step: the lanes add the rows of the dq buffer to dq_accum's rows of query tile t0
-// of head n (TMA bulk reductions in the lanes' bulk groups, not waited for).
+// The dq buffer's byte offset of (row, column): 32-column chunks of kRows 128-byte rows, swizzled as
+// the TMA reads them (the 16-byte unit index XOR the row's index mod 8; also what keeps the
+// consumers' 8-byte stores free of bank conflicts).
 template <typename Tile>
-__device__ __forceinline__ void AddDqTile(const AttentionProblem& p, int64_t b, int64_t n, int t0,
-                                          const float* dq_s, float* dq_accum, int lane) {
-  const int64_t row_stride = p.heads * p.head_dim;
-  const int rows = int(p.q_len - t0 < Tile::kRows ? p.q_len - t0 : Tile::kRows);
-  float* out = dq_accum + p.QueryRow(b, t0, n);
-  for (int r = lane; r < rows; r += 32) {
-    sm90::BulkAddToGlobal(out + r * row_stride, dq_s + r * Tile::kDqStride, int(p.head_dim) * 4);
+__device__ __forceinline__ int DqBufferOffset(int row, int col) {
+  return (col / 32) * Tile::kRows * 128 + row * 128 + ((((col % 32) / 4) ^ (row % 8)) * 16) + (col % 4) * 4;
+}
+
+// The dq writer's step: lane 0 adds the dq buffer to dq_accum's rows of query tile t0 of head n,
+// one TMA reduction per chunk (rows past T and columns past H dropped; in its bulk group, not
+// waited for).
+template <typename Tile>
+__device__ __forceinline__ void AddDqTile(const CUtensorMap& dq_map, int64_t b, int64_t n, int t0, const uint8_t* dq_s,
+                                          int lane) {
+  if (lane == 0) {
+#pragma unroll
+    for (int c = 0; c < Tile::kDqChunks; ++c) {
+      sm90::TmaReduceAdd4d(&dq_map, dq_s + c * Tile::kRows * 128, 32 * c, int(n), t0, int(b));
+    }
   }
 }
 
@@ -532,9 +541,9 @@ template <typename T, int kHeadDim, bool kGeneral>
 __global__ void __launch_bounds__(kThreads, 1)
     AttentionBwdFusedKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap do_map,
                             const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
-                            const AttentionProblem p, const float* __restrict__ lse,
-                            const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                            float* __restrict__ dq_accum, int* __restrict__ semaphores, float* __restrict__ dbias) {
+                            const __grid_constant__ CUtensorMap dq_map, const AttentionProblem p,
+                            const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk,
+                            T* __restrict__ dv, int* __restrict__ semaphores, float* __restrict__ dbias) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tile = FusedTile<kHeadDim>;
   extern __shared__ uint8_t shared_raw[];
@@ -544,7 +553,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* q_s = reinterpret_cast<T*>(shared + Tile::kQOffset);         // [stage][chunk][kRows][64]
   T* do_s = q_s + Tile::kStages * Tile::kQBytes / 2;
   uint8_t* ds_s = shared + Tile::kDsOffset;                        // [2][query chunk][128 keys][64]
-  float* dq_s = reinterpret_cast<float*>(shared + Tile::kDqOffset);  // [kRows][kDqStride]
+  uint8_t* dq_s = shared + Tile::kDqOffset;  // [chunk][kRows][32] floats, swizzled (DqBufferOffset)
   float* lse_s = reinterpret_cast<float*>(shared + Tile::kStatOffset);
   float* delta_s = lse_s + Tile::kStages * Tile::kRows;
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(shared + Tile::kBarrierOffset);
@@ -599,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         __syncwarp();
         sm90::FenceProxyAsyncGlobal();  // the bulk adds come after the acquire
-        AddDqTile<Tile>(p, b, n, t0, dq_s, dq_accum, lane);
+        AddDqTile<Tile>(dq_map, b, n, t0, dq_s, lane);
         sm90::BulkWaitAll();
         sm90::FenceProxyAsyncGlobal();
         __threadfence();  // the adds are visible before the semaphore says so
@@ -612,8 +621,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else if (warp == 1) {  // the dq writer, adding as the steps come (not deterministic)
       for (int j = 0; j < steps; ++j) {
         sm90::BarrierWait(dq_full, j & 1);
-        AddDqTile<Tile>(p, b, kh * p.Group() + j / query_tiles, first + (j % query_tiles) * Tile::kRows, dq_s,
-                        dq_accum, lane);
+        AddDqTile<Tile>(dq_map, b, kh * p.Group() + j / query_tiles, first + (j % query_tiles) * Tile::kRows,
+                        dq_s, lane);
         sm90::BulkWaitReads();  // only the buffer's reuse waits for the adds
         __syncwarp();
         if (lane == 0) sm90::BarrierArrive(dq_empty);
@@ -694,7 +703,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < Tile::kDqCols / 2; i += 2) {
       const int row = 64 * dq_chunk + f.Row(i), col = dq_col0 + f.Col(i);
-      *reinterpret_cast<float2*>(dq_s + row * Tile::kDqStride + col) = make_float2(dq_acc[i], dq_acc[i + 1]);
+      *reinterpret_cast<float2*>(dq_s + DqBufferOffset<Tile>(row, col)) = make_float2(dq_acc[i], dq_acc[i + 1]);
     }
     sm90::FenceProxyAsync();  // the writer's bulk adds read the buffer through the async proxy
     sm90::BarrierArrive(dq_full);
@@ -777,7 +786,12 @@ ffi::Error LaunchFused(cudaStream_t stream, const AttentionProblem& p, CUtensorM
                        void* dk, void* dv, float* dbias, float* dq_accum, int* semaphores) {
   using Tile = FusedTile<kHeadDim>;
   BwdMaps maps;
-  if (!MakeMaps(p, type, d_out, q, k, v, Tile::kRows, Tile::kKeys, &maps)) return EncodeError();
+  CUtensorMap dq_map;
+  if (!MakeMaps(p, type, d_out, q, k, v, Tile::kRows, Tile::kKeys, &maps) ||
+      MakeTileMap(&dq_map, dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.batch, p.q_len, p.heads, p.head_dim,
+                  Tile::kRows) != CUDA_SUCCESS) {
+    return EncodeError();
+  }
   const int64_t elements = p.batch * p.q_len * p.heads * p.head_dim;
   JAXDNN_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(dq_accum, 0, elements * 4, stream), "attention backward: memset"));
   if (semaphores != nullptr) {
@@ -788,7 +802,7 @@ ffi::Error LaunchFused(cudaStream_t stream, const AttentionProblem& p, CUtensorM
   JAXDNN_RETURN_IF_ERROR(PrepareLaunch(kernel, Tile::kSharedBytes));
   const int64_t blocks = (p.kv_len + Tile::kKeys - 1) / Tile::kKeys * p.kv_heads * p.batch;
   kernel<<<static_cast<unsigned>(blocks), kThreads, Tile::kSharedBytes, stream>>>(
-      maps.q, maps.d_out, maps.k, maps.v, p, lse, delta, static_cast<T*>(dk), static_cast<T*>(dv), dq_accum,
+      maps.q, maps.d_out, maps.k, maps.v, dq_map, p, lse, delta, static_cast<T*>(dk), static_cast<T*>(dv),
       semaphores, dbias);
   JAXDNN_RETURN_IF_ERROR(LaunchError("attention backward (sm90)"));
   const int64_t vectors = elements / 4;
