@@ -506,7 +506,7 @@ struct FusedTile {
   static constexpr int kDqOffset = kDsOffset + 2 * kDsBytes;
   static constexpr int kStatOffset = kDqOffset + kRows * kHeadDim * 4;
   static constexpr int kBarrierOffset = kStatOffset + 2 * kStages * kRows * 4;
-  static constexpr int kSharedBytes = kBarrierOffset + 8 * (3 + 2 * kStages) + 1024;
+  static constexpr int kSharedBytes = kBarrierOffset + 8 * (7 + 2 * kStages) + 1024;
 };
 // The writer warp needs more than the 24 registers the producers get elsewhere.
 constexpr int kFusedProducerRegisters = 56;
@@ -561,6 +561,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* empty = full + Tile::kStages;
   uint64_t* dq_full = empty + Tile::kStages;
   uint64_t* dq_empty = dq_full + 1;
+  uint64_t* ds_full = dq_empty + 1;  // [2]: both warpgroups' ds^T of a step are in the buffer
+  uint64_t* ds_empty = ds_full + 2;  // [2]: both have read it for their dq
 
   const int tiles = int((p.kv_len + Tile::kKeys - 1) / Tile::kKeys);
   const int key_tile = tiles - 1 - int(blockIdx.x % tiles);  // descending (see above)
@@ -579,6 +581,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     sm90::BarrierInit(dq_full, 2 * kWarpgroup);
     sm90::BarrierInit(dq_empty, 1);
+    for (int i = 0; i < 2; ++i) {
+      sm90::BarrierInit(&ds_full[i], 2 * kWarpgroup);
+      sm90::BarrierInit(&ds_empty[i], 2 * kWarpgroup);
+    }
     sm90::BarrierInitFence();
   }
   __syncthreads();
@@ -641,6 +647,39 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int dq_chunk = Tile::kSplitRows ? consumer : 0;
   const int dq_col0 = Tile::kSplitRows ? 0 : consumer * Tile::kDqCols;
 
+  // This warpgroup's share of step jd's ds k: A = ds from buffer jd % 2 (M-major: its rows are the
+  // keys), B = k's tile as the MN-major operand, over all 128 keys; issued as one wgmma group, then
+  // (FinishDq, which waits for every group) stored to the dq buffer for the writer.
+  float dq_acc[Tile::kDqCols / 2];
+  auto IssueDq = [&](int jd) {
+    const uint8_t* buffer = ds_s + (jd % 2) * Tile::kDsBytes;
+    sm90::BarrierWait(&ds_full[jd % 2], (jd / 2) & 1);
+    Zero(dq_acc);  // a fresh definition: the registers are not live across the steps
+    sm90::WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < Tile::kKeys / 16; ++kk) {
+      const uint64_t a = sm90::DescriptorMNMajor(buffer + dq_chunk * Tile::kKeys * 128 + kk * 16 * 128,
+                                                 Tile::kKeys * 128);
+      const uint64_t bk = sm90::DescriptorMNMajor(k_s + (dq_col0 / 64) * Tile::kKeys * 64 + kk * 16 * 64,
+                                                  Tile::kKeys * 128);
+      sm90::Wgmma<Tile::kDqCols, T>::template SS<1, 1>(dq_acc, a, bk, kk > 0);
+    }
+    sm90::WgmmaCommit();
+  };
+  auto FinishDq = [&](int jd) {
+    sm90::WgmmaWait<0>();
+    sm90::FenceRegisters(dq_acc);
+    sm90::BarrierArrive(&ds_empty[jd % 2]);
+    sm90::BarrierWait(dq_empty, (jd & 1) ^ 1);
+#pragma unroll
+    for (int i = 0; i < Tile::kDqCols / 2; i += 2) {
+      const int row = 64 * dq_chunk + f.Row(i), col = dq_col0 + f.Col(i);
+      *reinterpret_cast<float2*>(dq_s + DqBufferOffset<Tile>(row, col)) = make_float2(dq_acc[i], dq_acc[i + 1]);
+    }
+    sm90::FenceProxyAsync();  // the writer's TMA reductions read the buffer through the async proxy
+    sm90::BarrierArrive(dq_full);
+  };
+
   float dk_acc[kHeadDim / 2], dv_acc[kHeadDim / 2];
   Zero(dk_acc);
   Zero(dv_acc);
@@ -651,7 +690,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int t0 = first + (j % query_tiles) * Tile::kRows;
     const T* q_stage = q_s + stage * Tile::kQBytes / 2;
     const T* do_stage = do_s + stage * Tile::kQBytes / 2;
-    uint8_t* ds_buffer = ds_s + (j % 2) * Tile::kDsBytes;
 
     float st_acc[Tile::kRows / 2], dpt_acc[Tile::kRows / 2];
     sm90::BarrierWait(&full[stage], (j / Tile::kStages) & 1);
@@ -662,8 +700,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                       dbias, p_frag, ds_frag);
     IssueKeyGradients<Tile, T, kHeadDim>(q_stage, do_stage, 0, p_frag, ds_frag, dv_acc, dk_acc);
 
-    // ds^T into the buffer (128-byte swizzled rows of 64 queries, one row per key) while the
-    // tensor cores run dv and dk. ds_frag[kk][r] holds accumulator elements 8 kk + 2 r and + 1.
+    // ds^T into buffer j % 2 (128-byte swizzled rows of 64 queries, one row per key) while the
+    // tensor cores run dv and dk, once both warpgroups have read its step j - 2 for their dq.
+    // ds_frag[kk][r] holds accumulator elements 8 kk + 2 r and + 1.
+    if (j >= 2) sm90::BarrierWait(&ds_empty[j % 2], ((j - 2) / 2) & 1);
 #pragma unroll
     for (int kk = 0; kk < Tile::kRows / 16; ++kk) {
 #pragma unroll
@@ -672,41 +712,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int key = key_row + f.Row(i), query = f.Col(i);
         const int chunk = query / 64, column = query % 64;
         const int offset = chunk * Tile::kKeys * 128 + key * 128 + (((column / 8) ^ (key % 8)) * 16) + (column % 8) * 2;
-        *reinterpret_cast<uint32_t*>(ds_buffer + offset) = ds_frag[kk][r];
+        *reinterpret_cast<uint32_t*>(ds_s + (j % 2) * Tile::kDsBytes + offset) = ds_frag[kk][r];
       }
     }
     sm90::FenceProxyAsync();
-    sm90::NamedBarrierSync(1, 2 * kWarpgroup);  // both warpgroups' keys are in the buffer
-    sm90::WgmmaWait<0>();
+    sm90::BarrierArrive(&ds_full[j % 2]);
+    // The dq of the step before, after dv and dk (both warpgroups' ds of it were stored a step ago,
+    // so this rarely waits: the warpgroups are no longer held in step by a barrier).
+    sm90::WgmmaWait<0>();  // dv and dk
     sm90::FenceRegisters(dv_acc);
     sm90::FenceRegisters(dk_acc);
     sm90::FenceRegisters(p_frag);
     sm90::FenceRegisters(ds_frag);
     sm90::BarrierArrive(&empty[stage]);
-
-    // This warpgroup's share of ds k: A = ds from the buffer (M-major: its rows are the keys),
-    // B = k's tile as the MN-major operand, over all 128 keys.
-    float dq_acc[Tile::kDqCols / 2];
-    sm90::WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < Tile::kKeys / 16; ++kk) {
-      const uint64_t a = sm90::DescriptorMNMajor(ds_buffer + dq_chunk * Tile::kKeys * 128 + kk * 16 * 128,
-                                                 Tile::kKeys * 128);
-      const uint64_t bk = sm90::DescriptorMNMajor(k_s + (dq_col0 / 64) * Tile::kKeys * 64 + kk * 16 * 64,
-                                                  Tile::kKeys * 128);
-      sm90::Wgmma<Tile::kDqCols, T>::template SS<1, 1>(dq_acc, a, bk, kk > 0);
+    if (j >= 1) {
+      IssueDq(j - 1);
+      FinishDq(j - 1);
     }
-    sm90::WgmmaCommit();
-    sm90::WgmmaWait<0>();
-    sm90::FenceRegisters(dq_acc);
-    sm90::BarrierWait(dq_empty, (j & 1) ^ 1);
-#pragma unroll
-    for (int i = 0; i < Tile::kDqCols / 2; i += 2) {
-      const int row = 64 * dq_chunk + f.Row(i), col = dq_col0 + f.Col(i);
-      *reinterpret_cast<float2*>(dq_s + DqBufferOffset<Tile>(row, col)) = make_float2(dq_acc[i], dq_acc[i + 1]);
-    }
-    sm90::FenceProxyAsync();  // the writer's bulk adds read the buffer through the async proxy
-    sm90::BarrierArrive(dq_full);
+  }
+  if (steps > 0) {
+    IssueDq(steps - 1);
+    FinishDq(steps - 1);
   }
 
   const float one[2] = {1.f, 1.f};
