@@ -47,6 +47,7 @@ static_assert(kAttnKeyTile == 32 && kAttnBwdQueryTile == 32, "one key / query pe
 constexpr int kDecodeMaxRows = 4;
 constexpr int64_t kDecodeMinKeys = 1024;
 constexpr int64_t kDecodeKeys = 256;
+constexpr int kDecodeCols = 8;  // columns a lane of the decoding backward (16-byte vectors)
 
 bool DecodeBackwardTakes(const AttentionProblem& p) {
   return p.Group() * p.q_len <= kDecodeMaxRows && p.kv_len >= kDecodeMinKeys;
@@ -372,11 +373,12 @@ __global__ void __launch_bounds__(kThreads)
 // Few query rows a kv head (G T <= kDecodeMaxRows) against many keys: the dq kernels above and on
 // Hopper give each (b, n, query tile) one block that walks every key, a few hundred blocks in one
 // long latency-bound walk. Here one pass over k and v does everything: a block per (b, kv head,
-// chunk of kDecodeKeys keys), a warp per key at a time (lanes own columns col = 32 c + lane), which
-// computes the key's logits with the G T query rows (in shared memory), writes its dk and dv rows
-// (each once, the group's rows summed in a fixed order) and adds ds k to the warp's dq partial. The
-// block's warps sum their partials in order into workspace[chunk] [B, T, N, H] float32, and
-// DecodeDqSum adds the chunks in order: deterministic.
+// chunk of kDecodeKeys keys), a group of lanes per key (each lane 16-byte vectors of the row, so a
+// warp has 32 / width keys' loads in flight), which computes the key's logits with the G T query
+// rows (in shared memory), writes its dk and dv rows (each once, the group's rows summed in a fixed
+// order) and adds ds k to the lane's dq partial. The warp's groups, then the block's warps, sum
+// their partials in a fixed order into workspace[chunk] [B, T, N, H] float32, and DecodeDqSum adds
+// the chunks in order: deterministic.
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -408,22 +410,51 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  float dq_acc[kDecodeMaxRows][kMaxChunks];
+  // A group of `width` lanes per key (a power of two, enough 16-byte vectors for the row), 32 / width
+  // keys a warp at a time; lane j of a group owns the columns of vectors j, j + width, ...: at most
+  // kDecodeCols columns (H <= 256 in 16-bit types: one vector; float32: up to two).
+  constexpr int kVec = 16 / int(sizeof(T));
+  const int vectors = h / kVec;  // H is a multiple of 8
+  int width = 1;
+  while (width < 32 && width < vectors) width *= 2;
+  const int per_lane = (vectors + width - 1) / width;  // vectors a lane (1 or 2)
+  const int group_lane = lane % width, key_in_warp = lane / width, keys_per_warp = 32 / width;
+
+  float dq_acc[kDecodeMaxRows][kDecodeCols];
 #pragma unroll
   for (int r = 0; r < kDecodeMaxRows; ++r) {
 #pragma unroll
-    for (int c = 0; c < kMaxChunks; ++c) dq_acc[r][c] = 0.f;
+    for (int c = 0; c < kDecodeCols; ++c) dq_acc[r][c] = 0.f;
   }
-  const int64_t s_end = (chunk + 1) * kDecodeKeys < p.kv_len ? (chunk + 1) * kDecodeKeys : p.kv_len;
-  for (int64_t s = chunk * kDecodeKeys + warp; s < s_end; s += kWarps) {
-    const T* k_row = k + p.KeyRow(b, s, kh);
-    const T* v_row = v + p.KeyRow(b, s, kh);
-    float k_reg[kMaxChunks], v_reg[kMaxChunks];
+  // Column of the lane's element e (vector e / kVec), or -1 past H.
+  auto column = [&](int e) {
+    const int vec = (e / kVec) * width + group_lane;
+    return e / kVec < per_lane && vec < vectors ? vec * kVec + e % kVec : -1;
+  };
+  const int64_t s_begin = chunk * kDecodeKeys;
+  const int64_t s_end = s_begin + kDecodeKeys < p.kv_len ? s_begin + kDecodeKeys : p.kv_len;
+  // Every lane runs every round (the group sums are shuffles); a lane past the chunk's keys has no key.
+  for (int64_t s0 = s_begin + warp * keys_per_warp; s0 < s_end; s0 += kWarps * keys_per_warp) {
+    const int64_t s = s0 + key_in_warp;
+    const bool has_key = s < s_end;
+    const T* k_row = k + p.KeyRow(b, has_key ? s : s0, kh);
+    const T* v_row = v + p.KeyRow(b, has_key ? s : s0, kh);
+    float k_reg[kDecodeCols], v_reg[kDecodeCols];
 #pragma unroll
-    for (int c = 0; c < kMaxChunks; ++c) {
-      const int col = c * 32 + lane;
-      k_reg[c] = col < h ? ToFloat(k_row[col]) : 0.f;
-      v_reg[c] = col < h ? ToFloat(v_row[col]) : 0.f;
+    for (int e0 = 0; e0 < kDecodeCols; e0 += kVec) {
+      const int col = column(e0);
+      uint4 k_raw = {0, 0, 0, 0}, v_raw = {0, 0, 0, 0};
+      if (has_key && col >= 0) {
+        k_raw = *reinterpret_cast<const uint4*>(k_row + col);
+        v_raw = *reinterpret_cast<const uint4*>(v_row + col);
+      }
+      const T* k_e = reinterpret_cast<const T*>(&k_raw);
+      const T* v_e = reinterpret_cast<const T*>(&v_raw);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        k_reg[e0 + e] = ToFloat(k_e[e]);
+        v_reg[e0 + e] = ToFloat(v_e[e]);
+      }
     }
     float g[kDecodeMaxRows], prob[kDecodeMaxRows];  // d dot, and the dropped probability, per row
 #pragma unroll
@@ -432,15 +463,18 @@ __global__ void __launch_bounds__(kThreads)
       if (r >= rows) continue;
       float qk = 0.f, dov = 0.f;
 #pragma unroll
-      for (int c = 0; c < kMaxChunks; ++c) {
-        const int col = c * 32 + lane;
-        if (col < h) {
-          qk += q_s[r][col] * k_reg[c];
-          dov += do_s[r][col] * v_reg[c];
+      for (int e = 0; e < kDecodeCols; ++e) {
+        const int col = column(e);
+        if (col >= 0) {
+          qk += q_s[r][col] * k_reg[e];
+          dov += do_s[r][col] * v_reg[e];
         }
       }
-      qk = WarpSum(qk);
-      dov = WarpSum(dov);
+      for (int offset = width / 2; offset > 0; offset /= 2) {  // the group's sums, in a fixed order
+        qk += __shfl_xor_sync(0xffffffffu, qk, offset);
+        dov += __shfl_xor_sync(0xffffffffu, dov, offset);
+      }
+      if (!has_key) continue;
       const int64_t n = n0 + r / p.q_len, t = r % p.q_len;
       float ds = 0.f, logit = 0.f;
       if (p.Attends(b, n, t, s)) {
@@ -450,33 +484,45 @@ __global__ void __launch_bounds__(kThreads)
         ds = pr * (dov * drop - delta_s[r]);
         prob[r] = pr * drop;
       }
-      if (dbias != nullptr && lane == 0) dbias[p.StatIndex(b, n, t) * p.kv_len + s] = ds;
+      if (dbias != nullptr && group_lane == 0) dbias[p.StatIndex(b, n, t) * p.kv_len + s] = ds;
       g[r] = ds == 0.f ? 0.f : p.DotGrad(ds, logit, b, n, t, s);
     }
-    T* dk_row = dk + p.KeyRow(b, s, kh);
-    T* dv_row = dv + p.KeyRow(b, s, kh);
+    T* dk_row = dk + p.KeyRow(b, has_key ? s : s0, kh);
+    T* dv_row = dv + p.KeyRow(b, has_key ? s : s0, kh);
 #pragma unroll
-    for (int c = 0; c < kMaxChunks; ++c) {
-      const int col = c * 32 + lane;
-      if (col >= h) continue;
-      float dk_sum = 0.f, dv_sum = 0.f;
+    for (int e0 = 0; e0 < kDecodeCols; e0 += kVec) {
+      const int col = column(e0);
+      alignas(16) T dk_e[kVec], dv_e[kVec];
 #pragma unroll
-      for (int r = 0; r < kDecodeMaxRows; ++r) {
-        if (r >= rows) continue;
-        dk_sum += g[r] * q_s[r][col];
-        dv_sum += prob[r] * do_s[r][col];
-        dq_acc[r][c] += g[r] * k_reg[c];
+      for (int e = 0; e < kVec; ++e) {
+        float dk_sum = 0.f, dv_sum = 0.f;
+#pragma unroll
+        for (int r = 0; r < kDecodeMaxRows; ++r) {
+          if (r >= rows || col < 0) continue;
+          dk_sum += g[r] * q_s[r][col + e];
+          dv_sum += prob[r] * do_s[r][col + e];
+          dq_acc[r][e0 + e] += g[r] * k_reg[e0 + e];
+        }
+        dk_e[e] = FromFloat<T>(dk_sum);
+        dv_e[e] = FromFloat<T>(dv_sum);
       }
-      dk_row[col] = FromFloat<T>(dk_sum);
-      dv_row[col] = FromFloat<T>(dv_sum);
+      if (has_key && col >= 0) {
+        *reinterpret_cast<uint4*>(dk_row + col) = *reinterpret_cast<const uint4*>(dk_e);
+        *reinterpret_cast<uint4*>(dv_row + col) = *reinterpret_cast<const uint4*>(dv_e);
+      }
     }
   }
 
+  // The warp's groups' partials summed (a fixed butterfly), then written by group 0.
 #pragma unroll
   for (int r = 0; r < kDecodeMaxRows; ++r) {
 #pragma unroll
-    for (int c = 0; c < kMaxChunks; ++c) {
-      if (r < rows && c * 32 + lane < h) dq_s[warp][r][c * 32 + lane] = dq_acc[r][c];
+    for (int e = 0; e < kDecodeCols; ++e) {
+      for (int offset = width; offset < 32; offset *= 2) {
+        dq_acc[r][e] += __shfl_xor_sync(0xffffffffu, dq_acc[r][e], offset);
+      }
+      const int col = column(e);
+      if (key_in_warp == 0 && r < rows && col >= 0) dq_s[warp][r][col] = dq_acc[r][e];
     }
   }
   __syncthreads();
