@@ -9,7 +9,7 @@ Two kernel stages (ffi/attention/attention.h), each a primitive: `attention_fwd`
 `attention_bwd` (do, q, k, v, o, lse, ...) -> (dq, dk, dv, dbias) recomputes the probabilities from
 lse (dK/dV summed over the query heads of a group inside the kernel, in a fixed order). The
 backward is deterministic unless `jaxdnn.config.deterministic` is off when it is traced: then the
-Hopper kernel for head sizes up to 128 adds its dq partials unordered (faster; dq's bits may differ
+Hopper kernel for head sizes 65-128 adds its dq partials unordered (faster; dq's bits may differ
 between runs, as with cuDNN's default). Each stage is differentiated through
 `jaxdnn.reference.attention`, so grad of grad works; forward-mode `jax.jvp` is not provided
 (custom_vjp).
@@ -59,13 +59,13 @@ def _bwd_avals(d_out, q, k, v, o, lse, *optional, bias_grad, deterministic, **at
     dq_accum float32: for decoding (G T <= 4 query rows a kv head, S >= 1024 keys, and B N < 264,
     under which the other kernels' dq is a few hundred blocks each walking every key) the CUDA
     decoding kernel's dq partials, ceil(S / 256) x q's size (ffi/attention/attention.cu:
-    DecodeBackwardTakes), else for the Hopper kernels of 16-bit inputs with H <= 128 q's shape, else
+    DecodeBackwardTakes), else for the Hopper fused kernel (16-bit, 64 < H <= 128) q's shape, else
     [0]; and for the latter, when deterministic, the semaphores ordering its adds (B * N *
     ceil(T / 64) int32), else [0] (the kernel adds unordered)."""
     b, t, n, h = q.shape
     s = k.shape[1]
     dbias = (b, n, t, s) if bias_grad else (0,)
-    fused = q.dtype in (jnp.bfloat16, jnp.float16) and h <= 128
+    fused = q.dtype in (jnp.bfloat16, jnp.float16) and 64 < h <= 128
     decode = (all(isinstance(d, int) for d in (b, t, s)) and (n // k.shape[2]) * t <= _DECODE_MAX_ROWS
               and s >= _DECODE_MIN_KEYS and b * n < _DECODE_MAX_BN)
     dq_accum = (-(-s // _DECODE_KEYS) * b * t * n * h,) if decode else q.shape if fused else (0,)

@@ -49,6 +49,7 @@ def _check(rng, q, k, v, bias=None, mask=None, **kw):
 # (B, T, S, N, K, H, options)
 CASES = {
     "h64-ragged": ((2, 300, 530, 4, 2, 64), {}),
+    "h96-ragged": ((2, 300, 530, 4, 2, 96), {}),  # the fused kernel (H 65-128), no mask
     "h128-causal": ((1, 520, 520, 2, 2, 128), dict(is_causal=True)),
     "h256-causal-t<s": ((1, 200, 333, 2, 1, 256), dict(is_causal=True)),
     "h80-window": ((2, 129, 257, 2, 2, 80), dict(local_window_size=(70, 20))),
@@ -113,7 +114,7 @@ def unordered(monkeypatch):
     monkeypatch.setattr(jaxdnn.config, "deterministic", False)
 
 
-@pytest.mark.parametrize("case", ["h64-ragged", "h128-causal", "h80-window"])
+@pytest.mark.parametrize("case", ["h96-ragged", "h128-causal", "h80-window"])
 @dtype_param
 def test_unordered_backward_against_reference(case, dtype, rng, unordered):
     """With jaxdnn.config.deterministic off, the Hopper backward adds its dq partials unordered (no

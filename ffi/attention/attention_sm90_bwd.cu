@@ -2,7 +2,7 @@
 // delta = rowsum(do o) (attention.cu). Every kernel has a key-tile or query-tile loop of the
 // forward's kind (attention_sm90.cuh).
 //
-// Head sizes up to 128, one fused kernel: one CTA per (b, kv head, tile of 128 keys) keeps its k and
+// Head sizes 65-128 (the 128 kernel), one fused kernel: one CTA per (b, kv head, tile of 128 keys) keeps its k and
 // v tiles in shared memory while the queries of every head of the group stream through stages (q,
 // do, and the rows' lse and delta). Per query tile, transposed so that the keys are the rows:
 //   s^T = k q^T and dp^T = v do^T (SS wgmma), p^T = exp(logit - lse), ds^T = p^T (dp^T - delta)
@@ -10,8 +10,10 @@
 //   the q and do tiles as MN-major operands), and this key tile's share of dq, ds k, added to a
 //   float32 dq_accum in a fixed order (see AttentionBwdFusedKernel). The group's query heads are
 //   summed in the CTA, in a fixed order.
-// Head size 256 (dk and dv alone fill the registers), and problems with few query tiles for their
-// key tiles (decoding: the fused kernel's ordered adds would wait in a long chain): two kernels.
+// Head sizes up to 64 (the fused kernel's dq adds, a float32 tile per key tile, cost more there than
+// recomputing s and dp for dq: fwd+bwd 13.5 ms against 16.5 at S 4096, H100, 2026-11-25), head size
+// 256 (dk and dv alone fill the registers), and problems with few query tiles for their key tiles
+// (decoding: the fused kernel's ordered adds would wait in a long chain): two kernels.
 //   dq: one CTA per (b, n, tile of 128 queries), the forward's structure; per key tile s = q k^T and
 //   dp = do v^T (SS), ds as above, dq += ds k (RS: ds from registers, k's tile as the MN-major
 //   operand).
@@ -275,10 +277,10 @@ __device__ __forceinline__ void KeyMajorLogits(const T* k_s, const T* v_s, const
 // From s^T and dp^T of keys sw.. (rows) x queries t0.. (columns): the A fragments of p^T (dropped:
 // dv's operand) and of the gradient of q.k (ds times the logit's derivative: dk's and dq's), each
 // pair packed as soon as it is computed (the float tiles and the fragments are not all live at
-// once). With dbias (not null), ds itself is written there for every attended pair. kBranchFree
-// (index rules only): every element computed and the masked ones selected away, else a branch per
-// element (the general rules always branch: their operands are read from global memory).
-template <typename T, bool kGeneral, bool kBranchFree, int kCount>
+// once). With dbias (not null), ds itself is written there for every attended pair. The index
+// rules compute every element and select the masked ones away; the general rules branch per
+// element (their operands are read from global memory).
+template <typename T, bool kGeneral, int kCount>
 __device__ __forceinline__ void KeyMajorGradients(const float (&st_acc)[kCount], const float (&dpt_acc)[kCount],
                                                   const Fragment& f, const AttentionProblem& p,
                                                   const IndexRules& rules, int64_t b, int64_t n, int t0, int sw,
@@ -286,8 +288,7 @@ __device__ __forceinline__ void KeyMajorGradients(const float (&st_acc)[kCount],
                                                   uint32_t (&p_frag)[kCount / 8][4],
                                                   uint32_t (&ds_frag)[kCount / 8][4]) {
   const float scale_log2 = p.scale * kLog2e;
-  const bool whole = !kGeneral && rules.Whole(t0, t0 + 2 * kCount, sw, sw + 64);  // 2 kCount queries
-  if constexpr (kGeneral || !kBranchFree) {
+  if constexpr (kGeneral) {
 #pragma unroll
     for (int pair = 0; pair < kCount / 2; ++pair) {
       float prob[2] = {0.f, 0.f}, grad[2] = {0.f, 0.f};
@@ -295,19 +296,14 @@ __device__ __forceinline__ void KeyMajorGradients(const float (&st_acc)[kCount],
       for (int e = 0; e < 2; ++e) {
         const int i = 2 * pair + e;
         const int s = sw + f.Row(i), r = f.Col(i), t = t0 + r;
-        if constexpr (kGeneral) {
-          if (p.Attends(b, n, t, s)) {
-            const float logit = p.Logit(st_acc[i], b, n, t, s);
-            prob[e] = exp2f(logit * kLog2e - stage_lse[r]);
-            const float drop = DropoutScale(p, b, n, t, s);
-            const float ds = prob[e] * (dpt_acc[i] * drop - stage_delta[r]);
-            if (dbias != nullptr) dbias[p.StatIndex(b, n, t) * p.kv_len + s] = ds;
-            grad[e] = ds == 0.f ? 0.f : p.DotGrad(ds, logit, b, n, t, s);
-            prob[e] *= drop;
-          }
-        } else if (whole || rules.Attends(t, s)) {
-          prob[e] = exp2f(st_acc[i] * scale_log2 - stage_lse[r]);
-          grad[e] = prob[e] * (dpt_acc[i] - stage_delta[r]) * p.scale;
+        if (p.Attends(b, n, t, s)) {
+          const float logit = p.Logit(st_acc[i], b, n, t, s);
+          prob[e] = exp2f(logit * kLog2e - stage_lse[r]);
+          const float drop = DropoutScale(p, b, n, t, s);
+          const float ds = prob[e] * (dpt_acc[i] * drop - stage_delta[r]);
+          if (dbias != nullptr) dbias[p.StatIndex(b, n, t) * p.kv_len + s] = ds;
+          grad[e] = ds == 0.f ? 0.f : p.DotGrad(ds, logit, b, n, t, s);
+          prob[e] *= drop;
         }
       }
       p_frag[pair / 4][pair % 4] = sm90::PackPair<T>(prob[0], prob[1]);
@@ -316,6 +312,7 @@ __device__ __forceinline__ void KeyMajorGradients(const float (&st_acc)[kCount],
   } else {
     // Branch-free: every element is computed and the ones outside the rules selected away, so the
     // scheduler can overlap the elements' exp2 latencies (a branch per element serialized them).
+    const bool whole = rules.Whole(t0, t0 + 2 * kCount, sw, sw + 64);  // 2 kCount queries
     // Elements 4 g .. 4 g + 3 are keys row, row + 8 times queries c, c + 1 (c = col + 8 g).
 #pragma unroll
     for (int g = 0; g < kCount / 4; ++g) {
@@ -337,7 +334,7 @@ __device__ __forceinline__ void KeyMajorGradients(const float (&st_acc)[kCount],
       }
       if (g % 2 == 1) {
         // A fragment row is done: the loads of later groups stay after it (a window of 8 elements
-        // in flight: enough to overlap the exp2s, and the fused kernel's H 64 tile does not spill).
+        // in flight: enough to overlap the exp2s without spills).
         sm90::FenceRegisters(p_frag[g / 2]);
         sm90::FenceRegisters(ds_frag[g / 2]);
       }
@@ -451,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::BarrierWait(&full[stage], (j / Tile::kStages) & 1);
     KeyMajorLogits<Tile>(k_s, v_s, q_stage, do_stage, key_row, st_acc, dpt_acc);
     uint32_t p_frag[Tile::kRows / 16][4], ds_frag[Tile::kRows / 16][4];
-    KeyMajorGradients<T, kGeneral, true>(st_acc, dpt_acc, f, p, rules, b, n, t0, sw, lse_s + stage * Tile::kRows,
+    KeyMajorGradients<T, kGeneral>(st_acc, dpt_acc, f, p, rules, b, n, t0, sw, lse_s + stage * Tile::kRows,
                                          delta_s + stage * Tile::kRows, nullptr, p_frag, ds_frag);
     IssueKeyGradients<Tile, T, Tile::kCols>(q_stage, do_stage, col0, p_frag, ds_frag, dv_acc, dk_acc);
     sm90::WgmmaWait<0>();
@@ -468,11 +465,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// ---- fused dk, dv and dq (head sizes up to 128) ---------------------------------------------------
+// ---- fused dk, dv and dq (head size 128) --------------------------------------------------------
 //
 // The dk/dv kernel's loop, plus per step dq's share of this key tile, ds k: the two warpgroups'
 // ds^T (their 64 keys each) go to shared memory, and each warpgroup multiplies half of the product
-// (split by query rows when a stage holds 128 queries, else by dq's columns) over all 128 keys.
+// (split by dq's columns) over all 128 keys.
 // The float32 partial goes to a shared buffer that a writer warp of the producer warpgroup adds
 // to dq_accum [B, T, N, H] in global memory with TMA tensor reductions (one per 32 columns). The adds are ordered for
 // determinism, in descending key-tile order: a semaphore per (b, n, query tile) counts the key
@@ -489,12 +486,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <int kHeadDim>
 struct FusedTile {
   static constexpr int kKeys = 128;                          // keys a CTA, 64 per consumer warpgroup
-  static constexpr int kRows = kHeadDim == 64 ? 128 : 64;    // queries a stage
-  static constexpr bool kSplitRows = kRows == 128;           // how dq = ds k is split between them
-  static constexpr int kDqCols = kSplitRows ? kHeadDim : kHeadDim / 2;  // dq columns a warpgroup
-  // KeyMajorGradients' branch-free loop, except on the H 64 tile: there a branch per element ran
-  // the deterministic backward 6% faster (H100, 2026-11-25; S 4096, not causal), not yet understood.
-  static constexpr bool kBranchFree = kHeadDim != 64;
+  static constexpr int kRows = 64;                           // queries a stage
+  static constexpr int kDqCols = kHeadDim / 2;               // dq columns a warpgroup
   static constexpr int kStages = 2;
   static constexpr int kChunks = kHeadDim / 64;
   static constexpr int kDqChunks = kHeadDim / 32;            // dq buffer: [32-column chunk][kRows][32] floats
@@ -512,7 +505,7 @@ struct FusedTile {
 constexpr int kFusedProducerRegisters = 56;
 constexpr int kFusedConsumerRegisters = 224;  // 128 * 56 + 256 * 224 = 384 * 168, what the CTA starts with
 
-// Query tiles of 64 a (b, n) semaphore row holds: enough for either FusedTile.
+// Query tiles of 64 (FusedTile::kRows) a (b, n) semaphore row holds.
 __host__ __device__ inline int64_t SemaphoreTiles(int64_t q_len) { return (q_len + 63) / 64; }
 
 // The dq buffer's byte offset of (row, column): 32-column chunks of kRows 128-byte rows, swizzled as
@@ -643,9 +636,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int key_row = 64 * consumer;
   const int sw = s0 + key_row;
   const IndexRules rules(p, b);
-  // This warpgroup's share of dq = ds k: query chunk and first column.
-  const int dq_chunk = Tile::kSplitRows ? consumer : 0;
-  const int dq_col0 = Tile::kSplitRows ? 0 : consumer * Tile::kDqCols;
+  const int dq_col0 = consumer * Tile::kDqCols;  // this warpgroup's share of dq = ds k
 
   // This warpgroup's share of step jd's ds k: A = ds from buffer jd % 2 (M-major: its rows are the
   // keys), B = k's tile as the MN-major operand, over all 128 keys; issued as one wgmma group, then
@@ -658,7 +649,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < Tile::kKeys / 16; ++kk) {
-      const uint64_t a = sm90::DescriptorMNMajor(buffer + dq_chunk * Tile::kKeys * 128 + kk * 16 * 128,
+      const uint64_t a = sm90::DescriptorMNMajor(buffer + kk * 16 * 128,
                                                  Tile::kKeys * 128);
       const uint64_t bk = sm90::DescriptorMNMajor(k_s + (dq_col0 / 64) * Tile::kKeys * 64 + kk * 16 * 64,
                                                   Tile::kKeys * 128);
@@ -673,7 +664,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::BarrierWait(dq_empty, (jd & 1) ^ 1);
 #pragma unroll
     for (int i = 0; i < Tile::kDqCols / 2; i += 2) {
-      const int row = 64 * dq_chunk + f.Row(i), col = dq_col0 + f.Col(i);
+      const int row = f.Row(i), col = dq_col0 + f.Col(i);
       *reinterpret_cast<float2*>(dq_s + DqBufferOffset<Tile>(row, col)) = make_float2(dq_acc[i], dq_acc[i + 1]);
     }
     sm90::FenceProxyAsync();  // the writer's TMA reductions read the buffer through the async proxy
@@ -695,7 +686,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::BarrierWait(&full[stage], (j / Tile::kStages) & 1);
     KeyMajorLogits<Tile>(k_s, v_s, q_stage, do_stage, key_row, st_acc, dpt_acc);
     uint32_t p_frag[Tile::kRows / 16][4], ds_frag[Tile::kRows / 16][4];
-    KeyMajorGradients<T, kGeneral, Tile::kBranchFree>(st_acc, dpt_acc, f, p, rules, b, n, t0, sw,
+    KeyMajorGradients<T, kGeneral>(st_acc, dpt_acc, f, p, rules, b, n, t0, sw,
                                                       lse_s + stage * Tile::kRows, delta_s + stage * Tile::kRows,
                                                       dbias, p_frag, ds_frag);
     IssueKeyGradients<Tile, T, kHeadDim>(q_stage, do_stage, 0, p_frag, ds_frag, dv_acc, dk_acc);
@@ -858,10 +849,6 @@ ffi::Error Dispatch(cudaStream_t stream, const AttentionProblem& p, CUtensorMapD
                     void* dk, void* dv, float* dbias, float* dq_accum, int* semaphores) {
   switch (PaddedHeadDim(p.head_dim)) {
     case 64:
-      if (UseFused<64>(p)) {
-        return LaunchFused<T, 64, kGeneral>(stream, p, type, d_out, q, k, v, lse, delta, dq, dk, dv, dbias,
-                                            dq_accum, semaphores);
-      }
       return LaunchSeparate<T, 64, kGeneral>(stream, p, type, d_out, q, k, v, lse, delta, dq, dk, dv, dbias);
     case 128:
       if (UseFused<128>(p)) {
@@ -876,7 +863,7 @@ ffi::Error Dispatch(cudaStream_t stream, const AttentionProblem& p, CUtensorMapD
 
 }  // namespace
 
-bool FusedBackwardTakes(const AttentionProblem& p) { return p.head_dim <= 128; }
+bool FusedBackwardTakes(const AttentionProblem& p) { return PaddedHeadDim(p.head_dim) == 128; }
 
 int64_t FusedBackwardSemaphores(const AttentionProblem& p) { return p.batch * p.heads * SemaphoreTiles(p.q_len); }
 
