@@ -16,7 +16,7 @@ autotuning on does not change results beyond that.
 `deterministic` (env `JAXDNN_DETERMINISTIC=0` turns it off; on by default): every kernel gives the
 same bits on every run. Off, `dot_product_attention`'s backward on a Hopper GPU (16-bit inputs, head
 size 65 to 128) adds each key tile's share of dq in whatever order the tiles finish, instead of
-waiting its turn: 1.06-1.24x faster fwd+bwd at S 4096 on an H100 (see the README), with dq's
+waiting its turn: 1.02-1.06x faster fwd+bwd at S 4096 on an H100 (see the README), with dq's
 rounding varying between runs, as cuDNN's and FlashAttention's defaults do. Other kernels are
 deterministic either way.
 """
