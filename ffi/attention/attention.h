@@ -17,9 +17,9 @@
 //       -> (dq, dk, dv, dbias [B, N, T, S] float32 or [0], workspace delta [B, N, T] float32,
 //           workspace dq_accum [B, T, N, H] float32 or [0], workspace semaphores int32 or [0])
 //       dbias is [0] unless the attr bias_grad is 1 (a bias is present and differentiated).
-//       dq_accum and semaphores (B * N * ceil(T / 64) of them) are for the Hopper kernels of
-//       16-bit inputs with H <= 128 (attention_sm90.h), [0] otherwise; semaphores [0] with such a
-//       dq_accum asks for unordered (not deterministic) dq adds.
+//       dq_accum and semaphores (B * N * ceil(T / 64) of them) are for the Hopper fused kernel of
+//       16-bit inputs with 64 < H <= 128 (attention_sm90.h), [0] otherwise; semaphores [0] with
+//       such a dq_accum asks for unordered (not deterministic) dq adds.
 // Optional operands are always passed; `present` (a bitmask of AttentionOperand) says which are
 // real, the others are [0] placeholders:
 //   bias [Bb, Nb, Tb, Sb] float32, each axis 1 (broadcast) or full; its gradient is returned

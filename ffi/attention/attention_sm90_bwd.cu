@@ -795,7 +795,7 @@ ffi::Error LaunchSeparate(cudaStream_t stream, const AttentionProblem& p, CUtens
   return LaunchError("attention dk/dv (sm90)");
 }
 
-// Head sizes up to 128: the fused kernel between zeroing dq_accum (and the semaphores, if ordered)
+// Head size 128: the fused kernel between zeroing dq_accum (and the semaphores, if ordered)
 // and casting dq_accum to dq.
 template <typename T, int kHeadDim, bool kGeneral>
 ffi::Error LaunchFused(cudaStream_t stream, const AttentionProblem& p, CUtensorMapDataType type, const void* d_out,
