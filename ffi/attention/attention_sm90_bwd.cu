@@ -449,7 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     KeyMajorLogits<Tile>(k_s, v_s, q_stage, do_stage, key_row, st_acc, dpt_acc);
     uint32_t p_frag[Tile::kRows / 16][4], ds_frag[Tile::kRows / 16][4];
     KeyMajorGradients<T, kGeneral>(st_acc, dpt_acc, f, p, rules, b, n, t0, sw, lse_s + stage * Tile::kRows,
-                                         delta_s + stage * Tile::kRows, nullptr, p_frag, ds_frag);
+                                   delta_s + stage * Tile::kRows, nullptr, p_frag, ds_frag);
     IssueKeyGradients<Tile, T, Tile::kCols>(q_stage, do_stage, col0, p_frag, ds_frag, dv_acc, dk_acc);
     sm90::WgmmaWait<0>();
     sm90::FenceRegisters(dv_acc);
@@ -686,9 +686,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::BarrierWait(&full[stage], (j / Tile::kStages) & 1);
     KeyMajorLogits<Tile>(k_s, v_s, q_stage, do_stage, key_row, st_acc, dpt_acc);
     uint32_t p_frag[Tile::kRows / 16][4], ds_frag[Tile::kRows / 16][4];
-    KeyMajorGradients<T, kGeneral>(st_acc, dpt_acc, f, p, rules, b, n, t0, sw,
-                                                      lse_s + stage * Tile::kRows, delta_s + stage * Tile::kRows,
-                                                      dbias, p_frag, ds_frag);
+    KeyMajorGradients<T, kGeneral>(st_acc, dpt_acc, f, p, rules, b, n, t0, sw, lse_s + stage * Tile::kRows,
+                                   delta_s + stage * Tile::kRows, dbias, p_frag, ds_frag);
     IssueKeyGradients<Tile, T, kHeadDim>(q_stage, do_stage, 0, p_frag, ds_frag, dv_acc, dk_acc);
 
     // ds^T into buffer j % 2 (128-byte swizzled rows of 64 queries, one row per key) while the
