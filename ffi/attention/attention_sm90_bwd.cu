@@ -2,9 +2,9 @@
 // delta = rowsum(do o) (attention.cu). Every kernel has a key-tile or query-tile loop of the
 // forward's kind (attention_sm90.cuh).
 //
-// Head sizes 65-128 (the 128 kernel), one fused kernel: one CTA per (b, kv head, tile of 128 keys) keeps its k and
-// v tiles in shared memory while the queries of every head of the group stream through stages (q,
-// do, and the rows' lse and delta). Per query tile, transposed so that the keys are the rows:
+// Head sizes 65-128 (the 128 kernel), one fused kernel: one CTA per (b, kv head, tile of 128 keys)
+// keeps its k and v tiles in shared memory while the queries of every head of the group stream
+// through stages (q, do, and the rows' lse and delta). Per query tile, transposed so that the keys are the rows:
 //   s^T = k q^T and dp^T = v do^T (SS wgmma), p^T = exp(logit - lse), ds^T = p^T (dp^T - delta)
 //   (times the logit's derivative: scale, and the soft cap's), dv += p^T do and dk += ds^T q (RS:
 //   the q and do tiles as MN-major operands), and this key tile's share of dq, ds k, added to a
@@ -469,19 +469,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 //
 // The dk/dv kernel's loop, plus per step dq's share of this key tile, ds k: the two warpgroups'
 // ds^T (their 64 keys each) go to shared memory, and each warpgroup multiplies half of the product
-// (split by dq's columns) over all 128 keys.
-// The float32 partial goes to a shared buffer that a writer warp of the producer warpgroup adds
-// to dq_accum [B, T, N, H] in global memory with TMA tensor reductions (one per 32 columns). The adds are ordered for
-// determinism, in descending key-tile order: a semaphore per (b, n, query tile) counts the key
-// tiles that have added theirs, and a CTA adds when the count equals the number of key tiles after
-// its own that reach the query tile (each CTA computes that with the same QueryTilesOf its peers
-// iterate with). Higher key tiles are launched first (lower block index), so a CTA waits only for
-// CTAs the GPU started before it and the chain always progresses; and since a key tile's first
-// query tile is, under a causal mask, its own diagonal one, each query tile's contributors come one
-// step apart, without waiting on each other. Without the semaphores (jaxdnn.config.deterministic
-// off) the writer adds each step as it comes: no chain, but dq's rounding depends on the order the
-// adds land (measured 1.02-1.06x faster fwd+bwd at S 4096, H 128, on an H100). dq = dq_accum in
-// q's dtype after.
+// (split by dq's columns) over all 128 keys. The float32 partial goes to a shared buffer that a
+// writer warp of the producer warpgroup adds to dq_accum [B, T, N, H] in global memory with TMA
+// tensor reductions (one per 32 columns). The adds are ordered for determinism, in descending
+// key-tile order: a semaphore per (b, n, query tile) counts the key tiles that have added theirs,
+// and a CTA adds when the count equals the number of key tiles after its own that reach the query
+// tile (each CTA computes that with the same QueryTilesOf its peers iterate with). Higher key tiles
+// are launched first (lower block index), so a CTA waits only for CTAs the GPU started before it
+// and the chain always progresses; and since a key tile's first query tile is, under a causal mask,
+// its own diagonal one, each query tile's contributors come one step apart, without waiting on each
+// other. Without the semaphores (jaxdnn.config.deterministic off) the writer adds each step as it
+// comes: no chain, but dq's rounding depends on the order the adds land (measured 1.02-1.06x faster
+// fwd+bwd at S 4096, H 128, on an H100). dq = dq_accum in q's dtype after.
 
 template <int kHeadDim>
 struct FusedTile {
