@@ -492,7 +492,8 @@ struct FusedTile {
   static constexpr int kDqChunks = kHeadDim / 32;            // dq buffer: [32-column chunk][kRows][32] floats
   static constexpr int kKVBytes = kKeys * kHeadDim * 2;
   static constexpr int kQBytes = kRows * kHeadDim * 2;       // one q or do stage
-  static constexpr int kDsBytes = kKeys * kRows * 2;         // one ds^T buffer: [query chunk][key][64]
+  static constexpr int kDsBytes = kKeys * kRows * 2;         // one ds^T buffer: [key][64 queries]
+  static_assert(kRows * 2 == 128, "a ds^T row is one 128-byte swizzled row");
   static constexpr int kQOffset = 2 * kKVBytes;
   static constexpr int kDsOffset = kQOffset + 2 * kStages * kQBytes;
   static constexpr int kDqOffset = kDsOffset + 2 * kDsBytes;
@@ -544,7 +545,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* v_s = reinterpret_cast<T*>(shared + Tile::kKVBytes);
   T* q_s = reinterpret_cast<T*>(shared + Tile::kQOffset);         // [stage][chunk][kRows][64]
   T* do_s = q_s + Tile::kStages * Tile::kQBytes / 2;
-  uint8_t* ds_s = shared + Tile::kDsOffset;                        // [2][query chunk][128 keys][64]
+  uint8_t* ds_s = shared + Tile::kDsOffset;                        // [2][128 keys][64 queries]
   uint8_t* dq_s = shared + Tile::kDqOffset;  // [chunk][kRows][32] floats, swizzled (DqBufferOffset)
   float* lse_s = reinterpret_cast<float*>(shared + Tile::kStatOffset);
   float* delta_s = lse_s + Tile::kStages * Tile::kRows;
@@ -648,8 +649,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < Tile::kKeys / 16; ++kk) {
-      const uint64_t a = sm90::DescriptorMNMajor(buffer + kk * 16 * 128,
-                                                 Tile::kKeys * 128);
+      const uint64_t a = sm90::DescriptorMNMajor(buffer + kk * 16 * 128, Tile::kKeys * 128);
       const uint64_t bk = sm90::DescriptorMNMajor(k_s + (dq_col0 / 64) * Tile::kKeys * 64 + kk * 16 * 64,
                                                   Tile::kKeys * 128);
       sm90::Wgmma<Tile::kDqCols, T>::template SS<1, 1>(dq_acc, a, bk, kk > 0);
@@ -699,8 +699,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int r = 0; r < 4; ++r) {
         const int i = 8 * kk + 2 * r;
         const int key = key_row + f.Row(i), query = f.Col(i);
-        const int chunk = query / 64, column = query % 64;
-        const int offset = chunk * Tile::kKeys * 128 + key * 128 + (((column / 8) ^ (key % 8)) * 16) + (column % 8) * 2;
+        const int offset = key * 128 + (((query / 8) ^ (key % 8)) * 16) + (query % 8) * 2;
         *reinterpret_cast<uint32_t*>(ds_s + (j % 2) * Tile::kDsBytes + offset) = ds_frag[kk][r];
       }
     }
