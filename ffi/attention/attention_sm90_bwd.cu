@@ -37,7 +37,9 @@ template <int kHeadDim>
 struct DqTile {
   static constexpr int kRows = 128;                        // queries a CTA, 64 per consumer warpgroup
   static constexpr int kKeys = kHeadDim == 256 ? 32 : 64;  // keys a stage (H 256: dq is 128 floats a thread)
-  static constexpr int kStages = 2;
+  // A stage is released only after the next step's ds (its dq product runs meanwhile), so the
+  // producer needs a third stage to load ahead.
+  static constexpr int kStages = 3;
   static constexpr int kChunks = kHeadDim / 64;
   static constexpr int kQBytes = kRows * kHeadDim * 2;     // q, and do
   static constexpr int kKVBytes = kKeys * kHeadDim * 2;    // one k or v stage
@@ -115,16 +117,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     row_delta[h] = t < p.q_len ? delta[p.StatIndex(b, n, t)] : 0.f;
   }
 
+  // As the forward's loop: step j's s and dp are issued together with step j - 1's dq product, and
+  // step j's ds is computed while the tensor cores run that product.
   float dq_acc[kHeadDim / 2];
   Zero(dq_acc);
-  sm90::BarrierWait(q_full, 0);
-  for (int j = 0; j < key_tiles; ++j) {
+  float s_acc[Tile::kKeys / 2], dp_acc[Tile::kKeys / 2];
+  uint32_t ds_frag[Tile::kKeys / 16][4];
+  // s = q k^T and dp = do v^T of key tile j (one wgmma group, not waited for).
+  auto issue_logits = [&](int j) {
     const int stage = j % Tile::kStages;
-    const int s0 = first + j * Tile::kKeys;
     const T* k_stage = k_s + stage * kStageElems;
     const T* v_stage = v_s + stage * kStageElems;
-
-    float s_acc[Tile::kKeys / 2], dp_acc[Tile::kKeys / 2];
     sm90::BarrierWait(&kv_full[stage], (j / Tile::kStages) & 1);
     sm90::WgmmaFence();
 #pragma unroll
@@ -138,13 +141,24 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                   sm90::DescriptorKMajor(v_stage + b_offset), kk > 0);
     }
     sm90::WgmmaCommit();
-    sm90::WgmmaWait<0>();
-    sm90::FenceRegisters(s_acc);
-    sm90::FenceRegisters(dp_acc);
-
+  };
+  // dq += ds k of key tile j: k's tile as the MN-major B operand (one group, not waited for).
+  auto issue_dq = [&](int j) {
+    const T* k_stage = k_s + (j % Tile::kStages) * kStageElems;
+    sm90::WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < Tile::kKeys / 16; ++kk) {
+      const uint64_t bk = sm90::DescriptorMNMajor(k_stage + kk * 16 * 64, Tile::kKeys * 128);
+      sm90::Wgmma<kHeadDim, T>::template RS<1>(dq_acc, ds_frag[kk], bk, 1);
+    }
+    sm90::WgmmaCommit();
+  };
+  // ds of key tile j in place of s (once s and dp are done).
+  auto gradients = [&](int j) {
+    const int s0 = first + j * Tile::kKeys;
     const bool whole = !kGeneral && rules.Whole(tw, tw + 64, s0, s0 + Tile::kKeys);
     // One loop per kind of tile (a uniform branch), so a whole tile runs no index tests.
-    auto gradients = [&](auto masked) {
+    auto loop = [&](auto masked) {
 #pragma unroll
       for (int i = 0; i < Tile::kKeys / 2; ++i) {
         const int t = tw + f.Row(i), s = s0 + f.Col(i);
@@ -167,24 +181,36 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     };
     if (whole) {
-      gradients(std::false_type{});
+      loop(std::false_type{});
     } else {
-      gradients(std::true_type{});
+      loop(std::true_type{});
     }
-    uint32_t ds_frag[Tile::kKeys / 16][4];
-    ToOperand<T>(s_acc, ds_frag);
+  };
 
-    // dq += ds k: k's tile as the MN-major B operand.
-    sm90::WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < Tile::kKeys / 16; ++kk) {
-      const uint64_t bk = sm90::DescriptorMNMajor(k_stage + kk * 16 * 64, Tile::kKeys * 128);
-      sm90::Wgmma<kHeadDim, T>::template RS<1>(dq_acc, ds_frag[kk], bk, 1);
+  sm90::BarrierWait(q_full, 0);
+  if (key_tiles > 0) {
+    issue_logits(0);
+    sm90::WgmmaWait<0>();
+    sm90::FenceRegisters(s_acc);
+    sm90::FenceRegisters(dp_acc);
+    gradients(0);
+    ToOperand<T>(s_acc, ds_frag);
+    for (int j = 1; j < key_tiles; ++j) {
+      issue_logits(j);
+      issue_dq(j - 1);
+      sm90::WgmmaWait<1>();  // s and dp of tile j are done (groups complete in order), dq may not be
+      sm90::FenceRegisters(s_acc);
+      sm90::FenceRegisters(dp_acc);
+      gradients(j);
+      sm90::WgmmaWait<0>();
+      sm90::FenceRegisters(dq_acc);
+      sm90::FenceRegisters(ds_frag);  // read by the wgmma until here: not reused before
+      sm90::BarrierArrive(&kv_empty[(j - 1) % Tile::kStages]);
+      ToOperand<T>(s_acc, ds_frag);
     }
-    sm90::WgmmaCommit();
+    issue_dq(key_tiles - 1);
     sm90::WgmmaWait<0>();
     sm90::FenceRegisters(dq_acc);
-    sm90::BarrierArrive(&kv_empty[stage]);
   }
 
   const float one[2] = {1.f, 1.f};
@@ -368,7 +394,7 @@ struct DkvTile {
   static constexpr bool kSplitColumns = kHeadDim == 256;        // both warpgroups on the same keys
   static constexpr int kKeys = kSplitColumns ? 64 : 128;        // keys a CTA
   static constexpr int kCols = kSplitColumns ? 128 : kHeadDim;  // dk / dv columns a warpgroup
-  static constexpr int kRows = 64;                              // queries a stage
+  static constexpr int kRows = kHeadDim == 64 ? 128 : 64;      // queries a stage (H 64: fewer steps)
   static constexpr int kStages = 2;
   static constexpr int kChunks = kHeadDim / 64;
   static constexpr int kKVBytes = kKeys * kHeadDim * 2;      // k, and v
@@ -390,9 +416,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* shared = AlignedShared(shared_raw);
   T* k_s = reinterpret_cast<T*>(shared);                             // [chunk][kKeys][64]
   T* v_s = reinterpret_cast<T*>(shared + Tile::kKVBytes);            // [chunk][kKeys][64]
-  T* q_s = reinterpret_cast<T*>(shared + 2 * Tile::kKVBytes);        // [stage][chunk][64][64]
+  T* q_s = reinterpret_cast<T*>(shared + 2 * Tile::kKVBytes);        // [stage][chunk][kRows][64]
   T* do_s = q_s + Tile::kStages * Tile::kQBytes / 2;
-  float* lse_s = reinterpret_cast<float*>(shared + Tile::kStatOffset);  // [stage][64], log2 units
+  float* lse_s = reinterpret_cast<float*>(shared + Tile::kStatOffset);  // [stage][kRows], log2 units
   float* delta_s = lse_s + Tile::kStages * Tile::kRows;
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(shared + Tile::kBarrierOffset);
   uint64_t* full = kv_full + 1;
