@@ -9,7 +9,7 @@
 // in tiles of 32, one key per lane: a lane computes its key's logit, the warp reduces the tile's
 // max and sum (online softmax), and the lanes then own H / 32 output columns each and add p v.
 // Traffic per block: q once, and k, v of the reached keys once per query tile (T / 16 re-reads).
-// Backward (deterministic, no atomics): delta = rowsum(do o) (a warp per row); dq (and dbias, each
+// Backward (deterministic, no atomics): delta = rowsum(do o) (a group of lanes a row); dq (and dbias, each
 // element written by one block) per (b, n, query tile) streaming keys as the forward; dk and dv per
 // (b, kv head, tile of 16 keys), each warp owning 4 keys and the lanes 32 queries of each streamed
 // query tile, over every query head of the group, so the group's sum happens in the block.
@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "attention/attention.h"
 #include "attention/attention_common.h"
@@ -175,21 +176,36 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// delta[b, n, t] = sum over H of do * o: one warp per (b, t, n) row.
-template <typename T>
+// delta[b, n, t] = sum over H of do * o. A warp per row with 2-byte loads left the SM issue-bound, so a group of
+// `group` lanes (a power of two, chosen by the host) takes a row, 32 / group rows a warp, and with kVector
+// (H * sizeof(T) % 16 == 0, 16-byte aligned rows) each lane loads 16-byte vectors: one a lane for 16-bit H <= 256.
+template <typename T, bool kVector>
 __global__ void __launch_bounds__(kThreads)
     AttentionDeltaKernel(AttentionProblem p, const T* __restrict__ d_out, const T* __restrict__ o,
-                         float* __restrict__ delta) {
-  const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;  // (b * T + t) * N + n
-  if (row >= p.batch * p.q_len * p.heads) return;
-  const int lane = threadIdx.x % 32;
+                         float* __restrict__ delta, int group) {
+  using Load = std::conditional_t<kVector, uint4, T>;
+  constexpr int kElements = sizeof(Load) / sizeof(T);
+  const int group_lane = threadIdx.x % group;
+  const int64_t rows = p.batch * p.q_len * p.heads;
+  const int64_t row = int64_t(blockIdx.x) * (kThreads / group) + threadIdx.x / group;  // (b * T + t) * N + n
+  // No early return past the last row: every lane of the warp takes part in the shuffles.
+  const int loads = row < rows ? static_cast<int>(p.head_dim / kElements) : 0;
+  const Load* d_out_row = reinterpret_cast<const Load*>(d_out + row * p.head_dim);
+  const Load* o_row = reinterpret_cast<const Load*>(o + row * p.head_dim);
   float sum = 0.f;
-  for (int64_t c = lane; c < p.head_dim; c += 32) {
-    sum += ToFloat(d_out[row * p.head_dim + c]) * ToFloat(o[row * p.head_dim + c]);
+  for (int i = group_lane; i < loads; i += group) {
+    const Load d_out_raw = d_out_row[i], o_raw = o_row[i];
+    const T* d_out_e = reinterpret_cast<const T*>(&d_out_raw);
+    const T* o_e = reinterpret_cast<const T*>(&o_raw);
+#pragma unroll
+    for (int e = 0; e < kElements; ++e) sum += ToFloat(d_out_e[e]) * ToFloat(o_e[e]);
   }
-  sum = WarpSum(sum);
-  const int64_t n = row % p.heads, t = (row / p.heads) % p.q_len, b = row / p.heads / p.q_len;
-  if (lane == 0) delta[p.StatIndex(b, n, t)] = sum;
+  // Offsets below `group` keep the butterfly inside the (aligned) group.
+  for (int offset = group / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (group_lane == 0 && row < rows) {
+    const int64_t n = row % p.heads, bt = row / p.heads;
+    delta[p.StatIndex(bt / p.q_len, n, bt % p.q_len)] = sum;
+  }
 }
 
 template <typename T>
@@ -591,8 +607,15 @@ ffi::Error AttentionBwdTyped(cudaStream_t stream, const AttentionProblem& p, ffi
                              float* dbias, const BwdWorkspace& workspace) {
   float* delta = workspace.delta;
   const int64_t rows = p.batch * p.q_len * p.heads;
-  JAXDNN_RETURN_IF_ERROR(Launch("AttentionDeltaKernel", AttentionDeltaKernel<T>, (rows + kWarps - 1) / kWarps, 0,
-                                stream, p, d_out, o, delta));
+  const bool vector = p.head_dim * int64_t(sizeof(T)) % 16 == 0 && reinterpret_cast<uintptr_t>(d_out) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(o) % 16 == 0;
+  const int64_t loads_per_row = vector ? p.head_dim / kVec16<T> : p.head_dim;
+  int group = 1;  // lanes a row: the smallest power of two >= loads_per_row, at most a warp
+  while (group < 32 && group < loads_per_row) group *= 2;
+  const int64_t rows_per_block = kThreads / group;
+  JAXDNN_RETURN_IF_ERROR(Launch("AttentionDeltaKernel",
+                                vector ? AttentionDeltaKernel<T, true> : AttentionDeltaKernel<T, false>,
+                                (rows + rows_per_block - 1) / rows_per_block, 0, stream, p, d_out, o, delta, group));
   if (workspace.decode) {
     const int64_t chunks = DecodeChunks(p);
     JAXDNN_RETURN_IF_ERROR(Launch("AttentionDecodeBwdKernel", AttentionDecodeBwdKernel<T>,
