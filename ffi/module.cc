@@ -59,11 +59,11 @@ const Target kTargets[] = {
     {"jaxdnn_gemm_v2", GemmCpu, JAXDNN_CUDA_HANDLER(GemmCuda)},
     {"jaxdnn_attention_fwd_v1", AttentionFwdCpu, JAXDNN_CUDA_HANDLER(AttentionFwdCuda)},
     {"jaxdnn_attention_bwd_v2", AttentionBwdCpu, JAXDNN_CUDA_HANDLER(AttentionBwdCuda)},
-    {"jaxdnn_lstm_fwd_v1", LstmFwdCpu, JAXDNN_CUDA_HANDLER(LstmFwdCuda)},
+    {"jaxdnn_lstm_fwd_v2", LstmFwdCpu, JAXDNN_CUDA_HANDLER(LstmFwdCuda)},
     {"jaxdnn_lstm_bwd_v1", LstmBwdCpu, JAXDNN_CUDA_HANDLER(LstmBwdCuda)},
-    {"jaxdnn_gru_fwd_v1", GruFwdCpu, JAXDNN_CUDA_HANDLER(GruFwdCuda)},
+    {"jaxdnn_gru_fwd_v2", GruFwdCpu, JAXDNN_CUDA_HANDLER(GruFwdCuda)},
     {"jaxdnn_gru_bwd_v1", GruBwdCpu, JAXDNN_CUDA_HANDLER(GruBwdCuda)},
-    {"jaxdnn_rnn_fwd_v1", RnnFwdCpu, JAXDNN_CUDA_HANDLER(RnnFwdCuda)},
+    {"jaxdnn_rnn_fwd_v2", RnnFwdCpu, JAXDNN_CUDA_HANDLER(RnnFwdCuda)},
     {"jaxdnn_rnn_bwd_v1", RnnBwdCpu, JAXDNN_CUDA_HANDLER(RnnBwdCuda)},
 };
 

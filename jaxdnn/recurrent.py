@@ -9,7 +9,7 @@ p = l D + d. Internally `mode` is cuDNN's name of the cell: "lstm", "gru", "rnn_
 Per layer and direction:
 - the input projection of every time step, gates_x = x W_ih^T + biases [B, T, G], is one GEMM done
   by XLA (`jnp.einsum`, float32 results);
-- the recurrence is a kernel stage (`jaxdnn_lstm_fwd_v1`, `jaxdnn_gru_fwd_v1`, `jaxdnn_rnn_fwd_v1`):
+- the recurrence is a kernel stage (`jaxdnn_lstm_fwd_v2`, `jaxdnn_gru_fwd_v2`, `jaxdnn_rnn_fwd_v2`):
   the hidden states, the gate activations the backward needs, and the final states;
 - backward through time is a kernel stage (`jaxdnn_lstm_bwd_v1`, `jaxdnn_gru_bwd_v1`,
   `jaxdnn_rnn_bwd_v1`): the gradients of gates_x, of the recurrent pre-activations (the same for the
@@ -87,6 +87,7 @@ def _fold_rows_batch_rule(prim, args, dims, *, shared, reference, **attrs):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     if any(dims[i] is not None for i in shared):
         options = dict(attrs, reverse=bool(attrs["reverse"]))
+        options.pop("tf32", None)  # the reference's products run at JAX's default precision
         outs = jax.vmap(lambda *a: reference(*a, **options), in_axes=tuple(dims))(*args)
         return list(outs), [0] * len(outs)
 
@@ -98,31 +99,63 @@ def _fold_rows_batch_rule(prim, args, dims, *, shared, reference, **attrs):
     return [o.reshape((size, -1) + o.shape[1:]) for o in outs], [0] * len(outs)
 
 
-def _primitive(name, result_avals, shared, reference, sharding_rule):
+def _primitive(name, version, result_avals, shared, reference, sharding_rule):
     batch_rule = functools.partial(_fold_rows_batch_rule, shared=shared, reference=reference)
-    return ffi_primitive(f"jaxdnn_{name}", f"jaxdnn_{name}_v1", result_avals=result_avals,
+    return ffi_primitive(f"jaxdnn_{name}", f"jaxdnn_{name}_v{version}", result_avals=result_avals,
                          batch_rule=batch_rule, sharding_rule=sharding_rule)
 
 
-_lstm_fwd = _primitive("lstm_fwd", _fwd_avals, (1,), _ref.lstm_fwd,
+_lstm_fwd = _primitive("lstm_fwd", 2, _fwd_avals, (1,), _ref.lstm_fwd,
                        "... t g, g h, ... h, ... h, ... -> ... t h, ... t h, ... t g, ... h, ... h")
-_lstm_bwd = _primitive("lstm_bwd", _bwd_avals, (6,), _ref.lstm_bwd,
+_lstm_bwd = _primitive("lstm_bwd", 1, _bwd_avals, (6,), _ref.lstm_bwd,
                        "... t h, ... h, ... h, ... t g, ... t h, ... h, g h, ... -> ... t g, ... h, ... h")
-_gru_fwd = _primitive("gru_fwd", _gru_fwd_avals, (1, 2), _ref.gru_fwd,
+_gru_fwd = _primitive("gru_fwd", 2, _gru_fwd_avals, (1, 2), _ref.gru_fwd,
                       "... t g, g h, g, ... h, ... -> ... t h, ... t s, ... h")
-_gru_bwd = _primitive("gru_bwd", _gru_bwd_avals, (5,), _ref.gru_bwd,
+_gru_bwd = _primitive("gru_bwd", 1, _gru_bwd_avals, (5,), _ref.gru_bwd,
                       "... t h, ... h, ... t s, ... t h, ... h, g h, ... -> ... t g, ... t g, ... h")
-_rnn_fwd = _primitive("rnn_fwd", _rnn_fwd_avals, (1,), _ref.rnn_fwd,
+_rnn_fwd = _primitive("rnn_fwd", 2, _rnn_fwd_avals, (1,), _ref.rnn_fwd,
                       "... t g, g h, ... h, ... -> ... t h, ... h")
-_rnn_bwd = _primitive("rnn_bwd", _rnn_bwd_avals, (3,), _ref.rnn_bwd,
+_rnn_bwd = _primitive("rnn_bwd", 1, _rnn_bwd_avals, (3,), _ref.rnn_bwd,
                       "... t h, ... h, ... t h, g h, ... -> ... t g, ... h")
 
 
-def _stage(prim, reference, reverse, *operands, **options):
+def _stage(prim, reference, reverse, *operands, tf32=None, **options):
     """A kernel stage of one layer and direction, differentiated through its reference; `options`
-    are further attributes, passed to the reference as they are (the plain RNN's nonlinearity)."""
-    return with_reference_vjp(lambda *a: tuple(prim.bind(*a, reverse=np.int64(reverse), **options)),
+    are further attributes, passed to the reference as they are (the plain RNN's nonlinearity).
+    tf32 (forward stages only): whether the CUDA kernel may round its recurrent products' operands
+    to TF32."""
+    attrs = dict(options, reverse=np.int64(reverse))
+    if tf32 is not None:
+        attrs["tf32"] = np.int64(tf32)
+    return with_reference_vjp(lambda *a: tuple(prim.bind(*a, **attrs)),
                                lambda *a: reference(*a, reverse, **options), *operands)
+
+
+# dot algorithms that are float32-accurate or better: the recurrence keeps exact float32 products.
+_EXACT_ALGORITHMS = frozenset({"F32_F32_F32", "F64_F64_F64", "TF32_TF32_F32_X3", "BF16_BF16_F32_X6",
+                               "BF16_BF16_F32_X9"})
+
+
+def _allows_tf32(precision) -> bool:
+    """Whether `precision` lets the recurrent products round W_hh and the state to TF32 on a GPU, as
+    `jax.experimental.rnn` lets cuDNN: None (unless `jax_default_matmul_precision` says otherwise),
+    DEFAULT and HIGH do; HIGHEST and float32-accurate dot algorithms do not. A pair (lhs, rhs)
+    allows it when both do."""
+    if precision is None:
+        precision = jax.config.jax_default_matmul_precision
+        if precision is None:
+            return True
+    if isinstance(precision, (tuple, list)):
+        return all(_allows_tf32(p) for p in precision)
+    if isinstance(precision, str):
+        if precision.upper() in jax.lax.DotAlgorithmPreset.__members__:
+            return precision.upper() not in _EXACT_ALGORITHMS
+        precision = jax.lax.Precision(precision)
+    if isinstance(precision, jax.lax.DotAlgorithmPreset):
+        return precision.name not in _EXACT_ALGORITHMS
+    if isinstance(precision, jax.lax.Precision):
+        return precision != jax.lax.Precision.HIGHEST
+    return False  # another dot algorithm: keep the products exact
 
 
 # --- the differentiable stack -----------------------------------------------------------------
@@ -135,18 +168,19 @@ def _nonlinearity(mode):
 def _layer_fwd(mode, layer_in, params, inits, seq_lengths, reverse, precision):
     """One layer and direction: (h_seq [B, T, H], residuals, final states)."""
     w_ih, w_hh, b_ih, b_hh = params
+    tf32 = _allows_tf32(precision)
     if mode == "gru":
         gates_x = _ref.project_inputs(layer_in, w_ih, b_ih, precision)  # b_hh is inside the reset gate
         h_seq, saved, h_n = _stage(_gru_fwd, _ref.gru_fwd, reverse, gates_x, w_hh, b_hh.astype(_F32),
-                                   inits[0], seq_lengths)
+                                   inits[0], seq_lengths, tf32=tf32)
         return h_seq, (saved,), (h_n,)
     # The LSTM and the plain RNN: both biases fold into the projection.
     gates_x = _ref.project_inputs(layer_in, w_ih, _ref.folded_bias(b_ih, b_hh), precision)
     if mode == "lstm":
         h_seq, c_seq, acts, h_n, c_n = _stage(_lstm_fwd, _ref.lstm_fwd, reverse, gates_x, w_hh, *inits,
-                                              seq_lengths)
+                                              seq_lengths, tf32=tf32)
         return h_seq, (c_seq, acts), (h_n, c_n)
-    h_seq, h_n = _stage(_rnn_fwd, _ref.rnn_fwd, reverse, gates_x, w_hh, inits[0], seq_lengths,
+    h_seq, h_n = _stage(_rnn_fwd, _ref.rnn_fwd, reverse, gates_x, w_hh, inits[0], seq_lengths, tf32=tf32,
                         nonlinearity=_nonlinearity(mode))
     return h_seq, (), (h_n,)  # act' comes from h_seq itself
 
@@ -362,8 +396,12 @@ def lstm(x, h_0, c_0, weights, seq_lengths, input_size, hidden_size, num_layers,
         the last is scaled by 1 / (1 - dropout) or zeroed (no effect with one layer). > 0 needs
         `dropout_rng`.
       bidirectional: D = 2 when True; y concatenates the directions' outputs on the last axis.
-      precision: `lax.Precision` of the input-projection and weight-gradient GEMMs (XLA); the
-        recurrence always multiplies exactly and accumulates in float32.
+      precision: `lax.Precision` (or dot algorithm) of the input-projection and weight-gradient
+        GEMMs (XLA) and of the forward recurrence: at None (JAX's default precision), DEFAULT and
+        HIGH the CUDA kernels may round W_hh and the state to TF32 for the recurrent products
+        (float32 sums), as cuDNN does under `jax.experimental.rnn`; HIGHEST (or a float32-accurate
+        algorithm) keeps them exact. The backward through time and the CPU kernels always multiply
+        exactly.
       dropout_rng: a `jax.random.key` for the dropout masks (a jaxdnn addition to the signature);
         the same key gives the same masks, in the forward and its gradient
         (`jaxdnn.reference.rnn.dropout_masks` draws them).

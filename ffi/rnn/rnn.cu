@@ -316,7 +316,7 @@ ffi::Error LstmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::
                        ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::S32> seq_lengths,
                        ffi::Result<ffi::Buffer<ffi::F32>> h_seq, ffi::Result<ffi::Buffer<ffi::F32>> c_seq,
                        ffi::Result<ffi::Buffer<ffi::F32>> acts, ffi::Result<ffi::Buffer<ffi::F32>> h_n,
-                       ffi::Result<ffi::Buffer<ffi::F32>> c_n, int64_t reverse) {
+                       ffi::Result<ffi::Buffer<ffi::F32>> c_n, int64_t reverse, int64_t tf32) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 4, 4, &s));
   JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(
@@ -329,7 +329,8 @@ ffi::Error LstmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::
                      c_seq->typed_data(), acts->typed_data(), h_n->typed_data(), c_n->typed_data()};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0, io, &launched));
+                                              seq_lengths.typed_data(), s, reverse != 0, tf32 != 0, io,
+                                              &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
@@ -362,7 +363,8 @@ ffi::Error LstmBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::B
                      dc0->typed_data()};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0, io, &launched));
+                                              seq_lengths.typed_data(), s, reverse != 0, /*tf32=*/false, io,
+                                              &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
@@ -379,7 +381,7 @@ ffi::Error LstmBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::B
 ffi::Error GruFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::AnyBuffer w_hh,
                       ffi::Buffer<ffi::F32> b_hh, ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::S32> seq_lengths,
                       ffi::Result<ffi::Buffer<ffi::F32>> h_seq, ffi::Result<ffi::Buffer<ffi::F32>> saved,
-                      ffi::Result<ffi::Buffer<ffi::F32>> h_n, int64_t reverse) {
+                      ffi::Result<ffi::Buffer<ffi::F32>> h_n, int64_t reverse, int64_t tf32) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 3, 3, &s));
   JAXDNN_RETURN_IF_ERROR(
@@ -393,7 +395,8 @@ ffi::Error GruFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::A
                     saved->typed_data(), h_n->typed_data()};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0, io, &launched));
+                                              seq_lengths.typed_data(), s, reverse != 0, tf32 != 0, io,
+                                              &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
@@ -423,7 +426,8 @@ ffi::Error GruBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
                     h0.typed_data(), dgates_x->typed_data(), dgates_h->typed_data(), dh0->typed_data()};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0, io, &launched));
+                                              seq_lengths.typed_data(), s, reverse != 0, /*tf32=*/false, io,
+                                              &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
@@ -440,7 +444,7 @@ ffi::Error GruBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
 ffi::Error RnnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::AnyBuffer w_hh,
                       ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::S32> seq_lengths,
                       ffi::Result<ffi::Buffer<ffi::F32>> h_seq, ffi::Result<ffi::Buffer<ffi::F32>> h_n,
-                      int64_t reverse, std::string_view nonlinearity) {
+                      int64_t reverse, std::string_view nonlinearity, int64_t tf32) {
   RecurrenceShape s;
   Activation act;
   JAXDNN_RETURN_IF_ERROR(DecodeNonlinearity(nonlinearity, &act));
@@ -453,7 +457,8 @@ ffi::Error RnnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::A
   const RnnFwdIo io{gates_x.typed_data(), h0.typed_data(), h_seq->typed_data(), h_n->typed_data(), act};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0, io, &launched));
+                                              seq_lengths.typed_data(), s, reverse != 0, tf32 != 0, io,
+                                              &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
@@ -483,7 +488,8 @@ ffi::Error RnnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
                     dh0->typed_data(), act};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0, io, &launched));
+                                              seq_lengths.typed_data(), s, reverse != 0, /*tf32=*/false, io,
+                                              &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);

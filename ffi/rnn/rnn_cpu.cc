@@ -89,7 +89,7 @@ void TransposedProducts(const std::vector<float>& w, const float* d, const RowCh
 
 ffi::Error LstmFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, F32 c0, ffi::Buffer<ffi::S32> seq_lengths,
                        F32Result h_seq, F32Result c_seq, F32Result acts, F32Result h_n, F32Result c_n,
-                       int64_t reverse) {
+                       int64_t reverse, int64_t /*tf32: always exact here*/) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 4, 4, &s));
   JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(
@@ -184,7 +184,8 @@ ffi::Error LstmBwdImpl(F32 dh_seq, F32 dh_n, F32 dc_n, F32 acts, F32 c_seq, F32 
 }
 
 ffi::Error GruFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 b_hh, F32 h0, ffi::Buffer<ffi::S32> seq_lengths,
-                      F32Result h_seq, F32Result saved, F32Result h_n, int64_t reverse) {
+                      F32Result h_seq, F32Result saved, F32Result h_n, int64_t reverse,
+                      int64_t /*tf32: always exact here*/) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 3, 3, &s));
   JAXDNN_RETURN_IF_ERROR(
@@ -278,7 +279,8 @@ ffi::Error GruBwdImpl(F32 dh_seq, F32 dh_n, F32 saved, F32 h_seq, F32 h0, ffi::A
 }
 
 ffi::Error RnnFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, ffi::Buffer<ffi::S32> seq_lengths, F32Result h_seq,
-                      F32Result h_n, int64_t reverse, std::string_view nonlinearity) {
+                      F32Result h_n, int64_t reverse, std::string_view nonlinearity,
+                      int64_t /*tf32: always exact here*/) {
   RecurrenceShape s;
   Activation act;
   JAXDNN_RETURN_IF_ERROR(DecodeNonlinearity(nonlinearity, &act));

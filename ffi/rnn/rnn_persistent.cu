@@ -12,7 +12,11 @@
 //   restricted to its units) to get the gradient reaching its units of h_prev.
 // Either way one grid-wide barrier per step separates the writes of a step from the reads of them.
 // The recurrent products are exact float32 sums over CUDA cores (W_hh converted from its dtype on
-// the fly), as the baseline and the CPU kernel compute them, in a different summation order.
+// the fly), as the baseline and the CPU kernel compute them, in a different summation order; or, in
+// the forward when the target's tf32 attribute allows, mma.sync on tensor cores with W_hh and the
+// multiplied state rounded to TF32 and float32 sums (cuDNN's default math for float32 RNNs). The
+// backward stays exact: its product per block is a few columns of W_hh (units x batch rows, K = G),
+// where TF32 tiles split over K ran slower than the CUDA cores (H100: LSTM fwd+bwd 1.10-1.14x the time).
 //
 // Barrier. A monotone arrival counter in global memory: after a step each block adds one; before
 // the next it waits until the counter reaches (steps done) * P. The launch is cooperative, so all P
@@ -57,15 +61,15 @@ __device__ __forceinline__ void GridWait(const unsigned* counter, unsigned targe
   __syncthreads();  // the acquire orders the whole block's later reads after it
 }
 
-// dst[i][0, width) = src(i)[0, width) for i < rows, zeros where src(i) is null: a warp per row,
-// 16-byte loads where the row allows. The rows were written by other blocks of this launch, so they
-// are read through L2 (__ldcg), never from a possibly stale L1 line.
+// dst[i * ld + (0, width)] = src(i)[0, width) for i < rows, zeros where src(i) is null: a warp per
+// row, 16-byte loads where the row allows. The rows were written by other blocks of this launch, so
+// they are read through L2 (__ldcg), never from a possibly stale L1 line.
 template <typename Src>
-__device__ void LoadRows(float* dst, int rows, int width, Src src) {
+__device__ void LoadRows(float* dst, int ld, int rows, int width, Src src) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int i = warp; i < rows; i += kWarps) {
     const float* from = src(i);
-    float* to = dst + i * width;
+    float* to = dst + i * ld;
     if (from != nullptr && width % 4 == 0 && reinterpret_cast<uintptr_t>(from) % 16 == 0) {
       for (int k = lane; k < width / 4; k += 32) {
         reinterpret_cast<float4*>(to)[k] = __ldcg(reinterpret_cast<const float4*>(from) + k);
@@ -105,13 +109,14 @@ __device__ __forceinline__ float WarpTransposeSum(float (&v)[32], int lane) {
   return v[0];
 }
 
-// out[c * rows + r] = sum_k w[r * K + k] * x[c * K + k] for r < rows, c < cols, with w and x in
-// shared memory. Warps take tiles of kTileRows x kTileCols; when there are fewer tiles than warps,
-// the warps of a tile split K and `partial` (kWarps * 32 floats) holds their sums, added in a fixed
-// order (the result is deterministic). Lanes stride along k, so the shared-memory reads are
-// conflict-free. Ends with the block synchronized.
+// out[c * rows + r] = sum_k w[r * ldw + k] * x[c * ldx + k] for r < rows, c < cols, with w and x in
+// shared memory, as exact float32 sums on CUDA cores. Warps take tiles of kTileRows x kTileCols;
+// when there are fewer tiles than warps, the warps of a tile split K and `partial` (kWarps * 32
+// floats) holds their sums, added in a fixed order (the result is deterministic). Lanes stride
+// along k, so the shared-memory reads are conflict-free. Ends with the block synchronized.
 template <typename W>
-__device__ void BlockMatmul(const W* w, const float* x, int rows, int cols, int K, float* out, float* partial) {
+__device__ void BlockMatmul(const W* w, int ldw, const float* x, int ldx, int rows, int cols, int K, float* out,
+                            float* partial) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int tiles_r = (rows + kTileRows - 1) / kTileRows;
   const int tiles = tiles_r * ((cols + kTileCols - 1) / kTileCols);
@@ -121,9 +126,9 @@ __device__ void BlockMatmul(const W* w, const float* x, int rows, int cols, int 
     const int r0 = (tile % tiles_r) * kTileRows, c0 = (tile / tiles_r) * kTileCols;
     int w_off[kTileRows], x_off[kTileCols];  // rows and columns past the edge repeat the last one
 #pragma unroll
-    for (int i = 0; i < kTileRows; ++i) w_off[i] = std::min(r0 + i, rows - 1) * K;
+    for (int i = 0; i < kTileRows; ++i) w_off[i] = std::min(r0 + i, rows - 1) * ldw;
 #pragma unroll
-    for (int j = 0; j < kTileCols; ++j) x_off[j] = std::min(c0 + j, cols - 1) * K;
+    for (int j = 0; j < kTileCols; ++j) x_off[j] = std::min(c0 + j, cols - 1) * ldx;
     float v[32] = {};
     for (int k = split * 32 + lane; k < K; k += 32 * splits) {
       float wv[kTileRows], xv[kTileCols];
@@ -155,6 +160,120 @@ __device__ void BlockMatmul(const W* w, const float* x, int rows, int cols, int 
     if (r < rows && c < cols) out[c * rows + r] = sum;
   }
   __syncthreads();
+}
+
+// --- TF32 tensor-core block product -----------------------------------------------------------
+// mma.sync m16n8k8 with TF32 operands and float32 sums. Fragments (lane = 4 g + t): A [16 x 8] holds
+// a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4); B [8 x 8] b0 (k t, n g), b1 (k t + 4,
+// n g); D [16 x 8] d0 (g, 2 t), d1 (g, 2 t + 1), d2 (g + 8, 2 t), d3 (g + 8, 2 t + 1). Operand rows
+// in shared memory are 16 bytes longer than their data (Plan's ldw, ldx), so the 8 rows g of a
+// fragment fall 4 banks apart and the 32 lanes' reads are conflict-free.
+constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 8, kMmaTile = kMmaM * kMmaN;
+
+// v rounded to TF32 (nearest, ties away from zero: cuBLAS's conversion), as the mma's operand bits.
+__device__ __forceinline__ uint32_t Tf32(float v) {
+  uint32_t bits;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(v));
+  return bits;
+}
+
+__device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// out[m * out_m + n * out_n] = sum_k a(m, k) b(n, k) for m < M, n < N, where a and b return TF32
+// operand bits. Warps take 16 x 8 tiles; when there are fewer tiles than warps, the warps of a tile
+// split K and `partial` (kWarps * kMmaTile floats) holds their sums, added in a fixed order. A warp
+// alternates two accumulators over its k steps (two chains of dependent mmas, summed at the end).
+// Rows and columns past the edge repeat the last one (their sums are dropped). Ends with the block
+// synchronized.
+template <typename A, typename B>
+__device__ void MmaBlockProduct(A a, B b, int M, int N, int K, float* out, int out_m, int out_n, float* partial) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int tiles_m = (M + kMmaM - 1) / kMmaM;
+  const int tiles = tiles_m * ((N + kMmaN - 1) / kMmaN);
+  const int steps = (K + kMmaK - 1) / kMmaK;
+  const int splits = tiles >= kWarps ? 1 : std::max(1, std::min(kWarps / tiles, steps));
+  for (int item = warp; item < tiles * splits; item += kWarps) {
+    const int tile = item % tiles, split = item / tiles;
+    const int m0 = (tile % tiles_m) * kMmaM, n0 = (tile / tiles_m) * kMmaN;
+    const int m_lo = std::min(m0 + g, M - 1), m_hi = std::min(m0 + g + 8, M - 1), n = std::min(n0 + g, N - 1);
+    auto mma_step = [&](float(&d)[4], int step) {
+      const int k = step * kMmaK + t;
+      const bool k_lo = k < K, k_hi = k + 4 < K;  // a tail step past K reads zeros
+      const uint32_t af[4] = {k_lo ? a(m_lo, k) : 0u, k_lo ? a(m_hi, k) : 0u, k_hi ? a(m_lo, k + 4) : 0u,
+                              k_hi ? a(m_hi, k + 4) : 0u};
+      const uint32_t bf[2] = {k_lo ? b(n, k) : 0u, k_hi ? b(n, k + 4) : 0u};
+      MmaTf32(d, af, bf);
+    };
+    float even[4] = {}, odd[4] = {};
+    int step = split;
+    for (; step + splits < steps; step += 2 * splits) {
+      mma_step(even, step);
+      mma_step(odd, step + splits);
+    }
+    if (step < steps) mma_step(even, step);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float sum = even[i] + odd[i];
+      const int m = m0 + g + 8 * (i >> 1), nn = n0 + 2 * t + (i & 1);
+      if (splits > 1) {
+        partial[item * kMmaTile + lane * 4 + i] = sum;
+      } else if (m < M && nn < N) {
+        out[m * out_m + nn * out_n] = sum;
+      }
+    }
+  }
+  __syncthreads();
+  if (splits == 1) return;
+  for (int e = threadIdx.x; e < tiles * kMmaTile; e += kThreads) {
+    const int tile = e / kMmaTile, l = e % kMmaTile / 4, i = e % 4;
+    const int m = (tile % tiles_m) * kMmaM + l / 4 + 8 * (i >> 1);
+    const int nn = (tile / tiles_m) * kMmaN + 2 * (l % 4) + (i & 1);
+    float sum = 0.f;
+    for (int sp = 0; sp < splits; ++sp) sum += partial[(sp * tiles + tile) * kMmaTile + e % kMmaTile];
+    if (m < M && nn < N) out[m * out_m + nn * out_n] = sum;
+  }
+  __syncthreads();
+}
+
+// BlockMatmul's product with TF32 operands on tensor cores (w is stored TF32-exact: StoredWeight).
+// The mma's M (16 a tile) is the rows when they fill a tile or outnumber the columns, else the columns.
+template <typename W>
+__device__ void Tf32BlockMatmul(const W* w, int ldw, const float* x, int ldx, int rows, int cols, int K, float* out,
+                                float* partial) {
+  auto w_at = [&](int r, int k) { return __float_as_uint(ToFloat(w[r * ldw + k])); };
+  auto x_at = [&](int c, int k) { return Tf32(x[c * ldx + k]); };
+  if (rows >= kMmaM || rows >= cols) {
+    MmaBlockProduct(w_at, x_at, rows, cols, K, out, 1, rows, partial);
+  } else {
+    MmaBlockProduct(x_at, w_at, cols, rows, K, out, rows, 1, partial);
+  }
+}
+
+// W_hh's element as its block keeps it in shared memory: rounded to TF32 once for the TF32 product
+// (bfloat16 and float16 values are TF32 values already).
+template <bool kTf32, typename W>
+__device__ __forceinline__ W StoredWeight(W v) {
+  if constexpr (kTf32 && std::is_same_v<W, float>) {
+    return __uint_as_float(Tf32(v));
+  } else {
+    return v;
+  }
+}
+
+// The block product of the kernels: TF32 tensor cores or exact float32 sums.
+template <bool kTf32, typename W>
+__device__ void Product(const W* w, int ldw, const float* x, int ldx, int rows, int cols, int K, float* out,
+                        float* partial) {
+  if constexpr (kTf32) {
+    Tf32BlockMatmul(w, ldw, x, ldx, rows, cols, K, out, partial);
+  } else {
+    BlockMatmul(w, ldw, x, ldx, rows, cols, K, out, partial);
+  }
 }
 
 // --- cells: the per-unit work of each target ----------------------------------------------------
@@ -382,15 +501,16 @@ struct Plan {
   int units = 0;   // hidden units per block (the last block may have fewer)
   int blocks = 0;  // P
   int chunk = 0;   // batch rows per pass over the input buffer
+  int ldw = 0, ldx = 0;  // row strides (elements) of W_hh's slice and the input buffer: K + 16 bytes
   size_t weight_bytes = 0, smem_bytes = 0;
 };
 
 __host__ __device__ inline size_t AlignUp(size_t bytes) { return (bytes + 15) / 16 * 16; }
 
-// Forward: block p owns units [p * units, p * units + U); smem holds w [kGates * U][H] (row q U + u
-// is W_hh row q H + j0 + u), the chunk of previous h [chunk][H], the products [chunk][kGates U] and
+// Forward: block p owns units [p * units, p * units + U); smem holds w [kGates * U][ldw] (row q U + u
+// is W_hh row q H + j0 + u), the chunk of previous h [chunk][ldx], the products [chunk][kGates U] and
 // the split sums.
-template <typename W, typename Io>
+template <typename W, typename Io, bool kTf32>
 __global__ void __launch_bounds__(kThreads, 1)
     PersistentFwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
                         RecurrenceShape s, bool reverse, Plan plan) {
@@ -400,12 +520,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t B = s.batch, T = s.steps;
   W* w = reinterpret_cast<W*>(smem);
   float* x = reinterpret_cast<float*>(smem + plan.weight_bytes);
-  float* pre = x + plan.chunk * H;
+  float* pre = x + plan.chunk * plan.ldx;
   float* partial = pre + plan.chunk * kGates * plan.units;
   unsigned* counter = cell.Counter();
   for (int e = threadIdx.x; e < R * H; e += kThreads) {
     const int r = e / H, k = e % H;
-    w[e] = w_hh[(int64_t(r / U) * H + j0 + r % U) * H + k];
+    w[r * plan.ldw + k] = StoredWeight<kTf32>(w_hh[(int64_t(r / U) * H + j0 + r % U) * H + k]);
   }
   for (int64_t step = 0; step < T; ++step) {
     for (int e = threadIdx.x; e < B * U; e += kThreads) {
@@ -418,12 +538,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (step > 0) GridWait(counter, unsigned(step) * gridDim.x);  // every block wrote step - 1
     for (int64_t b0 = 0; b0 < B; b0 += plan.chunk) {
       const int rows = int(std::min<int64_t>(plan.chunk, B - b0));
-      LoadRows(x, rows, H, [&](int i) -> const float* {
+      LoadRows(x, plan.ldx, rows, H, [&](int i) -> const float* {
         const int64_t b = b0 + i, len = ValidSteps(seq_lengths[b], T);
         return step < len ? cell.HPrev(s, b, step == 0 ? -1 : StepTime(step - 1, len, reverse)) : nullptr;
       });
       __syncthreads();
-      BlockMatmul(w, x, R, rows, H, pre, partial);
+      Product<kTf32>(w, plan.ldw, x, plan.ldx, R, rows, H, pre, partial);
       for (int e = threadIdx.x; e < rows * U; e += kThreads) {
         const int64_t b = b0 + e / U, j = j0 + e % U, len = ValidSteps(seq_lengths[b], T);
         if (step < len) {
@@ -444,8 +564,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// Backward: block p owns units [j0, j0 + U); smem holds wt [U][G] (wt[u][k] = W_hh[k][j0 + u]), the
-// chunk of gate gradients [chunk][G], the products [chunk][U], the state [slots][B][units] and the
+// Backward: block p owns units [j0, j0 + U); smem holds wt [U][ldw] (wt[u][k] = W_hh[k][j0 + u]), the
+// chunk of gate gradients [chunk][ldx], the products [chunk][U], the state [slots][B][units] and the
 // split sums.
 template <typename W, typename Io>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -456,13 +576,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t B = s.batch, T = s.steps, stride = B * plan.units;
   W* wt = reinterpret_cast<W*>(smem);
   float* x = reinterpret_cast<float*>(smem + plan.weight_bytes);
-  float* out = x + plan.chunk * G;
+  float* out = x + plan.chunk * plan.ldx;
   float* state = out + plan.chunk * plan.units;
   float* partial = state + kStateSlots<Io> * stride;
   unsigned* counter = cell.Counter();
   for (int e = threadIdx.x; e < U * G; e += kThreads) {
     const int k = e / U, u = e % U;
-    wt[u * G + k] = w_hh[int64_t(k) * H + j0 + u];
+    wt[u * plan.ldw + k] = w_hh[int64_t(k) * H + j0 + u];
   }
   for (int e = threadIdx.x; e < B * U; e += kThreads) {
     const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
@@ -489,12 +609,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The gradient reaching h_prev of the own units: W_hh^T (every unit's gate gradients).
     for (int64_t b0 = 0; b0 < B; b0 += plan.chunk) {
       const int rows = int(std::min<int64_t>(plan.chunk, B - b0));
-      LoadRows(x, rows, G, [&](int i) -> const float* {
+      LoadRows(x, plan.ldx, rows, G, [&](int i) -> const float* {
         const int64_t b = b0 + i, len = ValidSteps(seq_lengths[b], T);
         return step < len ? cell.Exchange() + At(s, b, StepTime(step, len, reverse)) * G : nullptr;
       });
       __syncthreads();
-      BlockMatmul(wt, x, U, rows, G, out, partial);
+      BlockMatmul(wt, plan.ldw, x, plan.ldx, U, rows, G, out, partial);
       for (int e = threadIdx.x; e < rows * U; e += kThreads) {
         const int64_t b = b0 + e / U, len = ValidSteps(seq_lengths[b], T);
         float* st = state + b * plan.units + e % U;
@@ -517,20 +637,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 // chunk (a multiple of the tile width when possible) that fits next to W_hh's slice. False when
 // nothing fits.
 template <typename Io>
-bool MakePlan(const RecurrenceShape& s, size_t w_size, int sms, size_t smem_limit, Plan* plan) {
-  const int64_t H = s.hidden, G = s.gates();
+bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_t smem_limit, Plan* plan) {
+  const int64_t H = s.hidden, G = s.gates(), K = kIsBackward<Io> ? G : H;  // the products' reduction length
   plan->units = int((H + sms - 1) / sms);
   plan->blocks = int((H + plan->units - 1) / plan->units);
-  const int64_t units = plan->units, partial = kWarps * 32;
+  plan->ldw = int(K + 16 / int64_t(w_size));
+  plan->ldx = int(K + 16 / int64_t(sizeof(float)));
+  const int64_t units = plan->units, partial = kWarps * (tf32 ? kMmaTile : 32);
   int64_t fixed, per_row;
   if constexpr (kIsBackward<Io>) {
-    plan->weight_bytes = AlignUp(size_t(units * G) * w_size);
+    plan->weight_bytes = AlignUp(size_t(units * plan->ldw) * w_size);
     fixed = kStateSlots<Io> * s.batch * units + partial;
-    per_row = G + units;
+    per_row = plan->ldx + units;
   } else {
-    plan->weight_bytes = AlignUp(size_t(Cell<Io>::kGates * units * H) * w_size);
+    plan->weight_bytes = AlignUp(size_t(Cell<Io>::kGates * units * plan->ldw) * w_size);
     fixed = partial;
-    per_row = H + Cell<Io>::kGates * units;
+    per_row = plan->ldx + Cell<Io>::kGates * units;
   }
   const int64_t room = (int64_t(smem_limit) - int64_t(plan->weight_bytes)) / int64_t(sizeof(float)) - fixed;
   if (room < per_row) return false;
@@ -543,7 +665,7 @@ bool MakePlan(const RecurrenceShape& s, size_t w_size, int sms, size_t smem_limi
 
 template <typename W, typename Io>
 ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths, const RecurrenceShape& s,
-                  bool reverse, const Io& io, bool* launched) {
+                  bool reverse, bool tf32, const Io& io, bool* launched) {
   int device = 0, sms = 0, smem_limit = 0, per_sm = 0;
   JAXDNN_RETURN_IF_ERROR(CudaError(cudaGetDevice(&device), "cudaGetDevice"));
   JAXDNN_RETURN_IF_ERROR(
@@ -551,14 +673,14 @@ ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths
   JAXDNN_RETURN_IF_ERROR(CudaError(
       cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute"));
   Plan plan;
-  if (s.hidden > INT32_MAX / 4 || !MakePlan<Io>(s, sizeof(W), sms, size_t(smem_limit), &plan)) {
+  if (s.hidden > INT32_MAX / 8 || !MakePlan<Io>(s, sizeof(W), tf32, sms, size_t(smem_limit), &plan)) {
     return ffi::Error::Success();
   }
-  auto kernel = [] {
+  auto kernel = [tf32] {
     if constexpr (kIsBackward<Io>) {
       return PersistentBwdKernel<W, Io>;
     } else {
-      return PersistentFwdKernel<W, Io>;
+      return tf32 ? PersistentFwdKernel<W, Io, true> : PersistentFwdKernel<W, Io, false>;
     }
   }();
   JAXDNN_RETURN_IF_ERROR(CudaError(
@@ -591,26 +713,26 @@ ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths
 
 template <typename Io>
 ffi::Error PersistentRecurrence(cudaStream_t stream, ffi::DataType w_type, const void* w_hh,
-                                const int32_t* seq_lengths, const RecurrenceShape& shape, bool reverse, const Io& io,
-                                bool* launched) {
+                                const int32_t* seq_lengths, const RecurrenceShape& shape, bool reverse, bool tf32,
+                                const Io& io, bool* launched) {
   *launched = false;
   return DispatchFloat<float, __nv_bfloat16, __half>(w_type, "w_hh", [&](auto tag) {
     using W = decltype(tag);
-    return Launch(stream, static_cast<const W*>(w_hh), seq_lengths, shape, reverse, io, launched);
+    return Launch(stream, static_cast<const W*>(w_hh), seq_lengths, shape, reverse, tf32, io, launched);
   });
 }
 
 template ffi::Error PersistentRecurrence<LstmFwdIo>(cudaStream_t, ffi::DataType, const void*, const int32_t*,
-                                                    const RecurrenceShape&, bool, const LstmFwdIo&, bool*);
+                                                    const RecurrenceShape&, bool, bool, const LstmFwdIo&, bool*);
 template ffi::Error PersistentRecurrence<LstmBwdIo>(cudaStream_t, ffi::DataType, const void*, const int32_t*,
-                                                    const RecurrenceShape&, bool, const LstmBwdIo&, bool*);
+                                                    const RecurrenceShape&, bool, bool, const LstmBwdIo&, bool*);
 template ffi::Error PersistentRecurrence<GruFwdIo>(cudaStream_t, ffi::DataType, const void*, const int32_t*,
-                                                   const RecurrenceShape&, bool, const GruFwdIo&, bool*);
+                                                   const RecurrenceShape&, bool, bool, const GruFwdIo&, bool*);
 template ffi::Error PersistentRecurrence<GruBwdIo>(cudaStream_t, ffi::DataType, const void*, const int32_t*,
-                                                   const RecurrenceShape&, bool, const GruBwdIo&, bool*);
+                                                   const RecurrenceShape&, bool, bool, const GruBwdIo&, bool*);
 template ffi::Error PersistentRecurrence<RnnFwdIo>(cudaStream_t, ffi::DataType, const void*, const int32_t*,
-                                                   const RecurrenceShape&, bool, const RnnFwdIo&, bool*);
+                                                   const RecurrenceShape&, bool, bool, const RnnFwdIo&, bool*);
 template ffi::Error PersistentRecurrence<RnnBwdIo>(cudaStream_t, ffi::DataType, const void*, const int32_t*,
-                                                   const RecurrenceShape&, bool, const RnnBwdIo&, bool*);
+                                                   const RecurrenceShape&, bool, bool, const RnnBwdIo&, bool*);
 
 }  // namespace jaxdnn

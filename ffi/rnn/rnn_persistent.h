@@ -43,9 +43,12 @@ struct RnnBwdIo {
 // Launches the persistent kernel of `Io`'s target on `stream` and sets *launched, or leaves *launched
 // false (and launches nothing) when W_hh's slices or the per-block buffers do not fit in shared memory
 // or the grid cannot be co-resident. w_hh [G, H] has dtype w_type (float32, bfloat16 or float16).
+// tf32 (forward targets; the backward's callers pass false): the recurrent products run on tensor
+// cores with W_hh and the multiplied state rounded to TF32 (float32 sums); otherwise they are exact
+// float32 sums on CUDA cores.
 template <typename Io>
 ffi::Error PersistentRecurrence(cudaStream_t stream, ffi::DataType w_type, const void* w_hh,
-                                const int32_t* seq_lengths, const RecurrenceShape& shape, bool reverse, const Io& io,
-                                bool* launched);
+                                const int32_t* seq_lengths, const RecurrenceShape& shape, bool reverse, bool tf32,
+                                const Io& io, bool* launched);
 
 }  // namespace jaxdnn
