@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "attention/attention.h"
 #include "attention/attention_common.h"
@@ -49,6 +48,15 @@ constexpr int kDecodeMaxRows = 4;
 constexpr int64_t kDecodeMinKeys = 1024;
 constexpr int64_t kDecodeKeys = 256;
 constexpr int kDecodeCols = 8;  // columns a lane of the decoding backward (16-byte vectors)
+
+// Lanes a row takes when each lane loads 16-byte vectors of it: the smallest power of two >= its
+// `vectors`, at most a warp (the delta and decoding kernels; H is a multiple of 8, so 16-bit and
+// float32 rows are whole vectors).
+__host__ __device__ inline int RowLanes(int64_t vectors) {
+  int lanes = 1;
+  while (lanes < 32 && lanes < vectors) lanes *= 2;
+  return lanes;
+}
 
 bool DecodeBackwardTakes(const AttentionProblem& p) {
   return p.Group() * p.q_len <= kDecodeMaxRows && p.kv_len >= kDecodeMinKeys;
@@ -177,24 +185,23 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // delta[b, n, t] = sum over H of do * o. A warp per row with 2-byte loads left the SM issue-bound, so a group of
-// `group` lanes (a power of two, chosen by the host) takes a row, 32 / group rows a warp, and with kVector
-// (H * sizeof(T) % 16 == 0, 16-byte aligned rows) each lane loads 16-byte vectors: one a lane for 16-bit H <= 256.
-template <typename T, bool kVector>
+// `group` lanes (RowLanes, chosen by the host) takes a row, 32 / group rows a warp, each lane loading 16-byte
+// vectors: one a lane for 16-bit H <= 256.
+template <typename T>
 __global__ void __launch_bounds__(kThreads)
     AttentionDeltaKernel(AttentionProblem p, const T* __restrict__ d_out, const T* __restrict__ o,
                          float* __restrict__ delta, int group) {
-  using Load = std::conditional_t<kVector, uint4, T>;
-  constexpr int kElements = sizeof(Load) / sizeof(T);
+  constexpr int kElements = kVec16<T>;
   const int group_lane = threadIdx.x % group;
   const int64_t rows = p.batch * p.q_len * p.heads;
   const int64_t row = int64_t(blockIdx.x) * (kThreads / group) + threadIdx.x / group;  // (b * T + t) * N + n
   // No early return past the last row: every lane of the warp takes part in the shuffles.
   const int loads = row < rows ? static_cast<int>(p.head_dim / kElements) : 0;
-  const Load* d_out_row = reinterpret_cast<const Load*>(d_out + row * p.head_dim);
-  const Load* o_row = reinterpret_cast<const Load*>(o + row * p.head_dim);
+  const uint4* d_out_row = reinterpret_cast<const uint4*>(d_out + row * p.head_dim);
+  const uint4* o_row = reinterpret_cast<const uint4*>(o + row * p.head_dim);
   float sum = 0.f;
   for (int i = group_lane; i < loads; i += group) {
-    const Load d_out_raw = d_out_row[i], o_raw = o_row[i];
+    const uint4 d_out_raw = d_out_row[i], o_raw = o_row[i];
     const T* d_out_e = reinterpret_cast<const T*>(&d_out_raw);
     const T* o_e = reinterpret_cast<const T*>(&o_raw);
 #pragma unroll
@@ -429,10 +436,9 @@ __global__ void __launch_bounds__(kThreads)
   // A group of `width` lanes per key (a power of two, enough 16-byte vectors for the row), 32 / width
   // keys a warp at a time; lane j of a group owns the columns of vectors j, j + width, ...: at most
   // kDecodeCols columns (H <= 256 in 16-bit types: one vector; float32: up to two).
-  constexpr int kVec = 16 / int(sizeof(T));
+  constexpr int kVec = kVec16<T>;
   const int vectors = h / kVec;  // H is a multiple of 8
-  int width = 1;
-  while (width < 32 && width < vectors) width *= 2;
+  const int width = RowLanes(vectors);
   const int per_lane = (vectors + width - 1) / width;  // vectors a lane (1 or 2)
   const int group_lane = lane % width, key_in_warp = lane / width, keys_per_warp = 32 / width;
 
@@ -607,14 +613,9 @@ ffi::Error AttentionBwdTyped(cudaStream_t stream, const AttentionProblem& p, ffi
                              float* dbias, const BwdWorkspace& workspace) {
   float* delta = workspace.delta;
   const int64_t rows = p.batch * p.q_len * p.heads;
-  const bool vector = p.head_dim * int64_t(sizeof(T)) % 16 == 0 && reinterpret_cast<uintptr_t>(d_out) % 16 == 0 &&
-                      reinterpret_cast<uintptr_t>(o) % 16 == 0;
-  const int64_t loads_per_row = vector ? p.head_dim / kVec16<T> : p.head_dim;
-  int group = 1;  // lanes a row: the smallest power of two >= loads_per_row, at most a warp
-  while (group < 32 && group < loads_per_row) group *= 2;
+  const int group = RowLanes(p.head_dim / kVec16<T>);
   const int64_t rows_per_block = kThreads / group;
-  JAXDNN_RETURN_IF_ERROR(Launch("AttentionDeltaKernel",
-                                vector ? AttentionDeltaKernel<T, true> : AttentionDeltaKernel<T, false>,
+  JAXDNN_RETURN_IF_ERROR(Launch("AttentionDeltaKernel", AttentionDeltaKernel<T>,
                                 (rows + rows_per_block - 1) / rows_per_block, 0, stream, p, d_out, o, delta, group));
   if (workspace.decode) {
     const int64_t chunks = DecodeChunks(p);
