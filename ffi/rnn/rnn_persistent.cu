@@ -109,55 +109,60 @@ __device__ __forceinline__ float WarpTransposeSum(float (&v)[32], int lane) {
   return v[0];
 }
 
-// out[c * rows + r] = sum_k w[r * ldw + k] * x[c * ldx + k] for r < rows, c < cols, with w and x in
-// shared memory, as exact float32 sums on CUDA cores. Warps take tiles of kTileRows x kTileCols;
-// when there are fewer tiles than warps, the warps of a tile split K and `partial` (kWarps * 32
-// floats) holds their sums, added in a fixed order (the result is deterministic). Lanes stride
-// along k, so the shared-memory reads are conflict-free. Ends with the block synchronized.
-template <typename W>
-__device__ void BlockMatmul(const W* w, int ldw, const float* x, int ldx, int rows, int cols, int K, float* out,
+// store(r, c, sum_k w[r * ldw + k] * x_row(c)[k]) for r < rows, c < cols, as exact float32 sums on
+// CUDA cores: w in shared memory; x_row(c) a row of K floats in shared memory, or (kGlobal)
+// in global memory, written by other blocks of this launch and so read through L2 (__ldcg), never
+// from a possibly stale L1 line. Warps take tiles of kTileR x kTileC (32 sums); when there are fewer
+// tiles than warps, the warps of a tile split K and `partial` (kWarps * 32 floats) holds their sums,
+// added in a fixed order (the result is deterministic). Lanes stride along k, so the shared-memory
+// reads are conflict-free and the global ones coalesced. Ends with the block synchronized.
+template <int kTileR, int kTileC, bool kGlobal, typename W, typename XRow, typename Store>
+__device__ void BlockMatmul(const W* w, int ldw, XRow x_row, int rows, int cols, int K, Store store,
                             float* partial) {
+  static_assert(kTileR * kTileC == 32, "a tile's sums are one per lane");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int tiles_r = (rows + kTileRows - 1) / kTileRows;
-  const int tiles = tiles_r * ((cols + kTileCols - 1) / kTileCols);
+  const int tiles_r = (rows + kTileR - 1) / kTileR;
+  const int tiles = tiles_r * ((cols + kTileC - 1) / kTileC);
   const int splits = tiles >= kWarps ? 1 : std::max(1, std::min(kWarps / tiles, (K + 31) / 32));
   for (int item = warp; item < tiles * splits; item += kWarps) {
     const int tile = item % tiles, split = item / tiles;
-    const int r0 = (tile % tiles_r) * kTileRows, c0 = (tile / tiles_r) * kTileCols;
-    int w_off[kTileRows], x_off[kTileCols];  // rows and columns past the edge repeat the last one
+    const int r0 = (tile % tiles_r) * kTileR, c0 = (tile / tiles_r) * kTileC;
+    int w_off[kTileR];  // rows and columns past the edge repeat the last one
+    const float* x_at[kTileC];
 #pragma unroll
-    for (int i = 0; i < kTileRows; ++i) w_off[i] = std::min(r0 + i, rows - 1) * ldw;
+    for (int i = 0; i < kTileR; ++i) w_off[i] = std::min(r0 + i, rows - 1) * ldw;
 #pragma unroll
-    for (int j = 0; j < kTileCols; ++j) x_off[j] = std::min(c0 + j, cols - 1) * ldx;
+    for (int j = 0; j < kTileC; ++j) x_at[j] = x_row(std::min(c0 + j, cols - 1));
     float v[32] = {};
+#pragma unroll(kGlobal ? 4 : 1)
     for (int k = split * 32 + lane; k < K; k += 32 * splits) {
-      float wv[kTileRows], xv[kTileCols];
+      float wv[kTileR], xv[kTileC];
 #pragma unroll
-      for (int i = 0; i < kTileRows; ++i) wv[i] = ToFloat(w[w_off[i] + k]);
+      for (int i = 0; i < kTileR; ++i) wv[i] = ToFloat(w[w_off[i] + k]);
 #pragma unroll
-      for (int j = 0; j < kTileCols; ++j) xv[j] = x[x_off[j] + k];
+      for (int j = 0; j < kTileC; ++j) xv[j] = kGlobal ? __ldcg(x_at[j] + k) : x_at[j][k];
 #pragma unroll
-      for (int i = 0; i < kTileRows; ++i) {
+      for (int i = 0; i < kTileR; ++i) {
 #pragma unroll
-        for (int j = 0; j < kTileCols; ++j) v[i * kTileCols + j] = fmaf(wv[i], xv[j], v[i * kTileCols + j]);
+        for (int j = 0; j < kTileC; ++j) v[i * kTileC + j] = fmaf(wv[i], xv[j], v[i * kTileC + j]);
       }
     }
     const float sum = WarpTransposeSum(v, lane);
-    const int r = r0 + lane / kTileCols, c = c0 + lane % kTileCols;
+    const int r = r0 + lane / kTileC, c = c0 + lane % kTileC;
     if (splits > 1) {
       partial[item * 32 + lane] = sum;
     } else if (r < rows && c < cols) {
-      out[c * rows + r] = sum;
+      store(r, c, sum);
     }
   }
   __syncthreads();
   if (splits == 1) return;
   for (int e = threadIdx.x; e < tiles * 32; e += kThreads) {
     const int tile = e / 32, l = e % 32;
-    const int r = (tile % tiles_r) * kTileRows + l / kTileCols, c = (tile / tiles_r) * kTileCols + l % kTileCols;
+    const int r = (tile % tiles_r) * kTileR + l / kTileC, c = (tile / tiles_r) * kTileC + l % kTileC;
     float sum = 0.f;
     for (int sp = 0; sp < splits; ++sp) sum += partial[(sp * tiles + tile) * 32 + l];
-    if (r < rows && c < cols) out[c * rows + r] = sum;
+    if (r < rows && c < cols) store(r, c, sum);
   }
   __syncthreads();
 }
@@ -272,7 +277,9 @@ __device__ void Product(const W* w, int ldw, const float* x, int ldx, int rows, 
   if constexpr (kTf32) {
     Tf32BlockMatmul(w, ldw, x, ldx, rows, cols, K, out, partial);
   } else {
-    BlockMatmul(w, ldw, x, ldx, rows, cols, K, out, partial);
+    BlockMatmul<kTileRows, kTileCols, false>(
+        w, ldw, [&](int c) { return x + c * ldx; }, rows, cols, K,
+        [&](int r, int c, float sum) { out[c * rows + r] = sum; }, partial);
   }
 }
 
@@ -500,8 +507,8 @@ constexpr int kStateSlots = (std::is_same_v<Io, RnnBwdIo> ? 1 : 2);
 struct Plan {
   int units = 0;   // hidden units per block (the last block may have fewer)
   int blocks = 0;  // P
-  int chunk = 0;   // batch rows per pass over the input buffer
-  int ldw = 0, ldx = 0;  // row strides (elements) of W_hh's slice and the input buffer: K + 16 bytes
+  int chunk = 0;   // forward: batch rows per pass over the input buffer
+  int ldw = 0, ldx = 0;  // row strides (elements) of W_hh's slice and the forward's input buffer: K + 16 bytes
   size_t weight_bytes = 0, smem_bytes = 0;
 };
 
@@ -565,8 +572,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // Backward: block p owns units [j0, j0 + U); smem holds wt [U][ldw] (wt[u][k] = W_hh[k][j0 + u]), the
-// chunk of gate gradients [chunk][ldx], the products [chunk][U], the state [slots][B][units] and the
-// split sums.
+// state [slots][B][units] and the split sums. The product reads every
+// unit's gate gradients straight from L2: staging them in shared memory beside W_hh^T's slice left
+// room for few batch rows a round (5 at H 1024 float32: 13 rounds a step).
 template <typename W, typename Io>
 __global__ void __launch_bounds__(kThreads, 1)
     PersistentBwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
@@ -575,9 +583,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int H = int(s.hidden), G = int(s.gates()), j0 = blockIdx.x * plan.units, U = std::min(plan.units, H - j0);
   const int64_t B = s.batch, T = s.steps, stride = B * plan.units;
   W* wt = reinterpret_cast<W*>(smem);
-  float* x = reinterpret_cast<float*>(smem + plan.weight_bytes);
-  float* out = x + plan.chunk * plan.ldx;
-  float* state = out + plan.chunk * plan.units;
+  float* state = reinterpret_cast<float*>(smem + plan.weight_bytes);
   float* partial = state + kStateSlots<Io> * stride;
   unsigned* counter = cell.Counter();
   for (int e = threadIdx.x; e < U * G; e += kThreads) {
@@ -606,21 +612,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (step - 1 < len) cell.Prefetch(s, b, j0 + e % U, StepTime(step - 1, len, reverse));
     }
     GridWait(counter, unsigned(T - step) * gridDim.x);  // every block wrote this step's gradients
-    // The gradient reaching h_prev of the own units: W_hh^T (every unit's gate gradients).
-    for (int64_t b0 = 0; b0 < B; b0 += plan.chunk) {
-      const int rows = int(std::min<int64_t>(plan.chunk, B - b0));
-      LoadRows(x, plan.ldx, rows, G, [&](int i) -> const float* {
-        const int64_t b = b0 + i, len = ValidSteps(seq_lengths[b], T);
-        return step < len ? cell.Exchange() + At(s, b, StepTime(step, len, reverse)) * G : nullptr;
-      });
-      __syncthreads();
-      BlockMatmul(wt, plan.ldw, x, plan.ldx, U, rows, G, out, partial);
-      for (int e = threadIdx.x; e < rows * U; e += kThreads) {
-        const int64_t b = b0 + e / U, len = ValidSteps(seq_lengths[b], T);
-        float* st = state + b * plan.units + e % U;
-        if (step < len) st[0] = out[e] + (Cell<Io>::kBypass ? st[stride] : 0.f);
-      }
-      __syncthreads();  // before the next chunk overwrites x and out
+    // The gradient reaching h_prev of the own units: W_hh^T (every unit's gate gradients). A row
+    // past its length reads its zeroed gate gradients of this step (cell.Zero); its product is dropped.
+    auto gradients_of = [&](int b) -> const float* {
+      const int64_t len = ValidSteps(seq_lengths[b], T);
+      return cell.Exchange() + At(s, b, step < len ? StepTime(step, len, reverse) : step) * G;
+    };
+    // The product of (unit u, row b) lands in the state of that row's next (earlier) step. The cell
+    // step's threads are done with it (GridArrive synchronized the block), and BlockMatmul ends
+    // synchronized before the next cell step reads it.
+    auto store = [&](int u, int b, float sum) {
+      float* st = state + b * plan.units + u;
+      if (step < ValidSteps(seq_lengths[b], T)) st[0] = sum + (Cell<Io>::kBypass ? st[stride] : 0.f);
+    };
+    if (U > 4) {  // a tile spans up to 8 units: with H <= 8 SMs, each gradient is read once
+      BlockMatmul<8, 4, true>(wt, plan.ldw, gradients_of, U, int(B), G, store, partial);
+    } else {
+      BlockMatmul<4, 8, true>(wt, plan.ldw, gradients_of, U, int(B), G, store, partial);
     }
   }
   // Block 0 owns the counter word: it writes its results once every block has left its last wait.
@@ -633,8 +641,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // --- host -------------------------------------------------------------------------------------
 
-// Sizes the grid: the fewest units per block that spread H over the SMs, then the largest batch
-// chunk (a multiple of the tile width when possible) that fits next to W_hh's slice. False when
+// Sizes the grid: the fewest units per block that spread H over the SMs, then (forward) the largest
+// batch chunk (a multiple of the tile width when possible) that fits next to W_hh's slice. False when
 // nothing fits.
 template <typename Io>
 bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_t smem_limit, Plan* plan) {
@@ -642,25 +650,23 @@ bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_
   plan->units = int((H + sms - 1) / sms);
   plan->blocks = int((H + plan->units - 1) / plan->units);
   plan->ldw = int(K + 16 / int64_t(w_size));
-  plan->ldx = int(K + 16 / int64_t(sizeof(float)));
   const int64_t units = plan->units, partial = kWarps * (tf32 ? kMmaTile : 32);
-  int64_t fixed, per_row;
-  if constexpr (kIsBackward<Io>) {
+  if constexpr (kIsBackward<Io>) {  // no input buffer: the state and the split sums
     plan->weight_bytes = AlignUp(size_t(units * plan->ldw) * w_size);
-    fixed = kStateSlots<Io> * s.batch * units + partial;
-    per_row = plan->ldx + units;
+    plan->smem_bytes = plan->weight_bytes + size_t(kStateSlots<Io> * s.batch * units + partial) * sizeof(float);
+    return plan->smem_bytes <= smem_limit;
   } else {
+    plan->ldx = int(K + 16 / int64_t(sizeof(float)));
     plan->weight_bytes = AlignUp(size_t(Cell<Io>::kGates * units * plan->ldw) * w_size);
-    fixed = partial;
-    per_row = plan->ldx + Cell<Io>::kGates * units;
+    const int64_t per_row = plan->ldx + Cell<Io>::kGates * units;
+    const int64_t room = (int64_t(smem_limit) - int64_t(plan->weight_bytes)) / int64_t(sizeof(float)) - partial;
+    if (room < per_row) return false;
+    int64_t chunk = std::min<int64_t>({s.batch, kMaxChunk, room / per_row});
+    if (chunk > kTileCols) chunk = chunk / kTileCols * kTileCols;
+    plan->chunk = int(chunk);
+    plan->smem_bytes = plan->weight_bytes + size_t(partial + chunk * per_row) * sizeof(float);
+    return true;
   }
-  const int64_t room = (int64_t(smem_limit) - int64_t(plan->weight_bytes)) / int64_t(sizeof(float)) - fixed;
-  if (room < per_row) return false;
-  int64_t chunk = std::min<int64_t>({s.batch, kMaxChunk, room / per_row});
-  if (chunk > kTileCols) chunk = chunk / kTileCols * kTileCols;
-  plan->chunk = int(chunk);
-  plan->smem_bytes = plan->weight_bytes + size_t(fixed + chunk * per_row) * sizeof(float);
-  return true;
 }
 
 template <typename W, typename Io>
