@@ -109,13 +109,36 @@ __device__ __forceinline__ float WarpTransposeSum(float (&v)[32], int lane) {
   return v[0];
 }
 
+// out[0, kVec) = p[0, kVec) as floats, p aligned to kVec elements. kGlobal: p was written by other
+// blocks of this launch and is read through L2 (__ldcg), never from a possibly stale L1 line.
+template <int kVec, bool kGlobal = false, typename T>
+__device__ __forceinline__ void LoadVec(const T* p, float (&out)[kVec]) {
+  struct alignas(kVec * sizeof(T)) Pack {
+    T v[kVec];
+  };
+  Pack pack;
+  if constexpr (kGlobal && kVec == 4) {
+    static_assert(std::is_same_v<T, float>);
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(p));
+    pack = Pack{{v.x, v.y, v.z, v.w}};
+  } else if constexpr (kGlobal) {
+    pack.v[0] = __ldcg(p);
+  } else {
+    pack = *reinterpret_cast<const Pack*>(p);
+  }
+#pragma unroll
+  for (int c = 0; c < kVec; ++c) out[c] = ToFloat(pack.v[c]);
+}
+
 // store(r, c, sum_k w[r * ldw + k] * x_row(c)[k]) for r < rows, c < cols, as exact float32 sums on
 // CUDA cores: w in shared memory; x_row(c) a row of K floats in shared memory, or (kGlobal)
-// in global memory, written by other blocks of this launch and so read through L2 (__ldcg), never
-// from a possibly stale L1 line. Warps take tiles of kTileR x kTileC (32 sums); when there are fewer
-// tiles than warps, the warps of a tile split K and `partial` (kWarps * 32 floats) holds their sums,
-// added in a fixed order (the result is deterministic). Lanes stride along k, so the shared-memory
-// reads are conflict-free and the global ones coalesced. Ends with the block synchronized.
+// in global memory, written by other blocks of this launch and so read through L2. Warps take tiles
+// of kTileR x kTileC (32 sums); when there are fewer tiles than warps, the warps of a tile split K
+// and `partial` (kWarps * 32 floats) holds their sums, added in a fixed order (the result is
+// deterministic). Lanes stride along k, 4 elements a lane when K is a multiple of 4 (every row of w
+// and x is then 4-element aligned: the callers' row strides are K plus 16 bytes, and XLA's buffers
+// are aligned), so the shared-memory reads are conflict-free and the global ones coalesced 16-byte
+// loads, unrolled so that a lane has several in flight. Ends with the block synchronized.
 template <int kTileR, int kTileC, bool kGlobal, typename W, typename XRow, typename Store>
 __device__ void BlockMatmul(const W* w, int ldw, XRow x_row, int rows, int cols, int K, Store store,
                             float* partial) {
@@ -124,9 +147,9 @@ __device__ void BlockMatmul(const W* w, int ldw, XRow x_row, int rows, int cols,
   const int tiles_r = (rows + kTileR - 1) / kTileR;
   const int tiles = tiles_r * ((cols + kTileC - 1) / kTileC);
   const int splits = tiles >= kWarps ? 1 : std::max(1, std::min(kWarps / tiles, (K + 31) / 32));
-  for (int item = warp; item < tiles * splits; item += kWarps) {
-    const int tile = item % tiles, split = item / tiles;
-    const int r0 = (tile % tiles_r) * kTileR, c0 = (tile / tiles_r) * kTileC;
+  // The sum of one tile's (split's) k range, vectorized by kVec.
+  auto tile_sum = [&](auto vec, int r0, int c0, int split) {
+    constexpr int kVec = decltype(vec)::value;
     int w_off[kTileR];  // rows and columns past the edge repeat the last one
     const float* x_at[kTileC];
 #pragma unroll
@@ -134,20 +157,29 @@ __device__ void BlockMatmul(const W* w, int ldw, XRow x_row, int rows, int cols,
 #pragma unroll
     for (int j = 0; j < kTileC; ++j) x_at[j] = x_row(std::min(c0 + j, cols - 1));
     float v[32] = {};
-#pragma unroll(kGlobal ? 4 : 1)
-    for (int k = split * 32 + lane; k < K; k += 32 * splits) {
-      float wv[kTileR], xv[kTileC];
+#pragma unroll(kGlobal ? 8 / kVec : 1)
+    for (int k = (split * 32 + lane) * kVec; k < K; k += 32 * kVec * splits) {
+      float wv[kTileR][kVec], xv[kTileC][kVec];
 #pragma unroll
-      for (int i = 0; i < kTileR; ++i) wv[i] = ToFloat(w[w_off[i] + k]);
+      for (int i = 0; i < kTileR; ++i) LoadVec<kVec>(w + w_off[i] + k, wv[i]);
 #pragma unroll
-      for (int j = 0; j < kTileC; ++j) xv[j] = kGlobal ? __ldcg(x_at[j] + k) : x_at[j][k];
+      for (int j = 0; j < kTileC; ++j) LoadVec<kVec, kGlobal>(x_at[j] + k, xv[j]);
 #pragma unroll
-      for (int i = 0; i < kTileR; ++i) {
+      for (int c = 0; c < kVec; ++c) {
 #pragma unroll
-        for (int j = 0; j < kTileC; ++j) v[i * kTileC + j] = fmaf(wv[i], xv[j], v[i * kTileC + j]);
+        for (int i = 0; i < kTileR; ++i) {
+#pragma unroll
+          for (int j = 0; j < kTileC; ++j) v[i * kTileC + j] = fmaf(wv[i][c], xv[j][c], v[i * kTileC + j]);
+        }
       }
     }
-    const float sum = WarpTransposeSum(v, lane);
+    return WarpTransposeSum(v, lane);
+  };
+  for (int item = warp; item < tiles * splits; item += kWarps) {
+    const int tile = item % tiles, split = item / tiles;
+    const int r0 = (tile % tiles_r) * kTileR, c0 = (tile / tiles_r) * kTileC;
+    const float sum = K % 4 == 0 ? tile_sum(std::integral_constant<int, 4>{}, r0, c0, split)
+                                 : tile_sum(std::integral_constant<int, 1>{}, r0, c0, split);
     const int r = r0 + lane / kTileC, c = c0 + lane % kTileC;
     if (splits > 1) {
       partial[item * 32 + lane] = sum;
@@ -508,6 +540,7 @@ struct Plan {
   int units = 0;   // hidden units per block (the last block may have fewer)
   int blocks = 0;  // P
   int chunk = 0;   // forward: batch rows per pass over the input buffer
+  int group = 0;   // forward: batch rows per pass of the cell (a multiple of chunk, or B)
   int ldw = 0, ldx = 0;  // row strides (elements) of W_hh's slice and the forward's input buffer: K + 16 bytes
   size_t weight_bytes = 0, smem_bytes = 0;
 };
@@ -515,8 +548,9 @@ struct Plan {
 __host__ __device__ inline size_t AlignUp(size_t bytes) { return (bytes + 15) / 16 * 16; }
 
 // Forward: block p owns units [p * units, p * units + U); smem holds w [kGates * U][ldw] (row q U + u
-// is W_hh row q H + j0 + u), the chunk of previous h [chunk][ldx], the products [chunk][kGates U] and
-// the split sums.
+// is W_hh row q H + j0 + u), a chunk of previous h [chunk][ldx], the products of a group of batch
+// rows [group][kGates U] and the split sums. A step multiplies a group's rows chunk by chunk, then
+// runs the cell over the whole group: one wait on the cell's global operands a group, not a chunk.
 template <typename W, typename Io, bool kTf32>
 __global__ void __launch_bounds__(kThreads, 1)
     PersistentFwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
@@ -528,7 +562,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   W* w = reinterpret_cast<W*>(smem);
   float* x = reinterpret_cast<float*>(smem + plan.weight_bytes);
   float* pre = x + plan.chunk * plan.ldx;
-  float* partial = pre + plan.chunk * kGates * plan.units;
+  float* partial = pre + plan.group * kGates * plan.units;
   unsigned* counter = cell.Counter();
   for (int e = threadIdx.x; e < R * H; e += kThreads) {
     const int r = e / H, k = e % H;
@@ -543,16 +577,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     if (step > 0) GridWait(counter, unsigned(step) * gridDim.x);  // every block wrote step - 1
-    for (int64_t b0 = 0; b0 < B; b0 += plan.chunk) {
-      const int rows = int(std::min<int64_t>(plan.chunk, B - b0));
-      LoadRows(x, plan.ldx, rows, H, [&](int i) -> const float* {
-        const int64_t b = b0 + i, len = ValidSteps(seq_lengths[b], T);
-        return step < len ? cell.HPrev(s, b, step == 0 ? -1 : StepTime(step - 1, len, reverse)) : nullptr;
-      });
-      __syncthreads();
-      Product<kTf32>(w, plan.ldw, x, plan.ldx, R, rows, H, pre, partial);
-      for (int e = threadIdx.x; e < rows * U; e += kThreads) {
-        const int64_t b = b0 + e / U, j = j0 + e % U, len = ValidSteps(seq_lengths[b], T);
+    for (int64_t g0 = 0; g0 < B; g0 += plan.group) {
+      const int group = int(std::min<int64_t>(plan.group, B - g0));
+      for (int c0 = 0; c0 < group; c0 += plan.chunk) {
+        const int rows = std::min(plan.chunk, group - c0);
+        LoadRows(x, plan.ldx, rows, H, [&](int i) -> const float* {
+          const int64_t b = g0 + c0 + i, len = ValidSteps(seq_lengths[b], T);
+          return step < len ? cell.HPrev(s, b, step == 0 ? -1 : StepTime(step - 1, len, reverse)) : nullptr;
+        });
+        __syncthreads();
+        Product<kTf32>(w, plan.ldw, x, plan.ldx, R, rows, H, pre + c0 * R, partial);  // ends synchronized
+      }
+      for (int e = threadIdx.x; e < group * U; e += kThreads) {
+        const int64_t b = g0 + e / U, j = j0 + e % U, len = ValidSteps(seq_lengths[b], T);
         if (step < len) {
           const int64_t t_prev = step == 0 ? -1 : StepTime(step - 1, len, reverse);
           cell.Step(s, b, j, StepTime(step, len, reverse), t_prev, pre + (e / U) * R + e % U, U);
@@ -560,7 +597,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           cell.Zero(s, b, j, step);  // steps past the row's end are t = len .. T - 1
         }
       }
-      __syncthreads();  // before the next chunk overwrites x and pre
+      __syncthreads();  // before the next group overwrites pre
     }
     GridArrive(counter);
   }
@@ -658,13 +695,16 @@ bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_
   } else {
     plan->ldx = int(K + 16 / int64_t(sizeof(float)));
     plan->weight_bytes = AlignUp(size_t(Cell<Io>::kGates * units * plan->ldw) * w_size);
-    const int64_t per_row = plan->ldx + Cell<Io>::kGates * units;
+    const int64_t per_pre = Cell<Io>::kGates * units;  // a batch row's products
     const int64_t room = (int64_t(smem_limit) - int64_t(plan->weight_bytes)) / int64_t(sizeof(float)) - partial;
-    if (room < per_row) return false;
-    int64_t chunk = std::min<int64_t>({s.batch, kMaxChunk, room / per_row});
+    if (room < plan->ldx + per_pre) return false;
+    int64_t chunk = std::min<int64_t>({s.batch, kMaxChunk, room / (plan->ldx + per_pre)});
     if (chunk > kTileCols) chunk = chunk / kTileCols * kTileCols;
+    int64_t group = std::min<int64_t>(s.batch, (room - chunk * plan->ldx) / per_pre);
+    if (group < s.batch) group = group / chunk * chunk;
     plan->chunk = int(chunk);
-    plan->smem_bytes = plan->weight_bytes + size_t(partial + chunk * per_row) * sizeof(float);
+    plan->group = int(group);
+    plan->smem_bytes = plan->weight_bytes + size_t(partial + chunk * plan->ldx + group * per_pre) * sizeof(float);
     return true;
   }
 }
