@@ -609,9 +609,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // Backward: block p owns units [j0, j0 + U); smem holds wt [U][ldw] (wt[u][k] = W_hh[k][j0 + u]), the
-// state [slots][B][units] and the split sums. The product reads every
-// unit's gate gradients straight from L2: staging them in shared memory beside W_hh^T's slice left
-// room for few batch rows a round (5 at H 1024 float32: 13 rounds a step).
+// state [slots][B][units] and the split sums. The product reads every unit's gate gradients straight
+// from L2: staging them in shared memory beside W_hh^T's slice left room for few batch rows a round
+// (5 at H 1024 float32: 13 rounds a step).
 template <typename W, typename Io>
 __global__ void __launch_bounds__(kThreads, 1)
     PersistentBwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
@@ -679,8 +679,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 // --- host -------------------------------------------------------------------------------------
 
 // Sizes the grid: the fewest units per block that spread H over the SMs, then (forward) the largest
-// batch chunk (a multiple of the tile width when possible) that fits next to W_hh's slice. False when
-// nothing fits.
+// batch chunk (a multiple of the tile width when possible) that fits next to W_hh's slice, and the
+// largest group of rows (all of B when they fit) whose products the rest holds. False when nothing
+// fits.
 template <typename Io>
 bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_t smem_limit, Plan* plan) {
   const int64_t H = s.hidden, G = s.gates(), K = kIsBackward<Io> ? G : H;  // the products' reduction length
