@@ -202,10 +202,21 @@ __device__ void BlockMatmul(const W* w, int ldw, XRow x_row, int rows, int cols,
 // --- TF32 tensor-core block product -----------------------------------------------------------
 // mma.sync m16n8k8 with TF32 operands and float32 sums. Fragments (lane = 4 g + t): A [16 x 8] holds
 // a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4); B [8 x 8] b0 (k t, n g), b1 (k t + 4,
-// n g); D [16 x 8] d0 (g, 2 t), d1 (g, 2 t + 1), d2 (g + 8, 2 t), d3 (g + 8, 2 t + 1). Operand rows
-// in shared memory are 16 bytes longer than their data (Plan's ldw, ldx), so the 8 rows g of a
-// fragment fall 4 banks apart and the 32 lanes' reads are conflict-free.
+// n g); D [16 x 8] d0 (g, 2 t), d1 (g, 2 t + 1), d2 (g + 8, 2 t), d3 (g + 8, 2 t + 1).
 constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 8, kMmaTile = kMmaM * kMmaN;
+// The product walks k in blocks of 32: a lane loads 8 consecutive elements of each of its rows a
+// block (16-byte loads) and feeds them to the block's 4 mmas.
+constexpr int kKBlock = 4 * kMmaK;
+
+__host__ __device__ constexpr int64_t KPadded(int64_t K) { return (K + kKBlock - 1) / kKBlock * kKBlock; }
+
+// Row stride (elements) of an operand of element size `bytes` in shared memory for the TF32
+// product: at least KPadded(K), and such that the 16-byte loads of the two rows g, g + 1 that share
+// a phase of a warp's load hit disjoint banks (float: 32 bytes a lane, rows 16 bytes apart modulo
+// 32; 2-byte types: 16 bytes a lane, rows 64 bytes apart modulo 128).
+__host__ __device__ constexpr int64_t FragmentStride(int64_t K, int64_t bytes) {
+  return bytes == 4 ? KPadded(K) + 4 : KPadded(K) + (KPadded(K) % 64 == 0 ? 32 : 0);
+}
 
 // v rounded to TF32 (nearest, ties away from zero: cuBLAS's conversion), as the mma's operand bits.
 __device__ __forceinline__ uint32_t Tf32(float v) {
@@ -221,41 +232,62 @@ __device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], c
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// out[m * out_m + n * out_n] = sum_k a(m, k) b(n, k) for m < M, n < N, where a and b return TF32
-// operand bits. Warps take 16 x 8 tiles; when there are fewer tiles than warps, the warps of a tile
-// split K and `partial` (kWarps * kMmaTile floats) holds their sums, added in a fixed order. A warp
-// alternates two accumulators over its k steps (two chains of dependent mmas, summed at the end).
-// Rows and columns past the edge repeat the last one (their sums are dropped). Ends with the block
-// synchronized.
-template <typename A, typename B>
-__device__ void MmaBlockProduct(A a, B b, int M, int N, int K, float* out, int out_m, int out_n, float* partial) {
+// p[0, 8) (shared memory, 16-byte aligned) as TF32 operand bits: floats rounded when kRound, else
+// taken as stored (StoredWeight made them TF32 values); bfloat16 and float16 values are TF32 values.
+template <bool kRound, typename T>
+__device__ __forceinline__ void LoadTf32x8(const T* p, uint32_t (&out)[8]) {
+  struct alignas(16) Pack {
+    T v[8];
+  };
+  const Pack pack = *reinterpret_cast<const Pack*>(p);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float v = ToFloat(pack.v[i]);
+    out[i] = kRound && std::is_same_v<T, float> ? Tf32(v) : __float_as_uint(v);
+  }
+}
+
+// out[m * out_m + n * out_n] = sum_k a_row(m)[k] b_row(n)[k] for m < M, n < N, k < Kp, on TF32
+// tensor cores with float32 sums. a_row and b_row point to shared-memory rows of Kp elements (a
+// multiple of kKBlock, zero past the data; strides by FragmentStride). The k of a block are taken in
+// a permuted order that lets each lane load 8 consecutive elements of its rows: in mma s (0..3) of
+// a block, fragment position t holds k = 8 t + 2 s and position t + 4 holds 8 t + 2 s + 1, for both
+// operands alike (so each product pairs equal k, and the block's 32 k are each summed once).
+// Warps take 16 x 8 tiles; when there are fewer tiles than warps, the warps of a tile split the k
+// blocks and `partial` (kWarps * kMmaTile floats) holds their sums, added in a fixed order. A warp
+// alternates two accumulators over its mmas. Rows and columns past the edge repeat the last one
+// (their sums are dropped). Ends with the block synchronized.
+template <bool kRoundA, bool kRoundB, typename ARow, typename BRow>
+__device__ void MmaBlockProduct(ARow a_row, BRow b_row, int M, int N, int Kp, float* out, int out_m, int out_n,
+                                float* partial) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int tiles_m = (M + kMmaM - 1) / kMmaM;
   const int tiles = tiles_m * ((N + kMmaN - 1) / kMmaN);
-  const int steps = (K + kMmaK - 1) / kMmaK;
-  const int splits = tiles >= kWarps ? 1 : std::max(1, std::min(kWarps / tiles, steps));
+  const int blocks = Kp / kKBlock;
+  const int splits = tiles >= kWarps ? 1 : std::max(1, std::min(kWarps / tiles, blocks));
   for (int item = warp; item < tiles * splits; item += kWarps) {
     const int tile = item % tiles, split = item / tiles;
     const int m0 = (tile % tiles_m) * kMmaM, n0 = (tile / tiles_m) * kMmaN;
-    const int m_lo = std::min(m0 + g, M - 1), m_hi = std::min(m0 + g + 8, M - 1), n = std::min(n0 + g, N - 1);
-    auto mma_step = [&](float(&d)[4], int step) {
-      const int k = step * kMmaK + t;
-      const bool k_lo = k < K, k_hi = k + 4 < K;  // a tail step past K reads zeros
-      const uint32_t af[4] = {k_lo ? a(m_lo, k) : 0u, k_lo ? a(m_hi, k) : 0u, k_hi ? a(m_lo, k + 4) : 0u,
-                              k_hi ? a(m_hi, k + 4) : 0u};
-      const uint32_t bf[2] = {k_lo ? b(n, k) : 0u, k_hi ? b(n, k + 4) : 0u};
-      MmaTf32(d, af, bf);
-    };
-    float even[4] = {}, odd[4] = {};
-    int step = split;
-    for (; step + splits < steps; step += 2 * splits) {
-      mma_step(even, step);
-      mma_step(odd, step + splits);
+    const auto* a_lo = a_row(std::min(m0 + g, M - 1)) + 8 * t;
+    const auto* a_hi = a_row(std::min(m0 + g + 8, M - 1)) + 8 * t;
+    const auto* b = b_row(std::min(n0 + g, N - 1)) + 8 * t;
+    float acc[2][4] = {};
+#pragma unroll 2
+    for (int blk = split; blk < blocks; blk += splits) {
+      uint32_t lo[8], hi[8], bv[8];
+      LoadTf32x8<kRoundA>(a_lo + blk * kKBlock, lo);
+      LoadTf32x8<kRoundA>(a_hi + blk * kKBlock, hi);
+      LoadTf32x8<kRoundB>(b + blk * kKBlock, bv);
+#pragma unroll
+      for (int s = 0; s < kKBlock / kMmaK; ++s) {
+        const uint32_t af[4] = {lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1]};
+        const uint32_t bf[2] = {bv[2 * s], bv[2 * s + 1]};
+        MmaTf32(acc[s & 1], af, bf);
+      }
     }
-    if (step < steps) mma_step(even, step);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float sum = even[i] + odd[i];
+      const float sum = acc[0][i] + acc[1][i];
       const int m = m0 + g + 8 * (i >> 1), nn = n0 + 2 * t + (i & 1);
       if (splits > 1) {
         partial[item * kMmaTile + lane * 4 + i] = sum;
@@ -277,17 +309,19 @@ __device__ void MmaBlockProduct(A a, B b, int M, int N, int K, float* out, int o
   __syncthreads();
 }
 
-// BlockMatmul's product with TF32 operands on tensor cores (w is stored TF32-exact: StoredWeight).
-// The mma's M (16 a tile) is the rows when they fill a tile or outnumber the columns, else the columns.
+// BlockMatmul's product with TF32 operands on tensor cores: w (stored TF32-exact: StoredWeight) and
+// x rows zero-padded to KPadded(K). The mma's M (16 a tile) is the rows when they fill a tile or
+// outnumber the columns, else the columns.
 template <typename W>
 __device__ void Tf32BlockMatmul(const W* w, int ldw, const float* x, int ldx, int rows, int cols, int K, float* out,
                                 float* partial) {
-  auto w_at = [&](int r, int k) { return __float_as_uint(ToFloat(w[r * ldw + k])); };
-  auto x_at = [&](int c, int k) { return Tf32(x[c * ldx + k]); };
+  auto w_row = [&](int r) { return w + r * ldw; };
+  auto x_row = [&](int c) { return x + c * ldx; };
+  const int Kp = int(KPadded(K));
   if (rows >= kMmaM || rows >= cols) {
-    MmaBlockProduct(w_at, x_at, rows, cols, K, out, 1, rows, partial);
+    MmaBlockProduct<false, true>(w_row, x_row, rows, cols, Kp, out, 1, rows, partial);
   } else {
-    MmaBlockProduct(x_at, w_at, cols, rows, K, out, rows, 1, partial);
+    MmaBlockProduct<true, false>(x_row, w_row, cols, rows, Kp, out, rows, 1, partial);
   }
 }
 
@@ -541,7 +575,7 @@ struct Plan {
   int blocks = 0;  // P
   int chunk = 0;   // forward: batch rows per pass over the input buffer
   int group = 0;   // forward: batch rows per pass of the cell (a multiple of chunk, or B)
-  int ldw = 0, ldx = 0;  // row strides (elements) of W_hh's slice and the forward's input buffer: K + 16 bytes
+  int ldw = 0, ldx = 0;  // row strides (elements) of W_hh's slice and the forward's input buffer
   size_t weight_bytes = 0, smem_bytes = 0;
 };
 
@@ -564,10 +598,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* pre = x + plan.chunk * plan.ldx;
   float* partial = pre + plan.group * kGates * plan.units;
   unsigned* counter = cell.Counter();
-  for (int e = threadIdx.x; e < R * H; e += kThreads) {
-    const int r = e / H, k = e % H;
-    w[r * plan.ldw + k] = StoredWeight<kTf32>(w_hh[(int64_t(r / U) * H + j0 + r % U) * H + k]);
+  const int Kp = int(KPadded(H));  // rows of w and x are zero past H, up to Kp (the TF32 product's blocks)
+  for (int e = threadIdx.x; e < R * Kp; e += kThreads) {
+    const int r = e / Kp, k = e % Kp;
+    w[r * plan.ldw + k] = k < H ? StoredWeight<kTf32>(w_hh[(int64_t(r / U) * H + j0 + r % U) * H + k]) : W(0.f);
   }
+  for (int e = threadIdx.x; e < plan.chunk * plan.ldx; e += kThreads) x[e] = 0.f;  // LoadRows writes [0, H)
+  __syncthreads();  // LoadRows's warps write rows that other threads zeroed
   for (int64_t step = 0; step < T; ++step) {
     for (int e = threadIdx.x; e < B * U; e += kThreads) {
       const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
@@ -687,14 +724,15 @@ bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_
   const int64_t H = s.hidden, G = s.gates(), K = kIsBackward<Io> ? G : H;  // the products' reduction length
   plan->units = int((H + sms - 1) / sms);
   plan->blocks = int((H + plan->units - 1) / plan->units);
-  plan->ldw = int(K + 16 / int64_t(w_size));
+  // Backward: K + 16 bytes (BlockMatmul's lanes stride along one row); forward: FragmentStride.
+  plan->ldw = int(kIsBackward<Io> ? K + 16 / int64_t(w_size) : FragmentStride(K, int64_t(w_size)));
   const int64_t units = plan->units, partial = kWarps * (tf32 ? kMmaTile : 32);
   if constexpr (kIsBackward<Io>) {  // no input buffer: the state and the split sums
     plan->weight_bytes = AlignUp(size_t(units * plan->ldw) * w_size);
     plan->smem_bytes = plan->weight_bytes + size_t(kStateSlots<Io> * s.batch * units + partial) * sizeof(float);
     return plan->smem_bytes <= smem_limit;
   } else {
-    plan->ldx = int(K + 16 / int64_t(sizeof(float)));
+    plan->ldx = int(FragmentStride(K, sizeof(float)));
     plan->weight_bytes = AlignUp(size_t(Cell<Io>::kGates * units * plan->ldw) * w_size);
     const int64_t per_pre = Cell<Io>::kGates * units;  // a batch row's products
     const int64_t room = (int64_t(smem_limit) - int64_t(plan->weight_bytes)) / int64_t(sizeof(float)) - partial;
