@@ -641,10 +641,11 @@ def test_cell_bad_input():
         jaxdnn.rnn_cell(x, h, w_ih, w_hh, b, b, nonlinearity="sigmoid")
 
 
-# (B, T, H) of the kernel-stage tests. On a GPU: a small layer at one unit a block; 37 rows
-# over 100 blocks of 3 units, in two batch chunks; and a layer whose W_hh slices do not fit in one
-# SM's shared memory on a 132-SM Hopper, which takes the per-row kernel (rnn_persistent.h).
-STAGE_SIZES = {"small": (5, 6, 7), "chunks": (37, 5, 300),
+# (B, T, H) of the kernel-stage tests. On a GPU: a small layer at one unit a block (the backward's
+# 8-warp blocks); 43 rows over 100 blocks of 3 units, in two batch chunks (129 (row, unit) pairs a
+# block: the backward's 16-warp blocks); and a layer whose W_hh slices do not fit in one SM's shared
+# memory on a 132-SM Hopper, which takes the per-row kernel (rnn_persistent.h).
+STAGE_SIZES = {"small": (5, 6, 7), "chunks": (43, 5, 300),
                "wide": (2, 3, {"lstm": 2048, "gru": 2304, "rnn_tanh": 4096, "rnn_relu": 4096})}
 
 

@@ -34,8 +34,14 @@
 namespace jaxdnn {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+// Threads a block (a template parameter of the kernels and their block products). The forward runs
+// 16 warps: they hide more of its products' and row loads' latency (H100, LSTM (256, 64, 1024, 1024)
+// forward 6.50 -> 5.92 ms against 8 warps; 1% slower at B 1). The backward runs 16 warps when its
+// blocks hold at least kWideBackward (row, unit) pairs (there fwd+bwd 16.3 -> 13.4 ms), else 8: with
+// few pairs a step is short and the extra warps cost more in split sums and synchronization than
+// they hide (backward about 19% slower at (100, 1, 256, 256), 3% at (512, 16, 512, 512)).
+constexpr int kNarrow = 256, kWide = 512;
+constexpr int64_t kWideBackward = 128;
 // One warp's tile of a block product: 4 rows x 8 batch rows, 32 sums, one per lane after the
 // reduction across lanes.
 constexpr int kTileRows = 4;
@@ -64,7 +70,7 @@ __device__ __forceinline__ void GridWait(const unsigned* counter, unsigned targe
 // dst[i * ld + (0, width)] = src(i)[0, width) for i < rows, zeros where src(i) is null: a warp per
 // row, 16-byte loads where the row allows. The rows were written by other blocks of this launch, so
 // they are read through L2 (__ldcg), never from a possibly stale L1 line.
-template <typename Src>
+template <int kWarps, typename Src>
 __device__ void LoadRows(float* dst, int ld, int rows, int width, Src src) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int i = warp; i < rows; i += kWarps) {
@@ -139,10 +145,11 @@ __device__ __forceinline__ void LoadVec(const T* p, float (&out)[kVec]) {
 // and x is then 4-element aligned: the callers' row strides are K plus 16 bytes, and XLA's buffers
 // are aligned), so the shared-memory reads are conflict-free and the global ones coalesced 16-byte
 // loads, unrolled so that a lane has several in flight. Ends with the block synchronized.
-template <int kTileR, int kTileC, bool kGlobal, typename W, typename XRow, typename Store>
+template <int kTileR, int kTileC, bool kGlobal, int kThreads, typename W, typename XRow, typename Store>
 __device__ void BlockMatmul(const W* w, int ldw, XRow x_row, int rows, int cols, int K, Store store,
                             float* partial) {
   static_assert(kTileR * kTileC == 32, "a tile's sums are one per lane");
+  constexpr int kWarps = kThreads / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int tiles_r = (rows + kTileR - 1) / kTileR;
   const int tiles = tiles_r * ((cols + kTileC - 1) / kTileC);
@@ -157,7 +164,7 @@ __device__ void BlockMatmul(const W* w, int ldw, XRow x_row, int rows, int cols,
 #pragma unroll
     for (int j = 0; j < kTileC; ++j) x_at[j] = x_row(std::min(c0 + j, cols - 1));
     float v[32] = {};
-#pragma unroll(kGlobal ? 8 / kVec : 1)
+#pragma unroll(kGlobal ? (kThreads > kNarrow ? 4 : 8) / kVec : 1)  // 16 warps: half as deep, as many bytes in flight
     for (int k = (split * 32 + lane) * kVec; k < K; k += 32 * kVec * splits) {
       float wv[kTileR][kVec], xv[kTileC][kVec];
 #pragma unroll
@@ -257,9 +264,10 @@ __device__ __forceinline__ void LoadTf32x8(const T* p, uint32_t (&out)[8]) {
 // blocks and `partial` (kWarps * kMmaTile floats) holds their sums, added in a fixed order. A warp
 // alternates two accumulators over its mmas. Rows and columns past the edge repeat the last one
 // (their sums are dropped). Ends with the block synchronized.
-template <bool kRoundA, bool kRoundB, typename ARow, typename BRow>
+template <int kThreads, bool kRoundA, bool kRoundB, typename ARow, typename BRow>
 __device__ void MmaBlockProduct(ARow a_row, BRow b_row, int M, int N, int Kp, float* out, int out_m, int out_n,
                                 float* partial) {
+  constexpr int kWarps = kThreads / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int tiles_m = (M + kMmaM - 1) / kMmaM;
   const int tiles = tiles_m * ((N + kMmaN - 1) / kMmaN);
@@ -312,16 +320,16 @@ __device__ void MmaBlockProduct(ARow a_row, BRow b_row, int M, int N, int Kp, fl
 // BlockMatmul's product with TF32 operands on tensor cores: w (stored TF32-exact: StoredWeight) and
 // x rows zero-padded to KPadded(K). The mma's M (16 a tile) is the rows when they fill a tile or
 // outnumber the columns, else the columns.
-template <typename W>
+template <int kThreads, typename W>
 __device__ void Tf32BlockMatmul(const W* w, int ldw, const float* x, int ldx, int rows, int cols, int K, float* out,
                                 float* partial) {
   auto w_row = [&](int r) { return w + r * ldw; };
   auto x_row = [&](int c) { return x + c * ldx; };
   const int Kp = int(KPadded(K));
   if (rows >= kMmaM || rows >= cols) {
-    MmaBlockProduct<false, true>(w_row, x_row, rows, cols, Kp, out, 1, rows, partial);
+    MmaBlockProduct<kThreads, false, true>(w_row, x_row, rows, cols, Kp, out, 1, rows, partial);
   } else {
-    MmaBlockProduct<true, false>(x_row, w_row, cols, rows, Kp, out, rows, 1, partial);
+    MmaBlockProduct<kThreads, true, false>(x_row, w_row, cols, rows, Kp, out, rows, 1, partial);
   }
 }
 
@@ -337,13 +345,13 @@ __device__ __forceinline__ W StoredWeight(W v) {
 }
 
 // The block product of the kernels: TF32 tensor cores or exact float32 sums.
-template <bool kTf32, typename W>
+template <bool kTf32, int kThreads, typename W>
 __device__ void Product(const W* w, int ldw, const float* x, int ldx, int rows, int cols, int K, float* out,
                         float* partial) {
   if constexpr (kTf32) {
-    Tf32BlockMatmul(w, ldw, x, ldx, rows, cols, K, out, partial);
+    Tf32BlockMatmul<kThreads>(w, ldw, x, ldx, rows, cols, K, out, partial);
   } else {
-    BlockMatmul<kTileRows, kTileCols, false>(
+    BlockMatmul<kTileRows, kTileCols, false, kThreads>(
         w, ldw, [&](int c) { return x + c * ldx; }, rows, cols, K,
         [&](int r, int c, float sum) { out[c * rows + r] = sum; }, partial);
   }
@@ -576,6 +584,7 @@ struct Plan {
   int chunk = 0;   // forward: batch rows per pass over the input buffer
   int group = 0;   // forward: batch rows per pass of the cell (a multiple of chunk, or B)
   int ldw = 0, ldx = 0;  // row strides (elements) of W_hh's slice and the forward's input buffer
+  int threads = 0;       // kNarrow or kWide
   size_t weight_bytes = 0, smem_bytes = 0;
 };
 
@@ -585,7 +594,7 @@ __host__ __device__ inline size_t AlignUp(size_t bytes) { return (bytes + 15) / 
 // is W_hh row q H + j0 + u), a chunk of previous h [chunk][ldx], the products of a group of batch
 // rows [group][kGates U] and the split sums. A step multiplies a group's rows chunk by chunk, then
 // runs the cell over the whole group: one wait on the cell's global operands a group, not a chunk.
-template <typename W, typename Io, bool kTf32>
+template <typename W, typename Io, bool kTf32, int kThreads>
 __global__ void __launch_bounds__(kThreads, 1)
     PersistentFwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
                         RecurrenceShape s, bool reverse, Plan plan) {
@@ -618,12 +627,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int group = int(std::min<int64_t>(plan.group, B - g0));
       for (int c0 = 0; c0 < group; c0 += plan.chunk) {
         const int rows = std::min(plan.chunk, group - c0);
-        LoadRows(x, plan.ldx, rows, H, [&](int i) -> const float* {
+        LoadRows<kThreads / 32>(x, plan.ldx, rows, H, [&](int i) -> const float* {
           const int64_t b = g0 + c0 + i, len = ValidSteps(seq_lengths[b], T);
           return step < len ? cell.HPrev(s, b, step == 0 ? -1 : StepTime(step - 1, len, reverse)) : nullptr;
         });
         __syncthreads();
-        Product<kTf32>(w, plan.ldw, x, plan.ldx, R, rows, H, pre + c0 * R, partial);  // ends synchronized
+        Product<kTf32, kThreads>(w, plan.ldw, x, plan.ldx, R, rows, H, pre + c0 * R, partial);  // ends synchronized
       }
       for (int e = threadIdx.x; e < group * U; e += kThreads) {
         const int64_t b = g0 + e / U, j = j0 + e % U, len = ValidSteps(seq_lengths[b], T);
@@ -649,7 +658,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // state [slots][B][units] and the split sums. The product reads every unit's gate gradients straight
 // from L2: staging them in shared memory beside W_hh^T's slice left room for few batch rows a round
 // (5 at H 1024 float32: 13 rounds a step).
-template <typename W, typename Io>
+template <typename W, typename Io, int kThreads>
 __global__ void __launch_bounds__(kThreads, 1)
     PersistentBwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
                         RecurrenceShape s, bool reverse, Plan plan) {
@@ -700,9 +709,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (step < ValidSteps(seq_lengths[b], T)) st[0] = sum + (Cell<Io>::kBypass ? st[stride] : 0.f);
     };
     if (U > 4) {  // a tile spans up to 8 units: with H <= 8 SMs, each gradient is read once
-      BlockMatmul<8, 4, true>(wt, plan.ldw, gradients_of, U, int(B), G, store, partial);
+      BlockMatmul<8, 4, true, kThreads>(wt, plan.ldw, gradients_of, U, int(B), G, store, partial);
     } else {
-      BlockMatmul<4, 8, true>(wt, plan.ldw, gradients_of, U, int(B), G, store, partial);
+      BlockMatmul<4, 8, true, kThreads>(wt, plan.ldw, gradients_of, U, int(B), G, store, partial);
     }
   }
   // Block 0 owns the counter word: it writes its results once every block has left its last wait.
@@ -724,9 +733,10 @@ bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_
   const int64_t H = s.hidden, G = s.gates(), K = kIsBackward<Io> ? G : H;  // the products' reduction length
   plan->units = int((H + sms - 1) / sms);
   plan->blocks = int((H + plan->units - 1) / plan->units);
+  plan->threads = !kIsBackward<Io> || s.batch * plan->units >= kWideBackward ? kWide : kNarrow;
   // Backward: K + 16 bytes (BlockMatmul's lanes stride along one row); forward: FragmentStride.
   plan->ldw = int(kIsBackward<Io> ? K + 16 / int64_t(w_size) : FragmentStride(K, int64_t(w_size)));
-  const int64_t units = plan->units, partial = kWarps * (tf32 ? kMmaTile : 32);
+  const int64_t units = plan->units, partial = plan->threads / 32 * (tf32 ? kMmaTile : 32);
   if constexpr (kIsBackward<Io>) {  // no input buffer: the state and the split sums
     plan->weight_bytes = AlignUp(size_t(units * plan->ldw) * w_size);
     plan->smem_bytes = plan->weight_bytes + size_t(kStateSlots<Io> * s.batch * units + partial) * sizeof(float);
@@ -761,18 +771,18 @@ ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths
   if (s.hidden > INT32_MAX / 8 || !MakePlan<Io>(s, sizeof(W), tf32, sms, size_t(smem_limit), &plan)) {
     return ffi::Error::Success();
   }
-  auto kernel = [tf32] {
+  auto kernel = [&] {
     if constexpr (kIsBackward<Io>) {
-      return PersistentBwdKernel<W, Io>;
+      return plan.threads == kWide ? PersistentBwdKernel<W, Io, kWide> : PersistentBwdKernel<W, Io, kNarrow>;
     } else {
-      return tf32 ? PersistentFwdKernel<W, Io, true> : PersistentFwdKernel<W, Io, false>;
+      return tf32 ? PersistentFwdKernel<W, Io, true, kWide> : PersistentFwdKernel<W, Io, false, kWide>;
     }
   }();
   JAXDNN_RETURN_IF_ERROR(CudaError(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem_bytes)),
       "cudaFuncSetAttribute"));
   JAXDNN_RETURN_IF_ERROR(CudaError(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, plan.smem_bytes), "occupancy"));
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, plan.threads, plan.smem_bytes), "occupancy"));
   if (int64_t(per_sm) * sms < plan.blocks) return ffi::Error::Success();
 
   const Cell<Io> cell{io};
@@ -783,7 +793,7 @@ ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths
   cooperative.val.cooperative = 1;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(unsigned(plan.blocks));
-  config.blockDim = dim3(kThreads);
+  config.blockDim = dim3(unsigned(plan.threads));
   config.dynamicSmemBytes = plan.smem_bytes;
   config.stream = stream;
   config.attrs = &cooperative;
