@@ -643,9 +643,11 @@ def test_cell_bad_input():
 
 # (B, T, H) of the kernel-stage tests. On a GPU: a small layer at one unit a block (the backward's
 # 8-warp blocks); 43 rows over 100 blocks of 3 units, in two batch chunks (129 (row, unit) pairs a
-# block: the backward's 16-warp blocks); and a layer whose W_hh slices do not fit in one SM's shared
-# memory on a 132-SM Hopper, which takes the per-row kernel (rnn_persistent.h).
-STAGE_SIZES = {"small": (5, 6, 7), "chunks": (43, 5, 300),
+# block: the backward's 16-warp blocks); a layer whose H is a multiple of 32, where the TF32 forward
+# reads its rows straight from L2 (9 rows: a partial second n tile; 9 units a block: 36 LSTM rows,
+# two passes of m tiles); and a layer whose W_hh slices do not fit in one SM's shared memory on a
+# 132-SM Hopper, which takes the per-row kernel (rnn_persistent.h).
+STAGE_SIZES = {"small": (5, 6, 7), "chunks": (43, 5, 300), "direct": (9, 4, 1088),
                "wide": (2, 3, {"lstm": 2048, "gru": 2304, "rnn_tanh": 4096, "rnn_relu": 4096})}
 
 

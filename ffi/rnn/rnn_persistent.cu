@@ -333,6 +333,96 @@ __device__ void Tf32BlockMatmul(const W* w, int ldw, const float* x, int ldx, in
   }
 }
 
+// out[n * rows + m] = sum_k w[m * ldw + k] x_row(n)[k] for m < rows, n < cols, on TF32 tensor cores
+// with float32 sums, reading the x rows straight from global memory (through L2: other blocks of
+// this launch wrote them): rows of K floats, K a multiple of kKBlock, 16-byte aligned; a null row
+// reads as zeros. w is stored TF32-exact (StoredWeight), rows zero past K. The forward's product
+// when its rows allow: no staging of x in shared memory, so no barrier between the loads and the
+// mmas and no chunking of the batch. A warp takes an n tile (8 batch rows) against two m tiles of w
+// at once (one when at most 16 rows remain; every x row crosses L2 once a block per 32 rows of w)
+// and keeps kDepth k blocks of its x fragments in flight. When there are fewer n tiles than warps,
+// the warps of a tile split the k blocks and `partial` (2 kWarps kMmaTile floats) holds their sums,
+// added in a fixed order. The k permutation and fragments are MmaBlockProduct's. Ends with the
+// block synchronized.
+template <int kThreads, typename W, typename XRow>
+__device__ void Tf32GlobalProduct(const W* w, int ldw, XRow x_row, int rows, int cols, int K, float* out,
+                                  float* partial) {
+  constexpr int kWarps = kThreads / 32, kDepth = 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int tiles_n = (cols + kMmaN - 1) / kMmaN, blocks = K / kKBlock;
+  const int splits = tiles_n >= kWarps ? 1 : std::max(1, std::min(kWarps / tiles_n, blocks));
+  for (int m0 = 0; m0 < rows; m0 += 2 * kMmaM) {
+    const int m_tiles = m0 + kMmaM < rows ? 2 : 1;  // warp-uniform
+    const W* a[4];  // this lane's rows m0 + g + 8 i of w (clamped: sums past the edge are dropped)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = w + std::min(m0 + g + 8 * i, rows - 1) * ldw + 8 * t;
+    for (int item = warp; item < tiles_n * splits; item += kWarps) {
+      const int tile = item % tiles_n, split = item / tiles_n, n0 = tile * kMmaN;
+      const float* b = x_row(std::min(n0 + g, cols - 1));
+      auto load = [&](int blk, float4 (&v)[2]) {
+        const float4* p = reinterpret_cast<const float4*>(b + blk * kKBlock + 8 * t);
+        v[0] = b != nullptr ? __ldcg(p) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[1] = b != nullptr ? __ldcg(p + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
+      };
+      float4 ring[kDepth][2];
+#pragma unroll
+      for (int d = 0; d < kDepth; ++d) {
+        if (split + d * splits < blocks) load(split + d * splits, ring[d]);
+      }
+      float acc[2][2][4] = {};  // [m tile][chain][fragment]
+      for (int base = split; base < blocks; base += kDepth * splits) {
+#pragma unroll
+        for (int d = 0; d < kDepth; ++d) {
+          const int blk = base + d * splits;
+          if (blk >= blocks) break;
+          const float xv[8] = {ring[d][0].x, ring[d][0].y, ring[d][0].z, ring[d][0].w,
+                               ring[d][1].x, ring[d][1].y, ring[d][1].z, ring[d][1].w};
+          uint32_t bv[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) bv[i] = Tf32(xv[i]);
+          if (blk + kDepth * splits < blocks) load(blk + kDepth * splits, ring[d]);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            if (mt >= m_tiles) break;
+            uint32_t lo[8], hi[8];
+            LoadTf32x8<false>(a[2 * mt] + blk * kKBlock, lo);
+            LoadTf32x8<false>(a[2 * mt + 1] + blk * kKBlock, hi);
+#pragma unroll
+            for (int q = 0; q < kKBlock / kMmaK; ++q) {
+              const uint32_t af[4] = {lo[2 * q], hi[2 * q], lo[2 * q + 1], hi[2 * q + 1]};
+              const uint32_t bf[2] = {bv[2 * q], bv[2 * q + 1]};
+              MmaTf32(acc[mt][q & 1], af, bf);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float sum = acc[mt][0][i] + acc[mt][1][i];
+          const int m = m0 + mt * kMmaM + g + 8 * (i >> 1), n = n0 + 2 * t + (i & 1);
+          if (splits > 1) {
+            partial[(item * 2 + mt) * kMmaTile + lane * 4 + i] = sum;
+          } else if (m < rows && n < cols) {
+            out[n * rows + m] = sum;
+          }
+        }
+      }
+    }
+    __syncthreads();
+    if (splits == 1) continue;
+    for (int e = threadIdx.x; e < tiles_n * 2 * kMmaTile; e += kThreads) {
+      const int tile = e / (2 * kMmaTile), mt = e / kMmaTile % 2, l = e % kMmaTile / 4, i = e % 4;
+      const int m = m0 + mt * kMmaM + l / 4 + 8 * (i >> 1), n = tile * kMmaN + 2 * (l % 4) + (i & 1);
+      float sum = 0.f;
+      for (int sp = 0; sp < splits; ++sp) sum += partial[((sp * tiles_n + tile) * 2 + mt) * kMmaTile + e % kMmaTile];
+      if (m < rows && n < cols) out[n * rows + m] = sum;
+    }
+    __syncthreads();
+  }
+}
+
 // W_hh's element as its block keeps it in shared memory: rounded to TF32 once for the TF32 product
 // (bfloat16 and float16 values are TF32 values already).
 template <bool kTf32, typename W>
@@ -581,7 +671,7 @@ constexpr int kStateSlots = (std::is_same_v<Io, RnnBwdIo> ? 1 : 2);
 struct Plan {
   int units = 0;   // hidden units per block (the last block may have fewer)
   int blocks = 0;  // P
-  int chunk = 0;   // forward: batch rows per pass over the input buffer
+  int chunk = 0;   // forward: batch rows per pass over the input buffer (0: Tf32GlobalProduct, no buffer)
   int group = 0;   // forward: batch rows per pass of the cell (a multiple of chunk, or B)
   int ldw = 0, ldx = 0;  // row strides (elements) of W_hh's slice and the forward's input buffer
   int threads = 0;       // kNarrow or kWide
@@ -625,12 +715,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (step > 0) GridWait(counter, unsigned(step) * gridDim.x);  // every block wrote step - 1
     for (int64_t g0 = 0; g0 < B; g0 += plan.group) {
       const int group = int(std::min<int64_t>(plan.group, B - g0));
-      for (int c0 = 0; c0 < group; c0 += plan.chunk) {
+      auto h_prev = [&](int64_t b) -> const float* {  // null past the row's end: its product is dropped
+        const int64_t len = ValidSteps(seq_lengths[b], T);
+        return step < len ? cell.HPrev(s, b, step == 0 ? -1 : StepTime(step - 1, len, reverse)) : nullptr;
+      };
+      if constexpr (kTf32) {
+        if (plan.chunk == 0) {  // the rows straight from L2 (ends synchronized)
+          Tf32GlobalProduct<kThreads>(w, plan.ldw, [&](int i) { return h_prev(g0 + i); }, R, group, H, pre, partial);
+        }
+      }
+      for (int c0 = 0; c0 < group && plan.chunk > 0; c0 += plan.chunk) {
         const int rows = std::min(plan.chunk, group - c0);
-        LoadRows<kThreads / 32>(x, plan.ldx, rows, H, [&](int i) -> const float* {
-          const int64_t b = g0 + c0 + i, len = ValidSteps(seq_lengths[b], T);
-          return step < len ? cell.HPrev(s, b, step == 0 ? -1 : StepTime(step - 1, len, reverse)) : nullptr;
-        });
+        LoadRows<kThreads / 32>(x, plan.ldx, rows, H, [&](int i) { return h_prev(g0 + c0 + i); });
         __syncthreads();
         Product<kTf32, kThreads>(w, plan.ldw, x, plan.ldx, R, rows, H, pre + c0 * R, partial);  // ends synchronized
       }
@@ -742,10 +838,19 @@ bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_
     plan->smem_bytes = plan->weight_bytes + size_t(kStateSlots<Io> * s.batch * units + partial) * sizeof(float);
     return plan->smem_bytes <= smem_limit;
   } else {
-    plan->ldx = int(FragmentStride(K, sizeof(float)));
     plan->weight_bytes = AlignUp(size_t(Cell<Io>::kGates * units * plan->ldw) * w_size);
     const int64_t per_pre = Cell<Io>::kGates * units;  // a batch row's products
-    const int64_t room = (int64_t(smem_limit) - int64_t(plan->weight_bytes)) / int64_t(sizeof(float)) - partial;
+    const int64_t free_floats = (int64_t(smem_limit) - int64_t(plan->weight_bytes)) / int64_t(sizeof(float));
+    if (tf32 && H % kKBlock == 0) {  // Tf32GlobalProduct: no input buffer, split sums of 2 m tiles a warp
+      const int64_t room = free_floats - 2 * partial;
+      if (room < per_pre) return false;
+      plan->chunk = plan->ldx = 0;
+      plan->group = int(std::min<int64_t>(s.batch, room / per_pre));
+      plan->smem_bytes = plan->weight_bytes + size_t(2 * partial + plan->group * per_pre) * sizeof(float);
+      return true;
+    }
+    plan->ldx = int(FragmentStride(K, sizeof(float)));
+    const int64_t room = free_floats - partial;
     if (room < plan->ldx + per_pre) return false;
     int64_t chunk = std::min<int64_t>({s.batch, kMaxChunk, room / (plan->ldx + per_pre)});
     if (chunk > kTileCols) chunk = chunk / kTileCols * kTileCols;
