@@ -682,8 +682,9 @@ __host__ __device__ inline size_t AlignUp(size_t bytes) { return (bytes + 15) / 
 
 // Forward: block p owns units [p * units, p * units + U); smem holds w [kGates * U][ldw] (row q U + u
 // is W_hh row q H + j0 + u), a chunk of previous h [chunk][ldx], the products of a group of batch
-// rows [group][kGates U] and the split sums. A step multiplies a group's rows chunk by chunk, then
-// runs the cell over the whole group: one wait on the cell's global operands a group, not a chunk.
+// rows [group][kGates U] and the split sums. A step multiplies a group's rows chunk by chunk (or,
+// with no chunk buffer, straight from L2: Tf32GlobalProduct), then runs the cell over the whole
+// group: one wait on the cell's global operands a group, not a chunk.
 template <typename W, typename Io, bool kTf32, int kThreads>
 __global__ void __launch_bounds__(kThreads, 1)
     PersistentFwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
