@@ -55,14 +55,18 @@ def _spatial(attrs, prefix):
 # take 16-bit operands and one group: the filter in their layout [K, T, U, V, Cp], Cp the channels
 # padded to a multiple of 8; x (dgrad: dx) with padded channels when C % 8 != 0; for dgrad with
 # strides, dy with zeros between its pixels; for wgrad, float32 partial filter gradients of slices of
-# the batch (CUTLASS's Hopper conv has no split-K), about one per SM of an H100/H200 in units of
-# 128 x 128 output tiles (64 x 128 for up to 64 filters; the kernel's tile is 64 x 128, so about two
-# CTAs an SM), at most 16 (conv_sm90.h's
-# kWgradMaxSlices, one launch; the host's time per slice made more slower: an H200's dw of 56x56
-# 256->64 1x1 took 0.088 ms in 16 slices, 0.12 in 64). The depthwise wgrad
-# (ffi/conv/depthwise.cu, any dtype) splits its reduction the same way. Empty for everything else.
+# the batch (CUTLASS's Hopper conv has no split-K; see _wgrad_slices), at most 16 (conv_sm90.h's
+# kWgradMaxSlices: one launch's argument holds their parameters; a launch per slice cost more host time
+# than it saved). The depthwise wgrad (ffi/conv/depthwise.cu, any dtype) splits its reduction the same
+# way. Empty for everything else.
 _SMS = 132
 _MAX_WGRAD_SLICES = 16
+# The wgrad cost model's constants, fitted to an H200's times (2026-11-26, ResNet-50's 3x3 layers): a 64 x
+# 128 wgrad CTA's FLOP/s (one CTA an SM) and its fixed time (prologue, epilogue), and the rate at which
+# a slice's float32 partial sums cost (written, read back, added).
+_WGRAD_CTA_FLOPS = 4.2e12
+_WGRAD_CTA_SECONDS = 2e-6
+_PARTIAL_BYTES_PER_S = 2e12
 
 
 def _workspace(dtype, elements):
@@ -91,9 +95,24 @@ def _padded_input(input_shape):
     return 0 if channels % 8 == 0 else math.prod(input_shape[:-1]) * _padded(channels)
 
 
-def _wgrad_slices(batch, padded_filter, filters):
-    tiles = -(-filters // (64 if filters <= 64 else 128)) * -(-(padded_filter // filters) // 128)
-    return max(1, min(batch, _MAX_WGRAD_SLICES, -(-_SMS // tiles)))
+def _wgrad_slices(batch, pixels, padded_filter, filters, tile_rows=64):
+    """The tensor-core wgrad's number of batch slices: the one of least modeled time. The kernel runs
+    (filters / tile_rows) x (R S Cp / 128) output tiles a slice, one CTA an SM (`_SMS`), in whole waves;
+    a CTA takes its slice's share (ceil(batch / slices) of the images) of a whole-batch tile's FLOPs
+    (2 tile_rows 128 pixels) at _WGRAD_CTA_FLOPS, plus _WGRAD_CTA_SECONDS; every slice adds its float32
+    partial sums. More slices fill the SMs, or even out the last wave, at that price: e.g. 7 for 28x28
+    128->128 3x3 (126 CTAs; 15 ran 270, 3 waves, the last nearly empty)."""
+    if batch < 2 or pixels == 0:
+        return 1
+    tiles = -(-filters // tile_rows) * -(-(padded_filter // filters) // 128)
+    tile_seconds = 2 * tile_rows * 128 * pixels / _WGRAD_CTA_FLOPS
+
+    def seconds(slices):
+        waves = -(-tiles * slices // _SMS)
+        cta = tile_seconds * -(-batch // slices) / batch + _WGRAD_CTA_SECONDS
+        return waves * cta + slices * 8 * padded_filter / _PARTIAL_BYTES_PER_S
+
+    return min(range(1, min(batch, _MAX_WGRAD_SLICES) + 1), key=seconds)
 
 
 def _depthwise_wgrad_slices(batch, out_spatial, filters):
@@ -161,7 +180,9 @@ def _wgrad_avals(x, dy, **attrs):
         float32_bytes = 4 * slices * math.prod(dw_shape) if slices > 1 else 0
     elif _on_tensor_cores(x.dtype, x.shape[-1], attrs):
         padded_filter = _padded_filter(dw_shape)
-        float32_bytes = 4 * _wgrad_slices(x.shape[0], padded_filter, dy.shape[-1]) * padded_filter
+        tile_rows = 128 if int(attrs.get("algorithm", 0)) == _TILE_WIDE else 64  # conv_sm90.cuh's Wgrad
+        slices = _wgrad_slices(x.shape[0], math.prod(dy.shape[:-1]), padded_filter, dy.shape[-1], tile_rows)
+        float32_bytes = 4 * slices * padded_filter
         extra = _padded_input(x.shape)
     elements = -(-float32_bytes // jnp.dtype(x.dtype).itemsize) + extra
     return [jax.core.ShapedArray(dw_shape, x.dtype), _workspace(x.dtype, elements)]

@@ -117,12 +117,22 @@ def test_tensor_core_shapes(dtype, lhs_shape, rhs_shape, kwargs, rng):
 
 
 def test_wgrad_slices():
-    """The tensor-core wgrad's slice count: about an output tile per SM, at most one per image and 16."""
+    """The tensor-core wgrad's slice count (its cost model): enough slices to fill the SMs where the
+    output tiles are few, counts that even out the last wave of CTAs, one slice where the partial sums
+    would cost more than the wave they save, at most one per image and 16."""
     from jaxdnn._conv_kernels import _wgrad_slices
-    assert _wgrad_slices(45, 3 * 3 * 8 * 16, 16) == 16  # one tile
-    assert _wgrad_slices(128, 3 * 3 * 128 * 128, 128) == 15  # 9 tiles
-    assert _wgrad_slices(128, 3 * 3 * 512 * 512, 512) == 1  # 144 tiles
-    assert _wgrad_slices(3, 256 * 64, 64) == 3  # one image a slice
+
+    def slices(batch, size, channels, filters, window=3, tile_rows=64):
+        padded_filter = window * window * channels * filters
+        return _wgrad_slices(batch, batch * size * size, padded_filter, filters, tile_rows)
+
+    assert slices(128, 56, 64, 64) == 16  # 5 tiles: as many slices as allowed
+    assert slices(128, 28, 128, 128) == 7  # 18 tiles: 126 CTAs (15 slices: 270, 3 waves)
+    assert slices(128, 14, 256, 256) == 3  # 72 tiles: 216 CTAs, 2 waves of 1.6 (4 slices: 3 of 2.2)
+    assert slices(128, 7, 512, 512) == 1  # 288 tiles: 3 waves of 2.2, not worth a second slice's sums
+    assert slices(128, 28, 128, 128, tile_rows=128) == 13  # the wide tile: 9 tiles; 10 images a slice
+    assert slices(3, 56, 256, 64, window=1) == 3  # one image a slice
+    assert slices(1, 56, 64, 64) == slices(0, 56, 64, 64) == 1
 
 
 # A grouped, strided, dilated NHWC convolution for the transform tests (groups make the vmap rule's
