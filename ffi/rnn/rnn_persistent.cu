@@ -142,9 +142,10 @@ __device__ __forceinline__ void LoadVec(const T* p, float (&out)[kVec]) {
 // of kTileR x kTileC (32 sums); when there are fewer tiles than warps, the warps of a tile split K
 // and `partial` (kWarps * 32 floats) holds their sums, added in a fixed order (the result is
 // deterministic). Lanes stride along k, 4 elements a lane when K is a multiple of 4 (every row of w
-// and x is then 4-element aligned: the callers' row strides are K plus 16 bytes, and XLA's buffers
-// are aligned), so the shared-memory reads are conflict-free and the global ones coalesced 16-byte
-// loads, unrolled so that a lane has several in flight. Ends with the block synchronized.
+// and x is then 4-element aligned: the callers' row strides are multiples of 4 elements, K plus 16
+// bytes or FragmentStride, and XLA's buffers are aligned), so the shared-memory reads are
+// conflict-free and the global ones coalesced 16-byte loads, unrolled so that a lane has several in
+// flight. Ends with the block synchronized.
 template <int kTileR, int kTileC, bool kGlobal, int kThreads, typename W, typename XRow, typename Store>
 __device__ void BlockMatmul(const W* w, int ldw, XRow x_row, int rows, int cols, int K, Store store,
                             float* partial) {
