@@ -67,6 +67,9 @@ _MAX_WGRAD_SLICES = 16
 _WGRAD_CTA_FLOPS = 4.2e12
 _WGRAD_CTA_SECONDS = 2e-6
 _PARTIAL_BYTES_PER_S = 2e12
+# ResNet's 64-channel 3x3 layers take the halo wgrad kernel (ffi/conv/wgrad_halo.h): this many float32
+# filter gradients in its workspace (kHaloWgradSlices partial sums and kHaloWgradGroups sums of them).
+_HALO_WGRAD_PARTIALS = 132 + 11
 
 
 def _workspace(dtype, elements):
@@ -113,6 +116,16 @@ def _wgrad_slices(batch, pixels, padded_filter, filters, tile_rows=64):
         return waves * cta + slices * 8 * padded_filter / _PARTIAL_BYTES_PER_S
 
     return min(range(1, min(batch, _MAX_WGRAD_SLICES) + 1), key=seconds)
+
+
+def _halo_wgrad(x_shape, dy_shape, attrs):
+    """wgrad_halo.cu's HaloWgradApplies (the dtype and groups checked by the caller): C = K = 64, a 3x3
+    window on (h, w) with unit strides and dilations and SAME padding, rows of at most 64 pixels."""
+    return (x_shape[-1] == dy_shape[-1] == 64 and _spatial(attrs, "window") == (1, 3, 3)
+            and _spatial(attrs, "stride") == (1, 1, 1) and _spatial(attrs, "pad") == (0, 1, 1)
+            and _spatial(attrs, "lhs_dilation") == (1, 1, 1) and _spatial(attrs, "rhs_dilation") == (1, 1, 1)
+            and tuple(x_shape[1:4]) == tuple(dy_shape[1:4]) and x_shape[3] <= 64
+            and math.prod(dy_shape[:-1]) > 0 and math.prod(x_shape[:3]) < 2**31 - 1)
 
 
 def _depthwise_wgrad_slices(batch, out_spatial, filters):
@@ -182,6 +195,8 @@ def _wgrad_avals(x, dy, **attrs):
         padded_filter = _padded_filter(dw_shape)
         tile_rows = 128 if int(attrs.get("algorithm", 0)) == _TILE_WIDE else 64  # conv_sm90.cuh's Wgrad
         slices = _wgrad_slices(x.shape[0], math.prod(dy.shape[:-1]), padded_filter, dy.shape[-1], tile_rows)
+        if int(attrs["groups"]) == 1 and _halo_wgrad(x.shape, dy.shape, attrs):
+            slices = _HALO_WGRAD_PARTIALS
         float32_bytes = 4 * slices * padded_filter
         extra = _padded_input(x.shape)
     elements = -(-float32_bytes // jnp.dtype(x.dtype).itemsize) + extra

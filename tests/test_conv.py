@@ -107,6 +107,12 @@ TENSOR_CORE_CASES = [
     ((3, 7, 9, 12), (3, 3, 12, 8), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
     # a batch of 45 and one output tile: wgrad in 16 slices of 2 or 3 images
     ((45, 6, 5, 8), (3, 3, 8, 16), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
+    # 64 -> 64 3x3 SAME: the halo wgrad (128 CTA slices of the image rows): fewer rows than slices,
+    # rows crossing images within a slice (150 rows of 17 pixels: a partial 16-pixel step), and rows
+    # of 64 pixels (the widest it takes)
+    ((3, 9, 11, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
+    ((5, 30, 17, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
+    ((1, 3, 64, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
 ]
 
 

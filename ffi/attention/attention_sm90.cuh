@@ -165,12 +165,5 @@ inline CUresult MakeTileMap(CUtensorMap* map, const void* data, CUtensorMapDataT
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
-// The 1024-byte aligned start of dynamic shared memory (the swizzled tiles need it); kernels ask
-// for 1024 bytes more than they use.
-__device__ __forceinline__ uint8_t* AlignedShared(uint8_t* raw) {
-  const uint32_t address = sm90::SharedAddress(raw);
-  return raw + ((1024 - (address & 1023)) & 1023);
-}
-
 }  // namespace attention_sm90
 }  // namespace jaxdnn

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tile = DqTile<kHeadDim>;
   extern __shared__ uint8_t shared_raw[];
-  uint8_t* shared = AlignedShared(shared_raw);
+  uint8_t* shared = sm90::AlignedShared(shared_raw);
   T* q_s = reinterpret_cast<T*>(shared);                        // [chunk][128][64]
   T* do_s = reinterpret_cast<T*>(shared + Tile::kQBytes);       // [chunk][128][64]
   T* k_s = reinterpret_cast<T*>(shared + 2 * Tile::kQBytes);    // [stage][chunk][kKeys][64]
@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tile = DkvTile<kHeadDim>;
   extern __shared__ uint8_t shared_raw[];
-  uint8_t* shared = AlignedShared(shared_raw);
+  uint8_t* shared = sm90::AlignedShared(shared_raw);
   T* k_s = reinterpret_cast<T*>(shared);                             // [chunk][kKeys][64]
   T* v_s = reinterpret_cast<T*>(shared + Tile::kKVBytes);            // [chunk][kKeys][64]
   T* q_s = reinterpret_cast<T*>(shared + 2 * Tile::kKVBytes);        // [stage][chunk][kRows][64]
@@ -566,7 +566,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tile = FusedTile<kHeadDim>;
   extern __shared__ uint8_t shared_raw[];
-  uint8_t* shared = AlignedShared(shared_raw);
+  uint8_t* shared = sm90::AlignedShared(shared_raw);
   T* k_s = reinterpret_cast<T*>(shared);                          // [chunk][128 keys][64]
   T* v_s = reinterpret_cast<T*>(shared + Tile::kKVBytes);
   T* q_s = reinterpret_cast<T*>(shared + Tile::kQOffset);         // [stage][chunk][kRows][64]

@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tile = FwdTile<kHeadDim>;
   extern __shared__ uint8_t shared_raw[];
-  uint8_t* shared = AlignedShared(shared_raw);
+  uint8_t* shared = sm90::AlignedShared(shared_raw);
   T* q_s = reinterpret_cast<T*>(shared);                              // [chunk][128 rows][64]
   T* k_s = reinterpret_cast<T*>(shared + Tile::kQBytes);              // [stage][chunk][kKeys][64]
   T* v_s = reinterpret_cast<T*>(shared + Tile::kQBytes + Tile::kStages * Tile::kKVBytes);

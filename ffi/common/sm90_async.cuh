@@ -23,6 +23,13 @@ __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The 1024-byte aligned start of dynamic shared memory (the swizzled tiles need it); kernels ask
+// for 1024 bytes more than they use.
+__device__ __forceinline__ uint8_t* AlignedShared(uint8_t* raw) {
+  const uint32_t address = SharedAddress(raw);
+  return raw + ((1024 - (address & 1023)) & 1023);
+}
+
 // --- mbarriers ---------------------------------------------------------------------------------
 
 __device__ __forceinline__ void BarrierInit(uint64_t* bar, int arrivals) {

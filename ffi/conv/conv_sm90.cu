@@ -10,7 +10,8 @@
 // - wgrad: the images split into slices whose float32 partial sums [K, R, S, C] run side by side in
 //   one launch (one slice's output tiles alone would leave most SMs idle: CUTLASS's Hopper conv has
 //   no split-K), then one kernel adds the slices in a fixed order (deterministic) and transposes the
-//   sum to dw [R, S, C, K].
+//   sum to dw [R, S, C, K]; ResNet's 64-channel 3x3 layers compute their partial sums with the halo
+//   kernel instead (wgrad_halo.h).
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -18,6 +19,7 @@
 
 #include "common/cuda_common.cuh"
 #include "conv/conv_sm90.h"
+#include "conv/wgrad_halo.h"
 
 namespace jaxdnn {
 namespace {
@@ -238,17 +240,25 @@ std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometr
   if (!MakeProblem(g, dtype, algorithm, &p) || workspace_bytes < slice_bytes + padded_bytes || rows > int64_t(kTile) * 65535) {
     return std::nullopt;
   }
-  // As many slices as the workspace holds partial sums (the Python side sizes it), at most one per image.
-  const int slices = int(std::min<int64_t>(
-      {int64_t((workspace_bytes - padded_bytes) / slice_bytes), int64_t(p.n), int64_t(kWgradMaxSlices)}));
   float* partial = static_cast<float*>(workspace);
-  if (Padded(g)) {
-    void* xp = static_cast<char*>(workspace) + slices * slice_bytes;
-    JAXDNN_RETURN_IF_ERROR(CopyChannels(stream, x, g.InPixels(), g.channels, PaddedChannels(g), xp));
-    x = xp;
+  int slices;
+  const int halo_partials = kHaloWgradSlices + kHaloWgradGroups;
+  if (HaloWgradApplies(g, dtype) && workspace_bytes >= size_t(halo_partials) * slice_bytes) {  // as Python sized it
+    JAXDNN_RETURN_IF_ERROR(HaloWgrad(stream, g, dtype, x, dy, partial));
+    partial += int64_t(kHaloWgradSlices) * FilterElements(g);  // the group sums
+    slices = kHaloWgradGroups;
+  } else {
+    // As many slices as the workspace holds partial sums (the Python side sizes it), at most one per image.
+    slices = int(std::min<int64_t>(
+        {int64_t((workspace_bytes - padded_bytes) / slice_bytes), int64_t(p.n), int64_t(kWgradMaxSlices)}));
+    if (Padded(g)) {
+      void* xp = static_cast<char*>(workspace) + slices * slice_bytes;
+      JAXDNN_RETURN_IF_ERROR(CopyChannels(stream, x, g.InPixels(), g.channels, PaddedChannels(g), xp));
+      x = xp;
+    }
+    auto status = ConvSm90Wgrad(p, dtype, x, dy, partial, slices, stream);
+    if (!status.has_value() || status->failure()) return status;
   }
-  auto status = ConvSm90Wgrad(p, dtype, x, dy, partial, slices, stream);
-  if (!status.has_value() || status->failure()) return status;
   const dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned((rows + kTile - 1) / kTile));
   const dim3 block(kTile, kTileRows);
   if (dtype == ffi::DataType::BF16) {
