@@ -67,8 +67,8 @@ _MAX_WGRAD_SLICES = 16
 _WGRAD_CTA_FLOPS = 4.2e12
 _WGRAD_CTA_SECONDS = 2e-6
 _PARTIAL_BYTES_PER_S = 2e12
-# ResNet's 64-channel 3x3 layers take the halo wgrad kernel (ffi/conv/wgrad_halo.h): this many float32
-# filter gradients in its workspace (kHaloWgradSlices partial sums and kHaloWgradGroups sums of them).
+# ResNet's 64-channel 3x3 layers take the halo kernels (ffi/conv/halo_sm90.h); their wgrad needs this many
+# float32 filter gradients in its workspace (kHaloWgradSlices partial sums, kHaloWgradGroups sums of them).
 _HALO_WGRAD_PARTIALS = 132 + 11
 
 
@@ -118,14 +118,15 @@ def _wgrad_slices(batch, pixels, padded_filter, filters, tile_rows=64):
     return min(range(1, min(batch, _MAX_WGRAD_SLICES) + 1), key=seconds)
 
 
-def _halo_wgrad(x_shape, dy_shape, attrs):
-    """wgrad_halo.cu's HaloWgradApplies (the dtype and groups checked by the caller): C = K = 64, a 3x3
-    window on (h, w) with unit strides and dilations and SAME padding, rows of at most 64 pixels."""
-    return (x_shape[-1] == dy_shape[-1] == 64 and _spatial(attrs, "window") == (1, 3, 3)
+def _halo(channels, filters, batch, attrs):
+    """halo_sm90.cu's HaloApplies (the dtype and the device checked elsewhere): one group of 64 channels
+    to 64 filters, a 3x3 window on (h, w) with unit strides and dilations and SAME padding, rows of at
+    most 64 pixels."""
+    d, h, w = _spatial(attrs, "in")
+    return (channels == filters == 64 and int(attrs["groups"]) == 1 and _spatial(attrs, "window") == (1, 3, 3)
             and _spatial(attrs, "stride") == (1, 1, 1) and _spatial(attrs, "pad") == (0, 1, 1)
             and _spatial(attrs, "lhs_dilation") == (1, 1, 1) and _spatial(attrs, "rhs_dilation") == (1, 1, 1)
-            and tuple(x_shape[1:4]) == tuple(dy_shape[1:4]) and x_shape[3] <= 64
-            and math.prod(dy_shape[:-1]) > 0 and math.prod(x_shape[:3]) < 2**31 - 1)
+            and _spatial(attrs, "out") == (d, h, w) and 0 < w <= 64 and 0 < batch * d * h < 2**31 - 1)
 
 
 def _depthwise_wgrad_slices(batch, out_spatial, filters):
@@ -136,13 +137,14 @@ def _depthwise_wgrad_slices(batch, out_spatial, filters):
 
 
 # The `algorithm` attribute's kernels (ffi/conv/conv.h's ConvAlgorithm) that autotuning times.
-_GEMM, _TILE_WIDE, _TILE_TALL, _TILE_SMALL = 1, 2, 3, 4
+_GEMM, _TILE_WIDE, _TILE_TALL, _TILE_SMALL, _HALO = 1, 2, 3, 4, 5
 
 
-def _candidates(stage, dtype, channels, filters, attrs):
+def _candidates(stage, dtype, channels, filters, batch, attrs):
     """The algorithms a stage can run on (conv_sm90.cu's MakeProblem and conv.cu's PointwiseGemm
     conditions): none where the tensor cores cannot take it; the implicit-GEMM tiles; the GEMM for a
-    pointwise stage (not the fused forward, whose epilogue the GEMM lacks)."""
+    pointwise stage (not the fused forward, whose epilogue the GEMM lacks); the halo kernels for the
+    64-channel 3x3 layers."""
     if not _on_tensor_cores(dtype, channels, attrs) or filters % 8:
         return ()
     window, strides, pads = (_spatial(attrs, name) for name in ("window", "stride", "pad"))
@@ -151,13 +153,14 @@ def _candidates(stage, dtype, channels, filters, attrs):
     tiles = (_TILE_WIDE, _TILE_TALL) + ((_TILE_SMALL,) if stage in ("fprop", "fused", "dgrad") else ())
     pointwise = window == (1, 1, 1) and strides == (1, 1, 1) and pads == (0, 0, 0)
     gemm = (_GEMM,) if stage != "fused" and pointwise and channels % 8 == 0 else ()
-    return gemm + tiles
+    halo = (_HALO,) if _halo(channels, filters, batch, attrs) else ()
+    return gemm + tiles + halo
 
 
 def _bind_tuned(prim, stage, operands, channels, filters, attrs):
     """prim's public result on operands, with the algorithm autotuning picks (0 when it is off)
     among the candidates of `stage` (a key of _candidates) for x's `channels` and `filters`."""
-    candidates = _candidates(stage, operands[0].dtype, channels, filters, attrs)
+    candidates = _candidates(stage, operands[0].dtype, channels, filters, operands[0].shape[0], attrs)
     algorithm = _autotune.choose(prim, operands, attrs, candidates)
     return prim.bind(*operands, **attrs, algorithm=np.int64(algorithm))[0]
 
@@ -195,7 +198,8 @@ def _wgrad_avals(x, dy, **attrs):
         padded_filter = _padded_filter(dw_shape)
         tile_rows = 128 if int(attrs.get("algorithm", 0)) == _TILE_WIDE else 64  # conv_sm90.cuh's Wgrad
         slices = _wgrad_slices(x.shape[0], math.prod(dy.shape[:-1]), padded_filter, dy.shape[-1], tile_rows)
-        if int(attrs["groups"]) == 1 and _halo_wgrad(x.shape, dy.shape, attrs):
+        halo = _halo(x.shape[-1], dy.shape[-1], x.shape[0], attrs)
+        if halo and int(attrs.get("algorithm", 0)) in (0, _HALO):
             slices = _HALO_WGRAD_PARTIALS
         float32_bytes = 4 * slices * padded_filter
         extra = _padded_input(x.shape)

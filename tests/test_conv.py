@@ -107,9 +107,9 @@ TENSOR_CORE_CASES = [
     ((3, 7, 9, 12), (3, 3, 12, 8), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
     # a batch of 45 and one output tile: wgrad in 16 slices of 2 or 3 images
     ((45, 6, 5, 8), (3, 3, 8, 16), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
-    # 64 -> 64 3x3 SAME: the halo wgrad (128 CTA slices of the image rows): fewer rows than slices,
-    # rows crossing images within a slice (150 rows of 17 pixels: a partial 16-pixel step), and rows
-    # of 64 pixels (the widest it takes)
+    # 64 -> 64 3x3 SAME: the halo kernels (CTAs taking ranges of the image rows): fewer rows than
+    # CTAs, ranges crossing images (150 rows of 17 pixels: a partial 16-pixel step), and rows of 64
+    # pixels (the widest they take) in images of 3 rows
     ((3, 9, 11, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
     ((5, 30, 17, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
     ((1, 3, 64, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
@@ -430,10 +430,12 @@ def test_conv_fused(dtype, activation, x_shape, w_shape, kwargs, with_residual, 
 
 @pytest.mark.parametrize("dtype,activation", [(jnp.bfloat16, "gelu"), (jnp.float16, "relu")], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["bias", "bias+residual"])
-def test_conv_fused_tensor_core_shapes(dtype, activation, with_residual, rng):
-    """The epilogue of the tensor-core forward (16-bit, channels multiples of 8 on a GPU)."""
-    test_conv_fused(dtype, activation, (2, 9, 10, 16), (3, 3, 16, 24), dict(padding="SAME"), with_residual,
-                    rng)
+@pytest.mark.parametrize("channels,filters", [(16, 24), (64, 64)], ids=str)
+def test_conv_fused_tensor_core_shapes(dtype, activation, with_residual, channels, filters, rng):
+    """The epilogue of the tensor-core forward (16-bit, channels multiples of 8 on a GPU; 64 -> 64 on the
+    halo kernel)."""
+    test_conv_fused(dtype, activation, (2, 9, 10, channels), (3, 3, channels, filters), dict(padding="SAME"),
+                    with_residual, rng)
 
 
 def test_conv_fused_hlo_and_second_order(rng):

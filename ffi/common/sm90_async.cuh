@@ -101,6 +101,10 @@ __device__ __forceinline__ void RegistersDecrease() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 }
 
+// This thread's warpgroup, as a value the compiler knows to be uniform across the warp: wgmma under
+// a branch on it is not serialized as in a divergent path.
+__device__ __forceinline__ int WarpgroupIndex() { return __shfl_sync(0xffffffff, int(threadIdx.x) / 128, 0); }
+
 // A barrier among `threads` threads (a multiple of 32) on hardware barrier `id` (1..15; 0 is
 // __syncthreads).
 __device__ __forceinline__ void NamedBarrierSync(int id, int threads) {

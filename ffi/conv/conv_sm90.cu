@@ -10,16 +10,17 @@
 // - wgrad: the images split into slices whose float32 partial sums [K, R, S, C] run side by side in
 //   one launch (one slice's output tiles alone would leave most SMs idle: CUTLASS's Hopper conv has
 //   no split-K), then one kernel adds the slices in a fixed order (deterministic) and transposes the
-//   sum to dw [R, S, C, K]; ResNet's 64-channel 3x3 layers compute their partial sums with the halo
-//   kernel instead (wgrad_halo.h).
+//   sum to dw [R, S, C, K].
+// ResNet's 64-channel 3x3 layers run every stage on the halo kernels instead (halo_sm90.h).
 #include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <optional>
 
 #include "common/cuda_common.cuh"
+#include "conv/conv.h"
 #include "conv/conv_sm90.h"
-#include "conv/wgrad_halo.h"
+#include "conv/halo_sm90.h"
 
 namespace jaxdnn {
 namespace {
@@ -178,6 +179,11 @@ int64_t SpreadPixels(const ConvGeometry& g) {
 }
 bool Strided(const ConvGeometry& g) { return g.stride[1] > 1 || g.stride[2] > 1; }
 
+// The halo kernels run a problem they take unless `algorithm` names another kernel.
+bool UsesHalo(const ConvGeometry& g, ffi::DataType dtype, int64_t algorithm) {
+  return (algorithm == kConvAuto || algorithm == kConvHalo) && HaloApplies(g, dtype);
+}
+
 }  // namespace
 
 // Workspace layouts (16-byte aligned pieces: every extent below is a multiple of 8 elements):
@@ -188,6 +194,9 @@ std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometr
                                           const void* x, const void* w, const void* bias, const void* residual,
                                           int64_t activation, float activation_param, void* y, void* workspace,
                                           size_t workspace_bytes, int64_t algorithm) {
+  if (UsesHalo(g, dtype, algorithm)) {
+    return HaloFprop(stream, g, dtype, x, w, bias, residual, activation, activation_param, y);
+  }
   ConvSm90Problem p;
   const size_t need = size_t(FilterElements(g) + PaddedInputElements(g)) * 2;
   if (!MakeProblem(g, dtype, algorithm, &p) || workspace_bytes < need) return std::nullopt;
@@ -204,6 +213,7 @@ std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometr
 std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
                                           const void* dy, const void* w, void* dx, void* workspace,
                                           size_t workspace_bytes, int64_t algorithm) {
+  if (UsesHalo(g, dtype, algorithm)) return HaloDgrad(stream, g, dtype, dy, w, dx);
   // The unit-stride problem over the zero-inserted dy (the same one when the strides are 1).
   ConvGeometry unit = g;
   for (int a = 1; a < 3; ++a) {
@@ -241,24 +251,20 @@ std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometr
     return std::nullopt;
   }
   float* partial = static_cast<float*>(workspace);
-  int slices;
-  const int halo_partials = kHaloWgradSlices + kHaloWgradGroups;
-  if (HaloWgradApplies(g, dtype) && workspace_bytes >= size_t(halo_partials) * slice_bytes) {  // as Python sized it
-    JAXDNN_RETURN_IF_ERROR(HaloWgrad(stream, g, dtype, x, dy, partial));
-    partial += int64_t(kHaloWgradSlices) * FilterElements(g);  // the group sums
-    slices = kHaloWgradGroups;
-  } else {
-    // As many slices as the workspace holds partial sums (the Python side sizes it), at most one per image.
-    slices = int(std::min<int64_t>(
-        {int64_t((workspace_bytes - padded_bytes) / slice_bytes), int64_t(p.n), int64_t(kWgradMaxSlices)}));
-    if (Padded(g)) {
-      void* xp = static_cast<char*>(workspace) + slices * slice_bytes;
-      JAXDNN_RETURN_IF_ERROR(CopyChannels(stream, x, g.InPixels(), g.channels, PaddedChannels(g), xp));
-      x = xp;
-    }
-    auto status = ConvSm90Wgrad(p, dtype, x, dy, partial, slices, stream);
-    if (!status.has_value() || status->failure()) return status;
+  const size_t halo_bytes = size_t(kHaloWgradSlices + kHaloWgradGroups) * slice_bytes;
+  if (UsesHalo(g, dtype, algorithm) && workspace_bytes >= halo_bytes) {  // as the Python side sized it
+    return HaloWgrad(stream, g, dtype, x, dy, partial, dw);
   }
+  // As many slices as the workspace holds partial sums (the Python side sizes it), at most one per image.
+  const int slices = int(std::min<int64_t>(
+      {int64_t((workspace_bytes - padded_bytes) / slice_bytes), int64_t(p.n), int64_t(kWgradMaxSlices)}));
+  if (Padded(g)) {
+    void* xp = static_cast<char*>(workspace) + slices * slice_bytes;
+    JAXDNN_RETURN_IF_ERROR(CopyChannels(stream, x, g.InPixels(), g.channels, PaddedChannels(g), xp));
+    x = xp;
+  }
+  auto status = ConvSm90Wgrad(p, dtype, x, dy, partial, slices, stream);
+  if (!status.has_value() || status->failure()) return status;
   const dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned((rows + kTile - 1) / kTile));
   const dim3 block(kTile, kTileRows);
   if (dtype == ffi::DataType::BF16) {

@@ -1,0 +1,456 @@
+// The halo kernels (see halo_sm90.h) on Hopper's tensor cores (wgmma, TMA).
+//
+// A CTA takes a contiguous range [first, end) of the image rows R = (n, d, h) and walks it in order.
+// TMA stages every row of the activations once, through a ring of shared-memory stages: stage e
+// holds row first - 1 + e with one zero pixel before it (staged pixel p is the row's pixel p - 1;
+// pixels past W, and rows outside the array, zero), so output row R = first + i finds the rows
+// R - 1, R, R + 1 of its taps in stages i, i + 1, i + 2. A tap (r, s) is then the row of stage i + r
+// read from its pixel s: a wgmma descriptor whose start is moved s 128-byte pixels into the stage
+// (the 128-byte swizzle is a function of the shared-memory address, so a descriptor starting on any
+// pixel reads what TMA wrote there). A row R + r - 1 of another image (h + r - 1 outside [0, H)) is
+// skipped. Products are 64 x 64 wgmma tiles, float32 sums in registers.
+//
+// - fprop: consumer warpgroups take alternate output rows: y[R] (64 pixels x 64 filters) = the sum
+//   over the 9 taps of x's shifted row (K-major A) times w[r, s] (B [C, K], resident in shared
+//   memory), then the epilogue (bias, residual, activation) and the store of the row's W pixels.
+// - dgrad: the same over dy with w's taps flipped and read K-major (dx[R, q, c] = sum over (r, s, k)
+//   of dy[R + r - 1, q + s - 1, k] w[2 - r, 2 - s, c, k]).
+// - wgrad: a stage also holds dy row first + e - 2 (pixels past W zero), and consumer warpgroup r
+//   (0..2) owns the taps (r, s), s = 0..2, over every row: dW[k, r, s, c] += sum over pixels q of
+//   dy[R, q, k] x[R + r - 1, q + s - 1, c], dy^T as A and the shifted x row as B (both MN-major,
+//   the pixels the reduction axis). Its sums stay in registers (3 x 32 a thread) until the CTA's last
+//   row, then go to the CTA's partial sum; a second kernel adds the partial sums.
+#include <cuda.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <climits>
+#include <string>
+
+#include "common/cuda_common.cuh"
+#include "common/sm90_async.cuh"
+#include "conv/conv_epilogue.h"
+#include "conv/halo_sm90.h"
+
+namespace jaxdnn {
+namespace {
+
+constexpr int kChannels = 64;                           // C = K
+constexpr int kPixelBytes = kChannels * 2;              // a pixel's channels: one 128-byte swizzled row
+constexpr int kRowPixels = 64;                          // a product's pixels: rows padded to 4 steps of 16
+constexpr int kHaloPixels = 72;                         // a staged row: pixels -1 .. 70 (products read to 64)
+constexpr int kHaloBytes = kHaloPixels * kPixelBytes;   // 9 KB
+constexpr int kRowBytes = kRowPixels * kPixelBytes;     // 8 KB
+constexpr int kTapBytes = kChannels * kPixelBytes;      // one tap of the filter, [C, K]: 8 KB
+constexpr int kFilterBytes = 9 * kTapBytes;
+constexpr int kFilterCount = 9 * kChannels * kChannels;  // one filter gradient [K, 3, 3, C]
+constexpr int kWarpgroup = 128;
+constexpr int kGroupSlices = kHaloWgradSlices / kHaloWgradGroups;
+static_assert(kGroupSlices * kHaloWgradGroups == kHaloWgradSlices, "groups of equal size");
+
+struct Rows {
+  int height, count;  // H, and the rows N D H
+};
+
+// This CTA's rows [first, first + count) of `total`, for `ctas` CTAs.
+struct Range {
+  int first, count;
+  __device__ Range(int total, int cta, int ctas)
+      : first(int(int64_t(total) * cta / ctas)), count(int(int64_t(total) * (cta + 1) / ctas) - first) {}
+};
+
+// Waits for the TMA loads of stage use e (ring slot e % kRing, phase e / kRing).
+template <int kRing>
+__device__ __forceinline__ void WaitFull(uint64_t* full, int e) {
+  sm90::BarrierWait(&full[e % kRing], (e / kRing) & 1);
+}
+// The producer's wait before reusing slot e % kRing: its use e - kRing has been released.
+template <int kRing>
+__device__ __forceinline__ void WaitEmpty(uint64_t* empty, int e) {
+  if (e >= kRing) sm90::BarrierWait(&empty[e % kRing], (e / kRing - 1) & 1);
+}
+
+// --- fprop and dgrad -----------------------------------------------------------------------------
+
+// Consumer warpgroups take pairs of consecutive output rows in turn: two accumulators whose wgmma
+// chains interleave (one 64 x 64 chain alone leaves the tensor cores waiting on its latency), with
+// three warpgroups so that one's epilogue overlaps the others' products.
+constexpr int kFpropConsumers = 3;
+constexpr int kFpropThreads = kFpropConsumers * kWarpgroup + 32;  // and one producer warp
+constexpr int kFpropStages = 14;  // 6 rows in products read 8 stages; the rest are loads ahead
+constexpr int kFpropShared = kFilterBytes + (kFpropStages + 1) * kHaloBytes + (2 * kFpropStages + 1) * 8 + 1024;
+
+// The epilogue of one output row held in a warpgroup's accumulator (pixel q, feature k of element
+// j as sm90::Wgmma lays it out) and its store: out = act(acc + bias + residual), rounded once, for
+// the row's `width` pixels. All loads come before the stores.
+template <typename T>
+__device__ __forceinline__ void StoreRow(const float (&acc)[32], const float (&bias)[16], const T* residual,
+                                         int64_t activation, float activation_param, int64_t row_start, int width,
+                                         int pixel, int col, T* out) {
+  float v[32];
+#pragma unroll
+  for (int j = 0; j < 32; ++j) v[j] = acc[j] + bias[(j >> 2) * 2 + (j & 1)];
+  if (residual != nullptr) {
+    uint32_t pairs[16];
+#pragma unroll
+    for (int j = 0; j < 32; j += 2) {
+      const int q = pixel + 8 * ((j >> 1) & 1), k = col + 8 * (j >> 2);
+      pairs[j / 2] = q < width ? *reinterpret_cast<const uint32_t*>(residual + (row_start + q) * kChannels + k) : 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < 32; j += 2) {
+      const T* two = reinterpret_cast<const T*>(&pairs[j / 2]);
+      v[j] += ToFloat(two[0]);
+      v[j + 1] += ToFloat(two[1]);
+    }
+  }
+  if (activation != 0) ActivateKindN<32>(activation, v, activation_param);
+#pragma unroll
+  for (int j = 0; j < 32; j += 2) {
+    const int q = pixel + 8 * ((j >> 1) & 1), k = col + 8 * (j >> 2);
+    if (q < width) {
+      *reinterpret_cast<uint32_t*>(out + (row_start + q) * kChannels + k) = sm90::PackPair<T>(v[j], v[j + 1]);
+    }
+  }
+}
+
+// out[R] for the rows R of this CTA: fprop (kDgrad false) y = epilogue(conv(x, w)) from in = x; dgrad
+// dx from in = dy (no epilogue operands). w [3, 3, C, K] stays in shared memory throughout.
+template <typename T, bool kDgrad>
+__global__ void __launch_bounds__(kFpropThreads, 1)
+    HaloFpropKernel(const __grid_constant__ CUtensorMap in_map, const __grid_constant__ CUtensorMap w_map,
+                    Rows rows, int width, ConvEpilogue<T> epilogue, T* __restrict__ out) {
+  extern __shared__ uint8_t shared_raw[];
+  uint8_t* filter = sm90::AlignedShared(shared_raw);
+  uint8_t* stages = filter + kFilterBytes;
+  uint8_t* zeros = stages + kFpropStages * kHaloBytes;  // the row of taps outside the image
+  uint64_t* full = reinterpret_cast<uint64_t*>(zeros + kHaloBytes);
+  uint64_t* empty = full + kFpropStages;
+  uint64_t* filter_full = empty + kFpropStages;
+  const Range range(rows.count, blockIdx.x, gridDim.x);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kFpropStages; ++s) {
+      sm90::BarrierInit(&full[s], 1);
+      sm90::BarrierInit(&empty[s], 3);  // a stage is read by three output rows
+    }
+    sm90::BarrierInit(filter_full, 1);
+    sm90::BarrierInitFence();
+  }
+  for (int i = threadIdx.x; i < kHaloBytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(zeros)[i] = uint4{};
+  sm90::FenceProxyAsync();
+  __syncthreads();
+  if (range.count == 0) return;
+
+  if (warp == kFpropConsumers * 4) {  // the producer
+    if (threadIdx.x % 32 == 0) {
+      sm90::BarrierArriveExpectTx(filter_full, kFilterBytes);
+      for (int j = 0; j < 3; ++j) sm90::TmaLoad4d(filter + j * 3 * kTapBytes, &w_map, filter_full, 0, j * 192, 0, 0);
+      for (int e = 0; e < range.count + 3; ++e) {  // + 3: a last single row's pair waits for 4 stages
+        WaitEmpty<kFpropStages>(empty, e);
+        uint64_t* bar = &full[e % kFpropStages];
+        sm90::BarrierArriveExpectTx(bar, kHaloBytes);
+        sm90::TmaLoad4d(stages + e % kFpropStages * kHaloBytes, &in_map, bar, 0, -1, range.first - 1 + e, 0);
+      }
+    }
+    return;
+  }
+
+  const int lane = threadIdx.x % 32, pixel = 16 * (warp % 4) + lane / 4, col = 2 * (lane % 4);
+  float bias[16];  // this thread's features' bias, for every row
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    bias[j] = epilogue.bias != nullptr ? ToFloat(epilogue.bias[col + 8 * (j / 2) + j % 2]) : 0.f;
+  }
+  sm90::BarrierWait(filter_full, 0);
+  for (int i = 2 * sm90::WarpgroupIndex(); i < range.count; i += 2 * kFpropConsumers) {
+    const int rows_here = min(2, range.count - i);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) WaitFull<kFpropStages>(full, i + e);
+    float acc[2][32];  // set by the first product (accumulate off)
+    const int h = (range.first + i) % rows.height;
+    bool valid[2][3];  // row t exists and its tap row r lies in its image; else it reads zeros
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int ht = (h + t) % rows.height;  // the second row may start the next image
+#pragma unroll
+      for (int r = 0; r < 3; ++r) valid[t][r] = t < rows_here && ht + r - 1 >= 0 && ht + r - 1 < rows.height;
+    }
+    sm90::WgmmaFence();
+#pragma unroll
+    for (int r = 0; r < 3; ++r) {
+#pragma unroll
+      for (int s = 0; s < 3; ++s) {
+        const uint8_t* tap = filter + (kDgrad ? 8 - 3 * r - s : 3 * r + s) * kTapBytes;
+#pragma unroll
+        for (int step = 0; step < kRowPixels / 16; ++step) {
+          const uint64_t b = kDgrad ? sm90::DescriptorKMajor(tap + step * 32)  // B [C, K]: K the reduction
+                                    : sm90::DescriptorMNMajor(tap + step * 16 * kPixelBytes, 0);  // C the reduction
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {  // no branch around the wgmma: ptxas would serialize them
+            const uint8_t* row = valid[t][r] ? stages + (i + t + r) % kFpropStages * kHaloBytes : zeros;
+            const uint64_t a = sm90::DescriptorKMajor(row + s * kPixelBytes + step * 32);
+            sm90::Wgmma<64, T>::template SS<kDgrad ? 0 : 1>(acc[t], a, b, r + s + step > 0);
+          }
+        }
+      }
+    }
+    sm90::WgmmaCommit();
+#pragma unroll
+    for (int t = 0; t < 2; ++t) sm90::FenceRegisters(acc[t]);
+    sm90::WgmmaWait<0>();
+#pragma unroll
+    for (int t = 0; t < 2; ++t) sm90::FenceRegisters(acc[t]);
+    // Stage e is read by rows e - 2, e - 1 and e; row 0 also stands in for rows -2 and -1.
+    if (threadIdx.x % kWarpgroup == 0) {
+      for (int t = 0; t < rows_here; ++t) {
+        for (int r = 0; r < 3; ++r) sm90::BarrierArrive(&empty[(i + t + r) % kFpropStages]);
+      }
+      if (i == 0) {
+        sm90::BarrierArrive(&empty[0]);
+        sm90::BarrierArrive(&empty[0]);
+        sm90::BarrierArrive(&empty[1]);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      if (t < rows_here) {
+        StoreRow(acc[t], bias, epilogue.residual, epilogue.activation, epilogue.activation_param,
+                 int64_t(range.first + i + t) * width, width, pixel, col, out);
+      }
+    }
+  }
+}
+
+// --- wgrad ---------------------------------------------------------------------------------------
+
+constexpr int kWgradStageBytes = kHaloBytes + kRowBytes;  // x's row and dy's: 17 KB, 1024-byte aligned parts
+constexpr int kWgradStages = 8;                                // the producer runs up to 5 rows ahead
+constexpr int kWgradConsumers = 3;                        // warpgroups: one per tap row r
+constexpr int kWgradThreads = kWgradConsumers * kWarpgroup + 32;  // and one producer warp
+constexpr int kWgradShared = kWgradStages * kWgradStageBytes + 2 * kWgradStages * 8 + 1024;
+
+template <typename T>
+__global__ void __launch_bounds__(kWgradThreads, 1)
+    HaloWgradKernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap dy_map, Rows rows,
+                    float* __restrict__ partial) {
+  extern __shared__ uint8_t shared_raw[];
+  uint8_t* stages = sm90::AlignedShared(shared_raw);
+  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kWgradStages * kWgradStageBytes);
+  uint64_t* empty = full + kWgradStages;
+  const Range range(rows.count, blockIdx.x, gridDim.x);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kWgradStages; ++s) {
+      sm90::BarrierInit(&full[s], 1);
+      sm90::BarrierInit(&empty[s], kWgradConsumers);
+    }
+    sm90::BarrierInitFence();
+  }
+  __syncthreads();
+
+  if (warp == kWgradConsumers * 4) {  // the producer
+    if (threadIdx.x % 32 == 0) {
+      for (int e = 0; e < range.count + 2 * (range.count > 0); ++e) {
+        WaitEmpty<kWgradStages>(empty, e);
+        uint8_t* at = stages + e % kWgradStages * kWgradStageBytes;
+        uint64_t* bar = &full[e % kWgradStages];
+        sm90::BarrierArriveExpectTx(bar, kHaloBytes + (e >= 2 ? kRowBytes : 0));
+        sm90::TmaLoad4d(at, &x_map, bar, 0, -1, range.first - 1 + e, 0);
+        if (e >= 2) sm90::TmaLoad4d(at + kHaloBytes, &dy_map, bar, 0, 0, range.first + e - 2, 0);
+      }
+    }
+    return;
+  }
+
+  const int r = sm90::WarpgroupIndex();
+  float acc[3][32];
+#pragma unroll
+  for (int s = 0; s < 3; ++s) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) acc[s][j] = 0.f;
+  }
+  for (int i = 0; i < range.count; ++i) {
+    if (i == 0) {
+      WaitFull<kWgradStages>(full, 0);
+      WaitFull<kWgradStages>(full, 1);
+    }
+    WaitFull<kWgradStages>(full, i + 2);
+    const int h = (range.first + i) % rows.height + r - 1;
+    if (h >= 0 && h < rows.height) {
+      const uint8_t* x_row = stages + (i + r) % kWgradStages * kWgradStageBytes;
+      const uint8_t* dy_row = stages + (i + 2) % kWgradStages * kWgradStageBytes + kHaloBytes;
+      sm90::WgmmaFence();
+#pragma unroll
+      for (int step = 0; step < kRowPixels / 16; ++step) {  // whole rows: narrower ones multiply zeros
+        const uint64_t a = sm90::DescriptorMNMajor(dy_row + step * 16 * kPixelBytes, 0);
+#pragma unroll
+        for (int s = 0; s < 3; ++s) {
+          const uint64_t b = sm90::DescriptorMNMajor(x_row + (step * 16 + s) * kPixelBytes, 0);
+          sm90::Wgmma<64, T>::template SS<1, 1>(acc[s], a, b, 1);
+        }
+      }
+    }
+    sm90::WgmmaCommit();
+#pragma unroll
+    for (int s = 0; s < 3; ++s) sm90::FenceRegisters(acc[s]);
+    sm90::WgmmaWait<1>();  // row i - 1's products are done: its stage may be refilled
+    if (i >= 1 && threadIdx.x % kWarpgroup == 0) sm90::BarrierArrive(&empty[(i - 1) % kWgradStages]);
+  }
+  sm90::WgmmaWait<0>();
+#pragma unroll
+  for (int s = 0; s < 3; ++s) sm90::FenceRegisters(acc[s]);
+
+  // partial[blockIdx.x] [K, 3, 3, C]; the accumulator's rows are filters k, its columns channels c.
+  float* at = partial + int64_t(blockIdx.x) * kFilterCount;
+  const int lane = threadIdx.x % 32, row = 16 * (warp % 4) + lane / 4, col = 2 * (lane % 4);
+#pragma unroll
+  for (int s = 0; s < 3; ++s) {
+#pragma unroll
+    for (int j = 0; j < 32; j += 2) {
+      const int k = row + 8 * ((j >> 1) & 1), c = col + 8 * (j >> 2);
+      *reinterpret_cast<float2*>(at + (k * 9 + r * 3 + s) * kChannels + c) = make_float2(acc[s][j], acc[s][j + 1]);
+    }
+  }
+}
+
+// sums[g] = the partial sums of slices [kGroupSlices g, kGroupSlices (g + 1)) added in order
+// (deterministic), four values a thread, all of a group's loads in flight at once.
+__global__ void __launch_bounds__(256) SumGroupsKernel(const float4* __restrict__ partial, float4* __restrict__ sums) {
+  constexpr int kVectors = kFilterCount / 4;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x, group = blockIdx.y;
+  if (i >= kVectors) return;
+  float4 v[kGroupSlices];
+#pragma unroll
+  for (int s = 0; s < kGroupSlices; ++s) v[s] = partial[(group * kGroupSlices + s) * kVectors + i];
+  float4 sum = v[0];
+#pragma unroll
+  for (int s = 1; s < kGroupSlices; ++s) {
+    sum = make_float4(sum.x + v[s].x, sum.y + v[s].y, sum.z + v[s].z, sum.w + v[s].w);
+  }
+  sums[group * kVectors + i] = sum;
+}
+
+// dw [3, 3, C, K] = the group sums [kHaloWgradGroups][K, 3, 3, C] added in order, rounded once: a
+// thread an element of dw (its writes coalesced), all of its loads in flight at once.
+template <typename T>
+__global__ void __launch_bounds__(256) SumToFilterKernel(const float* __restrict__ sums, T* __restrict__ dw) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;  // (tap * C + c) * K + k
+  if (i >= kFilterCount) return;
+  const int k = i % kChannels, c = i / kChannels % kChannels, tap = i / (kChannels * kChannels);
+  float v[kHaloWgradGroups];
+#pragma unroll
+  for (int g = 0; g < kHaloWgradGroups; ++g) v[g] = sums[g * kFilterCount + (k * 9 + tap) * kChannels + c];
+  float sum = v[0];
+#pragma unroll
+  for (int g = 1; g < kHaloWgradGroups; ++g) sum += v[g];
+  dw[i] = FromFloat<T>(sum);
+}
+
+// --- launchers -----------------------------------------------------------------------------------
+
+// The tensor map of `rows` rows of `width` 128-byte items (pixels of 64 16-bit channels, or filter
+// rows of 64 filters) whose box is `box_items` consecutive items of one row (the 128-byte swizzle;
+// zeros outside the array).
+CUresult MakeRowMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int rows, int width, int box_items) {
+  const CUtensorMapDataType type =
+      dtype == ffi::DataType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const cuuint64_t dims[4] = {cuuint64_t(kChannels), cuuint64_t(width), cuuint64_t(rows), 1};
+  const cuuint64_t strides[3] = {cuuint64_t(kPixelBytes), cuuint64_t(width) * kPixelBytes,
+                                 cuuint64_t(rows) * width * kPixelBytes};
+  const cuuint32_t box[4] = {cuuint32_t(kChannels), cuuint32_t(box_items), 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  return cuTensorMapEncodeTiled(map, type, 4, const_cast<void*>(data), dims, strides, box, element_strides,
+                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+ffi::Error MapError(const char* stage) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("jaxdnn: conv ") + stage + " (halo): cannot encode a TMA descriptor");
+}
+
+Rows RowsOf(const ConvGeometry& g) { return Rows{int(g.in[1]), int(g.batch * g.in[0] * g.in[1])}; }
+
+template <bool kDgrad>
+ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* in, const void* w,
+                       const void* bias, const void* residual, int64_t activation, float activation_param, void* out) {
+  const char* stage = kDgrad ? "dgrad" : "fprop";
+  const Rows rows = RowsOf(g);
+  const int width = int(g.in[2]);
+  CUtensorMap in_map, w_map;  // w [3, 3, C, K] as 576 rows of K
+  if (MakeRowMap(&in_map, in, dtype, rows.count, width, kHaloPixels) != CUDA_SUCCESS ||
+      MakeRowMap(&w_map, w, dtype, 1, 9 * kChannels, 192) != CUDA_SUCCESS) {
+    return MapError(stage);
+  }
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    const auto kernel = HaloFpropKernel<T, kDgrad>;
+    JAXDNN_RETURN_IF_ERROR(
+        CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kFpropShared), stage));
+    const ConvEpilogue<T> epilogue{static_cast<const T*>(bias), static_cast<const T*>(residual), activation,
+                                   activation_param};
+    const int ctas = std::min(ResidentBlocks(kernel, kFpropThreads, kFpropShared), rows.count);
+    kernel<<<ctas, kFpropThreads, kFpropShared, stream>>>(in_map, w_map, rows, width, epilogue, static_cast<T*>(out));
+    return LaunchError(stage);
+  };
+  return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}) : launch(__half{});
+}
+
+}  // namespace
+
+bool HaloApplies(const ConvGeometry& g, ffi::DataType dtype) {
+  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
+  if (g.groups != 1 || g.channels != kChannels || g.filters != kChannels) return false;
+  if (g.window[0] != 1 || g.pad[0] != 0 || g.stride[0] != 1 || g.in[0] != g.out[0]) return false;
+  for (int a = 1; a < 3; ++a) {
+    if (g.window[a] != 3 || g.stride[a] != 1 || g.pad[a] != 1 || g.lhs_dilation[a] != 1 || g.rhs_dilation[a] != 1 ||
+        g.in[a] != g.out[a]) {
+      return false;
+    }
+  }
+  if (g.in[2] > kRowPixels || g.OutPixels() == 0 || g.batch * g.in[0] * g.in[1] >= INT_MAX) return false;
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major == 9;
+}
+
+ffi::Error HaloFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x, const void* w,
+                     const void* bias, const void* residual, int64_t activation, float activation_param, void* y) {
+  return LaunchFprop<false>(stream, g, dtype, x, w, bias, residual, activation, activation_param, y);
+}
+
+ffi::Error HaloDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* dy, const void* w,
+                     void* dx) {
+  return LaunchFprop<true>(stream, g, dtype, dy, w, nullptr, nullptr, 0, 0.f, dx);
+}
+
+ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x, const void* dy,
+                     float* workspace, void* dw) {
+  const Rows rows = RowsOf(g);
+  const int width = int(g.in[2]);
+  CUtensorMap x_map, dy_map;
+  if (MakeRowMap(&x_map, x, dtype, rows.count, width, kHaloPixels) != CUDA_SUCCESS ||
+      MakeRowMap(&dy_map, dy, dtype, rows.count, width, kRowPixels) != CUDA_SUCCESS) {
+    return MapError("wgrad");
+  }
+  float* sums = workspace + kHaloWgradSlices * kFilterCount;
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    JAXDNN_RETURN_IF_ERROR(CudaError(
+        cudaFuncSetAttribute(HaloWgradKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kWgradShared),
+        "conv wgrad (halo)"));
+    HaloWgradKernel<T><<<kHaloWgradSlices, kWgradThreads, kWgradShared, stream>>>(x_map, dy_map, rows, workspace);
+    JAXDNN_RETURN_IF_ERROR(LaunchError("conv wgrad (halo)"));
+    const dim3 groups((kFilterCount / 4 + 255) / 256, kHaloWgradGroups);
+    SumGroupsKernel<<<groups, 256, 0, stream>>>(reinterpret_cast<const float4*>(workspace),
+                                                reinterpret_cast<float4*>(sums));
+    SumToFilterKernel<T><<<(kFilterCount + 255) / 256, 256, 0, stream>>>(sums, static_cast<T*>(dw));
+    return LaunchError("conv wgrad (halo) slice sums");
+  };
+  return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}) : launch(__half{});
+}
+
+}  // namespace jaxdnn

@@ -1,0 +1,40 @@
+// The halo kernels: every stage of ResNet's 64-channel 3x3 convolutions (C = K = 64, stride 1, SAME
+// padding, rows of at most 64 pixels) on Hopper's tensor cores, from rows of the activations staged
+// in shared memory once, with their halo (halo_sm90.cu). CUTLASS's implicit GEMM re-reads each
+// pixel from L2 for each of the 9 taps; here a tap is an offset into the staged rows.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/ffi_common.h"
+#include "conv/conv_geometry.h"
+
+namespace jaxdnn {
+
+// Whether the halo kernels take g with 16-bit operands of `dtype`.
+bool HaloApplies(const ConvGeometry& g, ffi::DataType dtype);
+
+// y [N, D, H, W, K] = act(conv(x, w) + bias + residual) for x [N, D, H, W, C] and w [R, S, C, K]
+// (jaxdnn's layout; bias [K] or null, residual y's shape or null); no workspace.
+ffi::Error HaloFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x, const void* w,
+                     const void* bias, const void* residual, int64_t activation, float activation_param, void* y);
+
+// dx [N, D, H, W, C] = the gradient of conv(x, w) w.r.t. x, from dy [N, D, H, W, K]; no workspace.
+ffi::Error HaloDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* dy, const void* w,
+                     void* dx);
+
+// Partial sums the wgrad launch writes: one per CTA, a constant (not the device's SM count), so that
+// their fixed-order sum, hence dw, has the same bits on every device; then added in this many groups
+// of consecutive slices, and the groups in order.
+constexpr int kHaloWgradSlices = 132;
+constexpr int kHaloWgradGroups = 11;
+
+// dw [R, S, C, K] = the gradient of conv(x, w) w.r.t. w, from x [N, D, H, W, C] and dy
+// [N, D, H, W, K]. The workspace holds kHaloWgradSlices + kHaloWgradGroups filter gradients in
+// float32 (jaxdnn/_conv_kernels.py's _HALO_WGRAD_PARTIALS).
+ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x, const void* dy,
+                     float* workspace, void* dw);
+
+}  // namespace jaxdnn
