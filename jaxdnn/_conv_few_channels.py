@@ -56,12 +56,9 @@ def _pad_channels(a, axis):
     return jnp.pad(a, [(0, extra if i == axis % a.ndim else 0) for i in range(a.ndim)])
 
 
-def space_to_depth(x, w, geometry):
-    """(x [N, D, H, W, C], w [T, U, V, C, K], geometry) -> the same convolution with every stride 1:
-    (xs [N, D', H', W', C'], ws [T', U', V', C', K], its geometry), C' = C * the product of the
-    strides, padded to a multiple of 8. On a strided axis (stride s, window k, output extent P) x
-    is padded to (P + k' - 1) * s with k' = ceil(k / s), cut into blocks of s, and the block offset
-    joins the channels; w gets zero taps up to k' * s, cut the same way."""
+def _blocks_plan(geometry):
+    """The space-to-depth rewrite of `geometry`: the padding of x and of w on each axis, and the
+    unit-stride geometry (see `space_to_depth`)."""
     g = geometry
     x_pads, w_pads, new = [(0, 0)], [], dict(in_spatial=[], window=[], pads=[])
     for extent, out, k, s, lo in zip(g.in_spatial, g.out_spatial, g.window, g.strides, g.pads):
@@ -79,17 +76,40 @@ def space_to_depth(x, w, geometry):
         new["in_spatial"].append(length // s)
         new["window"].append(taps)
         new["pads"].append(0)
+    unit = dataclasses.replace(g, in_spatial=tuple(new["in_spatial"]), window=tuple(new["window"]),
+                               pads=tuple(new["pads"]), strides=(1, 1, 1))
+    return x_pads, w_pads, unit
+
+
+def input_blocks(x, geometry):
+    """x [N, D, H, W, C] -> xs [N, D', H', W', C'], the input of `space_to_depth`'s convolution (linear
+    in x: pad, reshape, transpose)."""
+    x_pads, _, unit = _blocks_plan(geometry)
     x = lax.pad(x, jnp.zeros((), x.dtype), [p + (0,) for p in x_pads + [(0, 0)]])
-    w = jnp.pad(w, w_pads + [(0, 0), (0, 0)])
-    n, channels, filters = x.shape[0], x.shape[-1], w.shape[-1]
-    blocks = [(e, s) for e, s in zip(new["in_spatial"], g.strides)]
+    n, channels = x.shape[0], x.shape[-1]
+    blocks = [(e, s) for e, s in zip(unit.in_spatial, geometry.strides)]
     x = x.reshape((n,) + sum(blocks, ()) + (channels,)).transpose(0, 1, 3, 5, 2, 4, 6, 7)
-    x = _pad_channels(x.reshape((n,) + tuple(new["in_spatial"]) + (-1,)), -1)
-    taps = [(t, s) for t, s in zip(new["window"], g.strides)]
+    return _pad_channels(x.reshape((n,) + unit.in_spatial + (-1,)), -1)
+
+
+def filter_blocks(w, geometry):
+    """w [T, U, V, C, K] -> (ws [T', U', V', C', K], the unit-stride geometry) of `space_to_depth`."""
+    _, w_pads, unit = _blocks_plan(geometry)
+    w = jnp.pad(w, w_pads + [(0, 0), (0, 0)])
+    channels, filters = w.shape[-2:]
+    taps = [(t, s) for t, s in zip(unit.window, geometry.strides)]
     w = w.reshape(sum(taps, ()) + (channels, filters)).transpose(0, 2, 4, 1, 3, 5, 6, 7)
-    w = _pad_channels(w.reshape(tuple(new["window"]) + (-1, filters)), -2)
-    return x, w, dataclasses.replace(g, in_spatial=tuple(new["in_spatial"]), window=tuple(new["window"]),
-                                     pads=tuple(new["pads"]), strides=(1, 1, 1))
+    return _pad_channels(w.reshape(unit.window + (-1, filters)), -2), unit
+
+
+def space_to_depth(x, w, geometry):
+    """(x [N, D, H, W, C], w [T, U, V, C, K], geometry) -> the same convolution with every stride 1:
+    (xs [N, D', H', W', C'], ws [T', U', V', C', K], its geometry), C' = C * the product of the
+    strides, padded to a multiple of 8. On a strided axis (stride s, window k, output extent P) x
+    is padded to (P + k' - 1) * s with k' = ceil(k / s), cut into blocks of s, and the block offset
+    joins the channels; w gets zero taps up to k' * s, cut the same way."""
+    ws, unit = filter_blocks(w, geometry)
+    return input_blocks(x, geometry), ws, unit
 
 
 def _patches(x, geometry):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdnn import _autotune, _ffi  # noqa: F401  (_ffi registers the FFI targets)
+from jaxdnn import _conv_few_channels as few_channels
 from jaxdnn._primitive import ffi_primitive, move_to_front
 from jaxdnn.activation import _activation, epilogue_attrs
 
@@ -270,7 +271,27 @@ def fprop(x, w, conv):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _dgrad(dy, w, conv):
-    return _bind_tuned(_dgrad_stage, "dgrad", (dy, w), w.shape[3] * conv.groups, w.shape[-1], conv.attrs())
+    channels = w.shape[3] * conv.groups
+    if _dgrad_by_blocks(dy.dtype, channels, conv):
+        ws, unit = few_channels.filter_blocks(w, conv)
+        x_shape = (dy.shape[0],) + conv.in_spatial + (channels,)
+        from_blocks = jax.linear_transpose(functools.partial(few_channels.input_blocks, geometry=conv),
+                                           jax.ShapeDtypeStruct(x_shape, dy.dtype))
+        return from_blocks(_dgrad(dy, ws, unit))[0]
+    return _bind_tuned(_dgrad_stage, "dgrad", (dy, w), channels, w.shape[-1], conv.attrs())
+
+
+def _dgrad_by_blocks(dtype, channels, conv):
+    """Whether dgrad runs as the unit-stride dgrad of the space-to-depth form of the convolution
+    (_conv_few_channels.space_to_depth), then that form's transpose back to x (one copy of dx in
+    XLA): 16-bit operands, one group, h/w strides whose windows are at least as wide. On the tensor
+    cores a strided dgrad otherwise multiplies dy with zeros inserted between its pixels (stride^2 the
+    work, 4x for 3x3/2); the space-to-depth form does ceil(k / s)^2 s^2 / k^2 the work (1.78x)."""
+    axes = zip(conv.window[1:], conv.strides[1:], conv.rhs_dilation[1:])
+    strided = [(k, s, d) for k, s, d in axes if s > 1]
+    return (jnp.dtype(dtype).itemsize == 2 and conv.groups == 1 and channels % 8 == 0 and bool(strided)
+            and conv.lhs_dilation == (1, 1, 1) and conv.window[0] == 1 and conv.strides[0] == 1
+            and all(k >= s and d == 1 for k, s, d in strided))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -5,6 +5,7 @@ transforms, second order, sharding, export, errors, and the custom calls in the 
 
 import contextlib
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +89,8 @@ def test_forward_and_grad(dtype, lhs_shape, rhs_shape, kwargs, rng):
 
 # Problems the GPU's tensor-core kernels take (16-bit, one group, K a multiple of 8):
 # 2-D windows, 1-D and 3-D ones with a trivial depth folded into 2-D, strides (dgrad then runs on
-# zero-inserted dy), dilations, explicit padding, the tall (K <= 64) and wide tiles, 7x7/2 stems.
+# the space-to-depth form, or on zero-inserted dy for windows narrower than their strides),
+# dilations, explicit padding, the tall (K <= 64) and wide tiles, 7x7/2 stems.
 # On the CPU they check the same semantics on the CPU kernels.
 TENSOR_CORE_CASES = [
     ((2, 9, 10, 16), (3, 3, 16, 24), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
@@ -102,6 +104,10 @@ TENSOR_CORE_CASES = [
     ((2, 3, 6, 7, 8), (1, 3, 3, 8, 16), dict(window_strides=(1, 1, 1), padding="SAME",
                                             dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))),
     ((2, 20, 20, 8), (7, 7, 8, 16), dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)),
+    ((2, 13, 9, 24), (5, 3, 24, 16), dict(window_strides=(3, 2), padding=((2, 1), (0, 2)),
+                                          dimension_numbers=NHWC)),
+    ((3, 8, 8, 16), (2, 2, 16, 8), dict(window_strides=(2, 2), padding="VALID", dimension_numbers=NHWC)),
+    ((2, 9, 10, 16), (1, 1, 16, 24), dict(window_strides=(2, 2), padding="VALID", dimension_numbers=NHWC)),
     # channels padded to a multiple of 8: an RGB stem, and C = 12
     ((2, 20, 20, 3), (7, 7, 3, 16), dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)),
     ((3, 7, 9, 12), (3, 3, 12, 8), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
@@ -120,6 +126,21 @@ TENSOR_CORE_CASES = [
 @pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", TENSOR_CORE_CASES, ids=str)
 def test_tensor_core_shapes(dtype, lhs_shape, rhs_shape, kwargs, rng):
     test_forward_and_grad(dtype, lhs_shape, rhs_shape, kwargs, rng)
+
+
+@pytest.mark.parametrize("window,strides,dgrad_strides", [((3, 3), (2, 2), (1, 1)), ((2, 3), (2, 3), (1, 1)),
+                                                         ((1, 1), (2, 2), (2, 2))])
+def test_strided_dgrad_runs_on_space_to_depth(window, strides, dgrad_strides, rng):
+    """A 16-bit strided dgrad whose window spans its stride binds the unit-stride dgrad of the
+    space-to-depth form (a window narrower than its stride keeps the strided one)."""
+    x = normal(rng, (2, 12, 12, 16), jnp.bfloat16)
+    w = normal(rng, window + (16, 8), jnp.bfloat16)
+    kwargs = dict(window_strides=strides, padding="SAME", dimension_numbers=NHWC)
+    op = _op(jaxdnn.conv_general_dilated, kwargs)
+    dy = normal(rng, jax.eval_shape(op, x, w).shape, jnp.bfloat16)
+    hlo = jax.jit(lambda x, dy: jax.vjp(lambda x: op(x, w), x)[1](dy)).lower(x, dy).as_text()
+    dgrad = hlo[hlo.index("jaxdnn_conv_dgrad_v3"):].splitlines()[0]
+    assert re.search(rf"stride_h = {dgrad_strides[0]} .*stride_w = {dgrad_strides[1]} ", dgrad)
 
 
 def test_wgrad_slices():
