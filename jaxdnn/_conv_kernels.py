@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 
 import jax
@@ -274,38 +273,20 @@ def fprop(x, w, conv):
 def _dgrad(dy, w, conv):
     channels = w.shape[3] * conv.groups
     if _dgrad_by_blocks(dy.dtype, channels, conv):
-        return _dgrad_of_blocks(dy, w, conv)
+        ws, unit = few_channels.filter_blocks(w, conv)
+        x_shape = (dy.shape[0],) + conv.in_spatial + (channels,)
+        from_blocks = jax.linear_transpose(functools.partial(few_channels.input_blocks, geometry=conv),
+                                           jax.ShapeDtypeStruct(x_shape, dy.dtype))
+        return from_blocks(_dgrad(dy, ws, unit))[0]
     return _bind_tuned(_dgrad_stage, "dgrad", (dy, w), channels, w.shape[-1], conv.attrs())
-
-
-def _dgrad_of_blocks(dy, w, conv):
-    """dgrad(dy, w) through the space-to-depth form: its input's channel blocks (one per offset a of
-    the strides' blocks) are unit-stride dgrads of dy with the taps of w at offset a alone (ceil((k -
-    a) / s) per axis: no zero taps, so the work of the strided dgrad itself), then the form's
-    transpose back to x (XLA's pad, concatenation and transpose: one copy of dx)."""
-    ws, unit = few_channels.filter_blocks(w, conv)
-    channels = w.shape[3]
-    blocks = []
-    for index, offsets in enumerate(itertools.product(*(range(s) for s in conv.strides))):
-        taps = tuple(-(-(k - a) // s) for k, s, a in zip(conv.window, conv.strides, offsets))
-        extents = tuple(o + t - 1 if s > 1 else i
-                        for o, t, s, i in zip(conv.out_spatial, taps, conv.strides, unit.in_spatial))
-        part = _dgrad(dy, ws[:taps[0], :taps[1], :taps[2], index * channels:(index + 1) * channels],
-                      dataclasses.replace(unit, window=taps, in_spatial=extents))
-        missing = [(0, 0)] + [(0, full - e) for full, e in zip(unit.in_spatial, extents)] + [(0, 0)]
-        blocks.append(jnp.pad(part, missing))  # the zero taps' rows at the end of each strided axis
-    x_shape = (dy.shape[0],) + conv.in_spatial + (channels,)
-    from_blocks = jax.linear_transpose(functools.partial(few_channels.input_blocks, geometry=conv),
-                                       jax.ShapeDtypeStruct(x_shape, dy.dtype))
-    return from_blocks(jnp.concatenate(blocks, axis=-1))[0]
 
 
 def _dgrad_by_blocks(dtype, channels, conv):
     """Whether dgrad runs as the unit-stride dgrad of the space-to-depth form of the convolution
-    (_conv_few_channels.space_to_depth), block by block (`_dgrad_of_blocks`): 16-bit operands, one
-    group of channels a multiple of 8, h/w strides whose windows are at least as wide. On the tensor
+    (_conv_few_channels.space_to_depth), then that form's transpose back to x (one copy of dx in
+    XLA): 16-bit operands, one group, h/w strides whose windows are at least as wide. On the tensor
     cores a strided dgrad otherwise multiplies dy with zeros inserted between its pixels (stride^2 the
-    work, 4x for 3x3/2)."""
+    work, 4x for 3x3/2); the space-to-depth form does ceil(k / s)^2 s^2 / k^2 the work (1.78x)."""
     axes = zip(conv.window[1:], conv.strides[1:], conv.rhs_dilation[1:])
     strided = [(k, s, d) for k, s, d in axes if s > 1]
     return (jnp.dtype(dtype).itemsize == 2 and conv.groups == 1 and channels % 8 == 0 and bool(strided)
