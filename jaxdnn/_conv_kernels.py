@@ -68,8 +68,9 @@ _MAX_WGRAD_SLICES = 16
 _WGRAD_CTA_FLOPS = 4.2e12
 _WGRAD_CTA_SECONDS = 2e-6
 _PARTIAL_BYTES_PER_S = 2e12
-# ResNet's 64-channel 3x3 layers take the halo kernels (ffi/conv/halo_sm90.h); their wgrad needs this many
-# float32 filter gradients in its workspace (kHaloWgradSlices partial sums, kHaloWgradGroups sums of them).
+# ResNet's 64-channel 3x3 layers, and the wgrad of 1x1 ones with 64 channels on one side, take the halo
+# kernels (ffi/conv/halo_sm90.h); their wgrad needs this many float32 filter gradients in its workspace
+# (kHaloWgradSlices partial sums, kHaloWgradGroups sums of them).
 _HALO_WGRAD_PARTIALS = 132 + 11
 
 
@@ -130,6 +131,18 @@ def _halo(channels, filters, batch, attrs):
             and _spatial(attrs, "out") == (d, h, w) and 0 < w <= 64 and 0 < batch * d * h < 2**31 - 1)
 
 
+def _halo_pointwise_wgrad(channels, filters, batch, attrs):
+    """halo_sm90.cu's PointwiseWgradApplies (the dtype and the device checked elsewhere): one group, a
+    1x1 window with unit strides and no padding, 64 channels on one side and 64, 128 or 256 on the
+    other."""
+    unit = (1, 1, 1)
+    sides = sorted((channels, filters))
+    return (int(attrs["groups"]) == 1 and sides[0] == 64 and sides[1] in (64, 128, 256)
+            and _spatial(attrs, "window") == unit and _spatial(attrs, "stride") == unit
+            and _spatial(attrs, "pad") == (0, 0, 0) and _spatial(attrs, "lhs_dilation") == unit
+            and 0 < batch * math.prod(_spatial(attrs, "in")) < 2**31 - 65)
+
+
 def _depthwise_wgrad_slices(batch, out_spatial, filters):
     """The bound of depthwise.cu's WgradSlices: about 3 blocks per SM of 128 features, each slice at
     least 32 strips of 4 output pixels of a row."""
@@ -145,7 +158,7 @@ def _candidates(stage, dtype, channels, filters, batch, attrs):
     """The algorithms a stage can run on (conv_sm90.cu's MakeProblem and conv.cu's PointwiseGemm
     conditions): none where the tensor cores cannot take it; the implicit-GEMM tiles; the GEMM for a
     pointwise stage (not the fused forward, whose epilogue the GEMM lacks); the halo kernels for the
-    64-channel 3x3 layers."""
+    64-channel 3x3 layers and the wgrad of 1x1 ones with 64 channels on one side."""
     if not _on_tensor_cores(dtype, channels, attrs) or filters % 8:
         return ()
     window, strides, pads = (_spatial(attrs, name) for name in ("window", "stride", "pad"))
@@ -154,7 +167,8 @@ def _candidates(stage, dtype, channels, filters, batch, attrs):
     tiles = (_TILE_WIDE, _TILE_TALL) + ((_TILE_SMALL,) if stage in ("fprop", "fused", "dgrad") else ())
     pointwise = window == (1, 1, 1) and strides == (1, 1, 1) and pads == (0, 0, 0)
     gemm = (_GEMM,) if stage != "fused" and pointwise and channels % 8 == 0 else ()
-    halo = (_HALO,) if _halo(channels, filters, batch, attrs) else ()
+    pointwise_wgrad = stage == "wgrad" and _halo_pointwise_wgrad(channels, filters, batch, attrs)
+    halo = (_HALO,) if _halo(channels, filters, batch, attrs) or pointwise_wgrad else ()
     return gemm + tiles + halo
 
 
@@ -199,8 +213,8 @@ def _wgrad_avals(x, dy, **attrs):
         padded_filter = _padded_filter(dw_shape)
         tile_rows = 128 if int(attrs.get("algorithm", 0)) == _TILE_WIDE else 64  # conv_sm90.cuh's Wgrad
         slices = _wgrad_slices(x.shape[0], math.prod(dy.shape[:-1]), padded_filter, dy.shape[-1], tile_rows)
-        halo = _halo(x.shape[-1], dy.shape[-1], x.shape[0], attrs)
-        if halo and int(attrs.get("algorithm", 0)) in (0, _HALO):
+        args = (x.shape[-1], dy.shape[-1], x.shape[0], attrs)
+        if int(attrs.get("algorithm", 0)) in (0, _HALO) and (_halo(*args) or _halo_pointwise_wgrad(*args)):
             slices = _HALO_WGRAD_PARTIALS
         float32_bytes = 4 * slices * padded_filter
         extra = _padded_input(x.shape)

@@ -119,6 +119,12 @@ TENSOR_CORE_CASES = [
     ((3, 9, 11, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
     ((5, 30, 17, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
     ((1, 3, 64, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
+    # 1x1 with 64 channels on one side: the pointwise halo wgrad (CTAs taking ranges of 64-pixel
+    # chunks, the last one partial): fewer chunks than CTAs, x or dy the narrow side, 128 or 256
+    # wide, and about 5 chunks a CTA (the stage ring wraps)
+    ((3, 7, 9, 64), (1, 1, 64, 256), dict(window_strides=(1, 1), padding="VALID", dimension_numbers=NHWC)),
+    ((2, 5, 13, 256), (1, 1, 256, 64), dict(window_strides=(1, 1), padding="VALID", dimension_numbers=NHWC)),
+    ((32, 36, 40, 64), (1, 1, 64, 128), dict(window_strides=(1, 1), padding="VALID", dimension_numbers=NHWC)),
 ]
 
 

@@ -43,7 +43,7 @@ enum ConvAlgorithm : int64_t {
   kConvTileWide = 2,   // implicit GEMM, 128 x 128 CTA tiles (wgrad: 128 filters a tile)
   kConvTileTall = 3,   // implicit GEMM, 256 x 64 tiles (wgrad: 64 filters a tile)
   kConvTileSmall = 4,  // implicit GEMM, 128 x 64 tiles, two CTAs an SM (fprop and dgrad)
-  kConvHalo = 5,       // the halo kernels of 64-channel 3x3 layers (conv/halo_sm90.h), every stage
+  kConvHalo = 5,       // the halo kernels (conv/halo_sm90.h): 64-channel 3x3 layers, 64-channel 1x1 wgrad
 };
 
 // The convolution's attributes as decoded from a target's attribute dictionary (by name).

@@ -11,7 +11,8 @@
 //   one launch (one slice's output tiles alone would leave most SMs idle: CUTLASS's Hopper conv has
 //   no split-K), then one kernel adds the slices in a fixed order (deterministic) and transposes the
 //   sum to dw [R, S, C, K].
-// ResNet's 64-channel 3x3 layers run every stage on the halo kernels instead (halo_sm90.h).
+// ResNet's 64-channel 3x3 layers run every stage on the halo kernels instead (halo_sm90.h), and
+// pointwise ones with 64 channels on one side their wgrad.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -252,8 +253,9 @@ std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometr
   }
   float* partial = static_cast<float*>(workspace);
   const size_t halo_bytes = size_t(kHaloWgradSlices + kHaloWgradGroups) * slice_bytes;
-  if (UsesHalo(g, dtype, algorithm) && workspace_bytes >= halo_bytes) {  // as the Python side sized it
-    return HaloWgrad(stream, g, dtype, x, dy, partial, dw);
+  if (workspace_bytes >= halo_bytes && (algorithm == kConvAuto || algorithm == kConvHalo)) {  // as Python sized it
+    if (HaloApplies(g, dtype)) return HaloWgrad(stream, g, dtype, x, dy, partial, dw);
+    if (PointwiseWgradApplies(g, dtype)) return PointwiseWgrad(stream, g, dtype, x, dy, partial, dw);
   }
   // As many slices as the workspace holds partial sums (the Python side sizes it), at most one per image.
   const int slices = int(std::min<int64_t>(

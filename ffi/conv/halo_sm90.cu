@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <climits>
 #include <string>
+#include <type_traits>
 
 #include "common/cuda_common.cuh"
 #include "common/sm90_async.cuh"
@@ -318,37 +319,159 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   }
 }
 
-// sums[g] = the partial sums of slices [kGroupSlices g, kGroupSlices (g + 1)) added in order
-// (deterministic), four values a thread, all of a group's loads in flight at once.
-__global__ void __launch_bounds__(256) SumGroupsKernel(const float4* __restrict__ partial, float4* __restrict__ sums) {
-  constexpr int kVectors = kFilterCount / 4;
+// --- pointwise wgrad ------------------------------------------------------------------------------
+
+// A 1x1 convolution's dW [K, C] (as a partial sum) with 64 channels on one side, the narrow one (x's
+// C or dy's K: the products' M) and 64, 128 or 256 on the other, the wide one (kWide chunks of 64:
+// N): the halo wgrad with a zero-width halo. A CTA takes a range of 64-pixel chunks; a stage holds
+// one chunk of the narrow operand and of the wide one ([64 pixels][64 channels] boxes, the wide
+// one's side by side); the two consumer warpgroups take alternate chunks, each adding the chunk's
+// narrow^T wide (both MN-major, the pixels the reduction axis) into its own 64 x 64 kWide sums,
+// which meet in shared memory at the end.
+constexpr int kPointwiseStages = 4;
+constexpr int kPointwiseConsumers = 2;
+constexpr int kPointwiseThreads = kPointwiseConsumers * kWarpgroup + 32;  // and one producer warp
+constexpr int kChunkBytes = kRowPixels * kPixelBytes;                        // [64 pixels][64 channels]
+
+template <int kWide>
+constexpr int PointwiseShared() {
+  return kPointwiseStages * (1 + kWide) * kChunkBytes + 2 * kPointwiseStages * 8 + 1024;
+}
+
+struct Pointwise {
+  int chunks;          // 64-pixel chunks of the N D H W pixels (the last one zero-filled past the end)
+  int channels;        // C
+  bool narrow_is_x;    // x has the 64 channels (C = 64, K = 64 kWide), else dy (K = 64)
+};
+
+template <typename T, int kWide>
+__global__ void __launch_bounds__(kPointwiseThreads, 1)
+    PointwiseWgradKernel(const __grid_constant__ CUtensorMap narrow_map, const __grid_constant__ CUtensorMap wide_map,
+                         Pointwise p, float* __restrict__ partial) {
+  constexpr int kStageBytes = (1 + kWide) * kChunkBytes;
+  extern __shared__ uint8_t shared_raw[];
+  uint8_t* stages = sm90::AlignedShared(shared_raw);
+  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kPointwiseStages * kStageBytes);
+  uint64_t* empty = full + kPointwiseStages;
+  const Range range(p.chunks, blockIdx.x, gridDim.x);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kPointwiseStages; ++s) {
+      sm90::BarrierInit(&full[s], 1);
+      sm90::BarrierInit(&empty[s], 1);  // a chunk is one warpgroup's
+    }
+    sm90::BarrierInitFence();
+  }
+  __syncthreads();
+
+  if (warp == kPointwiseConsumers * 4) {  // the producer
+    if (threadIdx.x % 32 == 0) {
+      for (int e = 0; e < range.count; ++e) {
+        WaitEmpty<kPointwiseStages>(empty, e);
+        uint8_t* at = stages + e % kPointwiseStages * kStageBytes;
+        uint64_t* bar = &full[e % kPointwiseStages];
+        const int pixel = (range.first + e) * kRowPixels;
+        sm90::BarrierArriveExpectTx(bar, kStageBytes);
+        sm90::TmaLoad4d(at, &narrow_map, bar, 0, 0, pixel, 0);
+        for (int j = 0; j < kWide; ++j) sm90::TmaLoad4d(at + (1 + j) * kChunkBytes, &wide_map, bar, 0, j, pixel, 0);
+      }
+    }
+    return;
+  }
+
+  const int group = sm90::WarpgroupIndex();
+  float acc[32 * kWide];  // set by the first chunk's first product (zeroing them would serialize the wgmma)
+  for (int i = group; i < range.count; i += kPointwiseConsumers) {
+    WaitFull<kPointwiseStages>(full, i);
+    const uint8_t* narrow = stages + i % kPointwiseStages * kStageBytes;
+    sm90::WgmmaFence();
+#pragma unroll
+    for (int step = 0; step < kRowPixels / 16; ++step) {
+      const uint64_t a = sm90::DescriptorMNMajor(narrow + step * 16 * kPixelBytes, 0);
+      const uint64_t b = sm90::DescriptorMNMajor(narrow + kChunkBytes + step * 16 * kPixelBytes, kChunkBytes);
+      sm90::Wgmma<64 * kWide, T>::template SS<1, 1>(acc, a, b, i != group || step > 0);
+    }
+    sm90::WgmmaCommit();
+    sm90::FenceRegisters(acc);
+    sm90::WgmmaWait<1>();  // this warpgroup's previous chunk is done: its stage may be refilled
+    if (i >= kPointwiseConsumers && threadIdx.x % kWarpgroup == 0) {
+      sm90::BarrierArrive(&empty[(i - kPointwiseConsumers) % kPointwiseStages]);
+    }
+  }
+  sm90::WgmmaWait<0>();
+  sm90::FenceRegisters(acc);
+  if (group >= range.count) {  // no chunk
+#pragma unroll
+    for (int j = 0; j < 32 * kWide; ++j) acc[j] = 0.f;
+  }
+
+  // Warpgroup 1's sums go through shared memory (the stages, every load consumed) to warpgroup 0,
+  // which writes the CTA's partial sum [K, C]: rows of the accumulator are the narrow side.
+  const int thread = threadIdx.x % kWarpgroup;
+  float* exchange = reinterpret_cast<float*>(stages);
+  sm90::NamedBarrierSync(1, kPointwiseConsumers * kWarpgroup);
+  if (group == 1) {
+#pragma unroll
+    for (int j = 0; j < 32 * kWide; ++j) exchange[j * kWarpgroup + thread] = acc[j];
+  }
+  sm90::NamedBarrierSync(1, kPointwiseConsumers * kWarpgroup);
+  if (group != 0) return;
+  float* at = partial + int64_t(blockIdx.x) * kChannels * 64 * kWide;
+  const int lane = threadIdx.x % 32, row = 16 * (warp % 4) + lane / 4, col = 2 * (lane % 4);
+#pragma unroll
+  for (int j = 0; j < 32 * kWide; ++j) {
+    const int m = row + 8 * ((j >> 1) & 1), n = col + 8 * (j >> 2) + (j & 1);
+    const float sum = acc[j] + exchange[j * kWarpgroup + thread];
+    at[p.narrow_is_x ? n * kChannels + m : m * p.channels + n] = sum;  // [k, c]
+  }
+}
+
+// --- the partial sums' total -------------------------------------------------------------------------
+
+// sums[g] = the partial sums (of `vectors` float4 each) of slices [kGroupSlices g, kGroupSlices (g +
+// 1)) added in order (deterministic), four values a thread, all of a group's loads in flight at once.
+__global__ void __launch_bounds__(256)
+    SumGroupsKernel(const float4* __restrict__ partial, int vectors, float4* __restrict__ sums) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x, group = blockIdx.y;
-  if (i >= kVectors) return;
+  if (i >= vectors) return;
   float4 v[kGroupSlices];
 #pragma unroll
-  for (int s = 0; s < kGroupSlices; ++s) v[s] = partial[(group * kGroupSlices + s) * kVectors + i];
+  for (int s = 0; s < kGroupSlices; ++s) v[s] = partial[int64_t(group * kGroupSlices + s) * vectors + i];
   float4 sum = v[0];
 #pragma unroll
   for (int s = 1; s < kGroupSlices; ++s) {
     sum = make_float4(sum.x + v[s].x, sum.y + v[s].y, sum.z + v[s].z, sum.w + v[s].w);
   }
-  sums[group * kVectors + i] = sum;
+  sums[int64_t(group) * vectors + i] = sum;
 }
 
-// dw [3, 3, C, K] = the group sums [kHaloWgradGroups][K, 3, 3, C] added in order, rounded once: a
+// dw [taps, C, K] = the group sums [kHaloWgradGroups][K, taps, C] added in order, rounded once: a
 // thread an element of dw (its writes coalesced), all of its loads in flight at once.
 template <typename T>
-__global__ void __launch_bounds__(256) SumToFilterKernel(const float* __restrict__ sums, T* __restrict__ dw) {
+__global__ void __launch_bounds__(256)
+    SumToFilterKernel(const float* __restrict__ sums, int taps, int channels, int filters, T* __restrict__ dw) {
+  const int count = taps * channels * filters;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;  // (tap * C + c) * K + k
-  if (i >= kFilterCount) return;
-  const int k = i % kChannels, c = i / kChannels % kChannels, tap = i / (kChannels * kChannels);
+  if (i >= count) return;
+  const int k = i % filters, c = i / filters % channels, tap = i / (filters * channels);
   float v[kHaloWgradGroups];
 #pragma unroll
-  for (int g = 0; g < kHaloWgradGroups; ++g) v[g] = sums[g * kFilterCount + (k * 9 + tap) * kChannels + c];
+  for (int g = 0; g < kHaloWgradGroups; ++g) v[g] = sums[g * count + (k * taps + tap) * channels + c];
   float sum = v[0];
 #pragma unroll
   for (int g = 1; g < kHaloWgradGroups; ++g) sum += v[g];
   dw[i] = FromFloat<T>(sum);
+}
+
+// The partial sums of `workspace` (kHaloWgradSlices of `count` floats) added into dw [taps, C, K].
+template <typename T>
+ffi::Error SumPartials(cudaStream_t stream, float* workspace, int taps, int channels, int filters, void* dw) {
+  const int count = taps * channels * filters;
+  float* sums = workspace + int64_t(kHaloWgradSlices) * count;
+  SumGroupsKernel<<<dim3((count / 4 + 255) / 256, kHaloWgradGroups), 256, 0, stream>>>(
+      reinterpret_cast<const float4*>(workspace), count / 4, reinterpret_cast<float4*>(sums));
+  SumToFilterKernel<T><<<(count + 255) / 256, 256, 0, stream>>>(sums, taps, channels, filters, static_cast<T*>(dw));
+  return LaunchError("conv wgrad (halo) slice sums");
 }
 
 // --- launchers -----------------------------------------------------------------------------------
@@ -372,6 +495,28 @@ CUresult MakeRowMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int
 ffi::Error MapError(const char* stage) {
   return ffi::Error(ffi::ErrorCode::kInternal,
                     std::string("jaxdnn: conv ") + stage + " (halo): cannot encode a TMA descriptor");
+}
+
+// The tensor map of `pixels` rows of `chunks` x 64 16-bit channels whose box is 64 consecutive
+// pixels of one 64-channel chunk ([64 pixels][64 channels], the 128-byte swizzle; zeros past the
+// last pixel): coordinates (0, chunk, pixel, 0).
+CUresult MakeChunkMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int pixels, int chunks) {
+  const CUtensorMapDataType type =
+      dtype == ffi::DataType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const cuuint64_t dims[4] = {cuuint64_t(kChannels), cuuint64_t(chunks), cuuint64_t(pixels), 1};
+  const cuuint64_t strides[3] = {cuuint64_t(kPixelBytes), cuuint64_t(chunks) * kPixelBytes,
+                                 cuuint64_t(pixels) * chunks * kPixelBytes};
+  const cuuint32_t box[4] = {cuuint32_t(kChannels), 1, cuuint32_t(kRowPixels), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  return cuTensorMapEncodeTiled(map, type, 4, const_cast<void*>(data), dims, strides, box, element_strides,
+                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+bool IsHopper() {
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major == 9;
 }
 
 Rows RowsOf(const ConvGeometry& g) { return Rows{int(g.in[1]), int(g.batch * g.in[0] * g.in[1])}; }
@@ -413,10 +558,7 @@ bool HaloApplies(const ConvGeometry& g, ffi::DataType dtype) {
       return false;
     }
   }
-  if (g.in[2] > kRowPixels || g.OutPixels() == 0 || g.batch * g.in[0] * g.in[1] >= INT_MAX) return false;
-  int device = 0, major = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major == 9;
+  return g.in[2] <= kRowPixels && g.OutPixels() > 0 && g.batch * g.in[0] * g.in[1] < INT_MAX && IsHopper();
 }
 
 ffi::Error HaloFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x, const void* w,
@@ -438,7 +580,6 @@ ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType d
       MakeRowMap(&dy_map, dy, dtype, rows.count, width, kRowPixels) != CUDA_SUCCESS) {
     return MapError("wgrad");
   }
-  float* sums = workspace + kHaloWgradSlices * kFilterCount;
   auto launch = [&](auto tag) {
     using T = decltype(tag);
     JAXDNN_RETURN_IF_ERROR(CudaError(
@@ -446,13 +587,50 @@ ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType d
         "conv wgrad (halo)"));
     HaloWgradKernel<T><<<kHaloWgradSlices, kWgradThreads, kWgradShared, stream>>>(x_map, dy_map, rows, workspace);
     JAXDNN_RETURN_IF_ERROR(LaunchError("conv wgrad (halo)"));
-    const dim3 groups((kFilterCount / 4 + 255) / 256, kHaloWgradGroups);
-    SumGroupsKernel<<<groups, 256, 0, stream>>>(reinterpret_cast<const float4*>(workspace),
-                                                reinterpret_cast<float4*>(sums));
-    SumToFilterKernel<T><<<(kFilterCount + 255) / 256, 256, 0, stream>>>(sums, static_cast<T*>(dw));
-    return LaunchError("conv wgrad (halo) slice sums");
+    return SumPartials<T>(stream, workspace, 9, kChannels, kChannels, dw);
   };
   return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}) : launch(__half{});
+}
+
+bool PointwiseWgradApplies(const ConvGeometry& g, ffi::DataType dtype) {
+  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
+  if (g.groups != 1 || std::min(g.channels, g.filters) != kChannels) return false;
+  const int64_t wide = std::max(g.channels, g.filters);
+  if (wide != 64 && wide != 128 && wide != 256) return false;
+  for (int a = 0; a < 3; ++a) {
+    if (g.window[a] != 1 || g.stride[a] != 1 || g.pad[a] != 0 || g.lhs_dilation[a] != 1) return false;
+  }
+  return g.InPixels() > 0 && g.InPixels() < INT_MAX - kRowPixels && IsHopper();
+}
+
+ffi::Error PointwiseWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x,
+                          const void* dy, float* workspace, void* dw) {
+  const int pixels = int(g.InPixels()), channels = int(g.channels), filters = int(g.filters);
+  const bool narrow_is_x = channels == kChannels;
+  const int wide = (narrow_is_x ? filters : channels) / kChannels;
+  CUtensorMap narrow_map, wide_map;
+  if (MakeChunkMap(&narrow_map, narrow_is_x ? x : dy, dtype, pixels, 1) != CUDA_SUCCESS ||
+      MakeChunkMap(&wide_map, narrow_is_x ? dy : x, dtype, pixels, wide) != CUDA_SUCCESS) {
+    return MapError("wgrad");
+  }
+  const Pointwise p{(pixels + kRowPixels - 1) / kRowPixels, channels, narrow_is_x};
+  auto launch = [&](auto tag, auto wide_tag) -> ffi::Error {
+    using T = decltype(tag);
+    constexpr int kWide = decltype(wide_tag)::value;
+    constexpr int kShared = PointwiseShared<kWide>();
+    const auto kernel = PointwiseWgradKernel<T, kWide>;
+    JAXDNN_RETURN_IF_ERROR(CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared),
+                                     "conv wgrad (pointwise)"));
+    kernel<<<kHaloWgradSlices, kPointwiseThreads, kShared, stream>>>(narrow_map, wide_map, p, workspace);
+    JAXDNN_RETURN_IF_ERROR(LaunchError("conv wgrad (pointwise)"));
+    return SumPartials<T>(stream, workspace, 1, channels, filters, dw);
+  };
+  auto by_width = [&](auto tag) {
+    if (wide == 1) return launch(tag, std::integral_constant<int, 1>{});
+    if (wide == 2) return launch(tag, std::integral_constant<int, 2>{});
+    return launch(tag, std::integral_constant<int, 4>{});
+  };
+  return dtype == ffi::DataType::BF16 ? by_width(__nv_bfloat16{}) : by_width(__half{});
 }
 
 }  // namespace jaxdnn

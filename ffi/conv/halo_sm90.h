@@ -1,7 +1,9 @@
 // The halo kernels: every stage of ResNet's 64-channel 3x3 convolutions (C = K = 64, stride 1, SAME
-// padding, rows of at most 64 pixels) on Hopper's tensor cores, from rows of the activations staged
-// in shared memory once, with their halo (halo_sm90.cu). CUTLASS's implicit GEMM re-reads each
-// pixel from L2 for each of the 9 taps; here a tap is an offset into the staged rows.
+// padding, rows of at most 64 pixels), and the wgrad of pointwise ones with 64 channels on one side,
+// on Hopper's tensor cores, from rows of the activations staged in shared memory once, with their
+// halo (halo_sm90.cu). CUTLASS's implicit GEMM re-reads each pixel from L2 for each of the 9 taps;
+// here a tap is an offset into the staged rows. Its wgrad has no split-K; here the CTAs split the
+// pixels, each keeping the whole filter gradient in registers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,5 +38,12 @@ constexpr int kHaloWgradGroups = 11;
 // float32 (jaxdnn/_conv_kernels.py's _HALO_WGRAD_PARTIALS).
 ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x, const void* dy,
                      float* workspace, void* dw);
+
+// The same for a 1x1 window (a zero-width halo): dw [1, 1, C, K] of a pointwise convolution (unit
+// strides, no padding) with 64 channels on one side (C or K) and 64, 128 or 256 on the other, from
+// chunks of 64 pixels of x and dy staged once. Same workspace (filter gradients of C K floats).
+bool PointwiseWgradApplies(const ConvGeometry& g, ffi::DataType dtype);
+ffi::Error PointwiseWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x,
+                          const void* dy, float* workspace, void* dw);
 
 }  // namespace jaxdnn
