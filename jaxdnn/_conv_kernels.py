@@ -131,13 +131,14 @@ def _halo(channels, filters, batch, attrs):
             and _spatial(attrs, "out") == (d, h, w) and 0 < w <= 64 and 0 < batch * d * h < 2**31 - 1)
 
 
-def _halo_pointwise_wgrad(channels, filters, batch, attrs):
-    """halo_sm90.cu's PointwiseWgradApplies (the dtype and the device checked elsewhere): one group, a
-    1x1 window with unit strides and no padding, 64 channels on one side and 64, 128 or 256 on the
-    other."""
+def _halo_pointwise(stage, channels, filters, batch, attrs):
+    """halo_sm90.cu's PointwiseWgradApplies and PointwiseProductApplies (the dtype and the device
+    checked elsewhere): one group, a 1x1 window with unit strides and no padding, 64 channels on one
+    side (wgrad), or on the reduction's (fprop: C, dgrad: K), and 64, 128 or 256 on the other."""
     unit = (1, 1, 1)
-    sides = sorted((channels, filters))
-    return (int(attrs["groups"]) == 1 and sides[0] == 64 and sides[1] in (64, 128, 256)
+    narrow, wide = {"wgrad": sorted((channels, filters)), "fprop": (channels, filters),
+                    "dgrad": (filters, channels)}.get(stage, (0, 0))
+    return (int(attrs["groups"]) == 1 and narrow == 64 and wide in (64, 128, 256)
             and _spatial(attrs, "window") == unit and _spatial(attrs, "stride") == unit
             and _spatial(attrs, "pad") == (0, 0, 0) and _spatial(attrs, "lhs_dilation") == unit
             and 0 < batch * math.prod(_spatial(attrs, "in")) < 2**31 - 65)
@@ -158,7 +159,7 @@ def _candidates(stage, dtype, channels, filters, batch, attrs):
     """The algorithms a stage can run on (conv_sm90.cu's MakeProblem and conv.cu's PointwiseGemm
     conditions): none where the tensor cores cannot take it; the implicit-GEMM tiles; the GEMM for a
     pointwise stage (not the fused forward, whose epilogue the GEMM lacks); the halo kernels for the
-    64-channel 3x3 layers and the wgrad of 1x1 ones with 64 channels on one side."""
+    64-channel 3x3 layers and for 1x1 ones with 64 channels on one side (see _halo_pointwise)."""
     if not _on_tensor_cores(dtype, channels, attrs) or filters % 8:
         return ()
     window, strides, pads = (_spatial(attrs, name) for name in ("window", "stride", "pad"))
@@ -167,9 +168,8 @@ def _candidates(stage, dtype, channels, filters, batch, attrs):
     tiles = (_TILE_WIDE, _TILE_TALL) + ((_TILE_SMALL,) if stage in ("fprop", "fused", "dgrad") else ())
     pointwise = window == (1, 1, 1) and strides == (1, 1, 1) and pads == (0, 0, 0)
     gemm = (_GEMM,) if stage != "fused" and pointwise and channels % 8 == 0 else ()
-    pointwise_wgrad = stage == "wgrad" and _halo_pointwise_wgrad(channels, filters, batch, attrs)
-    halo = (_HALO,) if _halo(channels, filters, batch, attrs) or pointwise_wgrad else ()
-    return gemm + tiles + halo
+    halo = _halo(channels, filters, batch, attrs) or _halo_pointwise(stage, channels, filters, batch, attrs)
+    return gemm + tiles + ((_HALO,) if halo else ())
 
 
 def _bind_tuned(prim, stage, operands, channels, filters, attrs):
@@ -214,7 +214,7 @@ def _wgrad_avals(x, dy, **attrs):
         tile_rows = 128 if int(attrs.get("algorithm", 0)) == _TILE_WIDE else 64  # conv_sm90.cuh's Wgrad
         slices = _wgrad_slices(x.shape[0], math.prod(dy.shape[:-1]), padded_filter, dy.shape[-1], tile_rows)
         args = (x.shape[-1], dy.shape[-1], x.shape[0], attrs)
-        if int(attrs.get("algorithm", 0)) in (0, _HALO) and (_halo(*args) or _halo_pointwise_wgrad(*args)):
+        if int(attrs.get("algorithm", 0)) in (0, _HALO) and (_halo(*args) or _halo_pointwise("wgrad", *args)):
             slices = _HALO_WGRAD_PARTIALS
         float32_bytes = 4 * slices * padded_filter
         extra = _padded_input(x.shape)

@@ -1,8 +1,10 @@
 // CUDA convolution. Depthwise stages (groups == C, no lhs dilation) run on the memory-bound kernels
 // of depthwise.cu. Stages with 16-bit operands, one group and K a multiple of 8 run on tensor cores:
 // pointwise forwards and dgrads (1x1 windows, unit strides, no padding, C a multiple of 8) on the GEMM
-// of ffi/dense (see PointwiseGemm), the other 2-D stages on the implicit-GEMM kernels of
-// conv_sm90.cuh (through conv_sm90.cu's TensorCoreFprop and friends, with the targets' workspace).
+// of ffi/dense (see PointwiseGemm), or on the pointwise product of conv/halo_sm90.h when their
+// reduction has 64 channels, the other 2-D stages on the implicit-GEMM kernels of conv_sm90.cuh
+// (through conv_sm90.cu's TensorCoreFprop and friends, with the targets' workspace), or on the halo
+// kernels of conv/halo_sm90.h where those take them.
 // Everything else runs on a CORRECTNESS BASELINE without tensor cores. The baseline trades speed for
 // obviously safe code: scalar loads (no alignment requirement), int64 indexing, float32
 // accumulation, grid-stride loops over a 1-D grid (no gridDim.y/z limits), and the index maps of
@@ -33,6 +35,7 @@
 #include "conv/conv_geometry.h"
 #include "conv/conv_sm90.h"
 #include "conv/depthwise.h"
+#include "conv/halo_sm90.h"
 #include "dense/gemm_sm90.h"
 
 namespace jaxdnn {
@@ -195,11 +198,21 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::An
   });
 }
 
+// Whether a plain pointwise fprop or dgrad with 64 channels on its reduction side runs on the halo
+// file's pointwise product (conv/halo_sm90.h): unless the algorithm names another kernel.
+bool UsesPointwiseProduct(const ConvGeometry& g, ffi::DataType dtype, int64_t algorithm, bool dgrad) {
+  return (algorithm == kConvAuto || algorithm == kConvHalo) && PointwiseProductApplies(g, dtype, dgrad);
+}
+
 ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::AnyBuffer> workspace, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), w.dimensions(), y->dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
+  if (UsesPointwiseProduct(g, x.element_type(), attrs.algorithm, false)) {
+    return PointwiseProduct(stream, g, x.element_type(), x.untyped_data(), w.untyped_data(), false,
+                            y->untyped_data());
+  }
   if (g.OutPixels() * g.filters > 0 && TriesGemmFirst(attrs.algorithm)) {
     if (auto status = PointwiseGemm(stream, g, x.untyped_data(), w.untyped_data(), y->untyped_data(),
                                     g.OutPixels(), g.filters, g.channels, false, false, x.element_type())) {
@@ -229,6 +242,10 @@ ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
   if (items == 0) return ffi::Error::Success();
   if (IsDepthwise(g)) {
     return DepthwiseDgrad(stream, g, dy.element_type(), dy.untyped_data(), w.untyped_data(), dx->untyped_data());
+  }
+  if (UsesPointwiseProduct(g, dy.element_type(), attrs.algorithm, true)) {
+    return PointwiseProduct(stream, g, dy.element_type(), dy.untyped_data(), w.untyped_data(), true,
+                            dx->untyped_data());
   }
   if (TriesGemmFirst(attrs.algorithm)) {
     if (auto status = PointwiseGemm(stream, g, dy.untyped_data(), w.untyped_data(), dx->untyped_data(),

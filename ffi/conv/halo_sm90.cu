@@ -426,6 +426,83 @@ __global__ void __launch_bounds__(kPointwiseThreads, 1)
   }
 }
 
+// A 1x1 convolution's plain fprop (x with C = 64: y [P, N] = x [P, 64] w, N = K) or dgrad (dy with K =
+// 64: dx [P, N] = dy [P, 64] w^T, N = C), N = 64, 128 or 256: a GEMM of reduction 64, as memory-bound as
+// its copy. The CTAs stream their range of 64-pixel chunks through a ring of stages with w resident
+// in shared memory ([64][N], in 64-column chunks: B MN-major for fprop; [N][64]: K-major for dgrad);
+// the two consumer warpgroups take alternate chunks: four m64nNk16 products, then the stores of the
+// chunk's rows while the other warpgroup multiplies.
+template <typename T, int kWide, bool kDgrad>
+__global__ void __launch_bounds__(kPointwiseThreads, 1)
+    PointwiseProductKernel(const __grid_constant__ CUtensorMap in_map, const __grid_constant__ CUtensorMap w_map,
+                           int pixels, T* __restrict__ out) {
+  constexpr int kN = 64 * kWide;
+  extern __shared__ uint8_t shared_raw[];
+  uint8_t* filter = sm90::AlignedShared(shared_raw);
+  uint8_t* stages = filter + kWide * kChunkBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kPointwiseStages * kChunkBytes);
+  uint64_t* empty = full + kPointwiseStages;
+  uint64_t* filter_full = empty + kPointwiseStages;
+  const Range range((pixels + kRowPixels - 1) / kRowPixels, blockIdx.x, gridDim.x);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kPointwiseStages; ++s) {
+      sm90::BarrierInit(&full[s], 1);
+      sm90::BarrierInit(&empty[s], 1);  // a chunk is one warpgroup's
+    }
+    sm90::BarrierInit(filter_full, 1);
+    sm90::BarrierInitFence();
+  }
+  __syncthreads();
+  if (range.count == 0) return;
+
+  if (warp == kPointwiseConsumers * 4) {  // the producer
+    if (threadIdx.x % 32 == 0) {
+      sm90::BarrierArriveExpectTx(filter_full, kWide * kChunkBytes);
+      for (int j = 0; j < kWide; ++j) {  // fprop: w's columns [64 j, + 64); dgrad: its rows
+        sm90::TmaLoad4d(filter + j * kChunkBytes, &w_map, filter_full, 0, kDgrad ? 0 : j, kDgrad ? 64 * j : 0, 0);
+      }
+      for (int e = 0; e < range.count; ++e) {
+        WaitEmpty<kPointwiseStages>(empty, e);
+        uint64_t* bar = &full[e % kPointwiseStages];
+        sm90::BarrierArriveExpectTx(bar, kChunkBytes);
+        sm90::TmaLoad4d(stages + e % kPointwiseStages * kChunkBytes, &in_map, bar, 0, 0,
+                        (range.first + e) * kRowPixels, 0);
+      }
+    }
+    return;
+  }
+
+  const int lane = threadIdx.x % 32, row = 16 * (warp % 4) + lane / 4, col = 2 * (lane % 4);
+  sm90::BarrierWait(filter_full, 0);
+  for (int i = sm90::WarpgroupIndex(); i < range.count; i += kPointwiseConsumers) {
+    WaitFull<kPointwiseStages>(full, i);
+    const uint8_t* in = stages + i % kPointwiseStages * kChunkBytes;
+    float acc[32 * kWide];  // set by the first product
+    sm90::WgmmaFence();
+#pragma unroll
+    for (int step = 0; step < kChannels / 16; ++step) {
+      const uint64_t a = sm90::DescriptorKMajor(in + step * 32);
+      const uint64_t b = kDgrad ? sm90::DescriptorKMajor(filter + step * 32)
+                                : sm90::DescriptorMNMajor(filter + step * 16 * kPixelBytes, kChunkBytes);
+      sm90::Wgmma<kN, T>::template SS<kDgrad ? 0 : 1>(acc, a, b, step > 0);
+    }
+    sm90::WgmmaCommit();
+    sm90::FenceRegisters(acc);
+    sm90::WgmmaWait<0>();
+    sm90::FenceRegisters(acc);
+    if (threadIdx.x % kWarpgroup == 0) sm90::BarrierArrive(&empty[i % kPointwiseStages]);
+    const int64_t first_pixel = int64_t(range.first + i) * kRowPixels;
+#pragma unroll
+    for (int j = 0; j < 32 * kWide; j += 2) {
+      const int64_t q = first_pixel + row + 8 * ((j >> 1) & 1);
+      if (q < pixels) {
+        *reinterpret_cast<uint32_t*>(out + q * kN + col + 8 * (j >> 2)) = sm90::PackPair<T>(acc[j], acc[j + 1]);
+      }
+    }
+  }
+}
+
 // --- the partial sums' total -------------------------------------------------------------------------
 
 // sums[g] = the partial sums (of `vectors` float4 each) of slices [kGroupSlices g, kGroupSlices (g +
@@ -629,6 +706,47 @@ ffi::Error PointwiseWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataT
     if (wide == 1) return launch(tag, std::integral_constant<int, 1>{});
     if (wide == 2) return launch(tag, std::integral_constant<int, 2>{});
     return launch(tag, std::integral_constant<int, 4>{});
+  };
+  return dtype == ffi::DataType::BF16 ? by_width(__nv_bfloat16{}) : by_width(__half{});
+}
+
+bool PointwiseProductApplies(const ConvGeometry& g, ffi::DataType dtype, bool dgrad) {
+  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
+  const int64_t reduction = dgrad ? g.filters : g.channels, wide = dgrad ? g.channels : g.filters;
+  if (g.groups != 1 || reduction != kChannels || (wide != 64 && wide != 128 && wide != 256)) return false;
+  for (int a = 0; a < 3; ++a) {
+    if (g.window[a] != 1 || g.stride[a] != 1 || g.pad[a] != 0 || g.lhs_dilation[a] != 1) return false;
+  }
+  return g.InPixels() > 0 && g.InPixels() < INT_MAX - kRowPixels && IsHopper();
+}
+
+ffi::Error PointwiseProduct(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* in,
+                            const void* w, bool dgrad, void* out) {
+  const int pixels = int(g.InPixels());
+  const int wide = int(dgrad ? g.channels : g.filters) / kChannels;
+  CUtensorMap in_map, w_map;  // w [C, K]: fprop's [64][N] in chunks of 64 columns, dgrad's [N][64]
+  if (MakeChunkMap(&in_map, in, dtype, pixels, 1) != CUDA_SUCCESS ||
+      MakeChunkMap(&w_map, w, dtype, dgrad ? 64 * wide : kChannels, dgrad ? 1 : wide) != CUDA_SUCCESS) {
+    return MapError(dgrad ? "dgrad" : "fprop");
+  }
+  auto launch = [&](auto tag, auto wide_tag, auto dgrad_tag) -> ffi::Error {
+    using T = decltype(tag);
+    constexpr int kWide = decltype(wide_tag)::value;
+    constexpr int kShared = (kWide + kPointwiseStages) * kChunkBytes + (2 * kPointwiseStages + 1) * 8 + 1024;
+    const auto kernel = PointwiseProductKernel<T, kWide, decltype(dgrad_tag)::value>;
+    JAXDNN_RETURN_IF_ERROR(CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared),
+                                     "conv pointwise product"));
+    const int ctas = std::min(ResidentBlocks(kernel, kPointwiseThreads, kShared), (pixels + kRowPixels - 1) / kRowPixels);
+    kernel<<<ctas, kPointwiseThreads, kShared, stream>>>(in_map, w_map, pixels, static_cast<T*>(out));
+    return LaunchError("conv pointwise product");
+  };
+  auto by_direction = [&](auto tag, auto wide_tag) {
+    return dgrad ? launch(tag, wide_tag, std::true_type{}) : launch(tag, wide_tag, std::false_type{});
+  };
+  auto by_width = [&](auto tag) {
+    if (wide == 1) return by_direction(tag, std::integral_constant<int, 1>{});
+    if (wide == 2) return by_direction(tag, std::integral_constant<int, 2>{});
+    return by_direction(tag, std::integral_constant<int, 4>{});
   };
   return dtype == ffi::DataType::BF16 ? by_width(__nv_bfloat16{}) : by_width(__half{});
 }

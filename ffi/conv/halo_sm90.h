@@ -46,4 +46,11 @@ bool PointwiseWgradApplies(const ConvGeometry& g, ffi::DataType dtype);
 ffi::Error PointwiseWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x,
                           const void* dy, float* workspace, void* dw);
 
+// A pointwise convolution's plain fprop with C = 64 (out = y, in = x) or dgrad with K = 64 (out = dx,
+// in = dy), the other side 64, 128 or 256 channels: chunks of 64 pixels streamed through with w [1, 1,
+// C, K] resident in shared memory; no workspace, no epilogue.
+bool PointwiseProductApplies(const ConvGeometry& g, ffi::DataType dtype, bool dgrad);
+ffi::Error PointwiseProduct(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* in,
+                            const void* w, bool dgrad, void* out);
+
 }  // namespace jaxdnn
