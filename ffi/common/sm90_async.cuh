@@ -85,6 +85,17 @@ __device__ __forceinline__ void TmaReduceAdd4d(const CUtensorMap* map, const voi
       : "memory");
 }
 
+// Stores the shared-memory box to the box at coordinates (c0 innermost .. c3) of a 4-D tensor map
+// (out-of-bounds parts dropped), in this thread's current bulk group (BulkWaitAll / BulkWaitReads
+// complete it).
+__device__ __forceinline__ void TmaStore4d(const CUtensorMap* map, const void* smem, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(SharedAddress(smem))
+      : "memory");
+}
+
 __device__ __forceinline__ void TmaPrefetchDescriptor(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }

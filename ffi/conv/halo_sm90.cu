@@ -430,16 +430,24 @@ __global__ void __launch_bounds__(kPointwiseThreads, 1)
 // 64: dx [P, N] = dy [P, 64] w^T, N = C), N = 64, 128 or 256: a GEMM of reduction 64, as memory-bound as
 // its copy. The CTAs stream their range of 64-pixel chunks through a ring of stages with w resident
 // in shared memory ([64][N], in 64-column chunks: B MN-major for fprop; [N][64]: K-major for dgrad);
-// the two consumer warpgroups take alternate chunks: four m64nNk16 products, then the stores of the
-// chunk's rows while the other warpgroup multiplies.
+// the two consumer warpgroups take alternate chunks: four m64nNk16 products, then the chunk's
+// results, rounded, into the warpgroup's shared-memory tile (as TMA swizzles it) and from there to
+// out by TMA stores (whole lines: stores of each thread's pairs ran at a third of the rate), while the
+// other warpgroup multiplies.
+template <int kWide>
+constexpr int PointwiseProductShared() {
+  return (kWide * (1 + kPointwiseConsumers) + kPointwiseStages) * kChunkBytes + (2 * kPointwiseStages + 1) * 8 + 1024;
+}
+
 template <typename T, int kWide, bool kDgrad>
 __global__ void __launch_bounds__(kPointwiseThreads, 1)
     PointwiseProductKernel(const __grid_constant__ CUtensorMap in_map, const __grid_constant__ CUtensorMap w_map,
-                           int pixels, T* __restrict__ out) {
+                           const __grid_constant__ CUtensorMap out_map, int pixels) {
   constexpr int kN = 64 * kWide;
   extern __shared__ uint8_t shared_raw[];
   uint8_t* filter = sm90::AlignedShared(shared_raw);
-  uint8_t* stages = filter + kWide * kChunkBytes;
+  uint8_t* results = filter + kWide * kChunkBytes;  // a [64 pixels][N] tile per consumer warpgroup
+  uint8_t* stages = results + kPointwiseConsumers * kWide * kChunkBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(stages + kPointwiseStages * kChunkBytes);
   uint64_t* empty = full + kPointwiseStages;
   uint64_t* filter_full = empty + kPointwiseStages;
@@ -474,8 +482,11 @@ __global__ void __launch_bounds__(kPointwiseThreads, 1)
   }
 
   const int lane = threadIdx.x % 32, row = 16 * (warp % 4) + lane / 4, col = 2 * (lane % 4);
+  const int group = sm90::WarpgroupIndex();
+  const bool issues = threadIdx.x % kWarpgroup == 0;  // the warpgroup's thread that issues its stores
+  uint8_t* tile = results + group * kWide * kChunkBytes;
   sm90::BarrierWait(filter_full, 0);
-  for (int i = sm90::WarpgroupIndex(); i < range.count; i += kPointwiseConsumers) {
+  for (int i = group; i < range.count; i += kPointwiseConsumers) {
     WaitFull<kPointwiseStages>(full, i);
     const uint8_t* in = stages + i % kPointwiseStages * kChunkBytes;
     float acc[32 * kWide];  // set by the first product
@@ -491,16 +502,26 @@ __global__ void __launch_bounds__(kPointwiseThreads, 1)
     sm90::FenceRegisters(acc);
     sm90::WgmmaWait<0>();
     sm90::FenceRegisters(acc);
-    if (threadIdx.x % kWarpgroup == 0) sm90::BarrierArrive(&empty[i % kPointwiseStages]);
-    const int64_t first_pixel = int64_t(range.first + i) * kRowPixels;
+    if (issues) {
+      sm90::BarrierArrive(&empty[i % kPointwiseStages]);
+      sm90::BulkWaitReads();  // the tile's previous stores have read it
+    }
+    sm90::NamedBarrierSync(1 + group, kWarpgroup);
 #pragma unroll
-    for (int j = 0; j < 32 * kWide; j += 2) {
-      const int64_t q = first_pixel + row + 8 * ((j >> 1) & 1);
-      if (q < pixels) {
-        *reinterpret_cast<uint32_t*>(out + q * kN + col + 8 * (j >> 2)) = sm90::PackPair<T>(acc[j], acc[j + 1]);
+    for (int j = 0; j < 32 * kWide; j += 2) {  // pixel r, channel c of 64-channel chunk c / 64, swizzled
+      const int r = row + 8 * ((j >> 1) & 1), c = col + 8 * (j >> 2);
+      const int at = c / 64 * kChunkBytes + r * kPixelBytes + ((c % 64 / 8) ^ (r % 8)) * 16 + c % 8 * 2;
+      *reinterpret_cast<uint32_t*>(tile + at) = sm90::PackPair<T>(acc[j], acc[j + 1]);
+    }
+    sm90::FenceProxyAsync();
+    sm90::NamedBarrierSync(1 + group, kWarpgroup);
+    if (issues) {
+      for (int j = 0; j < kWide; ++j) {
+        sm90::TmaStore4d(&out_map, tile + j * kChunkBytes, 0, j, (range.first + i) * kRowPixels, 0);
       }
     }
   }
+  if (issues) sm90::BulkWaitAll();
 }
 
 // --- the partial sums' total -------------------------------------------------------------------------
@@ -724,20 +745,21 @@ ffi::Error PointwiseProduct(cudaStream_t stream, const ConvGeometry& g, ffi::Dat
                             const void* w, bool dgrad, void* out) {
   const int pixels = int(g.InPixels());
   const int wide = int(dgrad ? g.channels : g.filters) / kChannels;
-  CUtensorMap in_map, w_map;  // w [C, K]: fprop's [64][N] in chunks of 64 columns, dgrad's [N][64]
+  CUtensorMap in_map, w_map, out_map;  // w [C, K]: fprop's [64][N] in chunks of 64 columns, dgrad's [N][64]
   if (MakeChunkMap(&in_map, in, dtype, pixels, 1) != CUDA_SUCCESS ||
-      MakeChunkMap(&w_map, w, dtype, dgrad ? 64 * wide : kChannels, dgrad ? 1 : wide) != CUDA_SUCCESS) {
+      MakeChunkMap(&w_map, w, dtype, dgrad ? 64 * wide : kChannels, dgrad ? 1 : wide) != CUDA_SUCCESS ||
+      MakeChunkMap(&out_map, out, dtype, pixels, wide) != CUDA_SUCCESS) {
     return MapError(dgrad ? "dgrad" : "fprop");
   }
   auto launch = [&](auto tag, auto wide_tag, auto dgrad_tag) -> ffi::Error {
     using T = decltype(tag);
     constexpr int kWide = decltype(wide_tag)::value;
-    constexpr int kShared = (kWide + kPointwiseStages) * kChunkBytes + (2 * kPointwiseStages + 1) * 8 + 1024;
+    constexpr int kShared = PointwiseProductShared<kWide>();
     const auto kernel = PointwiseProductKernel<T, kWide, decltype(dgrad_tag)::value>;
     JAXDNN_RETURN_IF_ERROR(CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared),
                                      "conv pointwise product"));
     const int ctas = std::min(ResidentBlocks(kernel, kPointwiseThreads, kShared), (pixels + kRowPixels - 1) / kRowPixels);
-    kernel<<<ctas, kPointwiseThreads, kShared, stream>>>(in_map, w_map, pixels, static_cast<T*>(out));
+    kernel<<<ctas, kPointwiseThreads, kShared, stream>>>(in_map, w_map, out_map, pixels);
     return LaunchError("conv pointwise product");
   };
   auto by_direction = [&](auto tag, auto wide_tag) {
