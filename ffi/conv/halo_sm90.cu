@@ -82,16 +82,19 @@ __device__ __forceinline__ void WaitEmpty(uint64_t* empty, int e) {
 constexpr int kFpropRows = 2;
 constexpr int kFpropConsumers = 3;
 constexpr int kFpropThreads = kFpropConsumers * kWarpgroup + 32;  // and one producer warp
-constexpr int kFpropStages = 14;  // 6 rows in products read 8 stages; the rest are loads ahead
-constexpr int kFpropShared = kFilterBytes + (kFpropStages + 1) * kHaloBytes + (2 * kFpropStages + 1) * 8 + 1024;
+constexpr int kFpropStages = 12;  // 6 rows in products read 8 stages; the rest are loads ahead
+// w, the stages, the zero row, a result tile per consumer warpgroup, the barriers, alignment
+constexpr int kFpropShared = kFilterBytes + (kFpropStages + 1) * kHaloBytes + kFpropConsumers * kRowBytes +
+                             (2 * kFpropStages + 1) * 8 + 1024;
 
 // The epilogue of one output row held in a warpgroup's accumulator (pixel q, feature k of element
-// j as sm90::Wgmma lays it out) and its store: out = act(acc + bias + residual), rounded once, for
-// the row's `width` pixels. All loads come before the stores.
+// j as sm90::Wgmma lays it out): act(acc + bias + residual), rounded once, into the warpgroup's
+// [64 pixels][64 features] tile as TMA's 128-byte swizzle lays it out (a TMA store takes the row's
+// `width` pixels from there: stores of each thread's pairs ran at a third of its rate).
 template <typename T>
-__device__ __forceinline__ void StoreRow(const float (&acc)[32], const float (&bias)[16], const T* residual,
+__device__ __forceinline__ void StageRow(const float (&acc)[32], const float (&bias)[16], const T* residual,
                                          int64_t activation, float activation_param, int64_t row_start, int width,
-                                         int pixel, int col, T* out) {
+                                         int pixel, int col, uint8_t* tile) {
   float v[32];
 #pragma unroll
   for (int j = 0; j < 32; ++j) v[j] = acc[j] + bias[(j >> 2) * 2 + (j & 1)];
@@ -113,9 +116,8 @@ __device__ __forceinline__ void StoreRow(const float (&acc)[32], const float (&b
 #pragma unroll
   for (int j = 0; j < 32; j += 2) {
     const int q = pixel + 8 * ((j >> 1) & 1), k = col + 8 * (j >> 2);
-    if (q < width) {
-      *reinterpret_cast<uint32_t*>(out + (row_start + q) * kChannels + k) = sm90::PackPair<T>(v[j], v[j + 1]);
-    }
+    *reinterpret_cast<uint32_t*>(tile + q * kPixelBytes + ((k / 8) ^ (q % 8)) * 16 + k % 8 * 2) =
+        sm90::PackPair<T>(v[j], v[j + 1]);
   }
 }
 
@@ -124,12 +126,13 @@ __device__ __forceinline__ void StoreRow(const float (&acc)[32], const float (&b
 template <typename T, bool kDgrad>
 __global__ void __launch_bounds__(kFpropThreads, 1)
     HaloFpropKernel(const __grid_constant__ CUtensorMap in_map, const __grid_constant__ CUtensorMap w_map,
-                    Rows rows, int width, ConvEpilogue<T> epilogue, T* __restrict__ out) {
+                    const __grid_constant__ CUtensorMap out_map, Rows rows, int width, ConvEpilogue<T> epilogue) {
   extern __shared__ uint8_t shared_raw[];
   uint8_t* filter = sm90::AlignedShared(shared_raw);
   uint8_t* stages = filter + kFilterBytes;
   uint8_t* zeros = stages + kFpropStages * kHaloBytes;  // the row of taps outside the image
-  uint64_t* full = reinterpret_cast<uint64_t*>(zeros + kHaloBytes);
+  uint8_t* tiles = zeros + kHaloBytes;  // a result tile per consumer warpgroup
+  uint64_t* full = reinterpret_cast<uint64_t*>(tiles + kFpropConsumers * kRowBytes);
   uint64_t* empty = full + kFpropStages;
   uint64_t* filter_full = empty + kFpropStages;
   const Range range(rows.count, blockIdx.x, gridDim.x);
@@ -167,8 +170,11 @@ __global__ void __launch_bounds__(kFpropThreads, 1)
   for (int j = 0; j < 16; ++j) {
     bias[j] = epilogue.bias != nullptr ? ToFloat(epilogue.bias[col + 8 * (j / 2) + j % 2]) : 0.f;
   }
+  const int group = sm90::WarpgroupIndex();
+  const bool issues = threadIdx.x % kWarpgroup == 0;  // the warpgroup's thread that issues its stores
+  uint8_t* tile = tiles + group * kRowBytes;
   sm90::BarrierWait(filter_full, 0);
-  for (int i = kFpropRows * sm90::WarpgroupIndex(); i < range.count; i += kFpropRows * kFpropConsumers) {
+  for (int i = kFpropRows * group; i < range.count; i += kFpropRows * kFpropConsumers) {
     const int rows_here = min(kFpropRows, range.count - i);
 #pragma unroll
     for (int e = 0; e < kFpropRows + 2; ++e) WaitFull<kFpropStages>(full, i + e);
@@ -220,11 +226,17 @@ __global__ void __launch_bounds__(kFpropThreads, 1)
 #pragma unroll
     for (int t = 0; t < kFpropRows; ++t) {
       if (t < rows_here) {
-        StoreRow(acc[t], bias, epilogue.residual, epilogue.activation, epilogue.activation_param,
-                 int64_t(range.first + i + t) * width, width, pixel, col, out);
+        if (issues) sm90::BulkWaitReads();  // the tile's previous store has read it
+        sm90::NamedBarrierSync(1 + group, kWarpgroup);
+        StageRow(acc[t], bias, epilogue.residual, epilogue.activation, epilogue.activation_param,
+                 int64_t(range.first + i + t) * width, width, pixel, col, tile);
+        sm90::FenceProxyAsync();
+        sm90::NamedBarrierSync(1 + group, kWarpgroup);
+        if (issues) sm90::TmaStore4d(&out_map, tile, 0, 0, range.first + i + t, 0);
       }
     }
   }
+  if (issues) sm90::BulkWaitAll();
 }
 
 // --- wgrad ---------------------------------------------------------------------------------------
@@ -625,9 +637,10 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType
   const char* stage = kDgrad ? "dgrad" : "fprop";
   const Rows rows = RowsOf(g);
   const int width = int(g.in[2]);
-  CUtensorMap in_map, w_map;  // w [3, 3, C, K] as 576 rows of K
+  CUtensorMap in_map, w_map, out_map;  // w [3, 3, C, K] as 576 rows of K
   if (MakeRowMap(&in_map, in, dtype, rows.count, width, kHaloPixels) != CUDA_SUCCESS ||
-      MakeRowMap(&w_map, w, dtype, 1, 9 * kChannels, 192) != CUDA_SUCCESS) {
+      MakeRowMap(&w_map, w, dtype, 1, 9 * kChannels, 192) != CUDA_SUCCESS ||
+      MakeRowMap(&out_map, out, dtype, rows.count, width, kRowPixels) != CUDA_SUCCESS) {
     return MapError(stage);
   }
   auto launch = [&](auto tag) {
@@ -638,7 +651,7 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType
     const ConvEpilogue<T> epilogue{static_cast<const T*>(bias), static_cast<const T*>(residual), activation,
                                    activation_param};
     const int ctas = std::min(ResidentBlocks(kernel, kFpropThreads, kFpropShared), rows.count);
-    kernel<<<ctas, kFpropThreads, kFpropShared, stream>>>(in_map, w_map, rows, width, epilogue, static_cast<T*>(out));
+    kernel<<<ctas, kFpropThreads, kFpropShared, stream>>>(in_map, w_map, out_map, rows, width, epilogue);
     return LaunchError(stage);
   };
   return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}) : launch(__half{});
