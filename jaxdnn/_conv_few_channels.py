@@ -14,6 +14,8 @@ padded kernels and 1.9 ms as an explicit GEMM to 0.67 ms with space-to-depth; cu
   filter, the bias and activation in its epilogue; its gradients are two more GEMMs (the weight
   gradient split over the rows) and XLA's transpose of the gather. The patches matrix, taps times
   x, is kept for the backward.
+The space-to-depth form also serves the 16-bit strided dgrad of any channel count
+(jaxdnn/_conv_kernels.py's `_dgrad_by_blocks`): `filter_blocks` and the transpose of `input_blocks`.
 """
 
 from __future__ import annotations

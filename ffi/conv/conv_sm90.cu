@@ -6,7 +6,8 @@
 // - strided dgrad: CUTLASS's Hopper dgrad has unit strides only, so dy goes through it with
 //   stride - 1 zeros inserted between its pixels (the zero-padded dy of a unit-stride convolution
 //   whose output positions o * stride are the strided one's): stride^2 times the work, but on the
-//   tensor cores;
+//   tensor cores (jaxdnn/_conv_kernels.py sends those whose window spans the stride, 3x3/2, through
+//   the convolution's space-to-depth form instead);
 // - wgrad: the images split into slices whose float32 partial sums [K, R, S, C] run side by side in
 //   one launch (one slice's output tiles alone would leave most SMs idle: CUTLASS's Hopper conv has
 //   no split-K), then one kernel adds the slices in a fixed order (deterministic) and transposes the

@@ -7,19 +7,27 @@
 // R - 1, R, R + 1 of its taps in stages i, i + 1, i + 2. A tap (r, s) is then the row of stage i + r
 // read from its pixel s: a wgmma descriptor whose start is moved s 128-byte pixels into the stage
 // (the 128-byte swizzle is a function of the shared-memory address, so a descriptor starting on any
-// pixel reads what TMA wrote there). A row R + r - 1 of another image (h + r - 1 outside [0, H)) is
-// skipped. Products are 64 x 64 wgmma tiles, float32 sums in registers.
+// pixel reads what TMA wrote there). A row R + r - 1 of another image (h + r - 1 outside [0, H))
+// contributes nothing. Products are 64 x 64 wgmma tiles, float32 sums in registers.
 //
-// - fprop: consumer warpgroups take alternate output rows: y[R] (64 pixels x 64 filters) = the sum
-//   over the 9 taps of x's shifted row (K-major A) times w[r, s] (B [C, K], resident in shared
-//   memory), then the epilogue (bias, residual, activation) and the store of the row's W pixels.
+// - fprop: consumer warpgroups take pairs of output rows: y[R] (64 pixels x 64 filters) = the sum
+//   over the 9 taps of x's shifted row (K-major A; a zero row for taps outside the image) times
+//   w[r, s] (B [C, K], resident in shared memory), then the epilogue (bias, residual, activation)
+//   into a shared-memory tile and a TMA store of the row's W pixels.
 // - dgrad: the same over dy with w's taps flipped and read K-major (dx[R, q, c] = sum over (r, s, k)
 //   of dy[R + r - 1, q + s - 1, k] w[2 - r, 2 - s, c, k]).
 // - wgrad: a stage also holds dy row first + e - 2 (pixels past W zero), and consumer warpgroup r
 //   (0..2) owns the taps (r, s), s = 0..2, over every row: dW[k, r, s, c] += sum over pixels q of
 //   dy[R, q, k] x[R + r - 1, q + s - 1, c], dy^T as A and the shifted x row as B (both MN-major,
-//   the pixels the reduction axis). Its sums stay in registers (3 x 32 a thread) until the CTA's last
-//   row, then go to the CTA's partial sum; a second kernel adds the partial sums.
+//   the pixels the reduction axis; rows of another image skipped). Its sums stay in registers (3 x
+//   32 a thread) until the CTA's last row, then go to the CTA's partial sum; two more kernels add
+//   the partial sums in a fixed order.
+// - pointwise (a 1x1 window: a zero-width halo): the same machinery over chunks of 64 pixels for the
+//   wgrad and the plain fprop/dgrad of 1x1 layers with 64 channels on one side (see below).
+//
+// ptxas serializes wgmma (C7510/C7515/C7520) under a branch it cannot prove warp-uniform and after
+// ordinary writes to their accumulators: the warpgroup index comes from sm90::WarpgroupIndex, and
+// first products overwrite their accumulators rather than adding to zeros.
 #include <cuda.h>
 
 #include <cuda_bf16.h>
@@ -586,41 +594,36 @@ ffi::Error SumPartials(cudaStream_t stream, float* workspace, int taps, int chan
 
 // --- launchers -----------------------------------------------------------------------------------
 
-// The tensor map of `rows` rows of `width` 128-byte items (pixels of 64 16-bit channels, or filter
-// rows of 64 filters) whose box is `box_items` consecutive items of one row (the 128-byte swizzle;
-// zeros outside the array).
-CUresult MakeRowMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int rows, int width, int box_items) {
+// The tensor map of an array [outer][inner][64] of 16-bit values (rows of 128 bytes: a pixel's 64
+// channels, or 64 filters of a filter row) whose box is [box_outer][box_inner][64] (the 128-byte
+// swizzle; zeros outside the array): coordinates (0, inner, outer, 0).
+CUresult MakeMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int outer, int inner, int box_outer,
+                 int box_inner) {
   const CUtensorMapDataType type =
       dtype == ffi::DataType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const cuuint64_t dims[4] = {cuuint64_t(kChannels), cuuint64_t(width), cuuint64_t(rows), 1};
-  const cuuint64_t strides[3] = {cuuint64_t(kPixelBytes), cuuint64_t(width) * kPixelBytes,
-                                 cuuint64_t(rows) * width * kPixelBytes};
-  const cuuint32_t box[4] = {cuuint32_t(kChannels), cuuint32_t(box_items), 1, 1};
+  const cuuint64_t dims[4] = {cuuint64_t(kChannels), cuuint64_t(inner), cuuint64_t(outer), 1};
+  const cuuint64_t strides[3] = {cuuint64_t(kPixelBytes), cuuint64_t(inner) * kPixelBytes,
+                                 cuuint64_t(outer) * inner * kPixelBytes};
+  const cuuint32_t box[4] = {cuuint32_t(kChannels), cuuint32_t(box_inner), cuuint32_t(box_outer), 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   return cuTensorMapEncodeTiled(map, type, 4, const_cast<void*>(data), dims, strides, box, element_strides,
                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+// Image rows [rows][width pixels][64 channels], a box `box_pixels` pixels of one row.
+CUresult MakeRowMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int rows, int width, int box_pixels) {
+  return MakeMap(map, data, dtype, rows, width, 1, box_pixels);
+}
+
+// Pixels [pixels][chunks x 64 channels], a box of 64 pixels of one 64-channel chunk.
+CUresult MakeChunkMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int pixels, int chunks) {
+  return MakeMap(map, data, dtype, pixels, chunks, kRowPixels, 1);
 }
 
 ffi::Error MapError(const char* stage) {
   return ffi::Error(ffi::ErrorCode::kInternal,
                     std::string("jaxdnn: conv ") + stage + " (halo): cannot encode a TMA descriptor");
-}
-
-// The tensor map of `pixels` rows of `chunks` x 64 16-bit channels whose box is 64 consecutive
-// pixels of one 64-channel chunk ([64 pixels][64 channels], the 128-byte swizzle; zeros past the
-// last pixel): coordinates (0, chunk, pixel, 0).
-CUresult MakeChunkMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int pixels, int chunks) {
-  const CUtensorMapDataType type =
-      dtype == ffi::DataType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const cuuint64_t dims[4] = {cuuint64_t(kChannels), cuuint64_t(chunks), cuuint64_t(pixels), 1};
-  const cuuint64_t strides[3] = {cuuint64_t(kPixelBytes), cuuint64_t(chunks) * kPixelBytes,
-                                 cuuint64_t(pixels) * chunks * kPixelBytes};
-  const cuuint32_t box[4] = {cuuint32_t(kChannels), 1, cuuint32_t(kRowPixels), 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  return cuTensorMapEncodeTiled(map, type, 4, const_cast<void*>(data), dims, strides, box, element_strides,
-                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
 bool IsHopper() {
