@@ -201,7 +201,7 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::An
 // Whether a plain pointwise fprop or dgrad with 64 channels on its reduction side runs on the halo
 // file's pointwise product (conv/halo_sm90.h): unless the algorithm names another kernel.
 bool UsesPointwiseProduct(const ConvGeometry& g, ffi::DataType dtype, int64_t algorithm, bool dgrad) {
-  return (algorithm == kConvAuto || algorithm == kConvHalo) && PointwiseProductApplies(g, dtype, dgrad);
+  return AllowsHalo(algorithm) && PointwiseProductApplies(g, dtype, dgrad);
 }
 
 ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,

@@ -43,8 +43,11 @@ enum ConvAlgorithm : int64_t {
   kConvTileWide = 2,   // implicit GEMM, 128 x 128 CTA tiles (wgrad: 128 filters a tile)
   kConvTileTall = 3,   // implicit GEMM, 256 x 64 tiles (wgrad: 64 filters a tile)
   kConvTileSmall = 4,  // implicit GEMM, 128 x 64 tiles, two CTAs an SM (fprop and dgrad)
-  kConvHalo = 5,       // the halo kernels (conv/halo_sm90.h): 64-channel 3x3 layers, 64-channel 1x1 wgrad
+  kConvHalo = 5,       // the halo kernels (conv/halo_sm90.h): 64-channel 3x3 layers, 64-channel 1x1 ones
 };
+
+// Whether `algorithm` lets the halo kernels take a problem they can: the heuristic's, or asked for.
+inline bool AllowsHalo(int64_t algorithm) { return algorithm == kConvAuto || algorithm == kConvHalo; }
 
 // The convolution's attributes as decoded from a target's attribute dictionary (by name).
 struct ConvAttrs {

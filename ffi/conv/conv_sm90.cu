@@ -183,7 +183,7 @@ bool Strided(const ConvGeometry& g) { return g.stride[1] > 1 || g.stride[2] > 1;
 
 // The halo kernels run a problem they take unless `algorithm` names another kernel.
 bool UsesHalo(const ConvGeometry& g, ffi::DataType dtype, int64_t algorithm) {
-  return (algorithm == kConvAuto || algorithm == kConvHalo) && HaloApplies(g, dtype);
+  return AllowsHalo(algorithm) && HaloApplies(g, dtype);
 }
 
 }  // namespace
@@ -254,9 +254,11 @@ std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometr
   }
   float* partial = static_cast<float*>(workspace);
   const size_t halo_bytes = size_t(kHaloWgradSlices + kHaloWgradGroups) * slice_bytes;
-  if (workspace_bytes >= halo_bytes && (algorithm == kConvAuto || algorithm == kConvHalo)) {  // as Python sized it
-    if (HaloApplies(g, dtype)) return HaloWgrad(stream, g, dtype, x, dy, partial, dw);
-    if (PointwiseWgradApplies(g, dtype)) return PointwiseWgrad(stream, g, dtype, x, dy, partial, dw);
+  if (workspace_bytes >= halo_bytes) {  // as the Python side sized it
+    if (UsesHalo(g, dtype, algorithm)) return HaloWgrad(stream, g, dtype, x, dy, partial, dw);
+    if (AllowsHalo(algorithm) && PointwiseWgradApplies(g, dtype)) {
+      return PointwiseWgrad(stream, g, dtype, x, dy, partial, dw);
+    }
   }
   // As many slices as the workspace holds partial sums (the Python side sizes it), at most one per image.
   const int slices = int(std::min<int64_t>(

@@ -70,6 +70,19 @@ struct Range {
       : first(int(int64_t(total) * cta / ctas)), count(int(int64_t(total) * (cta + 1) / ctas) - first) {}
 };
 
+// Thread 0's initialization of a ring of kRing stages (each `full` barrier completed by the
+// producer's one arrival and its TMA bytes, each `empty` one by `releases` arrivals) and of `loaded`,
+// a single-arrival barrier (or none), made visible to the TMA unit; the block synchronizes after.
+template <int kRing>
+__device__ __forceinline__ void InitRing(uint64_t* full, uint64_t* empty, int releases, uint64_t* loaded = nullptr) {
+  for (int s = 0; s < kRing; ++s) {
+    sm90::BarrierInit(&full[s], 1);
+    sm90::BarrierInit(&empty[s], releases);
+  }
+  if (loaded != nullptr) sm90::BarrierInit(loaded, 1);
+  sm90::BarrierInitFence();
+}
+
 // Waits for the TMA loads of stage use e (ring slot e % kRing, phase e / kRing).
 template <int kRing>
 __device__ __forceinline__ void WaitFull(uint64_t* full, int e) {
@@ -145,14 +158,7 @@ __global__ void __launch_bounds__(kFpropThreads, 1)
   uint64_t* filter_full = empty + kFpropStages;
   const Range range(rows.count, blockIdx.x, gridDim.x);
   const int warp = threadIdx.x / 32;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kFpropStages; ++s) {
-      sm90::BarrierInit(&full[s], 1);
-      sm90::BarrierInit(&empty[s], 3);  // a stage is read by three output rows
-    }
-    sm90::BarrierInit(filter_full, 1);
-    sm90::BarrierInitFence();
-  }
+  if (threadIdx.x == 0) InitRing<kFpropStages>(full, empty, 3, filter_full);  // a stage is read by three rows
   for (int i = threadIdx.x; i < kHaloBytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(zeros)[i] = uint4{};
   sm90::FenceProxyAsync();
   __syncthreads();
@@ -265,13 +271,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   uint64_t* empty = full + kWgradStages;
   const Range range(rows.count, blockIdx.x, gridDim.x);
   const int warp = threadIdx.x / 32;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kWgradStages; ++s) {
-      sm90::BarrierInit(&full[s], 1);
-      sm90::BarrierInit(&empty[s], kWgradConsumers);
-    }
-    sm90::BarrierInitFence();
-  }
+  if (threadIdx.x == 0) InitRing<kWgradStages>(full, empty, kWgradConsumers);
   __syncthreads();
 
   if (warp == kWgradConsumers * 4) {  // the producer
@@ -375,13 +375,7 @@ __global__ void __launch_bounds__(kPointwiseThreads, 1)
   uint64_t* empty = full + kPointwiseStages;
   const Range range(p.chunks, blockIdx.x, gridDim.x);
   const int warp = threadIdx.x / 32;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kPointwiseStages; ++s) {
-      sm90::BarrierInit(&full[s], 1);
-      sm90::BarrierInit(&empty[s], 1);  // a chunk is one warpgroup's
-    }
-    sm90::BarrierInitFence();
-  }
+  if (threadIdx.x == 0) InitRing<kPointwiseStages>(full, empty, 1);  // a chunk is one warpgroup's
   __syncthreads();
 
   if (warp == kPointwiseConsumers * 4) {  // the producer
@@ -473,14 +467,7 @@ __global__ void __launch_bounds__(kPointwiseThreads, 1)
   uint64_t* filter_full = empty + kPointwiseStages;
   const Range range((pixels + kRowPixels - 1) / kRowPixels, blockIdx.x, gridDim.x);
   const int warp = threadIdx.x / 32;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kPointwiseStages; ++s) {
-      sm90::BarrierInit(&full[s], 1);
-      sm90::BarrierInit(&empty[s], 1);  // a chunk is one warpgroup's
-    }
-    sm90::BarrierInit(filter_full, 1);
-    sm90::BarrierInitFence();
-  }
+  if (threadIdx.x == 0) InitRing<kPointwiseStages>(full, empty, 1, filter_full);  // a chunk is one warpgroup's
   __syncthreads();
   if (range.count == 0) return;
 
@@ -632,6 +619,25 @@ bool IsHopper() {
          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major == 9;
 }
 
+// Whether the pointwise kernels take g with 16-bit operands of `dtype`: a 1x1 window with unit
+// strides and no padding, `narrow` = 64 channels on one side and `wide` = 64, 128 or 256 on the other.
+bool PointwiseTakes(const ConvGeometry& g, ffi::DataType dtype, int64_t narrow, int64_t wide) {
+  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
+  if (g.groups != 1 || narrow != kChannels || (wide != 64 && wide != 128 && wide != 256)) return false;
+  for (int a = 0; a < 3; ++a) {
+    if (g.window[a] != 1 || g.stride[a] != 1 || g.pad[a] != 0 || g.lhs_dilation[a] != 1) return false;
+  }
+  return g.InPixels() > 0 && g.InPixels() < INT_MAX - kRowPixels && IsHopper();
+}
+
+// f(std::integral_constant<int, wide>{}) for a pointwise kernel's width in 64-channel chunks (1, 2 or 4).
+template <typename F>
+ffi::Error WithWidth(int wide, F f) {
+  if (wide == 1) return f(std::integral_constant<int, 1>{});
+  if (wide == 2) return f(std::integral_constant<int, 2>{});
+  return f(std::integral_constant<int, 4>{});
+}
+
 Rows RowsOf(const ConvGeometry& g) { return Rows{int(g.in[1]), int(g.batch * g.in[0] * g.in[1])}; }
 
 template <bool kDgrad>
@@ -707,14 +713,7 @@ ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType d
 }
 
 bool PointwiseWgradApplies(const ConvGeometry& g, ffi::DataType dtype) {
-  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
-  if (g.groups != 1 || std::min(g.channels, g.filters) != kChannels) return false;
-  const int64_t wide = std::max(g.channels, g.filters);
-  if (wide != 64 && wide != 128 && wide != 256) return false;
-  for (int a = 0; a < 3; ++a) {
-    if (g.window[a] != 1 || g.stride[a] != 1 || g.pad[a] != 0 || g.lhs_dilation[a] != 1) return false;
-  }
-  return g.InPixels() > 0 && g.InPixels() < INT_MAX - kRowPixels && IsHopper();
+  return PointwiseTakes(g, dtype, std::min(g.channels, g.filters), std::max(g.channels, g.filters));
 }
 
 ffi::Error PointwiseWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x,
@@ -739,22 +738,12 @@ ffi::Error PointwiseWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataT
     JAXDNN_RETURN_IF_ERROR(LaunchError("conv wgrad (pointwise)"));
     return SumPartials<T>(stream, workspace, 1, channels, filters, dw);
   };
-  auto by_width = [&](auto tag) {
-    if (wide == 1) return launch(tag, std::integral_constant<int, 1>{});
-    if (wide == 2) return launch(tag, std::integral_constant<int, 2>{});
-    return launch(tag, std::integral_constant<int, 4>{});
-  };
+  auto by_width = [&](auto tag) { return WithWidth(wide, [&](auto wide_tag) { return launch(tag, wide_tag); }); };
   return dtype == ffi::DataType::BF16 ? by_width(__nv_bfloat16{}) : by_width(__half{});
 }
 
 bool PointwiseProductApplies(const ConvGeometry& g, ffi::DataType dtype, bool dgrad) {
-  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
-  const int64_t reduction = dgrad ? g.filters : g.channels, wide = dgrad ? g.channels : g.filters;
-  if (g.groups != 1 || reduction != kChannels || (wide != 64 && wide != 128 && wide != 256)) return false;
-  for (int a = 0; a < 3; ++a) {
-    if (g.window[a] != 1 || g.stride[a] != 1 || g.pad[a] != 0 || g.lhs_dilation[a] != 1) return false;
-  }
-  return g.InPixels() > 0 && g.InPixels() < INT_MAX - kRowPixels && IsHopper();
+  return dgrad ? PointwiseTakes(g, dtype, g.filters, g.channels) : PointwiseTakes(g, dtype, g.channels, g.filters);
 }
 
 ffi::Error PointwiseProduct(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* in,
@@ -778,13 +767,10 @@ ffi::Error PointwiseProduct(cudaStream_t stream, const ConvGeometry& g, ffi::Dat
     kernel<<<ctas, kPointwiseThreads, kShared, stream>>>(in_map, w_map, out_map, pixels);
     return LaunchError("conv pointwise product");
   };
-  auto by_direction = [&](auto tag, auto wide_tag) {
-    return dgrad ? launch(tag, wide_tag, std::true_type{}) : launch(tag, wide_tag, std::false_type{});
-  };
   auto by_width = [&](auto tag) {
-    if (wide == 1) return by_direction(tag, std::integral_constant<int, 1>{});
-    if (wide == 2) return by_direction(tag, std::integral_constant<int, 2>{});
-    return by_direction(tag, std::integral_constant<int, 4>{});
+    return WithWidth(wide, [&](auto wide_tag) {
+      return dgrad ? launch(tag, wide_tag, std::true_type{}) : launch(tag, wide_tag, std::false_type{});
+    });
   };
   return dtype == ffi::DataType::BF16 ? by_width(__nv_bfloat16{}) : by_width(__half{});
 }
