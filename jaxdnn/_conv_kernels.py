@@ -152,7 +152,18 @@ def _depthwise_wgrad_slices(batch, out_spatial, filters):
 
 
 # The `algorithm` attribute's kernels (ffi/conv/conv.h's ConvAlgorithm) that autotuning times.
-_GEMM, _TILE_WIDE, _TILE_TALL, _TILE_SMALL, _HALO = 1, 2, 3, 4, 5
+_GEMM, _TILE_WIDE, _TILE_TALL, _TILE_SMALL, _HALO, _IM2COL, _IM2COL_WIDE = 1, 2, 3, 4, 5, 6, 7
+
+
+def _im2col(stage, channels, filters, attrs, tile):
+    """im2col_sm90.cu's Im2colApplies (the dtype, the device and TMA's bounds checked elsewhere) for
+    a tile of `tile` output features: the forward or a unit-stride dgrad of one group, a multiple of
+    64 input channels (fprop: C, dgrad: K) and of `tile` output ones."""
+    if stage not in ("fprop", "fused", "dgrad") or int(attrs["groups"]) != 1:
+        return False
+    into, out = (filters, channels) if stage == "dgrad" else (channels, filters)
+    strides = _spatial(attrs, "stride")
+    return into % 64 == 0 and out % tile == 0 and max(strides) <= (1 if stage == "dgrad" else 8)
 
 
 def _candidates(stage, dtype, channels, filters, batch, attrs):
@@ -169,7 +180,9 @@ def _candidates(stage, dtype, channels, filters, batch, attrs):
     pointwise = window == (1, 1, 1) and strides == (1, 1, 1) and pads == (0, 0, 0)
     gemm = (_GEMM,) if stage != "fused" and pointwise and channels % 8 == 0 else ()
     halo = _halo(channels, filters, batch, attrs) or _halo_pointwise(stage, channels, filters, batch, attrs)
-    return gemm + tiles + ((_HALO,) if halo else ())
+    im2col = tuple(a for a, tile in ((_IM2COL, 128), (_IM2COL_WIDE, 256))
+                   if _im2col(stage, channels, filters, attrs, tile))
+    return gemm + tiles + ((_HALO,) if halo else ()) + im2col
 
 
 def _bind_tuned(prim, stage, operands, channels, filters, attrs):

@@ -19,13 +19,15 @@ from test_conv import NHWC, test_forward_and_grad as check_conv
 from test_dense import _check as check_dense, _inputs as dense_inputs
 
 # (lhs shape, rhs shape, kwargs): a 64-channel 3x3 (the tall and small tiles' case, and the halo
-# kernels'), a strided one (dgrad on zero-inserted dy), a pointwise one (the GEMM is a candidate).
+# kernels'), a strided one (dgrad on zero-inserted dy), a pointwise one (the GEMM is a candidate), a
+# 128 -> 256 3x3 (the im2col kernels' two tiles).
 CONV_CASES = [
     ((2, 10, 9, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
     ((2, 11, 12, 16), (3, 3, 16, 136), dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)),
     ((2, 7, 6, 32), (1, 1, 32, 72), dict(window_strides=(1, 1), padding="VALID", dimension_numbers=NHWC)),
+    ((2, 9, 11, 128), (3, 3, 128, 256), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
 ]
-CONV_ALGORITHMS = (0, 1, 2, 3, 4, 5)  # ffi/conv/conv.h's ConvAlgorithm
+CONV_ALGORITHMS = (0, 1, 2, 3, 4, 5, 6, 7)  # ffi/conv/conv.h's ConvAlgorithm
 GEMM_ALGORITHMS = (0, 1, 2, 3)  # ffi/dense/dense.h's GemmAlgorithm
 
 

@@ -125,6 +125,16 @@ TENSOR_CORE_CASES = [
     ((3, 7, 9, 64), (1, 1, 64, 256), dict(window_strides=(1, 1), padding="VALID", dimension_numbers=NHWC)),
     ((2, 5, 13, 256), (1, 1, 256, 64), dict(window_strides=(1, 1), padding="VALID", dimension_numbers=NHWC)),
     ((32, 36, 40, 64), (1, 1, 64, 128), dict(window_strides=(1, 1), padding="VALID", dimension_numbers=NHWC)),
+    # the im2col kernels (a multiple of 64 input and 128 output channels): boxes of 128 positions
+    # crossing rows and images, a partial last tile; strides (fprop); a dilated, unevenly padded
+    # window over three 64-channel chunks
+    ((3, 9, 11, 128), (3, 3, 128, 128), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
+    ((4, 28, 28, 128), (3, 3, 128, 128), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
+    ((2, 13, 12, 64), (3, 3, 64, 256), dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)),
+    ((2, 10, 9, 192), (3, 3, 192, 128), dict(window_strides=(1, 1), padding=((2, 2), (1, 3)),
+                                             rhs_dilation=(2, 2), dimension_numbers=NHWC)),
+    ((2, 11, 10, 128), (3, 2, 128, 128), dict(window_strides=(1, 1), padding=((0, 1), (1, 0)),
+                                              rhs_dilation=(1, 3), dimension_numbers=NHWC)),
 ]
 
 
@@ -457,10 +467,10 @@ def test_conv_fused(dtype, activation, x_shape, w_shape, kwargs, with_residual, 
 
 @pytest.mark.parametrize("dtype,activation", [(jnp.bfloat16, "gelu"), (jnp.float16, "relu")], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["bias", "bias+residual"])
-@pytest.mark.parametrize("channels,filters", [(16, 24), (64, 64)], ids=str)
+@pytest.mark.parametrize("channels,filters", [(16, 24), (64, 64), (64, 128), (128, 256)], ids=str)
 def test_conv_fused_tensor_core_shapes(dtype, activation, with_residual, channels, filters, rng):
     """The epilogue of the tensor-core forward (16-bit, channels multiples of 8 on a GPU; 64 -> 64 on the
-    halo kernel)."""
+    halo kernel, 64 -> 128 and 128 -> 256 on the im2col kernels' two tiles)."""
     test_conv_fused(dtype, activation, (2, 9, 10, channels), (3, 3, channels, filters), dict(padding="SAME"),
                     with_residual, rng)
 

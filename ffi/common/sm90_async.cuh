@@ -73,6 +73,20 @@ __device__ __forceinline__ void TmaLoad4d(void* smem, const CUtensorMap* map, ui
       : "memory");
 }
 
+// Loads an im2col box of a 4-D [N][H][W][C] tensor map (cuTensorMapEncodeIm2col): the map's pixels per
+// column, consecutive output positions walked from the one whose window starts at (w, h) of image n
+// (within the map's bounding box, at its traversal strides), each pixel read at (w + offset_w, h +
+// offset_h): its channels c .. c + channels per pixel. Out-of-bounds pixels are zero-filled.
+__device__ __forceinline__ void TmaLoadIm2col4d(void* smem, const CUtensorMap* map, uint64_t* bar, int c, int w,
+                                                int h, int n, uint16_t offset_w, uint16_t offset_h) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+      "%5}], [%6], {%7, %8};\n" ::"r"(SharedAddress(smem)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c), "r"(w), "r"(h), "r"(n), "r"(SharedAddress(bar)), "h"(offset_w),
+      "h"(offset_h)
+      : "memory");
+}
+
 // Adds the shared-memory box to the box at coordinates (c0 innermost .. c3) of a 4-D float32 tensor
 // map (elementwise, by the TMA unit; out-of-bounds parts dropped), in this thread's current bulk
 // group (BulkWaitAll / BulkWaitReads complete it).

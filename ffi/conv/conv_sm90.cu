@@ -13,7 +13,8 @@
 //   no split-K), then one kernel adds the slices in a fixed order (deterministic) and transposes the
 //   sum to dw [R, S, C, K].
 // ResNet's 64-channel 3x3 layers run every stage on the halo kernels instead (halo_sm90.h), and
-// pointwise ones with 64 channels on one side their wgrad.
+// pointwise ones with 64 channels on one side their wgrad; the fprop and unit-stride dgrad of layers
+// with 64k input and 128k output channels may run on the im2col kernels (im2col_sm90.h).
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -23,6 +24,7 @@
 #include "conv/conv.h"
 #include "conv/conv_sm90.h"
 #include "conv/halo_sm90.h"
+#include "conv/im2col_sm90.h"
 
 namespace jaxdnn {
 namespace {
@@ -186,6 +188,21 @@ bool UsesHalo(const ConvGeometry& g, ffi::DataType dtype, int64_t algorithm) {
   return AllowsHalo(algorithm) && HaloApplies(g, dtype);
 }
 
+// The output features of the im2col kernels' tile that runs a problem (fprop, or dgrad with unit
+// strides), or 0 where they do not: the one `algorithm` asks for, or the heuristic's: the im2col
+// kernels wherever they apply (on an H200 they matched or beat CUTLASS's tiles on every ResNet 3x3
+// layer, 2026-11-26), 256 features a tile where the output channels allow (14x14 256 -> 256: 0.0565
+// against 0.0586 ms; 7x7 512 -> 512: 0.0502 against 0.0533).
+int Im2colTile(const ConvGeometry& g, ffi::DataType dtype, bool dgrad, int64_t algorithm) {
+  if (algorithm == kConvIm2col || algorithm == kConvIm2colWide) {
+    const int tile = algorithm == kConvIm2col ? 128 : 256;
+    return Im2colApplies(g, dtype, dgrad, tile) ? tile : 0;
+  }
+  if (algorithm != kConvAuto) return 0;
+  if (Im2colApplies(g, dtype, dgrad, 256)) return 256;
+  return Im2colApplies(g, dtype, dgrad, 128) ? 128 : 0;
+}
+
 }  // namespace
 
 // Workspace layouts (16-byte aligned pieces: every extent below is a multiple of 8 elements):
@@ -198,6 +215,9 @@ std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometr
                                           size_t workspace_bytes, int64_t algorithm) {
   if (UsesHalo(g, dtype, algorithm)) {
     return HaloFprop(stream, g, dtype, x, w, bias, residual, activation, activation_param, y);
+  }
+  if (const int tile = Im2colTile(g, dtype, false, algorithm)) {
+    return Im2colFprop(stream, g, dtype, tile, x, w, bias, residual, activation, activation_param, y);
   }
   ConvSm90Problem p;
   const size_t need = size_t(FilterElements(g) + PaddedInputElements(g)) * 2;
@@ -216,6 +236,7 @@ std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometr
                                           const void* dy, const void* w, void* dx, void* workspace,
                                           size_t workspace_bytes, int64_t algorithm) {
   if (UsesHalo(g, dtype, algorithm)) return HaloDgrad(stream, g, dtype, dy, w, dx);
+  if (const int tile = Im2colTile(g, dtype, true, algorithm)) return Im2colDgrad(stream, g, dtype, tile, dy, w, dx);
   // The unit-stride problem over the zero-inserted dy (the same one when the strides are 1).
   ConvGeometry unit = g;
   for (int a = 1; a < 3; ++a) {

@@ -42,6 +42,7 @@
 #include "common/sm90_async.cuh"
 #include "conv/conv_epilogue.h"
 #include "conv/halo_sm90.h"
+#include "conv/sm90_maps.h"
 
 namespace jaxdnn {
 namespace {
@@ -581,42 +582,19 @@ ffi::Error SumPartials(cudaStream_t stream, float* workspace, int taps, int chan
 
 // --- launchers -----------------------------------------------------------------------------------
 
-// The tensor map of an array [outer][inner][64] of 16-bit values (rows of 128 bytes: a pixel's 64
-// channels, or 64 filters of a filter row) whose box is [box_outer][box_inner][64] (the 128-byte
-// swizzle; zeros outside the array): coordinates (0, inner, outer, 0).
-CUresult MakeMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int outer, int inner, int box_outer,
-                 int box_inner) {
-  const CUtensorMapDataType type =
-      dtype == ffi::DataType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const cuuint64_t dims[4] = {cuuint64_t(kChannels), cuuint64_t(inner), cuuint64_t(outer), 1};
-  const cuuint64_t strides[3] = {cuuint64_t(kPixelBytes), cuuint64_t(inner) * kPixelBytes,
-                                 cuuint64_t(outer) * inner * kPixelBytes};
-  const cuuint32_t box[4] = {cuuint32_t(kChannels), cuuint32_t(box_inner), cuuint32_t(box_outer), 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  return cuTensorMapEncodeTiled(map, type, 4, const_cast<void*>(data), dims, strides, box, element_strides,
-                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-}
-
 // Image rows [rows][width pixels][64 channels], a box `box_pixels` pixels of one row.
 CUresult MakeRowMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int rows, int width, int box_pixels) {
-  return MakeMap(map, data, dtype, rows, width, 1, box_pixels);
+  return MakeChunkedMap(map, data, dtype, rows, width, 1, box_pixels);
 }
 
 // Pixels [pixels][chunks x 64 channels], a box of 64 pixels of one 64-channel chunk.
 CUresult MakeChunkMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int pixels, int chunks) {
-  return MakeMap(map, data, dtype, pixels, chunks, kRowPixels, 1);
+  return MakeChunkedMap(map, data, dtype, pixels, chunks, kRowPixels, 1);
 }
 
 ffi::Error MapError(const char* stage) {
   return ffi::Error(ffi::ErrorCode::kInternal,
                     std::string("jaxdnn: conv ") + stage + " (halo): cannot encode a TMA descriptor");
-}
-
-bool IsHopper() {
-  int device = 0, major = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major == 9;
 }
 
 // Whether the pointwise kernels take g with 16-bit operands of `dtype`: a 1x1 window with unit

@@ -1,0 +1,31 @@
+// The im2col kernels: the forward (with the fused epilogue) and the unit-stride backward-data
+// convolution of 16-bit 2-D layers with a multiple of 64 input and of 128 output channels, as
+// implicit GEMMs on Hopper's tensor cores written on sm90_async.cuh (im2col_sm90.cu). TMA's im2col
+// mode gathers each tap's window pixels; two consumer warpgroups share a CTA's tile (CUTLASS's
+// Hopper convolution runs one).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/ffi_common.h"
+#include "conv/conv_geometry.h"
+
+namespace jaxdnn {
+
+// Output features a CTA tile of the im2col kernels spans: 128 (tiles of 256 pixels) or 256 (128).
+bool Im2colApplies(const ConvGeometry& g, ffi::DataType dtype, bool dgrad, int tile_features);
+
+// y [N, D, H, W, K] = act(conv(x, w) + bias + residual) for x [N, D, H, W, C] and w [R, S, C, K]
+// (jaxdnn's layout; bias [K] or null, residual y's shape or null); no workspace.
+ffi::Error Im2colFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, int tile_features,
+                       const void* x, const void* w, const void* bias, const void* residual, int64_t activation,
+                       float activation_param, void* y);
+
+// dx [N, D, H, W, C] = the gradient of conv(x, w) w.r.t. x, from dy [N, D, P, Q, K] (unit strides);
+// no workspace.
+ffi::Error Im2colDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, int tile_features,
+                       const void* dy, const void* w, void* dx);
+
+}  // namespace jaxdnn
