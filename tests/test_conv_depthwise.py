@@ -50,6 +50,9 @@ CASES = [
     ((2, 6, 100, 64), (3, 3), 1, dict(window_strides=(1, 1), padding=((1, 1), (2, 0)))),
     ((1, 13, 150, 48), (3, 3), 1, dict(window_strides=(2, 2), padding="SAME")),
     ((2, 6400, 4, 8), (3, 3), 1, dict(window_strides=(1, 1), padding="SAME")),
+    # units of 7 output rows in the forward (heights 14 and 7: none computed past the image)
+    ((3, 14, 14, 256), (3, 3), 1, dict(window_strides=(1, 1), padding="SAME")),
+    ((2, 14, 13, 32), (3, 3), 1, dict(window_strides=(2, 2), padding="SAME")),
     # an empty batch (dw is zeros), and batches whose wgrad is split over many blocks
     ((0, 6, 6, 8), (3, 3), 1, dict(window_strides=(1, 1), padding="SAME")),
     ((4, 32, 32, 64), (3, 3), 1, dict(window_strides=(1, 1), padding="SAME")),

@@ -17,6 +17,17 @@ __device__ __forceinline__ void Unpack(const uint4& word, float (&out)[8]) {
 #pragma unroll
   for (int e = 0; e < 8; ++e) out[e] = ToFloat(pack.v[e]);
 }
+// bfloat16 is float32's upper half: each value is one shift or one mask of its 32-bit word (the
+// generic path extracts each half, then moves it up: two instructions a value).
+template <>
+__device__ __forceinline__ void Unpack<__nv_bfloat16>(const uint4& word, float (&out)[8]) {
+  const uint32_t words[4] = {word.x, word.y, word.z, word.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(words[i] << 16);
+    out[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
+  }
+}
 
 // taps[t] = w[t, c0 .. c0 + 8) of a 3 x 3 window w [9, channels] of 16-bit T as floats, or
 // w[8 - t] (the window reversed) when `flip`; zeros when not `active`.
