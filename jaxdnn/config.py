@@ -2,9 +2,10 @@
 jitted function: a cached trace keeps the choices it was made with).
 
 `autotune` (env `JAXDNN_AUTOTUNE=1`; off by default): the convolution stages and `dense` on a GPU
-time each of their candidate kernels (tile configurations; the GEMM for 1x1 convolutions) once per
-(device, problem) while the program is traced, and run the fastest, as
-`torch.backends.cudnn.benchmark` does. The choice is kept in memory and in the JSON file
+time each of their candidate kernels (tile configurations, the halo and im2col kernels where they
+apply; the GEMM for 1x1 convolutions) once per (device, problem) while the program is traced, and
+run the fastest, as `torch.backends.cudnn.benchmark` does. The choice is kept in memory and in the
+JSON file
 `autotune_cache` (env `JAXDNN_AUTOTUNE_CACHE`; default `$XDG_CACHE_HOME/jaxdnn/autotune.json`, or
 `~/.cache/...`), so later processes reuse it without timing. Off, a heuristic on the problem's shape
 chooses. Every candidate is deterministic, and they agree up to float32 summation order, so turning
