@@ -236,7 +236,9 @@ std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometr
                                           const void* dy, const void* w, void* dx, void* workspace,
                                           size_t workspace_bytes, int64_t algorithm) {
   if (UsesHalo(g, dtype, algorithm)) return HaloDgrad(stream, g, dtype, dy, w, dx);
-  if (const int tile = Im2colTile(g, dtype, true, algorithm)) return Im2colDgrad(stream, g, dtype, tile, dy, w, dx);
+  if (const int tile = Im2colTile(g, dtype, true, algorithm)) {
+    return Im2colDgrad(stream, g, dtype, tile, dy, w, dx);
+  }
   // The unit-stride problem over the zero-inserted dy (the same one when the strides are 1).
   ConvGeometry unit = g;
   for (int a = 1; a < 3; ++a) {

@@ -395,8 +395,9 @@ ffi::Error RowsConv(cudaStream_t stream, const ConvGeometry& g, const T* in, con
     return MapError("conv");
   }
   const size_t shared = plan.Shared(false);
-  auto kernel = g.stride[1] == 1 ? (plan.rows == kTallRows ? RowsConvKernel<T, 1, kTallRows> : RowsConvKernel<T, 1, kRows>)
-                                 : (plan.rows == kTallRows ? RowsConvKernel<T, 2, kTallRows> : RowsConvKernel<T, 2, kRows>);
+  const bool tall = plan.rows == kTallRows;
+  auto kernel = g.stride[1] == 1 ? (tall ? RowsConvKernel<T, 1, kTallRows> : RowsConvKernel<T, 1, kRows>)
+                                 : (tall ? RowsConvKernel<T, 2, kTallRows> : RowsConvKernel<T, 2, kRows>);
   const int64_t resident = PrepareKernel(kernel, plan, shared);
   plan.slices = std::max<int64_t>(1, std::min(plan.units, std::min(resident, kWaveBlocks) / plan.chunks));
   const int64_t blocks = plan.chunks * plan.slices;

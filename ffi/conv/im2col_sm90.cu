@@ -134,7 +134,8 @@ __device__ __forceinline__ void StageBlock(const float (&acc)[kN / 2], const Con
       for (int j = 0; j < 32; j += 2) {
         const int q = row + 8 * ((j >> 1) & 1), k = feature + 64 * part + 8 * (j >> 2) + col;
         if (position + q < pixels) {
-          const uint32_t pair = *reinterpret_cast<const uint32_t*>(epilogue.residual + int64_t(position + q) * out_c + k);
+          const T* at = epilogue.residual + int64_t(position + q) * out_c + k;
+          const uint32_t pair = *reinterpret_cast<const uint32_t*>(at);
           const T* two = reinterpret_cast<const T*>(&pair);
           v[j] += ToFloat(two[0]);
           v[j + 1] += ToFloat(two[1]);
