@@ -8,8 +8,8 @@
 //   the reduction (K-major): dx[h, w] = sum over (r, s, k) of dy[h + lower + r d, w + lower + s d, k]
 //   w[R - 1 - r, S - 1 - s, c, k], lower = pad - (R - 1) d, as CUTLASS's dgrad runs it.
 //
-// A CTA owns kRows consecutive output positions and kN output channels. A producer warp fills a
-// ring of stages: A = TMA im2col boxes of 128 positions x 64 channels (the copy engine walks the
+// A CTA owns kRows consecutive output positions and kN output channels. One thread of a producer
+// warpgroup fills a ring of stages: A = TMA im2col boxes of 128 positions x 64 channels (the copy engine walks the
 // positions across rows and images, padding zero-filled), B = the tap's 64 x kN slice of w; two
 // consumer warpgroups each multiply their half of A's rows (kBlocks m64 blocks) by B, float32 sums
 // in registers. The epilogue (bias, residual, activation) goes through a shared-memory tile in the
