@@ -107,7 +107,7 @@ def _wgrad_slices(batch, pixels, padded_filter, filters, tile_rows=64):
     (2 tile_rows 128 pixels) at _WGRAD_CTA_FLOPS, plus _WGRAD_CTA_SECONDS; every slice adds its float32
     partial sums. More slices fill the SMs, or even out the last wave, at that price: e.g. 7 for 28x28
     128->128 3x3 (126 CTAs; 15 ran 270, 3 waves, the last nearly empty)."""
-    if batch < 2 or pixels == 0:
+    if batch < 2 or pixels == 0 or filters == 0:
         return 1
     tiles = -(-filters // tile_rows) * -(-(padded_filter // filters) // 128)
     tile_seconds = 2 * tile_rows * 128 * pixels / _WGRAD_CTA_FLOPS
@@ -163,7 +163,7 @@ def _im2col(stage, channels, filters, attrs, tile):
         return False
     into, out = (filters, channels) if stage == "dgrad" else (channels, filters)
     strides = _spatial(attrs, "stride")
-    return into % 64 == 0 and out % tile == 0 and max(strides) <= (1 if stage == "dgrad" else 8)
+    return into > 0 and into % 64 == 0 and out % tile == 0 and max(strides) <= (1 if stage == "dgrad" else 8)
 
 
 def _candidates(stage, dtype, channels, filters, batch, attrs):

@@ -135,6 +135,9 @@ TENSOR_CORE_CASES = [
                                              rhs_dilation=(2, 2), dimension_numbers=NHWC)),
     ((2, 11, 10, 128), (3, 2, 128, 128), dict(window_strides=(1, 1), padding=((0, 1), (1, 0)),
                                               rhs_dilation=(1, 3), dimension_numbers=NHWC)),
+    # empty reductions: no input channels (y is zeros), no output channels (dx is zeros)
+    ((2, 7, 6, 0), (3, 3, 0, 128), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
+    ((2, 7, 6, 64), (3, 3, 64, 0), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
 ]
 
 
@@ -175,7 +178,7 @@ def test_wgrad_slices():
     assert slices(128, 7, 512, 512) == 1  # 288 tiles: 3 waves of 2.2, not worth a second slice's sums
     assert slices(128, 28, 128, 128, tile_rows=128) == 13  # the wide tile: 9 tiles; 10 images a slice
     assert slices(3, 56, 256, 64, window=1) == 3  # one image a slice
-    assert slices(1, 56, 64, 64) == slices(0, 56, 64, 64) == 1
+    assert slices(1, 56, 64, 64) == slices(0, 56, 64, 64) == slices(128, 28, 128, 0) == 1  # no filters
 
 
 # A grouped, strided, dilated NHWC convolution for the transform tests (groups make the vmap rule's

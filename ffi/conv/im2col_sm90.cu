@@ -328,7 +328,7 @@ bool Im2colApplies(const ConvGeometry& g, ffi::DataType dtype, bool dgrad, int t
   if (tile_features != 128 && tile_features != 256) return false;
   if (g.groups != 1 || g.window[0] != 1 || g.stride[0] != 1 || g.pad[0] != 0 || g.in[0] != g.out[0]) return false;
   const int64_t in_c = dgrad ? g.filters : g.channels, out_c = dgrad ? g.channels : g.filters;
-  if (in_c % kChunk != 0 || out_c % tile_features != 0) return false;
+  if (in_c <= 0 || in_c % kChunk != 0 || out_c % tile_features != 0) return false;  // no empty reduction
   for (int a = 1; a < 3; ++a) {
     if (g.lhs_dilation[a] != 1 || g.stride[a] > 8 || (dgrad && g.stride[a] != 1)) return false;
     if ((g.window[a] - 1) * g.rhs_dilation[a] > kMaxOffset || g.pad[a] > kMaxCorner) return false;
