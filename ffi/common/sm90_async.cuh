@@ -60,6 +60,33 @@ __device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t phase) {
       : "memory");
 }
 
+// --- a ring of pipeline stages --------------------------------------------------------------------
+// Stage use e (0, 1, 2, ...) takes slot e % kRing in phase e / kRing: its `full` barrier completes
+// with the producer's one arrival and its TMA bytes, its `empty` one with the consumers' releases.
+
+// Thread 0's initialization of the ring's barriers (each `empty` one completed by `releases`
+// arrivals) and of `loaded`, a single-arrival barrier (or none), made visible to the TMA unit; the
+// block synchronizes after.
+template <int kRing>
+__device__ __forceinline__ void InitRing(uint64_t* full, uint64_t* empty, int releases, uint64_t* loaded = nullptr) {
+  for (int s = 0; s < kRing; ++s) {
+    BarrierInit(&full[s], 1);
+    BarrierInit(&empty[s], releases);
+  }
+  if (loaded != nullptr) BarrierInit(loaded, 1);
+  BarrierInitFence();
+}
+// Waits for the TMA loads of stage use e.
+template <int kRing>
+__device__ __forceinline__ void WaitFull(uint64_t* full, int e) {
+  BarrierWait(&full[e % kRing], (e / kRing) & 1);
+}
+// The producer's wait before reusing slot e % kRing: its use e - kRing has been released.
+template <int kRing>
+__device__ __forceinline__ void WaitEmpty(uint64_t* empty, int e) {
+  if (e >= kRing) BarrierWait(&empty[e % kRing], (e / kRing - 1) & 1);
+}
+
 // --- TMA ---------------------------------------------------------------------------------------
 
 // Loads the box at coordinates (c0 innermost .. c3) of a 4-D tensor map into shared memory,

@@ -71,30 +71,6 @@ struct Range {
       : first(int(int64_t(total) * cta / ctas)), count(int(int64_t(total) * (cta + 1) / ctas) - first) {}
 };
 
-// Thread 0's initialization of a ring of kRing stages (each `full` barrier completed by the
-// producer's one arrival and its TMA bytes, each `empty` one by `releases` arrivals) and of `loaded`,
-// a single-arrival barrier (or none), made visible to the TMA unit; the block synchronizes after.
-template <int kRing>
-__device__ __forceinline__ void InitRing(uint64_t* full, uint64_t* empty, int releases, uint64_t* loaded = nullptr) {
-  for (int s = 0; s < kRing; ++s) {
-    sm90::BarrierInit(&full[s], 1);
-    sm90::BarrierInit(&empty[s], releases);
-  }
-  if (loaded != nullptr) sm90::BarrierInit(loaded, 1);
-  sm90::BarrierInitFence();
-}
-
-// Waits for the TMA loads of stage use e (ring slot e % kRing, phase e / kRing).
-template <int kRing>
-__device__ __forceinline__ void WaitFull(uint64_t* full, int e) {
-  sm90::BarrierWait(&full[e % kRing], (e / kRing) & 1);
-}
-// The producer's wait before reusing slot e % kRing: its use e - kRing has been released.
-template <int kRing>
-__device__ __forceinline__ void WaitEmpty(uint64_t* empty, int e) {
-  if (e >= kRing) sm90::BarrierWait(&empty[e % kRing], (e / kRing - 1) & 1);
-}
-
 // --- fprop and dgrad -----------------------------------------------------------------------------
 
 // Consumer warpgroups take groups of kFpropRows consecutive output rows in turn: as many
@@ -159,7 +135,7 @@ __global__ void __launch_bounds__(kFpropThreads, 1)
   uint64_t* filter_full = empty + kFpropStages;
   const Range range(rows.count, blockIdx.x, gridDim.x);
   const int warp = threadIdx.x / 32;
-  if (threadIdx.x == 0) InitRing<kFpropStages>(full, empty, 3, filter_full);  // a stage is read by three rows
+  if (threadIdx.x == 0) sm90::InitRing<kFpropStages>(full, empty, 3, filter_full);  // a stage is read by three rows
   for (int i = threadIdx.x; i < kHaloBytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(zeros)[i] = uint4{};
   sm90::FenceProxyAsync();
   __syncthreads();
@@ -170,7 +146,7 @@ __global__ void __launch_bounds__(kFpropThreads, 1)
       sm90::BarrierArriveExpectTx(filter_full, kFilterBytes);
       for (int j = 0; j < 3; ++j) sm90::TmaLoad4d(filter + j * 3 * kTapBytes, &w_map, filter_full, 0, j * 192, 0, 0);
       for (int e = 0; e < range.count + kFpropRows + 1; ++e) {  // a last group of fewer rows waits for them all
-        WaitEmpty<kFpropStages>(empty, e);
+        sm90::WaitEmpty<kFpropStages>(empty, e);
         uint64_t* bar = &full[e % kFpropStages];
         sm90::BarrierArriveExpectTx(bar, kHaloBytes);
         sm90::TmaLoad4d(stages + e % kFpropStages * kHaloBytes, &in_map, bar, 0, -1, range.first - 1 + e, 0);
@@ -192,7 +168,7 @@ __global__ void __launch_bounds__(kFpropThreads, 1)
   for (int i = kFpropRows * group; i < range.count; i += kFpropRows * kFpropConsumers) {
     const int rows_here = min(kFpropRows, range.count - i);
 #pragma unroll
-    for (int e = 0; e < kFpropRows + 2; ++e) WaitFull<kFpropStages>(full, i + e);
+    for (int e = 0; e < kFpropRows + 2; ++e) sm90::WaitFull<kFpropStages>(full, i + e);
     float acc[kFpropRows][32];  // set by the first product (accumulate off)
     const int h = (range.first + i) % rows.height;
     bool valid[kFpropRows][3];  // row t exists and its tap row r lies in its image; else it reads zeros
@@ -272,13 +248,13 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   uint64_t* empty = full + kWgradStages;
   const Range range(rows.count, blockIdx.x, gridDim.x);
   const int warp = threadIdx.x / 32;
-  if (threadIdx.x == 0) InitRing<kWgradStages>(full, empty, kWgradConsumers);
+  if (threadIdx.x == 0) sm90::InitRing<kWgradStages>(full, empty, kWgradConsumers);
   __syncthreads();
 
   if (warp == kWgradConsumers * 4) {  // the producer
     if (threadIdx.x % 32 == 0) {
       for (int e = 0; e < range.count + 2 * (range.count > 0); ++e) {
-        WaitEmpty<kWgradStages>(empty, e);
+        sm90::WaitEmpty<kWgradStages>(empty, e);
         uint8_t* at = stages + e % kWgradStages * kWgradStageBytes;
         uint64_t* bar = &full[e % kWgradStages];
         sm90::BarrierArriveExpectTx(bar, kHaloBytes + (e >= 2 ? kRowBytes : 0));
@@ -298,10 +274,10 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   }
   for (int i = 0; i < range.count; ++i) {
     if (i == 0) {
-      WaitFull<kWgradStages>(full, 0);
-      WaitFull<kWgradStages>(full, 1);
+      sm90::WaitFull<kWgradStages>(full, 0);
+      sm90::WaitFull<kWgradStages>(full, 1);
     }
-    WaitFull<kWgradStages>(full, i + 2);
+    sm90::WaitFull<kWgradStages>(full, i + 2);
     const int h = (range.first + i) % rows.height + r - 1;
     if (h >= 0 && h < rows.height) {
       const uint8_t* x_row = stages + (i + r) % kWgradStages * kWgradStageBytes;
@@ -376,13 +352,13 @@ __global__ void __launch_bounds__(kPointwiseThreads, 1)
   uint64_t* empty = full + kPointwiseStages;
   const Range range(p.chunks, blockIdx.x, gridDim.x);
   const int warp = threadIdx.x / 32;
-  if (threadIdx.x == 0) InitRing<kPointwiseStages>(full, empty, 1);  // a chunk is one warpgroup's
+  if (threadIdx.x == 0) sm90::InitRing<kPointwiseStages>(full, empty, 1);  // a chunk is one warpgroup's
   __syncthreads();
 
   if (warp == kPointwiseConsumers * 4) {  // the producer
     if (threadIdx.x % 32 == 0) {
       for (int e = 0; e < range.count; ++e) {
-        WaitEmpty<kPointwiseStages>(empty, e);
+        sm90::WaitEmpty<kPointwiseStages>(empty, e);
         uint8_t* at = stages + e % kPointwiseStages * kStageBytes;
         uint64_t* bar = &full[e % kPointwiseStages];
         const int pixel = (range.first + e) * kRowPixels;
@@ -397,7 +373,7 @@ __global__ void __launch_bounds__(kPointwiseThreads, 1)
   const int group = sm90::WarpgroupIndex();
   float acc[32 * kWide];  // set by the first chunk's first product (zeroing them would serialize the wgmma)
   for (int i = group; i < range.count; i += kPointwiseConsumers) {
-    WaitFull<kPointwiseStages>(full, i);
+    sm90::WaitFull<kPointwiseStages>(full, i);
     const uint8_t* narrow = stages + i % kPointwiseStages * kStageBytes;
     sm90::WgmmaFence();
 #pragma unroll
@@ -468,7 +444,7 @@ __global__ void __launch_bounds__(kPointwiseThreads, 1)
   uint64_t* filter_full = empty + kPointwiseStages;
   const Range range((pixels + kRowPixels - 1) / kRowPixels, blockIdx.x, gridDim.x);
   const int warp = threadIdx.x / 32;
-  if (threadIdx.x == 0) InitRing<kPointwiseStages>(full, empty, 1, filter_full);  // a chunk is one warpgroup's
+  if (threadIdx.x == 0) sm90::InitRing<kPointwiseStages>(full, empty, 1, filter_full);  // a chunk is one warpgroup's
   __syncthreads();
   if (range.count == 0) return;
 
@@ -479,7 +455,7 @@ __global__ void __launch_bounds__(kPointwiseThreads, 1)
         sm90::TmaLoad4d(filter + j * kChunkBytes, &w_map, filter_full, 0, kDgrad ? 0 : j, kDgrad ? 64 * j : 0, 0);
       }
       for (int e = 0; e < range.count; ++e) {
-        WaitEmpty<kPointwiseStages>(empty, e);
+        sm90::WaitEmpty<kPointwiseStages>(empty, e);
         uint64_t* bar = &full[e % kPointwiseStages];
         sm90::BarrierArriveExpectTx(bar, kChunkBytes);
         sm90::TmaLoad4d(stages + e % kPointwiseStages * kChunkBytes, &in_map, bar, 0, 0,
@@ -495,7 +471,7 @@ __global__ void __launch_bounds__(kPointwiseThreads, 1)
   uint8_t* tile = results + group * kWide * kChunkBytes;
   sm90::BarrierWait(filter_full, 0);
   for (int i = group; i < range.count; i += kPointwiseConsumers) {
-    WaitFull<kPointwiseStages>(full, i);
+    sm90::WaitFull<kPointwiseStages>(full, i);
     const uint8_t* in = stages + i % kPointwiseStages * kChunkBytes;
     float acc[32 * kWide];  // set by the first product
     sm90::WgmmaFence();

@@ -103,15 +103,6 @@ Gather MakeGather(const ConvGeometry& g, bool dgrad) {
   return v;
 }
 
-// Waits for the TMA loads of stage use e (ring slot e % kStages, phase e / kStages).
-__device__ __forceinline__ void WaitFull(uint64_t* full, int e) {
-  sm90::BarrierWait(&full[e % kStages], (e / kStages) & 1);
-}
-// The producer's wait before reusing slot e % kStages: its use e - kStages has been released.
-__device__ __forceinline__ void WaitEmpty(uint64_t* empty, int e) {
-  if (e >= kStages) sm90::BarrierWait(&empty[e % kStages], (e / kStages - 1) & 1);
-}
-
 // The epilogue of one m64 block of a warpgroup's accumulators (thread t's element i: row `row` +
 // 8 ((i >> 1) & 1), column 8 (i >> 2) + `col` + (i & 1), as sm90::Wgmma lays them out), 64 columns
 // at a time: act(acc + bias + residual) rounded once into the warpgroup's result tile, chunks of
@@ -165,13 +156,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int first_position = blockIdx.x * Shape::kRows, first_feature = blockIdx.y * kN;
   const int chunks = g.in_c / kChunk, taps = g.taps_h * g.taps_w, steps = taps * chunks;
   const int warp = threadIdx.x / 32;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      sm90::BarrierInit(&full[s], 1);
-      sm90::BarrierInit(&empty[s], kConsumers);
-    }
-    sm90::BarrierInitFence();
-  }
+  if (threadIdx.x == 0) sm90::InitRing<kStages>(full, empty, kConsumers);
   __syncthreads();
 
   if (warp >= kConsumers * 4) {  // the producer warpgroup
@@ -188,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         box_w[i] = g.lower_w + q * g.stride_w;
       }
       for (int e = 0; e < steps; ++e) {
-        WaitEmpty(empty, e);
+        sm90::WaitEmpty<kStages>(empty, e);
         uint8_t* a = stages + e % kStages * Shape::kStageBytes;
         uint8_t* b = a + Shape::kABytes;
         uint64_t* bar = &full[e % kStages];
@@ -218,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int group = sm90::WarpgroupIndex();
   float acc[Shape::kBlocks][kN / 2];  // set by the first product (accumulate off)
   for (int e = 0; e < steps; ++e) {
-    WaitFull(full, e);
+    sm90::WaitFull<kStages>(full, e);
     const uint8_t* a = stages + e % kStages * Shape::kStageBytes + group * Shape::kGroupRows * kChunkBytes;
     const uint8_t* b = stages + e % kStages * Shape::kStageBytes + Shape::kABytes;
     sm90::WgmmaFence();
@@ -270,15 +255,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // in [batch][in_h][in_w][in_c] for im2col boxes of kBoxPixels positions x 64 channels.
 CUresult MakeIm2colMap(CUtensorMap* map, const void* data, ffi::DataType dtype, const Gather& g) {
-  const CUtensorMapDataType type =
-      dtype == ffi::DataType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const cuuint64_t dims[4] = {cuuint64_t(g.in_c), cuuint64_t(g.in_w), cuuint64_t(g.in_h), cuuint64_t(g.batch)};
   const cuuint64_t pixel = cuuint64_t(g.in_c) * 2;
   const cuuint64_t strides[3] = {pixel, pixel * g.in_w, pixel * g.in_w * g.in_h};
   const int lower[2] = {g.lower_w, g.lower_h};
   const int upper[2] = {g.UpperW(), g.UpperH()};
   const cuuint32_t element_strides[4] = {1, cuuint32_t(g.stride_w), cuuint32_t(g.stride_h), 1};
-  return cuTensorMapEncodeIm2col(map, type, 4, const_cast<void*>(data), dims, strides, lower, upper, kChunk,
+  return cuTensorMapEncodeIm2col(map, TensorMapType(dtype), 4, const_cast<void*>(data), dims, strides, lower, upper, kChunk,
                                  kBoxPixels, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);

@@ -11,20 +11,23 @@
 
 namespace jaxdnn {
 
+// TMA's element type for 16-bit `dtype` (bfloat16 or float16).
+inline CUtensorMapDataType TensorMapType(ffi::DataType dtype) {
+  return dtype == ffi::DataType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+}
+
 // The tensor map of an array [outer][inner][64] of 16-bit values (rows of 128 bytes: a pixel's 64
 // channels, or 64 filters of a filter row) whose box is [box_outer][box_inner][64] (the 128-byte
 // swizzle; zeros outside the array): coordinates (0, inner, outer, 0).
 inline CUresult MakeChunkedMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int64_t outer, int64_t inner,
                                int box_outer, int box_inner) {
   constexpr int kChunk = 64, kChunkBytes = kChunk * 2;
-  const CUtensorMapDataType type =
-      dtype == ffi::DataType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const cuuint64_t dims[4] = {cuuint64_t(kChunk), cuuint64_t(inner), cuuint64_t(outer), 1};
   const cuuint64_t strides[3] = {cuuint64_t(kChunkBytes), cuuint64_t(inner) * kChunkBytes,
                                  cuuint64_t(outer) * inner * kChunkBytes};
   const cuuint32_t box[4] = {cuuint32_t(kChunk), cuuint32_t(box_inner), cuuint32_t(box_outer), 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  return cuTensorMapEncodeTiled(map, type, 4, const_cast<void*>(data), dims, strides, box, element_strides,
+  return cuTensorMapEncodeTiled(map, TensorMapType(dtype), 4, const_cast<void*>(data), dims, strides, box, element_strides,
                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
