@@ -171,6 +171,24 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::An
                        float activation_param, int64_t algorithm, ffi::AnyBuffer& y, ffi::AnyBuffer& workspace) {
   const int64_t items = g.OutPixels() * g.filters;
   if (items == 0) return ffi::Error::Success();
+  auto baseline = [&] {
+    return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {
+      using T = decltype(type_tag);
+      ConvEpilogue<T> epilogue;
+      epilogue.bias = bias != nullptr ? static_cast<const T*>(bias->untyped_data()) : nullptr;
+      epilogue.residual = residual != nullptr ? static_cast<const T*>(residual->untyped_data()) : nullptr;
+      epilogue.activation = activation;
+      epilogue.activation_param = activation_param;
+      ConvFpropKernel<T><<<Blocks(items), kBlock, 0, stream>>>(g, static_cast<const T*>(x.untyped_data()),
+                                                               static_cast<const T*>(w.untyped_data()), epilogue,
+                                                               static_cast<T*>(y.untyped_data()));
+      return LaunchError("conv fprop");
+    });
+  };
+  // An empty x (C = 0, or an empty input that the window reads as padding alone) leaves every sum
+  // empty: y is the epilogue of zeros, as on the CPU. The baseline kernel writes it without reading x
+  // or w; the others would launch empty grids (an invalid launch) on the empty filter or input.
+  if (g.InPixels() * g.channels == 0) return baseline();
   if (IsDepthwise(g)) {
     return DepthwiseFprop(stream, g, x.element_type(), x.untyped_data(), w.untyped_data(),
                           bias != nullptr ? bias->untyped_data() : nullptr,
@@ -184,18 +202,7 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::An
                                     workspace.size_bytes(), algorithm)) {
     return std::move(*status);
   }
-  return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {
-    using T = decltype(type_tag);
-    ConvEpilogue<T> epilogue;
-    epilogue.bias = bias != nullptr ? static_cast<const T*>(bias->untyped_data()) : nullptr;
-    epilogue.residual = residual != nullptr ? static_cast<const T*>(residual->untyped_data()) : nullptr;
-    epilogue.activation = activation;
-    epilogue.activation_param = activation_param;
-    ConvFpropKernel<T><<<Blocks(items), kBlock, 0, stream>>>(g, static_cast<const T*>(x.untyped_data()),
-                                                             static_cast<const T*>(w.untyped_data()), epilogue,
-                                                             static_cast<T*>(y.untyped_data()));
-    return LaunchError("conv fprop");
-  });
+  return baseline();
 }
 
 // Whether a plain pointwise fprop or dgrad with 64 channels on its reduction side runs on the halo
@@ -209,11 +216,13 @@ ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), w.dimensions(), y->dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
-  if (UsesPointwiseProduct(g, x.element_type(), attrs.algorithm, false)) {
+  // An empty x or y goes straight to LaunchFprop, which launches no empty grid.
+  const bool empty = g.InPixels() * g.channels == 0 || g.OutPixels() * g.filters == 0;
+  if (!empty && UsesPointwiseProduct(g, x.element_type(), attrs.algorithm, false)) {
     return PointwiseProduct(stream, g, x.element_type(), x.untyped_data(), w.untyped_data(), false,
                             y->untyped_data());
   }
-  if (g.OutPixels() * g.filters > 0 && TriesGemmFirst(attrs.algorithm)) {
+  if (!empty && TriesGemmFirst(attrs.algorithm)) {
     if (auto status = PointwiseGemm(stream, g, x.untyped_data(), w.untyped_data(), y->untyped_data(),
                                     g.OutPixels(), g.filters, g.channels, false, false, x.element_type())) {
       return std::move(*status);
@@ -240,6 +249,11 @@ ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(dy, w, *dx));
   const int64_t items = g.InPixels() * g.channels;
   if (items == 0) return ffi::Error::Success();
+  // An empty dy (K = 0, or no output pixels: a window wider than the padded input) leaves every sum
+  // empty: dx = 0, as on the CPU. The kernels below would launch empty grids (an invalid launch).
+  if (g.OutPixels() * g.filters == 0) {
+    return CudaError(cudaMemsetAsync(dx->untyped_data(), 0, dx->size_bytes(), stream), "conv dgrad: memset");
+  }
   if (IsDepthwise(g)) {
     return DepthwiseDgrad(stream, g, dy.element_type(), dy.untyped_data(), w.untyped_data(), dx->untyped_data());
   }
@@ -276,9 +290,13 @@ ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), dw->dimensions(), dy.dimensions(), &g));
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, dy, *dw));
-  // An empty batch still writes dw (zeros): the blocks sum over no pixels.
   const int64_t rows = g.Taps() * g.GroupChannels();
   if (rows * g.filters == 0) return ffi::Error::Success();
+  // An empty x or dy (an empty batch, or no pixels on one side) leaves every sum empty: dw = 0, as on
+  // the CPU. The kernels below would launch empty grids (an invalid launch) or map empty tensors.
+  if (g.InPixels() == 0 || g.OutPixels() == 0) {
+    return CudaError(cudaMemsetAsync(dw->untyped_data(), 0, dw->size_bytes(), stream), "conv wgrad: memset");
+  }
   if (IsDepthwise(g)) {
     return DepthwiseWgrad(stream, g, x.element_type(), x.untyped_data(), dy.untyped_data(),
                           workspace->untyped_data(), workspace->size_bytes(), dw->untyped_data());
