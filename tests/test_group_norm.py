@@ -18,11 +18,16 @@ FWD_TARGET, BWD_TARGET = "jaxdnn_group_norm_fwd_v1", "jaxdnn_group_norm_bwd_v1"
 
 # (x shape, num_groups): rank 2 (no spatial axes), empty batch, empty spatial axis, one channel,
 # instance norm (G = C), one group, channel counts off the 16-byte vector (130, 12), groups that
-# straddle vectors (K = 3, 10), and positions enough for many chunks.
+# straddle vectors (K = 3, 10), and positions enough for many chunks. On a GPU with TMA the on-chip
+# backward (group_norm_sm90.cu) takes most of them; the last ones are for it: more items than
+# blocks (300 samples x 2 slabs), items of several chunks cycling through its rings of shared
+# memory, an item of 11 chunks (the last of 40 positions), one of 16 (a full ring but one slot),
+# and one too long for it (24 chunks: the two-pass kernels).
 CASES = [
     ((1, 1), 1), ((3, 16), 4), ((2, 5, 7, 12), 3), ((0, 4, 8), 2), ((2, 0, 8), 2), ((5, 9, 1), 1),
     ((2, 3, 3, 96), 32), ((4, 33, 64), 32), ((2, 9, 130), 13), ((2, 17, 24), 24), ((2, 300, 48), 1),
     ((1, 2, 40, 512), 32), ((3, 2, 2, 2, 40), 8),
+    ((300, 9, 32), 2), ((150, 600, 16), 1), ((3, 2600, 16), 1), ((1, 4096, 64), 4), ((2, 6000, 16), 1),
 ]
 case_param = pytest.mark.parametrize("shape,groups", CASES, ids=str)
 

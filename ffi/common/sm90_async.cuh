@@ -192,10 +192,12 @@ __device__ __forceinline__ void BulkAddToGlobal(float* global, const float* shar
 __device__ __forceinline__ void BulkWaitAll() {
   asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group 0;\n" ::: "memory");
 }
-// Closes this thread's bulk group and waits until every bulk operation it issued has read its
-// shared-memory source (the buffer may be reused; the global writes may still be under way).
+// Closes this thread's bulk group and waits until every bulk operation it issued, but those of its
+// last kPending groups, has read its shared-memory source (the buffer may be reused; the global
+// writes may still be under way).
+template <int kPending = 0>
 __device__ __forceinline__ void BulkWaitReads() {
-  asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
 // Orders this thread's generic-proxy global accesses with its async-proxy (bulk) ones.
 __device__ __forceinline__ void FenceProxyAsyncGlobal() {

@@ -11,7 +11,9 @@
 // and (x - shift)^2 to the workspace [N, P, 2, C]; ReduceGroups (a block per (n, g)) sums them over
 // the chunks and the group's channels in a fixed order and writes mean/rstd; Normalize reads x again
 // and writes y. HBM traffic: x twice + y, plus the workspace (2 * 4 * C bytes per (n, p)).
-// Backward (4 launches): BwdChannelSums reads x and dy and writes per-(n, p) channel sums of
+// Backward: where a sample's slab of groups fits in shared memory on a GPU with TMA, the on-chip
+// kernel of group_norm_sm90.cu (x and dy read once; it leaves per-sample channel sums for SumParts).
+// Otherwise 4 launches: BwdChannelSums reads x and dy and writes per-(n, p) channel sums of
 // d * xhat and d (d = dy * act'); ReduceGroups turns them into the per-(n, g) sums of g * xhat and
 // g (g = d * scale) that dx needs; SumParts reduces them over (n, p) into dscale/dbias; Dx reads x
 // and dy again and writes dx. Traffic: x and dy twice + dx. All reductions run in a fixed order,
@@ -27,6 +29,7 @@
 #include "common/row_reduce.cuh"
 #include "group_norm/group_norm.h"
 #include "group_norm/group_norm_common.h"
+#include "group_norm/group_norm_sm90.h"
 
 namespace jaxdnn {
 namespace {
@@ -395,6 +398,12 @@ __global__ void SumParts(const float* __restrict__ workspace, int64_t parts, int
   }
 }
 
+ffi::Error LaunchSumParts(cudaStream_t stream, const float* workspace, int64_t parts, int64_t channels,
+                          float* dscale, float* dbias) {
+  SumParts<<<(2 * channels + 31) / 32, dim3(32, 32), 0, stream>>>(workspace, parts, channels, dscale, dbias);
+  return LaunchError("group_norm backward dscale/dbias");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Handlers
 
@@ -482,12 +491,18 @@ ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
     const T* dyp = static_cast<const T*>(dy.untyped_data());
     const T* xp = static_cast<const T*>(x.untyped_data());
     T* dxp = static_cast<T*>(dx->untyped_data());
+    float* ws = workspace->typed_data();
+    float* sums = group_sums->typed_data();
+    if (OnChipTakes(shape, sizeof(T), {dyp, xp, dxp})) {
+      JAXDNN_RETURN_IF_ERROR(OnChipBackward<T>(stream, shape, dyp, xp, scale.typed_data(), bias.typed_data(),
+                                               mean.typed_data(), rstd.typed_data(), activation, activation_param,
+                                               dxp, ws, sums));
+      return LaunchSumParts(stream, ws, shape.batch, shape.channels, dscale->typed_data(), dbias->typed_data());
+    }
     const Tiling t = MakeTiling<T>(shape, Aligned16(dyp) && Aligned16(xp) && Aligned16(dxp));
     int64_t blocks, group_blocks;
     JAXDNN_RETURN_IF_ERROR(Grids(t, &blocks, &group_blocks));
     const int threads = t.lanes * t.rows;
-    float* ws = workspace->typed_data();
-    float* sums = group_sums->typed_data();
     return WithVec<T>(t.vec, [&](auto vec) {
       return WithActivation(activation, [&](auto has_act) {
         constexpr int kVec = decltype(vec)::value;
@@ -499,9 +514,8 @@ ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
         ReduceGroups<T><<<group_blocks, kThreads, 0, stream>>>(xp, ws, scale.typed_data(), shape, 0.f,
                                                                 nullptr, nullptr, sums);
         JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward group sums"));
-        SumParts<<<(2 * shape.channels + 31) / 32, dim3(32, 32), 0, stream>>>(
-            ws, shape.batch * shape.chunks, shape.channels, dscale->typed_data(), dbias->typed_data());
-        JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward dscale/dbias"));
+        JAXDNN_RETURN_IF_ERROR(LaunchSumParts(stream, ws, shape.batch * shape.chunks, shape.channels,
+                                              dscale->typed_data(), dbias->typed_data()));
         Dx<T, kVec, kAct><<<blocks, threads, 0, stream>>>(dyp, xp, scale.typed_data(), bias.typed_data(),
                                                           mean.typed_data(), rstd.typed_data(), sums, dxp, t,
                                                           activation, activation_param);

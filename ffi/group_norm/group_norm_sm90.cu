@@ -1,0 +1,423 @@
+// The on-chip group norm backward (see group_norm_sm90.h): x and dy read from HBM once.
+//
+// Work is cut into items: an item is one sample's S positions of a slab of whole groups (the
+// fewest groups whose channels make a multiple of 16 bytes: one group of 16 bf16 channels for C =
+// 512, G = 32). A persistent block (one an SM) takes items in turn. Its producer warp streams each
+// item's x into a ring of 8 KiB shared-memory slots (chunks of `rows` positions x the slab, TMA
+// boxes), where the item stays, and dy through a second, smaller ring twice; its 8 consumer warps
+// make two passes: the first sums d * xhat and d per channel (d = dy * act'), the second, with dy
+// read again (from L2: a block's item of dy is at most 136 KiB), writes dx in place of x, stored
+// chunk by chunk by TMA. Each x slot goes back to the producer once its store has read it, so the
+// next item's x loads while this one's dx is written. HBM traffic: x + dy + dx, where
+// group_norm.cu's backward reads x and dy twice.
+//
+// Consecutive blocks take consecutive slabs of a sample at about the same time, so the boxes'
+// 256-byte L2 promotion fetches each position's lines once for the neighbouring blocks. Every sum
+// runs in a fixed order: the results have the same bits on every run.
+//
+// The same design for the forward (x held, three passes: sums, centred squares, y) ran no faster
+// than group_norm.cu's two-pass kernels on an H200 (78 us for N 16, 64 x 64, C 512, G 32 bf16, and
+// slower with a fused activation); splitting an item's positions between the blocks of a cluster
+// (group sums exchanged through distributed shared memory), which let the next item load whole
+// during this one, made both directions slower (104-151 us forward).
+#include "group_norm/group_norm_sm90.h"
+
+#include <cuda.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "common/activation.h"
+#include "common/cuda_common.cuh"
+#include "common/sm90_async.cuh"
+
+namespace jaxdnn {
+namespace {
+
+constexpr int kConsumers = 256;            // the consumer warps' threads
+constexpr int kWarps = kConsumers / 32;
+constexpr int kThreads = kConsumers + 32;  // and the producer warp
+constexpr int kSlotBytes = 8192;           // a chunk's shared memory
+constexpr int kXSlots = 17;                // x's ring: 136 KiB, an item at most
+constexpr int kDySlots = 8;                // dy's: 64 KiB
+constexpr int kMaxSlab = 256;              // channels a slab (a TMA box dimension's limit)
+constexpr int kMaxSlabGroups = 16;         // groups a slab (16 bytes of channels at most)
+constexpr int kBarrier = 1;                // the consumers' named barrier
+
+struct OnChipPlan {
+  int64_t spatial, channels, groups, group_size;  // S, C, G, K
+  int64_t slabs;                                  // C / slab
+  int64_t items;                                  // N * slabs
+  int slab;                                       // channels an item covers
+  int slab_groups;                                // groups an item covers
+  int rows;                                       // positions a chunk (a TMA box's rows)
+  int chunks;                                     // chunks an item: ceil(S / rows) <= kXSlots
+  int lanes;                                      // 16-byte vectors a row of the slab
+  int row_step;                                   // rows the consumers cover at once: kConsumers / lanes
+};
+
+// The plan, or false where an item does not fit x's ring (or no slab is possible).
+bool MakePlan(const GroupNormShape& s, int element_bytes, OnChipPlan* p) {
+  if (s.batch < 1 || s.spatial < 1 || s.group_size > kMaxSlab) return false;
+  int slab_groups = 1;
+  while (slab_groups <= kMaxSlabGroups && (slab_groups * s.group_size * element_bytes % 16 != 0 ||
+                                           s.groups % slab_groups != 0)) {
+    ++slab_groups;
+  }
+  if (slab_groups > kMaxSlabGroups || slab_groups * s.group_size > kMaxSlab) return false;
+  p->spatial = s.spatial;
+  p->channels = s.channels;
+  p->groups = s.groups;
+  p->group_size = s.group_size;
+  p->slab_groups = slab_groups;
+  p->slab = int(slab_groups * s.group_size);
+  p->slabs = s.channels / p->slab;
+  p->items = s.batch * p->slabs;
+  const int row_bytes = p->slab * element_bytes;
+  p->rows = int(std::min<int64_t>({256, kSlotBytes / row_bytes, s.spatial}));
+  const int64_t chunks = (s.spatial + p->rows - 1) / p->rows;
+  if (chunks > kXSlots) return false;
+  p->chunks = int(chunks);
+  p->lanes = row_bytes / 16;
+  p->row_step = kConsumers / p->lanes;
+  return true;
+}
+
+// A consumer thread's part of every chunk: the slab's 16-byte vector `lane` (channels ch ..
+// ch + kVec of the slab) of rows row0, row0 + row_step, ... (threads past lanes x row_step only
+// join the barriers), and the item's group of each of its channels.
+template <int kVec>
+struct ConsumerPart {
+  int ch, row0;
+  bool active;
+  int group_of[kVec];
+
+  __device__ __forceinline__ explicit ConsumerPart(const OnChipPlan& p) {
+    ch = threadIdx.x % p.lanes * kVec;
+    row0 = threadIdx.x / p.lanes;
+    active = row0 < p.row_step;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) group_of[k] = int((ch + k) / p.group_size);
+  }
+
+  // Calls fn(offset) with the element offset in a chunk of each of the thread's rows of chunk q
+  // (rows past S excluded).
+  template <typename Fn>
+  __device__ __forceinline__ void ForRows(const OnChipPlan& p, int q, Fn&& fn) const {
+    const int64_t left = p.spatial - int64_t(q) * p.rows;
+    const int valid = left < p.rows ? int(left) : p.rows;
+    if (!active) return;
+    for (int r = row0; r < valid; r += p.row_step) fn(r * p.slab + ch);
+  }
+};
+
+// The consumers' per-thread, per-channel values v[i] summed in a fixed order over the threads
+// (channel[i][c] for the slab's channels c) and then over each group's channels with weights
+// weight[c] (out[i][j] for the item's groups j). `partial` holds kValues x row_step x slab floats.
+// Where a warp holds whole rows, a butterfly of shuffles first sums the rows it holds, so that a
+// thread a channel adds kWarps partial sums, not row_step (128 for 32-byte rows) in a chain.
+template <int kValues, int kVec>
+__device__ __forceinline__ void SumGroups(const float (&v)[kValues][kVec], const ConsumerPart<kVec>& part,
+                                          const OnChipPlan& p, const float* weight, float* partial,
+                                          float (*channel)[kMaxSlab], float (*out)[kMaxSlabGroups]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool whole_rows = 32 % p.lanes == 0;
+  float w[kValues][kVec];
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) w[i][k] = v[i][k];
+  }
+  if (whole_rows) {
+    for (int offset = p.lanes; offset < 32; offset *= 2) {
+#pragma unroll
+      for (int i = 0; i < kValues; ++i) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) w[i][k] += __shfl_xor_sync(0xffffffff, w[i][k], offset);
+      }
+    }
+  }
+  const int rows = whole_rows ? kWarps : p.row_step;  // the partial sums a channel
+  const int row = whole_rows ? warp : part.row0;
+  const int stride = rows * p.slab;
+  if (part.active && (!whole_rows || lane < p.lanes)) {
+#pragma unroll
+    for (int i = 0; i < kValues; ++i) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) partial[i * stride + row * p.slab + part.ch + k] = w[i][k];
+    }
+  }
+  sm90::NamedBarrierSync(kBarrier, kConsumers);
+  for (int c = threadIdx.x; c < p.slab; c += kConsumers) {
+#pragma unroll
+    for (int i = 0; i < kValues; ++i) {
+      float sum = 0.f;
+      for (int r = 0; r < rows; ++r) sum += partial[i * stride + r * p.slab + c];
+      channel[i][c] = sum;
+    }
+  }
+  sm90::NamedBarrierSync(kBarrier, kConsumers);
+  for (int j = warp; j < p.slab_groups; j += kWarps) {
+#pragma unroll
+    for (int i = 0; i < kValues; ++i) {
+      float sum = 0.f;
+      for (int64_t c = j * p.group_size + lane; c < (j + 1) * p.group_size; c += 32) sum += weight[c] * channel[i][c];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+      if (lane == 0) out[i][j] = sum;
+    }
+  }
+  sm90::NamedBarrierSync(kBarrier, kConsumers);
+}
+
+// A pack of 16 bytes read from (written to) shared memory as one access: member by member, the
+// compiler had made 8 two-byte loads of each bf16 pack.
+template <typename Vec>
+__device__ __forceinline__ Vec LoadPack(const Vec& p) {
+  static_assert(sizeof(Vec) == 16, "a 16-byte pack");
+  const uint4 words = reinterpret_cast<const uint4&>(p);
+  Vec v;
+  memcpy(&v, &words, 16);
+  return v;
+}
+template <typename Vec>
+__device__ __forceinline__ void StorePack(Vec& p, const Vec& v) {
+  uint4 words;
+  memcpy(&words, &v, 16);
+  reinterpret_cast<uint4&>(p) = words;
+}
+
+// The item's sample and first channel.
+struct Item {
+  int n, c0;
+  __device__ __forceinline__ Item(int64_t item, const OnChipPlan& p)
+      : n(int(item / p.slabs)), c0(int(item % p.slabs) * p.slab) {}
+};
+
+// The producer's load of chunk q of `item` into slot use % kRing of a ring.
+template <int kRing, typename T>
+__device__ __forceinline__ void LoadChunk(const CUtensorMap* map, uint8_t* ring, uint64_t* full, uint64_t* empty,
+                                          int use, const Item& item, int q, const OnChipPlan& p) {
+  sm90::WaitEmpty<kRing>(empty, use);
+  uint64_t* bar = &full[use % kRing];
+  sm90::BarrierArriveExpectTx(bar, p.rows * p.slab * sizeof(T));
+  sm90::TmaLoad4d(ring + (use % kRing) * kSlotBytes, map, bar, item.c0, q * p.rows, item.n, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// With xhat = (x - mean) * rstd, d = dy * act'(xhat * scale + bias), g = d * scale:
+//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) per (n, group),
+//   dscale = sum(d * xhat), dbias = sum(d) over samples and positions (here per sample, to the
+//   workspace as [N, 2, C], summed over the samples by group_norm.cu's SumParts).
+
+template <typename T, bool kAct>
+__global__ void __launch_bounds__(kThreads, 1)
+    OnChipBwdKernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap dy_map,
+                    const __grid_constant__ CUtensorMap dx_map, const OnChipPlan p, const float* __restrict__ scale,
+                    const float* __restrict__ bias, const float* __restrict__ mean_in,
+                    const float* __restrict__ rstd_in, float* __restrict__ workspace,
+                    float* __restrict__ group_sums, int64_t activation, float activation_param) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kVec = kVec16<T>;
+  using Vec = Pack<T, kVec>;
+  extern __shared__ uint8_t raw_shared[];
+  uint8_t* x_ring = sm90::AlignedShared(raw_shared);
+  uint8_t* dy_ring = x_ring + kXSlots * kSlotBytes;
+  __shared__ uint64_t x_full[kXSlots], x_empty[kXSlots], dy_full[kDySlots], dy_empty[kDySlots];
+  __shared__ float partial[2 * kConsumers * kVec], channel[2][kMaxSlab], group_sum[2][kMaxSlabGroups];
+  if (threadIdx.x == 0) {
+    sm90::InitRing<kXSlots>(x_full, x_empty, 1);
+    sm90::InitRing<kDySlots>(dy_full, dy_empty, kWarps);  // each consumer warp releases dy
+  }
+  __syncthreads();
+
+  if (threadIdx.x >= kConsumers) {  // the producer warp: x and dy chunk by chunk, then dy again
+    if (threadIdx.x == kConsumers) {
+      int x_use = 0, dy_use = 0;
+      for (int64_t index = blockIdx.x; index < p.items; index += gridDim.x) {
+        const Item item(index, p);
+        for (int q = 0; q < p.chunks; ++q) {
+          LoadChunk<kXSlots, T>(&x_map, x_ring, x_full, x_empty, x_use++, item, q, p);
+          LoadChunk<kDySlots, T>(&dy_map, dy_ring, dy_full, dy_empty, dy_use++, item, q, p);
+        }
+        for (int q = 0; q < p.chunks; ++q) LoadChunk<kDySlots, T>(&dy_map, dy_ring, dy_full, dy_empty, dy_use++, item, q, p);
+      }
+    }
+    return;
+  }
+
+  const ConsumerPart<kVec> part(p);
+  const float count = float(p.spatial * p.group_size);
+  auto x_at = [&](int use, int offset) -> Vec& {
+    return *reinterpret_cast<Vec*>(reinterpret_cast<T*>(x_ring + (use % kXSlots) * kSlotBytes) + offset);
+  };
+  auto dy_at = [&](int use, int offset) -> const Vec& {
+    return *reinterpret_cast<const Vec*>(reinterpret_cast<const T*>(dy_ring + (use % kDySlots) * kSlotBytes) + offset);
+  };
+  // A consumer warp's release of a dy slot, once all its threads have read it.
+  auto release_dy = [&](int use) {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) sm90::BarrierArrive(&dy_empty[use % kDySlots]);
+  };
+  int x_first = 0, dy_first = 0;
+  for (int64_t index = blockIdx.x; index < p.items; index += gridDim.x, x_first += p.chunks, dy_first += 2 * p.chunks) {
+    const Item item(index, p);
+    float mean[kVec], rstd[kVec], gamma[kVec], beta[kVec];
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const int64_t g = int64_t(item.n) * p.groups + item.c0 / p.group_size + part.group_of[k];
+      mean[k] = mean_in[g];
+      rstd[k] = rstd_in[g];
+      gamma[k] = scale[item.c0 + part.ch + k];
+      beta[k] = bias[item.c0 + part.ch + k];
+    }
+    // xhat and d of the thread's channels at `offset` of x's and dy's chunks.
+    auto grad_in = [&](int x_use, int dy_use, int offset, float (&xhat)[kVec], float (&d)[kVec]) {
+      const Vec xv = LoadPack(x_at(x_use, offset)), dyv = LoadPack(dy_at(dy_use, offset));
+      float pre[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        xhat[k] = (ToFloat(xv.v[k]) - mean[k]) * rstd[k];
+        d[k] = ToFloat(dyv.v[k]);
+        pre[k] = xhat[k] * gamma[k] + beta[k];
+      }
+      if constexpr (kAct) ActivateGradKindN(activation, pre, d, activation_param);
+    };
+    // Pass 1: per-channel sums of d * xhat and d, as x and dy arrive.
+    float acc[2][kVec] = {};
+    for (int q = 0; q < p.chunks; ++q) {
+      sm90::WaitFull<kXSlots>(x_full, x_first + q);
+      sm90::WaitFull<kDySlots>(dy_full, dy_first + q);
+      part.ForRows(p, q, [&](int offset) {
+        float xhat[kVec], d[kVec];
+        grad_in(x_first + q, dy_first + q, offset, xhat, d);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          acc[0][k] += d[k] * xhat[k];
+          acc[1][k] += d[k];
+        }
+      });
+      release_dy(dy_first + q);
+    }
+    SumGroups(acc, part, p, scale + item.c0, partial, channel, group_sum);
+    for (int c = threadIdx.x; c < p.slab; c += kConsumers) {
+      float* row = workspace + int64_t(item.n) * 2 * p.channels + item.c0 + c;
+      row[0] = channel[0][c];
+      row[p.channels] = channel[1][c];
+    }
+    if (threadIdx.x < p.slab_groups) {
+      const int64_t g = int64_t(item.n) * p.groups + item.c0 / p.group_size + threadIdx.x;
+      group_sums[2 * g] = group_sum[0][threadIdx.x];
+      group_sums[2 * g + 1] = group_sum[1][threadIdx.x];
+    }
+    float mean_g_xhat[kVec], mean_g[kVec];
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      mean_g_xhat[k] = group_sum[0][part.group_of[k]] / count;
+      mean_g[k] = group_sum[1][part.group_of[k]] / count;
+    }
+    // Pass 2: dx in place of x, with dy again. Thread 0 stores each chunk once every consumer has
+    // written it, and hands the previous chunk's slot back once that store has read it (the last
+    // one at the item's end).
+    for (int q = 0; q < p.chunks; ++q) {
+      const int dy_use = dy_first + p.chunks + q;
+      sm90::WaitFull<kDySlots>(dy_full, dy_use);
+      part.ForRows(p, q, [&](int offset) {
+        float xhat[kVec], d[kVec];
+        grad_in(x_first + q, dy_use, offset, xhat, d);
+        Vec out;
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          out.v[k] = FromFloat<T>(rstd[k] * (gamma[k] * d[k] - mean_g[k] - xhat[k] * mean_g_xhat[k]));
+        }
+        StorePack(x_at(x_first + q, offset), out);
+      });
+      release_dy(dy_use);
+      sm90::FenceProxyAsync();
+      sm90::NamedBarrierSync(kBarrier, kConsumers);
+      if (threadIdx.x == 0) {
+        const int use = x_first + q;
+        sm90::TmaStore4d(&dx_map, x_ring + (use % kXSlots) * kSlotBytes, item.c0, q * p.rows, item.n, 0);
+        sm90::BulkWaitReads<1>();
+        if (q > 0) sm90::BarrierArrive(&x_empty[(use - 1) % kXSlots]);
+      }
+    }
+    if (threadIdx.x == 0) {
+      sm90::BulkWaitReads();
+      sm90::BarrierArrive(&x_empty[(x_first + p.chunks - 1) % kXSlots]);
+    }
+  }
+  if (threadIdx.x == 0) sm90::BulkWaitAll();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host
+
+template <typename T>
+CUtensorMapDataType MapType() {
+  if constexpr (std::is_same_v<T, float>) return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  if constexpr (std::is_same_v<T, __half>) return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+}
+
+// The map of x, dy or dx as [N][S][C] (coordinates (channel, position, sample, 0)) with boxes of
+// the plan's chunks: `rows` positions x a slab, zeros (loads) or nothing (stores) past S.
+template <typename T>
+CUresult MakeMap(CUtensorMap* map, const T* data, const GroupNormShape& s, const OnChipPlan& p) {
+  const cuuint64_t dims[4] = {cuuint64_t(s.channels), cuuint64_t(s.spatial), cuuint64_t(s.batch), 1};
+  const cuuint64_t strides[3] = {cuuint64_t(s.channels) * sizeof(T), cuuint64_t(s.spatial * s.channels) * sizeof(T),
+                                 cuuint64_t(s.batch * s.spatial * s.channels) * sizeof(T)};
+  const cuuint32_t box[4] = {cuuint32_t(p.slab), cuuint32_t(p.rows), 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  return cuTensorMapEncodeTiled(map, MapType<T>(), 4, const_cast<T*>(data), dims, strides, box, element_strides,
+                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+// Dynamic shared memory: the two rings, and 1024 bytes to align them.
+constexpr size_t kDynamicShared = size_t(kXSlots + kDySlots) * kSlotBytes + 1024;
+
+}  // namespace
+
+bool OnChipTakes(const GroupNormShape& shape, int element_bytes, std::initializer_list<const void*> operands) {
+  for (const void* p : operands) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  OnChipPlan plan;
+  int device = 0, major = 0;
+  return MakePlan(shape, element_bytes, &plan) && cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+}
+
+template <typename T>
+ffi::Error OnChipBackward(cudaStream_t stream, const GroupNormShape& shape, const T* dy, const T* x,
+                          const float* scale, const float* bias, const float* mean, const float* rstd,
+                          int64_t activation, float activation_param, T* dx, float* workspace, float* group_sums) {
+  OnChipPlan plan;
+  if (!MakePlan(shape, sizeof(T), &plan)) return InvalidArgument("group_norm: the on-chip backward does not take x");
+  CUtensorMap x_map, dy_map, dx_map;
+  if (MakeMap(&x_map, x, shape, plan) != CUDA_SUCCESS || MakeMap(&dy_map, dy, shape, plan) != CUDA_SUCCESS ||
+      MakeMap(&dx_map, dx, shape, plan) != CUDA_SUCCESS) {
+    return ffi::Error(ffi::ErrorCode::kInternal, "jaxdnn: group_norm backward (sm90): cannot encode a TMA descriptor");
+  }
+  auto launch = [&](auto kernel) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kDynamicShared));
+    const int64_t blocks = std::min<int64_t>(plan.items, ResidentBlocks(kernel, kThreads, kDynamicShared));
+    kernel<<<int(blocks), kThreads, kDynamicShared, stream>>>(x_map, dy_map, dx_map, plan, scale, bias, mean, rstd,
+                                                              workspace, group_sums, activation, activation_param);
+    return LaunchError("group_norm backward (sm90)");
+  };
+  if (activation != int64_t(Activation::kIdentity)) return launch(OnChipBwdKernel<T, true>);
+  return launch(OnChipBwdKernel<T, false>);
+}
+
+#define JAXDNN_INSTANTIATE(T)                                                                                 \
+  template ffi::Error OnChipBackward<T>(cudaStream_t, const GroupNormShape&, const T*, const T*, const float*, \
+                                        const float*, const float*, const float*, int64_t, float, T*, float*, float*);
+JAXDNN_INSTANTIATE(float)
+JAXDNN_INSTANTIATE(__nv_bfloat16)
+JAXDNN_INSTANTIATE(__half)
+#undef JAXDNN_INSTANTIATE
+
+}  // namespace jaxdnn
