@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t t = t0 + r, s = s0 + lane;
       float logit = -INFINITY;
       if (lane < cols && p.Attends(b, n, t, s)) {
-        logit = p.Logit(RowDot(q_s + r * h, k_s + lane * (h + 1), h), b, n, t, s);
+        logit = p.Logit<true>(RowDot(q_s + r * h, k_s + lane * (h + 1), h), b, n, t, s);
       }
       const float factor = softmax[i].Rescale(WarpMax(logit));
       if (softmax[i].max == -INFINITY) continue;  // uniform across the warp
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t t = t0 + r, s = s0 + lane;
       float ds = 0.f, logit = 0.f;
       if (lane < cols && p.Attends(b, n, t, s)) {
-        logit = p.Logit(RowDot(q_s + r * h, k_s + lane * (h + 1), h), b, n, t, s);
+        logit = p.Logit<true>(RowDot(q_s + r * h, k_s + lane * (h + 1), h), b, n, t, s);
         const float prob = ProbFromLse(logit, row_lse[i]);
         const float dp = RowDot(do_s + r * h, v_s + lane * (h + 1), h) * DropoutScale(p, b, n, t, s);
         ds = prob * (dp - row_delta[i]);
@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t s = s0 + c_key, t = t0 + lane;
         float prob = 0.f, g = 0.f;
         if (lane < rows && p.Attends(b, n, t, s)) {
-          const float logit = p.Logit(RowDot(k_s + c_key * h, q_s + lane * (h + 1), h), b, n, t, s);
+          const float logit = p.Logit<true>(RowDot(k_s + c_key * h, q_s + lane * (h + 1), h), b, n, t, s);
           prob = ProbFromLse(logit, lse_s[lane]);
           if (prob != 0.f) {
             const float drop = DropoutScale(p, b, n, t, s);
@@ -500,7 +500,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t n = n0 + r / p.q_len, t = r % p.q_len;
       float ds = 0.f, logit = 0.f;
       if (p.Attends(b, n, t, s)) {
-        logit = p.Logit(qk, b, n, t, s);
+        logit = p.Logit<true>(qk, b, n, t, s);
         const float pr = ProbFromLse(logit, lse_s[r]);
         const float drop = DropoutScale(p, b, n, t, s);
         ds = pr * (dov * drop - delta_s[r]);

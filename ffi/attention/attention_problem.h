@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/activation.h"
+
 #ifdef __CUDACC__
 #define JAXDNN_ATTN_HD __host__ __device__ __forceinline__
 #else
@@ -124,10 +126,15 @@ struct AttentionProblem {
     return true;
   }
 
-  // The logit of (b, n, t, s) from the dot product q.k: scale, soft cap, then bias.
+  // The logit of (b, n, t, s) from the dot product q.k: scale, soft cap, then bias. The cap's tanh
+  // is libdevice's when kPrecise (Tanh of common/activation.h: the float32 kernels'); otherwise
+  // tanhf, which the build's --use_fast_math makes the tanh.approx instruction, whose relative
+  // error of up to 1e-5 is below the 16-bit kernels' rounding but had taken a float32 decoding
+  // forward with a soft cap to 1.03e-5 against the tests' 1e-5.
+  template <bool kPrecise = false>
   JAXDNN_ATTN_HD float Logit(float dot, int64_t b, int64_t n, int64_t t, int64_t s) const {
     float logit = dot * scale;
-    if (soft_cap > 0.f) logit = soft_cap * tanhf(logit / soft_cap);
+    if (soft_cap > 0.f) logit = soft_cap * (kPrecise ? Tanh(logit / soft_cap) : tanhf(logit / soft_cap));
     if (bias != nullptr) {
       logit += bias[b * bias_stride[0] + n * bias_stride[1] + t * bias_stride[2] + s * bias_stride[3]];
     }
