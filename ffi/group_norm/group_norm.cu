@@ -24,6 +24,7 @@
 #include <climits>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "common/cuda_common.cuh"
 #include "common/row_reduce.cuh"
@@ -493,13 +494,14 @@ ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
     T* dxp = static_cast<T*>(dx->untyped_data());
     float* ws = workspace->typed_data();
     float* sums = group_sums->typed_data();
-    if (OnChipTakes(shape, sizeof(T), {dyp, xp, dxp})) {
-      JAXDNN_RETURN_IF_ERROR(OnChipBackward<T>(stream, shape, dyp, xp, scale.typed_data(), bias.typed_data(),
-                                               mean.typed_data(), rstd.typed_data(), activation, activation_param,
-                                               dxp, ws, sums));
+    const bool aligned = Aligned16(dyp) && Aligned16(xp) && Aligned16(dxp);
+    if (auto status = OnChipBackward<T>(stream, shape, aligned, dyp, xp, scale.typed_data(), bias.typed_data(),
+                                        mean.typed_data(), rstd.typed_data(), activation, activation_param, dxp, ws,
+                                        sums)) {
+      JAXDNN_RETURN_IF_ERROR(std::move(*status));
       return LaunchSumParts(stream, ws, shape.batch, shape.channels, dscale->typed_data(), dbias->typed_data());
     }
-    const Tiling t = MakeTiling<T>(shape, Aligned16(dyp) && Aligned16(xp) && Aligned16(dxp));
+    const Tiling t = MakeTiling<T>(shape, aligned);
     int64_t blocks, group_blocks;
     JAXDNN_RETURN_IF_ERROR(Grids(t, &blocks, &group_blocks));
     const int threads = t.lanes * t.rows;

@@ -380,22 +380,17 @@ constexpr size_t kDynamicShared = size_t(kXSlots + kDySlots) * kSlotBytes + 1024
 
 }  // namespace
 
-bool OnChipTakes(const GroupNormShape& shape, int element_bytes, std::initializer_list<const void*> operands) {
-  for (const void* p : operands) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  }
+template <typename T>
+std::optional<ffi::Error> OnChipBackward(cudaStream_t stream, const GroupNormShape& shape, bool aligned, const T* dy,
+                                         const T* x, const float* scale, const float* bias, const float* mean,
+                                         const float* rstd, int64_t activation, float activation_param, T* dx,
+                                         float* workspace, float* group_sums) {
   OnChipPlan plan;
   int device = 0, major = 0;
-  return MakePlan(shape, element_bytes, &plan) && cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
-}
-
-template <typename T>
-ffi::Error OnChipBackward(cudaStream_t stream, const GroupNormShape& shape, const T* dy, const T* x,
-                          const float* scale, const float* bias, const float* mean, const float* rstd,
-                          int64_t activation, float activation_param, T* dx, float* workspace, float* group_sums) {
-  OnChipPlan plan;
-  if (!MakePlan(shape, sizeof(T), &plan)) return InvalidArgument("group_norm: the on-chip backward does not take x");
+  if (!aligned || !MakePlan(shape, sizeof(T), &plan) || cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9) {
+    return std::nullopt;
+  }
   CUtensorMap x_map, dy_map, dx_map;
   if (MakeMap(&x_map, x, shape, plan) != CUDA_SUCCESS || MakeMap(&dy_map, dy, shape, plan) != CUDA_SUCCESS ||
       MakeMap(&dx_map, dx, shape, plan) != CUDA_SUCCESS) {
@@ -412,9 +407,10 @@ ffi::Error OnChipBackward(cudaStream_t stream, const GroupNormShape& shape, cons
   return launch(OnChipBwdKernel<T, false>);
 }
 
-#define JAXDNN_INSTANTIATE(T)                                                                                 \
-  template ffi::Error OnChipBackward<T>(cudaStream_t, const GroupNormShape&, const T*, const T*, const float*, \
-                                        const float*, const float*, const float*, int64_t, float, T*, float*, float*);
+#define JAXDNN_INSTANTIATE(T)                                                                                  \
+  template std::optional<ffi::Error> OnChipBackward<T>(cudaStream_t, const GroupNormShape&, bool, const T*, const T*, \
+                                                       const float*, const float*, const float*, const float*,       \
+                                                       int64_t, float, T*, float*, float*);
 JAXDNN_INSTANTIATE(float)
 JAXDNN_INSTANTIATE(__nv_bfloat16)
 JAXDNN_INSTANTIATE(__half)

@@ -1,31 +1,30 @@
 // The group norm backward of GPUs with TMA (compute capability >= 9) for problems whose (sample,
 // slab of groups) blocks fit in one SM's shared memory (group_norm_sm90.cu): x and dy are read from
-// HBM once, where group_norm.cu's kernels read them twice. group_norm.cu's backward handler calls
-// it for the problems OnChipTakes accepts and keeps its own kernels for the rest.
+// HBM once, where group_norm.cu's kernels read them twice. group_norm.cu's backward handler tries
+// it first and keeps its own kernels for the problems it does not take.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <initializer_list>
+#include <optional>
 
 #include "common/ffi_common.h"
 #include "group_norm/group_norm_common.h"
 
 namespace jaxdnn {
 
-// Whether OnChipBackward takes the problem on the current device: at least one position, a slab of
-// whole groups (at most 256 channels) whose channels make a multiple of 16 bytes, a slab's S
-// positions in at most 136 KiB (4352 positions of 16 bf16 channels), 16-byte aligned operands, and
-// a GPU of compute capability >= 9.
-bool OnChipTakes(const GroupNormShape& shape, int element_bytes, std::initializer_list<const void*> operands);
-
 // dx as group_norm.cu's backward, with the group sums of g * xhat and g (g = d * scale) in
 // group_sums[N, G, 2] and each sample's per-channel sums of d * xhat and d in the workspace's first
 // N * 2 * C floats, as [N, 2, C] (the caller sums them over the samples into dscale and dbias).
+// Returns nothing, launching nothing, unless it takes the problem on the current device: at least
+// one position, a slab of whole groups (at most 256 channels) whose channels make a multiple of 16
+// bytes, a slab's S positions in at most 136 KiB (4352 positions of 16 bf16 channels), `aligned`
+// operands (16 bytes), and a GPU of compute capability >= 9.
 template <typename T>
-ffi::Error OnChipBackward(cudaStream_t stream, const GroupNormShape& shape, const T* dy, const T* x,
-                          const float* scale, const float* bias, const float* mean, const float* rstd,
-                          int64_t activation, float activation_param, T* dx, float* workspace, float* group_sums);
+std::optional<ffi::Error> OnChipBackward(cudaStream_t stream, const GroupNormShape& shape, bool aligned, const T* dy,
+                                         const T* x, const float* scale, const float* bias, const float* mean,
+                                         const float* rstd, int64_t activation, float activation_param, T* dx,
+                                         float* workspace, float* group_sums);
 
 }  // namespace jaxdnn
