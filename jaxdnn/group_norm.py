@@ -55,10 +55,10 @@ def _fwd_avals(x, scale, bias, *, epsilon, num_groups, activation, activation_pa
 
 def _bwd_avals(dy, x, scale, bias, mean, rstd, *, num_groups, activation, activation_param):
     n, s, c = x.shape
-    per_channel = jax.core.ShapedArray((c,), _F32)
     workspace = jax.core.ShapedArray((n, _num_chunks(n, s, c), 2, c), _F32)
     group_sums = jax.core.ShapedArray((n, num_groups, 2), _F32)
-    return [jax.core.ShapedArray(x.shape, x.dtype), per_channel, per_channel, workspace, group_sums]
+    return [jax.core.ShapedArray(x.shape, x.dtype), jax.core.ShapedArray((c,), scale.dtype),
+            jax.core.ShapedArray((c,), bias.dtype), workspace, group_sums]
 
 
 def _per_channel(stat, num_groups, channels):
@@ -110,7 +110,8 @@ def _bwd_batch_rule(prim, args, dims, *, num_groups, activation, activation_para
     xhat = (x.astype(_F32) - _per_channel(mean, num_groups, c)) * _per_channel(rstd, num_groups, c)
     _, act_vjp = jax.vjp(lambda p: _ACTIVATIONS[kind](p, float(activation_param)), xhat * scale + bias)
     d = act_vjp(dy.astype(_F32))[0]
-    return [dx.reshape(x.shape), jnp.sum(d * xhat, axis=(1, 2)), jnp.sum(d, axis=(1, 2))], [0, 0, 0]
+    dscale, dbias = jnp.sum(d * xhat, axis=(1, 2)), jnp.sum(d, axis=(1, 2))
+    return [dx.reshape(x.shape), dscale.astype(scale.dtype), dbias.astype(bias.dtype)], [0, 0, 0]
 
 
 _group_norm_fwd = ffi_primitive(
@@ -220,7 +221,17 @@ def _check_param(name, param, x):
     if param.shape != x.shape[-1:]:
         raise ValueError(f"group_norm: {name} must have shape (C,) = {x.shape[-1:]} to match x.shape "
                          f"{x.shape}, got {name}.shape {param.shape}")
-    return param.astype(_F32)
+    return param
+
+
+def _params(scale, bias, channels):
+    """scale and bias in one dtype, as the kernels take them: x's 16-bit dtype where both are in it
+    (or one is and the other is None), else float32."""
+    given = [p.dtype for p in (scale, bias) if p is not None]
+    dtype = given[0] if given and all(d == given[0] for d in given) else jnp.dtype(_F32)
+    scale = jnp.ones((channels,), dtype) if scale is None else scale.astype(dtype)
+    bias = jnp.zeros((channels,), dtype) if bias is None else bias.astype(dtype)
+    return scale, bias
 
 
 def group_norm(x, num_groups, scale=None, bias=None, *, epsilon=1e-5, activation=None):
@@ -260,6 +271,4 @@ def group_norm(x, num_groups, scale=None, bias=None, *, epsilon=1e-5, activation
         x3 = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), channels)
         return _gn(x3, scale, bias, np.float32(epsilon), config).reshape(x.shape)
 
-    ones = jnp.ones((channels,), _F32)
-    return per_row_shard(run, x, ones if scale is None else scale,
-                         jnp.zeros_like(ones) if bias is None else bias, whole_axes=x.ndim - 1)
+    return per_row_shard(run, x, *_params(scale, bias, channels), whole_axes=x.ndim - 1)

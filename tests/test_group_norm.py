@@ -334,6 +334,22 @@ def test_lowered_hlo_holds_custom_calls(dtype, rng):
     assert re.search(rf"custom_call @{FWD_TARGET}\(", bwd) and re.search(rf"custom_call @{BWD_TARGET}\(", bwd)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=dtype_id)
+def test_half_params_reach_the_kernels_unconverted(dtype, rng):
+    """scale and bias in x's 16-bit dtype go to the kernels as they are, and dscale and dbias come
+    back in it: no conversion ops around the custom calls (each would be a kernel launch)."""
+    x = normal(rng, (2, 3, 5, 40), dtype)
+    scale, bias = (normal(rng, (40,), dtype) for _ in range(2))
+    loss = lambda x, s, b: jnp.sum(jaxdnn.group_norm(x, 8, s, b).astype(jnp.float32))
+    hlo = jax.jit(jax.grad(loss, argnums=(1, 2))).lower(x, scale, bias).as_text()
+    name = jnp.dtype(dtype).name.replace("bfloat16", "bf16").replace("float16", "f16")
+    calls = [line for line in hlo.splitlines() if "custom_call @" in line]
+    assert len(calls) == 2 and all(f"tensor<40x{name}>" in line for line in calls), calls
+    assert not re.search(rf"convert.*tensor<40x{name}>|tensor<40x{name}>.*convert", hlo)
+    grads = jax.jit(jax.grad(loss, argnums=(1, 2)))(x, scale, bias)
+    assert all(g.dtype == dtype for g in grads)
+
+
 @pytest.mark.gpu
 @dtype_param
 def test_compiled_gpu_hlo_holds_custom_calls(dtype, rng):

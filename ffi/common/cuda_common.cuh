@@ -9,6 +9,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "common/ffi_common.h"
 
@@ -95,6 +96,41 @@ __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Programmatic dependent launch (sm_90): a kernel launched by LaunchEarly may be scheduled while
+// the kernel before it on the stream is still finishing (which hides the launch gap between
+// them), and waits in WaitForPreviousKernel until that kernel, and so everything before it, has
+// finished and its writes are visible: it must call it before it reads anything that kernel (or
+// one before it) wrote, and before it writes anything. A kernel calling LetNextKernelLaunch lets
+// the next one (launched early) take the SM slots its blocks free; launched early itself, it calls
+// it after its own WaitForPreviousKernel, so that whatever the next kernel reads before its wait
+// is complete. On older GPUs, and in kernels launched without the attribute, both are no-ops.
+__device__ __forceinline__ void WaitForPreviousKernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void LetNextKernelLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+template <typename... Params, typename... Args>
+cudaError_t LaunchEarly(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                        Args&&... args) {
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace jaxdnn

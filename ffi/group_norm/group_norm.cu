@@ -17,10 +17,15 @@
 // d * xhat and d (d = dy * act'); ReduceGroups turns them into the per-(n, g) sums of g * xhat and
 // g (g = d * scale) that dx needs; SumParts reduces them over (n, p) into dscale/dbias; Dx reads x
 // and dy again and writes dx. Traffic: x and dy twice + dx. All reductions run in a fixed order,
-// so every result has the same bits on every run.
+// so every result has the same bits on every run. ReduceGroups, Normalize and SumParts are launched
+// early (LaunchEarly: their launch overlaps the end of the kernel before them). scale and bias are
+// float32 or x's dtype (Param), and dscale and dbias are stored in theirs.
 //
-// Normalize and Dx visit the blocks in reverse order: the sums pass read the last samples last, so
-// that part of x (and dy) is the part still in L2 when the second pass starts.
+// Normalize and Dx visit the blocks in reverse order: what the sums pass read last (its last wave's
+// blocks) is the part of x (and dy) still in L2 when the second pass starts. The forward's grids run
+// in one wave, where a block's chunk is what it reads in order, so Normalize also walks each chunk
+// backwards, from the positions FwdChannelSums read last. (Dx's grid takes two waves; walking its
+// chunks backwards too made the two-pass backward slower.)
 #include <climits>
 #include <cstdint>
 #include <type_traits>
@@ -58,14 +63,15 @@ Tiling MakeTiling(const GroupNormShape& shape, bool aligned) {
   return t;
 }
 
-// This thread's part of the work: sample, chunk, first channel, and its positions [begin, end)
-// with stride `rows`. `active` is false for lanes past the last channel.
+// This thread's part of the work: sample, chunk, first channel, and its `count` positions first,
+// first + step, ... (step = +-rows). `active` is false for lanes past the last channel.
 struct ThreadPart {
-  int64_t n, chunk, channel, begin, end;
+  int64_t n, chunk, channel, first, count, step;
   bool active;
 };
 
-__device__ __forceinline__ ThreadPart PartOf(int64_t block, const Tiling& t) {
+// `reverse` walks the chunk from its last position down (see the top of the file).
+__device__ __forceinline__ ThreadPart PartOf(int64_t block, const Tiling& t, bool reverse) {
   const GroupNormShape& s = t.shape;
   ThreadPart part;
   const int64_t tile = block % t.tiles;
@@ -75,31 +81,67 @@ __device__ __forceinline__ ThreadPart PartOf(int64_t block, const Tiling& t) {
   const int lane = threadIdx.x % t.lanes, row = threadIdx.x / t.lanes;
   part.channel = (tile * t.lanes + lane) * t.vec;
   part.active = part.channel < s.channels;
-  part.begin = ChunkBegin(s, part.chunk) + row;
-  part.end = ChunkBegin(s, part.chunk + 1);
+  const int64_t begin = ChunkBegin(s, part.chunk), end = ChunkBegin(s, part.chunk + 1);
+  part.count = end - begin > row ? (end - begin - row + t.rows - 1) / t.rows : 0;
+  part.first = reverse ? end - 1 - row : begin + row;
+  part.step = reverse ? -t.rows : t.rows;
   return part;
 }
 
-// Visits the thread's positions r (begin, begin + stride, ... below end) in batches of kBatch: every
-// load of a batch (load(r) returns the position's data) is issued before the first is used
-// (fn(r, data)), so kBatch loads per thread (and tensor) are in flight. Loading and using one
-// position at a time left one load in flight (the bound check between positions kept the compiler
-// from hoisting the next one), and the sums pass ran at 1.8 TB/s on an H100. The kernels that read
-// x and dy take batches of 2: with 4 their registers had cut the blocks an SM to one.
+// Visits the thread's positions r in batches of kBatch: every load of a batch (load(r) returns the
+// position's data) is issued before the first is used (fn(r, data)), so kBatch loads per thread (and
+// tensor) are in flight. Loading and using one position at a time left one load in flight (the
+// bound check between positions kept the compiler from hoisting the next one), and the sums pass ran
+// at 1.8 TB/s on an H100. The kernels that read x and dy take batches of 2: with 4 their registers
+// had cut the blocks an SM to one.
 template <int kBatch, typename Load, typename Fn>
-__device__ __forceinline__ void ForPositions(const ThreadPart& part, int64_t stride, Load load, Fn fn) {
-  using Data = decltype(load(part.begin));
-  for (int64_t r = part.begin; r < part.end; r += kBatch * stride) {
+__device__ __forceinline__ void ForPositions(const ThreadPart& part, Load load, Fn fn) {
+  using Data = decltype(load(part.first));
+  for (int64_t i = 0; i < part.count; i += kBatch) {
     Data data[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      if (r + u * stride < part.end) data[u] = load(r + u * stride);
+      if (i + u < part.count) data[u] = load(part.first + (i + u) * part.step);
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      if (r + u * stride < part.end) fn(r + u * stride, data[u]);
+      if (i + u < part.count) fn(part.first + (i + u) * part.step, data[u]);
     }
   }
+}
+
+// The forward's kernels stream x through shared memory instead (ForPositionsStaged), where its
+// 16-byte packs are loaded with cp.async kStages - 1 positions ahead of use: the loads in flight
+// hold no registers, so 4 blocks an SM fit, the ~512-block grids run in one wave, and a block keeps
+// 7 positions' loads in flight. (With ForPositions, FwdChannelSums and Normalize held 92-94
+// registers: 2 blocks an SM, two waves, and the sums pass read x at 2.2 TB/s on an H200.)
+constexpr int kStages = 8;
+
+template <typename T>
+using Vec16 = Pack<T, kVec16<T>>;
+
+// Calls fn(r, pack) for the thread's positions r in order, with the 16-byte pack of x at
+// x + r * stride, staged through this thread's own slots of `slots` [kStages][kThreads] (no block
+// barrier needed).
+template <typename T, typename Fn>
+__device__ __forceinline__ void ForPositionsStaged(const ThreadPart& part, const T* x, int64_t stride, Fn fn) {
+  __shared__ Vec16<T> slots[kStages][kThreads];
+  auto slot = [&](int stage) { return &slots[stage][threadIdx.x]; };
+  auto issue = [&](int stage, int64_t i) {
+    if (i < part.count) CpAsync16(slot(stage), x + (part.first + i * part.step) * stride);
+    CpAsyncCommit();  // an empty group past the end keeps the wait count uniform
+  };
+#pragma unroll
+  for (int stage = 0; stage < kStages - 1; ++stage) issue(stage, stage);
+  int stage = 0;
+  for (int64_t i = 0; i < part.count; ++i) {
+    issue((stage + kStages - 1) % kStages, i + kStages - 1);  // the slot read last iteration
+    CpAsyncWait<kStages - 1>();                                // position i's copy has landed
+    const Vec16<T> pack = *slot(stage);
+    fn(part.first + i * part.step, pack);
+    stage = (stage + 1) % kStages;
+  }
+  CpAsyncWait<0>();
 }
 
 // x and dy at one position (the backward kernels read both).
@@ -173,26 +215,32 @@ struct ChannelStats {
 // Forward
 
 template <typename T, int kVec>
-__global__ void __launch_bounds__(kThreads) FwdChannelSums(const T* __restrict__ x,
-                                                           float* __restrict__ workspace, Tiling t) {
+__global__ void __launch_bounds__(kThreads, 4) FwdChannelSums(const T* __restrict__ x,
+                                                              float* __restrict__ workspace, Tiling t) {
   using Vec = Pack<T, kVec>;
+  LetNextKernelLaunch();
   const GroupNormShape& s = t.shape;
-  const ThreadPart part = PartOf(blockIdx.x, t);
+  const ThreadPart part = PartOf(blockIdx.x, t, false);
   const T* xn = x + part.n * s.spatial * s.channels;
   float sum[kVec] = {}, squares[kVec] = {};
-  if (part.active && part.begin < part.end) {
+  if (part.active && part.count > 0) {
     float shift[kVec];  // each group's first element (see GroupMoments)
 #pragma unroll
     for (int k = 0; k < kVec; ++k) shift[k] = ToFloat(xn[(part.channel + k) / s.group_size * s.group_size]);
-    auto load = [&](int64_t r) { return *reinterpret_cast<const Vec*>(xn + r * s.channels + part.channel); };
-    ForPositions<4>(part, t.rows, load, [&](int64_t, const Vec& v) {
+    auto add = [&](int64_t, const Vec& v) {
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         const float d = ToFloat(v.v[k]) - shift[k];
         sum[k] += d;
         squares[k] += d * d;
       }
-    });
+    };
+    if constexpr (sizeof(Vec) == 16) {
+      ForPositionsStaged(part, xn + part.channel, s.channels, add);
+    } else {
+      ForPositions<4>(part, [&](int64_t r) { return *reinterpret_cast<const Vec*>(xn + r * s.channels + part.channel); },
+                      add);
+    }
   }
   StoreChannelSums(sum, squares, workspace + (part.n * s.chunks + part.chunk) * 2 * s.channels, part, t);
 }
@@ -201,17 +249,15 @@ __global__ void __launch_bounds__(kThreads) FwdChannelSums(const T* __restrict__
 // pack at a time (one switch on its kind for the kVec values, so their evaluations overlap), and the
 // identity's, which carries no activation code (its registers had made the identity kernels spill).
 template <typename T, int kVec, bool kAct>
-__global__ void __launch_bounds__(kThreads) Normalize(const T* __restrict__ x,
-                                                      const float* __restrict__ scale,
-                                                      const float* __restrict__ bias,
-                                                      const float* __restrict__ mean,
-                                                      const float* __restrict__ rstd,
-                                                      T* __restrict__ y, Tiling t, int64_t activation,
-                                                      float activation_param) {
+__global__ void __launch_bounds__(kThreads, 4) Normalize(const T* __restrict__ x, Param<T> scale, Param<T> bias,
+                                                         const float* __restrict__ mean,
+                                                         const float* __restrict__ rstd, T* __restrict__ y,
+                                                         Tiling t, int64_t activation, float activation_param) {
   using Vec = Pack<T, kVec>;
   const GroupNormShape& s = t.shape;
-  const ThreadPart part = PartOf(int64_t(gridDim.x) - 1 - blockIdx.x, t);
+  const ThreadPart part = PartOf(int64_t(gridDim.x) - 1 - blockIdx.x, t, true);
   if (!part.active) return;
+  WaitForPreviousKernel();  // mean and rstd
   const ChannelStats<kVec> stats(mean, rstd, part, s);
   float a[kVec], b[kVec];  // pre-activation = (x - mean) * a + b
 #pragma unroll
@@ -220,8 +266,7 @@ __global__ void __launch_bounds__(kThreads) Normalize(const T* __restrict__ x,
     b[k] = bias[part.channel + k];
   }
   const int64_t base = part.n * s.spatial * s.channels + part.channel;
-  auto load = [&](int64_t r) { return *reinterpret_cast<const Vec*>(x + base + r * s.channels); };
-  ForPositions<4>(part, t.rows, load, [&](int64_t r, const Vec& v) {
+  auto normalize = [&](int64_t r, const Vec& v) {
     float pre[kVec];
     Vec out;
 #pragma unroll
@@ -235,7 +280,13 @@ __global__ void __launch_bounds__(kThreads) Normalize(const T* __restrict__ x,
       for (int k = 0; k < kVec; ++k) out.v[k] = FromFloat<T>(pre[k]);
     }
     *reinterpret_cast<Vec*>(y + base + r * s.channels) = out;
-  });
+  };
+  if constexpr (sizeof(Vec) == 16) {
+    ForPositionsStaged(part, x + base, s.channels, normalize);
+  } else {
+    ForPositions<4>(part, [&](int64_t r) { return *reinterpret_cast<const Vec*>(x + base + r * s.channels); },
+                    normalize);
+  }
 }
 
 // A block per (n, g): sums weight[c] * workspace[n, p, i, c] over the chunks p and the group's
@@ -245,11 +296,13 @@ __global__ void __launch_bounds__(kThreads) Normalize(const T* __restrict__ x,
 template <typename T>
 __global__ void __launch_bounds__(kThreads) ReduceGroups(const T* __restrict__ x,
                                                          const float* __restrict__ workspace,
-                                                         const float* __restrict__ weight,
+                                                         Param<T> weight,
                                                          GroupNormShape s, float epsilon,
                                                          float* __restrict__ mean,
                                                          float* __restrict__ rstd,
                                                          float* __restrict__ group_sums) {
+  LetNextKernelLaunch();
+  WaitForPreviousKernel();  // the workspace
   const int64_t n = blockIdx.x / s.groups, g = blockIdx.x % s.groups;
   const float* sums = workspace + n * s.chunks * 2 * s.channels + g * s.group_size;
   float acc[2] = {0.f, 0.f};
@@ -258,7 +311,7 @@ __global__ void __launch_bounds__(kThreads) ReduceGroups(const T* __restrict__ x
   const int64_t step_chunks = blockDim.x / s.group_size, step_k = blockDim.x % s.group_size;
   int64_t chunk = threadIdx.x / s.group_size, k = threadIdx.x % s.group_size;
   while (chunk < s.chunks) {
-    const float w = weight ? weight[g * s.group_size + k] : 1.f;
+    const float w = weight.data ? weight[g * s.group_size + k] : 1.f;
     acc[0] += w * sums[chunk * 2 * s.channels + k];
     acc[1] += w * sums[chunk * 2 * s.channels + s.channels + k];
     chunk += step_chunks;
@@ -289,7 +342,8 @@ template <int kVec>
 struct ChannelAffine {
   float scale[kVec], bias[kVec];
 
-  __device__ __forceinline__ ChannelAffine(const float* scale_in, const float* bias_in, int64_t c) {
+  template <typename T>
+  __device__ __forceinline__ ChannelAffine(const Param<T>& scale_in, const Param<T>& bias_in, int64_t c) {
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       scale[k] = scale_in[c + k];
@@ -316,19 +370,19 @@ __device__ __forceinline__ void GradIn(const Pack<T, kVec>& xv, const Pack<T, kV
 
 template <typename T, int kVec, bool kAct>
 __global__ void __launch_bounds__(kThreads, 2) BwdChannelSums(
-    const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ scale,
-    const float* __restrict__ bias, const float* __restrict__ mean, const float* __restrict__ rstd,
+    const T* __restrict__ dy, const T* __restrict__ x, Param<T> scale, Param<T> bias,
+    const float* __restrict__ mean, const float* __restrict__ rstd,
     float* __restrict__ workspace, Tiling t, int64_t activation, float activation_param) {
   using Vec = Pack<T, kVec>;
   const GroupNormShape& s = t.shape;
-  const ThreadPart part = PartOf(blockIdx.x, t);
+  const ThreadPart part = PartOf(blockIdx.x, t, false);
   float d_xhat[kVec] = {}, d_sum[kVec] = {};
   if (part.active) {
     const ChannelStats<kVec> stats(mean, rstd, part, s);
     const ChannelAffine<kVec> affine(scale, bias, part.channel);
     const int64_t base = part.n * s.spatial * s.channels + part.channel;
     auto load = [&](int64_t r) { return LoadXDy<T, kVec>(x, dy, base + r * s.channels); };
-    ForPositions<2>(part, t.rows, load, [&](int64_t, const XDy<T, kVec>& v) {
+    ForPositions<2>(part, load, [&](int64_t, const XDy<T, kVec>& v) {
       float xhat[kVec], d[kVec];
       GradIn<kAct>(v.x, v.dy, stats, affine, activation, activation_param, xhat, d);
 #pragma unroll
@@ -343,14 +397,14 @@ __global__ void __launch_bounds__(kThreads, 2) BwdChannelSums(
 
 template <typename T, int kVec, bool kAct>
 __global__ void __launch_bounds__(kThreads, 2) Dx(
-    const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ scale,
-    const float* __restrict__ bias, const float* __restrict__ mean, const float* __restrict__ rstd,
+    const T* __restrict__ dy, const T* __restrict__ x, Param<T> scale, Param<T> bias,
+    const float* __restrict__ mean, const float* __restrict__ rstd,
     const float* __restrict__ group_sums, T* __restrict__ dx, Tiling t, int64_t activation,
     float activation_param) {
   using Vec = Pack<T, kVec>;
   const GroupNormShape& s = t.shape;
-  const ThreadPart part = PartOf(int64_t(gridDim.x) - 1 - blockIdx.x, t);
-  if (!part.active || part.begin >= part.end) return;
+  const ThreadPart part = PartOf(int64_t(gridDim.x) - 1 - blockIdx.x, t, false);
+  if (!part.active || part.count == 0) return;
   const ChannelStats<kVec> stats(mean, rstd, part, s);
   const ChannelAffine<kVec> affine(scale, bias, part.channel);
   const float count = float(s.spatial * s.group_size);  // > 0: this thread has positions
@@ -362,7 +416,7 @@ __global__ void __launch_bounds__(kThreads, 2) Dx(
   }
   const int64_t base = part.n * s.spatial * s.channels + part.channel;
   auto load = [&](int64_t r) { return LoadXDy<T, kVec>(x, dy, base + r * s.channels); };
-  ForPositions<2>(part, t.rows, load, [&](int64_t r, const XDy<T, kVec>& v) {
+  ForPositions<2>(part, load, [&](int64_t r, const XDy<T, kVec>& v) {
     float xhat[kVec], d[kVec];
     GradIn<kAct>(v.x, v.dy, stats, affine, activation, activation_param, xhat, d);
     Vec out;
@@ -377,9 +431,12 @@ __global__ void __launch_bounds__(kThreads, 2) Dx(
 
 // dscale[c] and dbias[c]: the workspace [N * P, 2 * C] summed over its N * P rows in a fixed order.
 // Threads (x, y): x the column within a 32-wide tile, y strides over the rows.
-__global__ void SumParts(const float* __restrict__ workspace, int64_t parts, int64_t channels,
-                         float* __restrict__ dscale, float* __restrict__ dbias) {
+// dscale and dbias are stored in float32 or in T (`f32` false).
+template <typename T>
+__global__ void SumParts(const float* __restrict__ workspace, int64_t parts, int64_t channels, void* dscale,
+                         void* dbias, bool f32) {
   __shared__ float tile[32][33];
+  WaitForPreviousKernel();  // the workspace
   const int64_t width = 2 * channels;
   const int64_t col = int64_t(blockIdx.x) * 32 + threadIdx.x;
   float sum = 0.f;
@@ -391,18 +448,23 @@ __global__ void SumParts(const float* __restrict__ workspace, int64_t parts, int
   if (threadIdx.y == 0 && col < width) {
     float total = 0.f;
     for (int k = 0; k < 32; ++k) total += tile[k][threadIdx.x];
-    if (col < channels) {
-      dscale[col] = total;
+    void* out = col < channels ? dscale : dbias;
+    const int64_t c = col < channels ? col : col - channels;
+    if (f32) {
+      static_cast<float*>(out)[c] = total;
     } else {
-      dbias[col - channels] = total;
+      static_cast<T*>(out)[c] = FromFloat<T>(total);
     }
   }
 }
 
+template <typename T>
 ffi::Error LaunchSumParts(cudaStream_t stream, const float* workspace, int64_t parts, int64_t channels,
-                          float* dscale, float* dbias) {
-  SumParts<<<(2 * channels + 31) / 32, dim3(32, 32), 0, stream>>>(workspace, parts, channels, dscale, dbias);
-  return LaunchError("group_norm backward dscale/dbias");
+                          ffi::Result<ffi::AnyBuffer>& dscale, ffi::Result<ffi::AnyBuffer>& dbias) {
+  return CudaError(LaunchEarly(SumParts<T>, dim3((2 * channels + 31) / 32), dim3(32, 32), 0, stream, workspace, parts,
+                               channels, dscale->untyped_data(), dbias->untyped_data(),
+                               dscale->element_type() == ffi::DataType::F32),
+                   "group_norm backward dscale/dbias");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -434,8 +496,8 @@ ffi::Error Grids(const Tiling& t, int64_t* streaming, int64_t* groups) {
   return ffi::Error::Success();
 }
 
-ffi::Error GroupNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
-                            ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error GroupNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+                            ffi::Result<ffi::AnyBuffer> y,
                             ffi::Result<ffi::Buffer<ffi::F32>> mean,
                             ffi::Result<ffi::Buffer<ffi::F32>> rstd,
                             ffi::Result<ffi::Buffer<ffi::F32>> workspace, float epsilon,
@@ -457,25 +519,24 @@ ffi::Error GroupNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
       constexpr int kVec = decltype(vec)::value;
       FwdChannelSums<T, kVec><<<blocks, threads, 0, stream>>>(xp, ws, t);
       JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm forward sums"));
-      ReduceGroups<T><<<group_blocks, kThreads, 0, stream>>>(xp, ws, nullptr, shape, epsilon,
-                                                              mean->typed_data(), rstd->typed_data(),
-                                                              nullptr);
-      JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm forward statistics"));
+      JAXDNN_RETURN_IF_ERROR(CudaError(
+          LaunchEarly(ReduceGroups<T>, dim3(group_blocks), dim3(kThreads), 0, stream, xp, ws, Param<T>{nullptr, true}, shape, epsilon,
+                      mean->typed_data(), rstd->typed_data(), nullptr),
+          "group_norm forward statistics"));
       return WithActivation(activation, [&](auto has_act) {
-        Normalize<T, kVec, decltype(has_act)::value><<<blocks, threads, 0, stream>>>(
-            xp, scale.typed_data(), bias.typed_data(), mean->typed_data(), rstd->typed_data(), yp, t, activation,
-            activation_param);
-        return LaunchError("group_norm forward normalize");
+        return CudaError(LaunchEarly(Normalize<T, kVec, decltype(has_act)::value>, dim3(blocks), dim3(threads), 0, stream,
+                                     xp, ParamOf<T>(scale), ParamOf<T>(bias), mean->typed_data(),
+                                     rstd->typed_data(), yp, t, activation, activation_param),
+                         "group_norm forward normalize");
       });
     });
   });
 }
 
 ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
-                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
-                            ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
-                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> dscale,
-                            ffi::Result<ffi::Buffer<ffi::F32>> dbias,
+                            ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::Buffer<ffi::F32> mean,
+                            ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dbias,
                             ffi::Result<ffi::Buffer<ffi::F32>> workspace,
                             ffi::Result<ffi::Buffer<ffi::F32>> group_sums, int64_t num_groups,
                             int64_t activation, float activation_param) {
@@ -483,9 +544,8 @@ ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   JAXDNN_RETURN_IF_ERROR(CheckGroupNormBwd(dy, x, scale, bias, mean, rstd, *dx, *dscale, *dbias,
                                            *workspace, *group_sums, num_groups, activation, &shape));
   if (shape.batch == 0 || shape.spatial == 0) {  // sums over no positions; dx is empty
-    const size_t bytes = shape.channels * sizeof(float);
-    JAXDNN_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(dscale->typed_data(), 0, bytes, stream), "memset"));
-    return CudaError(cudaMemsetAsync(dbias->typed_data(), 0, bytes, stream), "memset");
+    JAXDNN_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(dscale->untyped_data(), 0, dscale->size_bytes(), stream), "memset"));
+    return CudaError(cudaMemsetAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream), "memset");
   }
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
@@ -495,11 +555,12 @@ ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
     float* ws = workspace->typed_data();
     float* sums = group_sums->typed_data();
     const bool aligned = Aligned16(dyp) && Aligned16(xp) && Aligned16(dxp);
-    if (auto status = OnChipBackward<T>(stream, shape, aligned, dyp, xp, scale.typed_data(), bias.typed_data(),
+    const Param<T> scale_p = ParamOf<T>(scale), bias_p = ParamOf<T>(bias);
+    if (auto status = OnChipBackward<T>(stream, shape, aligned, dyp, xp, scale_p, bias_p,
                                         mean.typed_data(), rstd.typed_data(), activation, activation_param, dxp, ws,
                                         sums)) {
       JAXDNN_RETURN_IF_ERROR(std::move(*status));
-      return LaunchSumParts(stream, ws, shape.batch, shape.channels, dscale->typed_data(), dbias->typed_data());
+      return LaunchSumParts<T>(stream, ws, shape.batch, shape.channels, dscale, dbias);
     }
     const Tiling t = MakeTiling<T>(shape, aligned);
     int64_t blocks, group_blocks;
@@ -510,15 +571,14 @@ ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
         constexpr int kVec = decltype(vec)::value;
         constexpr bool kAct = decltype(has_act)::value;
         BwdChannelSums<T, kVec, kAct><<<blocks, threads, 0, stream>>>(
-            dyp, xp, scale.typed_data(), bias.typed_data(), mean.typed_data(), rstd.typed_data(), ws, t,
+            dyp, xp, scale_p, bias_p, mean.typed_data(), rstd.typed_data(), ws, t,
             activation, activation_param);
         JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward sums"));
-        ReduceGroups<T><<<group_blocks, kThreads, 0, stream>>>(xp, ws, scale.typed_data(), shape, 0.f,
-                                                                nullptr, nullptr, sums);
-        JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm backward group sums"));
-        JAXDNN_RETURN_IF_ERROR(LaunchSumParts(stream, ws, shape.batch * shape.chunks, shape.channels,
-                                              dscale->typed_data(), dbias->typed_data()));
-        Dx<T, kVec, kAct><<<blocks, threads, 0, stream>>>(dyp, xp, scale.typed_data(), bias.typed_data(),
+        JAXDNN_RETURN_IF_ERROR(CudaError(LaunchEarly(ReduceGroups<T>, dim3(group_blocks), dim3(kThreads), 0, stream, xp,
+                                                     ws, scale_p, shape, 0.f, nullptr, nullptr, sums),
+                                         "group_norm backward group sums"));
+        JAXDNN_RETURN_IF_ERROR(LaunchSumParts<T>(stream, ws, shape.batch * shape.chunks, shape.channels, dscale, dbias));
+        Dx<T, kVec, kAct><<<blocks, threads, 0, stream>>>(dyp, xp, scale_p, bias_p,
                                                           mean.typed_data(), rstd.typed_data(), sums, dxp, t,
                                                           activation, activation_param);
         return LaunchError("group_norm backward dx");

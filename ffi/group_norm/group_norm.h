@@ -1,8 +1,8 @@
 // GroupNorm FFI handlers, channels last. Targets (the ABI of exported programs, hence versioned):
-//   jaxdnn_group_norm_fwd_v1  (x[N,S,C], scale[C] f32, bias[C] f32)
+//   jaxdnn_group_norm_fwd_v1  (x[N,S,C], scale[C], bias[C]: both float32 or both x's dtype)
 //                             -> (y[N,S,C], mean[N,G] f32, rstd[N,G] f32, workspace[N,P,2,C] f32)
 //   jaxdnn_group_norm_bwd_v1  (dy, x, scale, bias, mean, rstd)
-//                             -> (dx, dscale[C] f32, dbias[C] f32, workspace[N,P,2,C] f32,
+//                             -> (dx, dscale[C], dbias[C] (scale's dtype), workspace[N,P,2,C] f32,
 //                                 group_sums[N,G,2] f32)
 // N samples, S spatial positions (every axis between the first and the last folded together), C
 // channels in G groups of K = C / G. Statistics are per (sample, group), over S * K elements.
@@ -30,8 +30,8 @@ auto BindGroupNormFwd(Binding binding) {
   namespace ffi = xla::ffi;
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()          // x [N, S, C]
-      .template Arg<ffi::Buffer<ffi::F32>>()   // scale [C]
-      .template Arg<ffi::Buffer<ffi::F32>>()   // bias [C]
+      .template Arg<ffi::AnyBuffer>()          // scale [C]
+      .template Arg<ffi::AnyBuffer>()          // bias [C]
       .template Ret<ffi::AnyBuffer>()          // y, x's shape and dtype
       .template Ret<ffi::Buffer<ffi::F32>>()   // mean [N, G]
       .template Ret<ffi::Buffer<ffi::F32>>()   // rstd [N, G]
@@ -48,13 +48,13 @@ auto BindGroupNormBwd(Binding binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()          // dy [N, S, C]
       .template Arg<ffi::AnyBuffer>()          // x [N, S, C]
-      .template Arg<ffi::Buffer<ffi::F32>>()   // scale [C]
-      .template Arg<ffi::Buffer<ffi::F32>>()   // bias [C] (the activation's input needs it)
+      .template Arg<ffi::AnyBuffer>()          // scale [C]
+      .template Arg<ffi::AnyBuffer>()          // bias [C] (the activation's input needs it)
       .template Arg<ffi::Buffer<ffi::F32>>()   // mean [N, G]
       .template Arg<ffi::Buffer<ffi::F32>>()   // rstd [N, G]
       .template Ret<ffi::AnyBuffer>()          // dx
-      .template Ret<ffi::Buffer<ffi::F32>>()   // dscale [C]
-      .template Ret<ffi::Buffer<ffi::F32>>()   // dbias [C]
+      .template Ret<ffi::AnyBuffer>()          // dscale [C]
+      .template Ret<ffi::AnyBuffer>()          // dbias [C]
       .template Ret<ffi::Buffer<ffi::F32>>()   // workspace [N, P, 2, C]: per-chunk channel sums
       .template Ret<ffi::Buffer<ffi::F32>>()   // group_sums [N, G, 2]: per-group sums for dx
       .template Attr<int64_t>("num_groups")

@@ -8,6 +8,9 @@
 
 #include "common/activation.h"
 #include "common/ffi_common.h"
+#if defined(__CUDACC__)
+#include "common/cuda_common.cuh"
+#endif
 
 namespace jaxdnn {
 
@@ -70,6 +73,43 @@ inline ffi::Error CheckGroupNormWorkspace(ffi::AnyBuffer::Dimensions dims, Group
   return ffi::Error::Success();
 }
 
+// scale and bias (and dscale and dbias, which take their dtype) are float32 or x's dtype, both the
+// same: the kernels read them as float, so 16-bit parameters need no conversion pass in XLA.
+inline ffi::Error CheckParams(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scale, const ffi::AnyBuffer& bias,
+                              int64_t channels) {
+  JAXDNN_RETURN_IF_ERROR(ExpectElements("scale", scale.dimensions(), channels));
+  JAXDNN_RETURN_IF_ERROR(ExpectElements("bias", bias.dimensions(), channels));
+  if (scale.element_type() != bias.element_type() ||
+      (scale.element_type() != ffi::DataType::F32 && scale.element_type() != x.element_type())) {
+    return InvalidArgument("group_norm: scale and bias must both be float32 or both x's dtype");
+  }
+  return ffi::Error::Success();
+}
+
+#if defined(__CUDACC__)
+// A per-channel parameter (scale or bias) in float32 or in x's dtype T, read as float.
+template <typename T>
+struct Param {
+  const void* data;
+  bool f32;
+
+  __device__ __forceinline__ float operator[](int64_t c) const {
+    return f32 ? static_cast<const float*>(data)[c] : ToFloat(static_cast<const T*>(data)[c]);
+  }
+  // The parameter from channel c0 on.
+  __host__ __device__ __forceinline__ Param From(int64_t c0) const {
+    return {f32 ? static_cast<const void*>(static_cast<const float*>(data) + c0)
+                : static_cast<const void*>(static_cast<const T*>(data) + c0),
+            f32};
+  }
+};
+
+template <typename T>
+Param<T> ParamOf(const ffi::AnyBuffer& buffer) {
+  return {buffer.untyped_data(), buffer.element_type() == ffi::DataType::F32};
+}
+#endif
+
 inline ffi::Error CheckActivationKind(int64_t kind) {
   if (kind < 0 || kind >= kNumActivations) {
     return InvalidArgument("group_norm: unknown activation " + std::to_string(kind));
@@ -78,8 +118,8 @@ inline ffi::Error CheckActivationKind(int64_t kind) {
 }
 
 // Everything the forward handlers decode.
-inline ffi::Error CheckGroupNormFwd(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& scale,
-                                    const ffi::Buffer<ffi::F32>& bias, const ffi::AnyBuffer& y,
+inline ffi::Error CheckGroupNormFwd(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scale,
+                                    const ffi::AnyBuffer& bias, const ffi::AnyBuffer& y,
                                     const ffi::Buffer<ffi::F32>& mean,
                                     const ffi::Buffer<ffi::F32>& rstd,
                                     const ffi::Buffer<ffi::F32>& workspace, int64_t num_groups,
@@ -87,8 +127,7 @@ inline ffi::Error CheckGroupNormFwd(const ffi::AnyBuffer& x, const ffi::Buffer<f
   JAXDNN_RETURN_IF_ERROR(CheckGroupNormX(x.dimensions(), num_groups, shape));
   JAXDNN_RETURN_IF_ERROR(CheckGroupNormWorkspace(workspace.dimensions(), shape));
   JAXDNN_RETURN_IF_ERROR(CheckActivationKind(activation));
-  JAXDNN_RETURN_IF_ERROR(ExpectElements("scale", scale.dimensions(), shape->channels));
-  JAXDNN_RETURN_IF_ERROR(ExpectElements("bias", bias.dimensions(), shape->channels));
+  JAXDNN_RETURN_IF_ERROR(CheckParams(x, scale, bias, shape->channels));
   JAXDNN_RETURN_IF_ERROR(ExpectElements("mean", mean.dimensions(), shape->batch * shape->groups));
   JAXDNN_RETURN_IF_ERROR(ExpectElements("rstd", rstd.dimensions(), shape->batch * shape->groups));
   if (y.element_type() != x.element_type() || ElementCount(y.dimensions()) != ElementCount(x.dimensions())) {
@@ -99,21 +138,21 @@ inline ffi::Error CheckGroupNormFwd(const ffi::AnyBuffer& x, const ffi::Buffer<f
 
 // Everything the backward handlers decode.
 inline ffi::Error CheckGroupNormBwd(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
-                                    const ffi::Buffer<ffi::F32>& scale,
-                                    const ffi::Buffer<ffi::F32>& bias,
+                                    const ffi::AnyBuffer& scale, const ffi::AnyBuffer& bias,
                                     const ffi::Buffer<ffi::F32>& mean,
                                     const ffi::Buffer<ffi::F32>& rstd, const ffi::AnyBuffer& dx,
-                                    const ffi::Buffer<ffi::F32>& dscale,
-                                    const ffi::Buffer<ffi::F32>& dbias,
+                                    const ffi::AnyBuffer& dscale, const ffi::AnyBuffer& dbias,
                                     const ffi::Buffer<ffi::F32>& workspace,
                                     const ffi::Buffer<ffi::F32>& group_sums, int64_t num_groups,
                                     int64_t activation, GroupNormShape* shape) {
   JAXDNN_RETURN_IF_ERROR(CheckGroupNormX(x.dimensions(), num_groups, shape));
   JAXDNN_RETURN_IF_ERROR(CheckGroupNormWorkspace(workspace.dimensions(), shape));
   JAXDNN_RETURN_IF_ERROR(CheckActivationKind(activation));
-  for (const auto* per_channel : {&scale, &bias, &dscale, &dbias}) {
-    JAXDNN_RETURN_IF_ERROR(ExpectElements("scale, bias, dscale and dbias each",
-                                          per_channel->dimensions(), shape->channels));
+  JAXDNN_RETURN_IF_ERROR(CheckParams(x, scale, bias, shape->channels));
+  JAXDNN_RETURN_IF_ERROR(ExpectElements("dscale", dscale.dimensions(), shape->channels));
+  JAXDNN_RETURN_IF_ERROR(ExpectElements("dbias", dbias.dimensions(), shape->channels));
+  if (dscale.element_type() != scale.element_type() || dbias.element_type() != scale.element_type()) {
+    return InvalidArgument("group_norm: dscale and dbias must have scale's dtype");
   }
   const int64_t stats = shape->batch * shape->groups;
   JAXDNN_RETURN_IF_ERROR(ExpectElements("mean", mean.dimensions(), stats));

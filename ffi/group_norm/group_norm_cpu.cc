@@ -1,6 +1,7 @@
 // CPU GroupNorm: the CUDA kernels' decomposition (per-chunk channel sums in the workspace, then
 // per-group reductions over the chunks, then an elementwise pass), one sample at a time, with
 // contiguous loops over the channels. The oracle-checked path CI runs.
+#include <algorithm>
 #include <vector>
 
 #include "common/half_cpu.h"
@@ -148,7 +149,33 @@ void GroupNormBwd(const T* dy, const T* x, const float* scale, const float* bias
   }
 }
 
-ffi::Error GroupNormFwdImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
+// A parameter (float32 or x's dtype T) as floats.
+template <typename T>
+std::vector<float> ParamFloats(const ffi::AnyBuffer& param) {
+  const size_t size = param.element_count();
+  std::vector<float> out(size);
+  if (param.element_type() == ffi::DataType::F32) {
+    const float* p = static_cast<const float*>(param.untyped_data());
+    out.assign(p, p + size);
+  } else {
+    const T* p = static_cast<const T*>(param.untyped_data());
+    for (size_t i = 0; i < size; ++i) out[i] = ToFloat(p[i]);
+  }
+  return out;
+}
+
+// Stores `values` to a parameter's gradient (float32 or x's dtype T).
+template <typename T>
+void StoreParam(const std::vector<float>& values, ffi::Result<ffi::AnyBuffer>& out) {
+  if (out->element_type() == ffi::DataType::F32) {
+    std::copy(values.begin(), values.end(), static_cast<float*>(out->untyped_data()));
+  } else {
+    T* p = static_cast<T*>(out->untyped_data());
+    for (size_t i = 0; i < values.size(); ++i) p[i] = FromFloat<T>(values[i]);
+  }
+}
+
+ffi::Error GroupNormFwdImpl(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> mean,
                             ffi::Result<ffi::Buffer<ffi::F32>> rstd,
                             ffi::Result<ffi::Buffer<ffi::F32>> workspace, float epsilon,
@@ -158,18 +185,17 @@ ffi::Error GroupNormFwdImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::
                                            activation, &shape));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    GroupNormFwd<T>(static_cast<const T*>(x.untyped_data()), scale.typed_data(), bias.typed_data(),
+    GroupNormFwd<T>(static_cast<const T*>(x.untyped_data()), ParamFloats<T>(scale).data(), ParamFloats<T>(bias).data(),
                     static_cast<T*>(y->untyped_data()), mean->typed_data(), rstd->typed_data(),
                     workspace->typed_data(), shape, epsilon, activation, activation_param);
     return ffi::Error::Success();
   });
 }
 
-ffi::Error GroupNormBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
-                            ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> mean,
-                            ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx,
-                            ffi::Result<ffi::Buffer<ffi::F32>> dscale,
-                            ffi::Result<ffi::Buffer<ffi::F32>> dbias,
+ffi::Error GroupNormBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+                            ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
+                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
+                            ffi::Result<ffi::AnyBuffer> dbias,
                             ffi::Result<ffi::Buffer<ffi::F32>> workspace,
                             ffi::Result<ffi::Buffer<ffi::F32>> group_sums, int64_t num_groups,
                             int64_t activation, float activation_param) {
@@ -178,11 +204,13 @@ ffi::Error GroupNormBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi
                                            *workspace, *group_sums, num_groups, activation, &shape));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
+    std::vector<float> dscale_f(shape.channels), dbias_f(shape.channels);
     GroupNormBwd<T>(static_cast<const T*>(dy.untyped_data()), static_cast<const T*>(x.untyped_data()),
-                    scale.typed_data(), bias.typed_data(), mean.typed_data(), rstd.typed_data(),
-                    static_cast<T*>(dx->untyped_data()), dscale->typed_data(), dbias->typed_data(),
-                    workspace->typed_data(), group_sums->typed_data(), shape, activation,
-                    activation_param);
+                    ParamFloats<T>(scale).data(), ParamFloats<T>(bias).data(), mean.typed_data(), rstd.typed_data(),
+                    static_cast<T*>(dx->untyped_data()), dscale_f.data(), dbias_f.data(), workspace->typed_data(),
+                    group_sums->typed_data(), shape, activation, activation_param);
+    StoreParam<T>(dscale_f, dscale);
+    StoreParam<T>(dbias_f, dbias);
     return ffi::Error::Success();
   });
 }

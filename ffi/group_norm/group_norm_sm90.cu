@@ -116,9 +116,9 @@ struct ConsumerPart {
 // weight[c] (out[i][j] for the item's groups j). `partial` holds kValues x row_step x slab floats.
 // Where a warp holds whole rows, a butterfly of shuffles first sums the rows it holds, so that a
 // thread a channel adds kWarps partial sums, not row_step (128 for 32-byte rows) in a chain.
-template <int kValues, int kVec>
+template <int kValues, int kVec, typename Weight>
 __device__ __forceinline__ void SumGroups(const float (&v)[kValues][kVec], const ConsumerPart<kVec>& part,
-                                          const OnChipPlan& p, const float* weight, float* partial,
+                                          const OnChipPlan& p, const Weight& weight, float* partial,
                                           float (*channel)[kMaxSlab], float (*out)[kMaxSlabGroups]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const bool whole_rows = 32 % p.lanes == 0;
@@ -213,8 +213,8 @@ __device__ __forceinline__ void LoadChunk(const CUtensorMap* map, uint8_t* ring,
 template <typename T, bool kAct>
 __global__ void __launch_bounds__(kThreads, 1)
     OnChipBwdKernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap dy_map,
-                    const __grid_constant__ CUtensorMap dx_map, const OnChipPlan p, const float* __restrict__ scale,
-                    const float* __restrict__ bias, const float* __restrict__ mean_in,
+                    const __grid_constant__ CUtensorMap dx_map, const OnChipPlan p, const Param<T> scale,
+                    const Param<T> bias, const float* __restrict__ mean_in,
                     const float* __restrict__ rstd_in, float* __restrict__ workspace,
                     float* __restrict__ group_sums, int64_t activation, float activation_param) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       });
       release_dy(dy_first + q);
     }
-    SumGroups(acc, part, p, scale + item.c0, partial, channel, group_sum);
+    SumGroups(acc, part, p, scale.From(item.c0), partial, channel, group_sum);
     for (int c = threadIdx.x; c < p.slab; c += kConsumers) {
       float* row = workspace + int64_t(item.n) * 2 * p.channels + item.c0 + c;
       row[0] = channel[0][c];
@@ -382,7 +382,7 @@ constexpr size_t kDynamicShared = size_t(kXSlots + kDySlots) * kSlotBytes + 1024
 
 template <typename T>
 std::optional<ffi::Error> OnChipBackward(cudaStream_t stream, const GroupNormShape& shape, bool aligned, const T* dy,
-                                         const T* x, const float* scale, const float* bias, const float* mean,
+                                         const T* x, Param<T> scale, Param<T> bias, const float* mean,
                                          const float* rstd, int64_t activation, float activation_param, T* dx,
                                          float* workspace, float* group_sums) {
   OnChipPlan plan;
@@ -409,7 +409,7 @@ std::optional<ffi::Error> OnChipBackward(cudaStream_t stream, const GroupNormSha
 
 #define JAXDNN_INSTANTIATE(T)                                                                                  \
   template std::optional<ffi::Error> OnChipBackward<T>(cudaStream_t, const GroupNormShape&, bool, const T*, const T*, \
-                                                       const float*, const float*, const float*, const float*,       \
+                                                       Param<T>, Param<T>, const float*, const float*,               \
                                                        int64_t, float, T*, float*, float*);
 JAXDNN_INSTANTIATE(float)
 JAXDNN_INSTANTIATE(__nv_bfloat16)

@@ -23,7 +23,7 @@ namespace jaxdnn {
 // operands (16 bytes), and a GPU of compute capability >= 9.
 template <typename T>
 std::optional<ffi::Error> OnChipBackward(cudaStream_t stream, const GroupNormShape& shape, bool aligned, const T* dy,
-                                         const T* x, const float* scale, const float* bias, const float* mean,
+                                         const T* x, Param<T> scale, Param<T> bias, const float* mean,
                                          const float* rstd, int64_t activation, float activation_param, T* dx,
                                          float* workspace, float* group_sums);
 

@@ -43,7 +43,8 @@ def group_norm_bwd(dy, x, scale, bias, mean, rstd, num_groups, activation="ident
                    activation_param=0.0):
     """The VJP of `group_norm_fwd` for y's cotangent dy, given the saved statistics.
 
-    Returns (dx in x.dtype, dscale [C], dbias [C]), the sums over samples and positions."""
+    Returns (dx in x.dtype, dscale [C] in scale.dtype, dbias [C] in bias.dtype), the sums over
+    samples and positions."""
     compute = rstd.dtype
     xhat = _xhat(x, mean, rstd, num_groups).reshape(x.shape)
     pre = xhat * scale + bias
@@ -57,7 +58,7 @@ def group_norm_bwd(dy, x, scale, bias, mean, rstd, num_groups, activation="ident
     sum_axes = tuple(range(x.ndim - 1))
     dscale = jnp.sum(d * xhat, axis=sum_axes)
     dbias = jnp.sum(d, axis=sum_axes)
-    return dx.reshape(x.shape).astype(x.dtype), dscale, dbias
+    return dx.reshape(x.shape).astype(x.dtype), dscale.astype(scale.dtype), dbias.astype(bias.dtype)
 
 
 def group_norm(x, num_groups, scale=None, bias=None, *, epsilon=1e-5, activation=None):
