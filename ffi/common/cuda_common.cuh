@@ -117,9 +117,14 @@ __device__ __forceinline__ void LetNextKernelLaunch() {
 #endif
 }
 
+// The attribute is set only on GPUs of compute capability >= 9 (elsewhere an ordinary launch).
 template <typename... Params, typename... Args>
 cudaError_t LaunchEarly(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
                         Args&&... args) {
+  int device = 0, major = 0;
+  const bool early = cudaGetDevice(&device) == cudaSuccess &&
+                     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                     major >= 9;
   cudaLaunchAttribute attribute;
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
@@ -129,7 +134,7 @@ cudaError_t LaunchEarly(void (*kernel)(Params...), dim3 grid, dim3 block, size_t
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   config.attrs = &attribute;
-  config.numAttrs = 1;
+  config.numAttrs = early ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
