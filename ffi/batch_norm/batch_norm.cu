@@ -99,25 +99,15 @@ template <int kSlots, int kOperands, typename T, int V, typename Element, typena
 __device__ __forceinline__ void StreamRows(const T* const (&sources)[3], int64_t first, int64_t step, int64_t rows,
                                            Element element, Pack<T, V>* slots, Fn&& fn) {
   auto slot = [&](int stage) { return slots + stage * kOperands * kThreads + threadIdx.x; };
-  auto issue = [&](int stage, int64_t r) {
-    if (r < rows) {
+  StreamThroughSlots<kSlots>(
+      first, step, rows,
+      [&](int stage, int64_t r) {
 #pragma unroll
-      for (int operand = 0; operand < kOperands; ++operand) {
-        if (sources[operand] != nullptr) CpAsync16(slot(stage) + operand * kThreads, sources[operand] + element(r));
-      }
-    }
-    CpAsyncCommit();  // an empty group past the end keeps the wait count uniform
-  };
-#pragma unroll
-  for (int stage = 0; stage < kSlots - 1; ++stage) issue(stage, first + stage * step);
-  int stage = 0;
-  for (int64_t r = first; r < rows; r += step) {
-    issue((stage + kSlots - 1) % kSlots, r + (kSlots - 1) * step);  // the slot read last iteration
-    CpAsyncWait<kSlots - 1>();                                      // row r's copies have landed
-    fn(slot(stage), r);
-    stage = (stage + 1) % kSlots;
-  }
-  CpAsyncWait<0>();
+        for (int operand = 0; operand < kOperands; ++operand) {
+          if (sources[operand] != nullptr) CpAsync16(slot(stage) + operand * kThreads, sources[operand] + element(r));
+        }
+      },
+      [&](int stage, int64_t r) { fn(slot(stage), r); });
 }
 
 // Calls fn(packs, row) for rows first, first + step, ... < rows in that order (row counted from the

@@ -98,6 +98,29 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// Streams the indices first, first + step, ... < end through kSlots stages of a thread's own
+// shared-memory slots, kSlots - 1 indices ahead of use, so that the loads in flight hold no
+// registers: issue(stage, r) issues index r's copies (CpAsync16) into stage `stage`, use(stage, r)
+// runs once they have landed. Each thread reads only the slots it filled: no block barrier.
+template <int kSlots, typename Issue, typename Use>
+__device__ __forceinline__ void StreamThroughSlots(int64_t first, int64_t step, int64_t end, Issue&& issue,
+                                                   Use&& use) {
+  auto issue_group = [&](int stage, int64_t r) {
+    if (r < end) issue(stage, r);
+    CpAsyncCommit();  // an empty group past the end keeps the wait count uniform
+  };
+#pragma unroll
+  for (int stage = 0; stage < kSlots - 1; ++stage) issue_group(stage, first + stage * step);
+  int stage = 0;
+  for (int64_t r = first; r < end; r += step) {
+    issue_group((stage + kSlots - 1) % kSlots, r + (kSlots - 1) * step);  // the slot read last iteration
+    CpAsyncWait<kSlots - 1>();                                            // r's copies have landed
+    use(stage, r);
+    stage = (stage + 1) % kSlots;
+  }
+  CpAsyncWait<0>();
+}
+
 // Programmatic dependent launch (sm_90): a kernel launched by LaunchEarly may be scheduled while
 // the kernel before it on the stream is still finishing (which hides the launch gap between
 // them), and waits in WaitForPreviousKernel until that kernel, and so everything before it, has

@@ -126,22 +126,14 @@ using Vec16 = Pack<T, kVec16<T>>;
 template <typename T, typename Fn>
 __device__ __forceinline__ void ForPositionsStaged(const ThreadPart& part, const T* x, int64_t stride, Fn fn) {
   __shared__ Vec16<T> slots[kStages][kThreads];
-  auto slot = [&](int stage) { return &slots[stage][threadIdx.x]; };
-  auto issue = [&](int stage, int64_t i) {
-    if (i < part.count) CpAsync16(slot(stage), x + (part.first + i * part.step) * stride);
-    CpAsyncCommit();  // an empty group past the end keeps the wait count uniform
-  };
-#pragma unroll
-  for (int stage = 0; stage < kStages - 1; ++stage) issue(stage, stage);
-  int stage = 0;
-  for (int64_t i = 0; i < part.count; ++i) {
-    issue((stage + kStages - 1) % kStages, i + kStages - 1);  // the slot read last iteration
-    CpAsyncWait<kStages - 1>();                                // position i's copy has landed
-    const Vec16<T> pack = *slot(stage);
-    fn(part.first + i * part.step, pack);
-    stage = (stage + 1) % kStages;
-  }
-  CpAsyncWait<0>();
+  // The thread's i-th position is part.first + i * part.step.
+  StreamThroughSlots<kStages>(
+      0, 1, part.count,
+      [&](int stage, int64_t i) { CpAsync16(&slots[stage][threadIdx.x], x + (part.first + i * part.step) * stride); },
+      [&](int stage, int64_t i) {
+        const Vec16<T> pack = slots[stage][threadIdx.x];
+        fn(part.first + i * part.step, pack);
+      });
 }
 
 // x and dy at one position (the backward kernels read both).
@@ -238,8 +230,8 @@ __global__ void __launch_bounds__(kThreads, 4) FwdChannelSums(const T* __restric
     if constexpr (sizeof(Vec) == 16) {
       ForPositionsStaged(part, xn + part.channel, s.channels, add);
     } else {
-      ForPositions<4>(part, [&](int64_t r) { return *reinterpret_cast<const Vec*>(xn + r * s.channels + part.channel); },
-                      add);
+      auto load = [&](int64_t r) { return *reinterpret_cast<const Vec*>(xn + r * s.channels + part.channel); };
+      ForPositions<4>(part, load, add);
     }
   }
   StoreChannelSums(sum, squares, workspace + (part.n * s.chunks + part.chunk) * 2 * s.channels, part, t);
@@ -520,12 +512,12 @@ ffi::Error GroupNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
       FwdChannelSums<T, kVec><<<blocks, threads, 0, stream>>>(xp, ws, t);
       JAXDNN_RETURN_IF_ERROR(LaunchError("group_norm forward sums"));
       JAXDNN_RETURN_IF_ERROR(CudaError(
-          LaunchEarly(ReduceGroups<T>, dim3(group_blocks), dim3(kThreads), 0, stream, xp, ws, Param<T>{nullptr, true}, shape, epsilon,
-                      mean->typed_data(), rstd->typed_data(), nullptr),
+          LaunchEarly(ReduceGroups<T>, dim3(group_blocks), dim3(kThreads), 0, stream, xp, ws,
+                      Param<T>{nullptr, true}, shape, epsilon, mean->typed_data(), rstd->typed_data(), nullptr),
           "group_norm forward statistics"));
       return WithActivation(activation, [&](auto has_act) {
-        return CudaError(LaunchEarly(Normalize<T, kVec, decltype(has_act)::value>, dim3(blocks), dim3(threads), 0, stream,
-                                     xp, ParamOf<T>(scale), ParamOf<T>(bias), mean->typed_data(),
+        return CudaError(LaunchEarly(Normalize<T, kVec, decltype(has_act)::value>, dim3(blocks), dim3(threads), 0,
+                                     stream, xp, ParamOf<T>(scale), ParamOf<T>(bias), mean->typed_data(),
                                      rstd->typed_data(), yp, t, activation, activation_param),
                          "group_norm forward normalize");
       });
@@ -544,7 +536,8 @@ ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   JAXDNN_RETURN_IF_ERROR(CheckGroupNormBwd(dy, x, scale, bias, mean, rstd, *dx, *dscale, *dbias,
                                            *workspace, *group_sums, num_groups, activation, &shape));
   if (shape.batch == 0 || shape.spatial == 0) {  // sums over no positions; dx is empty
-    JAXDNN_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(dscale->untyped_data(), 0, dscale->size_bytes(), stream), "memset"));
+    JAXDNN_RETURN_IF_ERROR(
+        CudaError(cudaMemsetAsync(dscale->untyped_data(), 0, dscale->size_bytes(), stream), "memset"));
     return CudaError(cudaMemsetAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream), "memset");
   }
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto tag) {
@@ -577,7 +570,8 @@ ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
         JAXDNN_RETURN_IF_ERROR(CudaError(LaunchEarly(ReduceGroups<T>, dim3(group_blocks), dim3(kThreads), 0, stream, xp,
                                                      ws, scale_p, shape, 0.f, nullptr, nullptr, sums),
                                          "group_norm backward group sums"));
-        JAXDNN_RETURN_IF_ERROR(LaunchSumParts<T>(stream, ws, shape.batch * shape.chunks, shape.channels, dscale, dbias));
+        JAXDNN_RETURN_IF_ERROR(
+            LaunchSumParts<T>(stream, ws, shape.batch * shape.chunks, shape.channels, dscale, dbias));
         Dx<T, kVec, kAct><<<blocks, threads, 0, stream>>>(dyp, xp, scale_p, bias_p,
                                                           mean.typed_data(), rstd.typed_data(), sums, dxp, t,
                                                           activation, activation_param);
