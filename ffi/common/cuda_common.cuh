@@ -102,15 +102,18 @@ __device__ __forceinline__ void CpAsyncWait() {
 // shared-memory slots, kSlots - 1 indices ahead of use, so that the loads in flight hold no
 // registers: issue(stage, r) issues index r's copies (CpAsync16) into stage `stage`, use(stage, r)
 // runs once they have landed. Each thread reads only the slots it filled: no block barrier.
-template <int kSlots, typename Issue, typename Use>
+// ready() runs once, after the first kSlots - 1 indices' copies are issued and before the first use
+// (a kernel launched early waits there for the previous one, with its first loads in flight).
+template <int kSlots, typename Issue, typename Use, typename Ready>
 __device__ __forceinline__ void StreamThroughSlots(int64_t first, int64_t step, int64_t end, Issue&& issue,
-                                                   Use&& use) {
+                                                   Use&& use, Ready&& ready) {
   auto issue_group = [&](int stage, int64_t r) {
     if (r < end) issue(stage, r);
     CpAsyncCommit();  // an empty group past the end keeps the wait count uniform
   };
 #pragma unroll
   for (int stage = 0; stage < kSlots - 1; ++stage) issue_group(stage, first + stage * step);
+  ready();
   int stage = 0;
   for (int64_t r = first; r < end; r += step) {
     issue_group((stage + kSlots - 1) % kSlots, r + (kSlots - 1) * step);  // the slot read last iteration
@@ -119,6 +122,12 @@ __device__ __forceinline__ void StreamThroughSlots(int64_t first, int64_t step, 
     stage = (stage + 1) % kSlots;
   }
   CpAsyncWait<0>();
+}
+
+template <int kSlots, typename Issue, typename Use>
+__device__ __forceinline__ void StreamThroughSlots(int64_t first, int64_t step, int64_t end, Issue&& issue,
+                                                   Use&& use) {
+  StreamThroughSlots<kSlots>(first, step, end, issue, use, [] {});
 }
 
 // Programmatic dependent launch (sm_90): a kernel launched by LaunchEarly may be scheduled while

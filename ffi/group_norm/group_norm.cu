@@ -122,9 +122,10 @@ using Vec16 = Pack<T, kVec16<T>>;
 
 // Calls fn(r, pack) for the thread's positions r in order, with the 16-byte pack of x at
 // x + r * stride, staged through this thread's own slots of `slots` [kStages][kThreads] (no block
-// barrier needed).
-template <typename T, typename Fn>
-__device__ __forceinline__ void ForPositionsStaged(const ThreadPart& part, const T* x, int64_t stride, Fn fn) {
+// barrier needed); ready() once the first positions' copies are in flight, before the first fn.
+template <typename T, typename Fn, typename Ready>
+__device__ __forceinline__ void ForPositionsStaged(const ThreadPart& part, const T* x, int64_t stride, Fn fn,
+                                                   Ready ready) {
   __shared__ Vec16<T> slots[kStages][kThreads];
   // The thread's i-th position is part.first + i * part.step.
   StreamThroughSlots<kStages>(
@@ -133,7 +134,8 @@ __device__ __forceinline__ void ForPositionsStaged(const ThreadPart& part, const
       [&](int stage, int64_t i) {
         const Vec16<T> pack = slots[stage][threadIdx.x];
         fn(part.first + i * part.step, pack);
-      });
+      },
+      ready);
 }
 
 // x and dy at one position (the backward kernels read both).
@@ -228,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 4) FwdChannelSums(const T* __restric
       }
     };
     if constexpr (sizeof(Vec) == 16) {
-      ForPositionsStaged(part, xn + part.channel, s.channels, add);
+      ForPositionsStaged(part, xn + part.channel, s.channels, add, [] {});
     } else {
       auto load = [&](int64_t r) { return *reinterpret_cast<const Vec*>(xn + r * s.channels + part.channel); };
       ForPositions<4>(part, load, add);
@@ -249,21 +251,26 @@ __global__ void __launch_bounds__(kThreads, 4) Normalize(const T* __restrict__ x
   const GroupNormShape& s = t.shape;
   const ThreadPart part = PartOf(int64_t(gridDim.x) - 1 - blockIdx.x, t, true);
   if (!part.active) return;
-  WaitForPreviousKernel();  // mean and rstd
-  const ChannelStats<kVec> stats(mean, rstd, part, s);
-  float a[kVec], b[kVec];  // pre-activation = (x - mean) * a + b
+  float shift[kVec], a[kVec], b[kVec];  // pre-activation = (x - shift) * a + b, shift the group's mean
+  // x is an input of the call, complete before the sums pass began: its first copies are issued
+  // before the wait for the statistics (ForPositionsStaged), which hides their latency.
+  auto load_statistics = [&] {
+    WaitForPreviousKernel();  // mean and rstd
+    const ChannelStats<kVec> stats(mean, rstd, part, s);
 #pragma unroll
-  for (int k = 0; k < kVec; ++k) {
-    a[k] = stats.rstd[k] * scale[part.channel + k];
-    b[k] = bias[part.channel + k];
-  }
+    for (int k = 0; k < kVec; ++k) {
+      shift[k] = stats.mean[k];
+      a[k] = stats.rstd[k] * scale[part.channel + k];
+      b[k] = bias[part.channel + k];
+    }
+  };
   const int64_t base = part.n * s.spatial * s.channels + part.channel;
   auto normalize = [&](int64_t r, const Vec& v) {
     float pre[kVec];
     Vec out;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      pre[k] = (ToFloat(v.v[k]) - stats.mean[k]) * a[k] + b[k];
+      pre[k] = (ToFloat(v.v[k]) - shift[k]) * a[k] + b[k];
       if constexpr (!kAct) out.v[k] = FromFloat<T>(pre[k]);
     }
     if constexpr (kAct) {
@@ -274,8 +281,9 @@ __global__ void __launch_bounds__(kThreads, 4) Normalize(const T* __restrict__ x
     *reinterpret_cast<Vec*>(y + base + r * s.channels) = out;
   };
   if constexpr (sizeof(Vec) == 16) {
-    ForPositionsStaged(part, x + base, s.channels, normalize);
+    ForPositionsStaged(part, x + base, s.channels, normalize, load_statistics);
   } else {
+    load_statistics();
     ForPositions<4>(part, [&](int64_t r) { return *reinterpret_cast<const Vec*>(x + base + r * s.channels); },
                     normalize);
   }
