@@ -17,8 +17,9 @@
 // d * xhat and d (d = dy * act'); ReduceGroups turns them into the per-(n, g) sums of g * xhat and
 // g (g = d * scale) that dx needs; SumParts reduces them over (n, p) into dscale/dbias; Dx reads x
 // and dy again and writes dx. Traffic: x and dy twice + dx. All reductions run in a fixed order,
-// so every result has the same bits on every run. ReduceGroups, Normalize and SumParts are launched
-// early (LaunchEarly: their launch overlaps the end of the kernel before them). scale and bias are
+// so every result has the same bits on every run. ReduceGroups, Normalize, SumParts and the on-chip
+// backward are launched early (LaunchEarly: their launch overlaps the end of the kernel before them;
+// Normalize issues its first loads of x before it waits for the statistics). scale and bias are
 // float32 or x's dtype (Param), and dscale and dbias are stored in theirs.
 //
 // Normalize and Dx visit the blocks in reverse order: what the sums pass read last (its last wave's
@@ -256,6 +257,7 @@ __global__ void __launch_bounds__(kThreads, 4) Normalize(const T* __restrict__ x
   // before the wait for the statistics (ForPositionsStaged), which hides their latency.
   auto load_statistics = [&] {
     WaitForPreviousKernel();  // mean and rstd
+    LetNextKernelLaunch();    // e.g. the on-chip backward, launched early
     const ChannelStats<kVec> stats(mean, rstd, part, s);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {

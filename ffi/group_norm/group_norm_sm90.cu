@@ -226,10 +226,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ uint64_t x_full[kXSlots], x_empty[kXSlots], dy_full[kDySlots], dy_empty[kDySlots];
   __shared__ float partial[2 * kConsumers * kVec], channel[2][kMaxSlab], group_sum[2][kMaxSlabGroups];
   if (threadIdx.x == 0) {
+    sm90::TmaPrefetchDescriptor(&x_map);
+    sm90::TmaPrefetchDescriptor(&dy_map);
+    sm90::TmaPrefetchDescriptor(&dx_map);
     sm90::InitRing<kXSlots>(x_full, x_empty, 1);
     sm90::InitRing<kDySlots>(dy_full, dy_empty, kWarps);  // each consumer warp releases dy
   }
   __syncthreads();
+  // Launched early (LaunchEarly): the setup above overlaps the end of the kernel before, whose
+  // outputs (the forward's, or dy) it may read, so every thread waits here before its first access.
+  WaitForPreviousKernel();
+  LetNextKernelLaunch();  // SumParts
 
   if (threadIdx.x >= kConsumers) {  // the producer warp: x and dy chunk by chunk, then dy again
     if (threadIdx.x == kConsumers) {
@@ -399,9 +406,10 @@ std::optional<ffi::Error> OnChipBackward(cudaStream_t stream, const GroupNormSha
   auto launch = [&](auto kernel) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kDynamicShared));
     const int64_t blocks = std::min<int64_t>(plan.items, ResidentBlocks(kernel, kThreads, kDynamicShared));
-    kernel<<<int(blocks), kThreads, kDynamicShared, stream>>>(x_map, dy_map, dx_map, plan, scale, bias, mean, rstd,
-                                                              workspace, group_sums, activation, activation_param);
-    return LaunchError("group_norm backward (sm90)");
+    return CudaError(LaunchEarly(kernel, dim3(unsigned(blocks)), dim3(kThreads), kDynamicShared, stream, x_map, dy_map,
+                                 dx_map, plan, scale, bias, mean, rstd, workspace, group_sums, activation,
+                                 activation_param),
+                     "group_norm backward (sm90)");
   };
   if (activation != int64_t(Activation::kIdentity)) return launch(OnChipBwdKernel<T, true>);
   return launch(OnChipBwdKernel<T, false>);
