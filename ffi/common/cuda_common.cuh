@@ -137,7 +137,8 @@ __device__ __forceinline__ void StreamThroughSlots(int64_t first, int64_t step, 
 // one before it) wrote, and before it writes anything. A kernel calling LetNextKernelLaunch lets
 // the next one (launched early) take the SM slots its blocks free; launched early itself, it calls
 // it after its own WaitForPreviousKernel, so that whatever the next kernel reads before its wait
-// is complete. On older GPUs, and in kernels launched without the attribute, both are no-ops.
+// is complete (or before it, where the next kernel reads nothing before its wait that the kernel
+// before this one writes). On older GPUs, and in kernels launched without the attribute, both are no-ops.
 __device__ __forceinline__ void WaitForPreviousKernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");

@@ -303,6 +303,8 @@ __global__ void __launch_bounds__(kThreads) ReduceGroups(const T* __restrict__ x
                                                          float* __restrict__ mean,
                                                          float* __restrict__ rstd,
                                                          float* __restrict__ group_sums) {
+  // Before its own wait (see LetNextKernelLaunch): what the kernel after it (Normalize, SumParts)
+  // reads before its wait is an input of the call (Normalize's first loads of x), not the sums pass's.
   LetNextKernelLaunch();
   WaitForPreviousKernel();  // the workspace
   const int64_t n = blockIdx.x / s.groups, g = blockIdx.x % s.groups;
