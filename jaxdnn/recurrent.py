@@ -6,13 +6,14 @@ Shapes: B batch rows, T time steps, I input features, H hidden units, G gate row
 g, o; GRU 3H: r, z, n; plain RNN H), L layers, D directions (2 when bidirectional); pseudo-layer
 p = l D + d. Internally `mode` is cuDNN's name of the cell: "lstm", "gru", "rnn_tanh", "rnn_relu".
 
-Per layer and direction:
-- the input projection of every time step, gates_x = x W_ih^T + biases [B, T, G], is one GEMM done
+Per layer, its D directions together:
+- the input projection of every time step, gates_x = x W_ih^T + biases [B, T, D, G], is one GEMM done
   by XLA (`jnp.einsum`, float32 results);
-- the recurrence is a kernel stage (`jaxdnn_lstm_fwd_v2`, `jaxdnn_gru_fwd_v2`, `jaxdnn_rnn_fwd_v2`):
-  the hidden states, the gate activations the backward needs, and the final states;
-- backward through time is a kernel stage (`jaxdnn_lstm_bwd_v1`, `jaxdnn_gru_bwd_v1`,
-  `jaxdnn_rnn_bwd_v1`): the gradients of gates_x, of the recurrent pre-activations (the same for the
+- the recurrence is a kernel stage (`jaxdnn_lstm_fwd_v3`, `jaxdnn_gru_fwd_v3`, `jaxdnn_rnn_fwd_v3`):
+  the hidden states [B, T, D, H] (so the layer's output, its directions side by side, is a
+  reshape), the gate activations the backward needs, and the final states [B, D, H];
+- backward through time is a kernel stage (`jaxdnn_lstm_bwd_v2`, `jaxdnn_gru_bwd_v2`,
+  `jaxdnn_rnn_bwd_v2`): the gradients of gates_x, of the recurrent pre-activations (the same for the
   LSTM and the plain RNN) and of the initial states; the weight and bias gradients and the input
   gradient are GEMMs / sums over those, done by XLA after.
 Each stage is a primitive differentiated through `jaxdnn.reference.rnn` (second order works); the
@@ -22,7 +23,6 @@ whole stack is one `jax.custom_vjp`.
 from __future__ import annotations
 
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -39,44 +39,64 @@ _F32 = jnp.float32
 
 
 # --- the kernel stages ------------------------------------------------------------------------
+# Each stage runs a layer's D directions at once: per-step operands [B, T, D, ...], states [B, D, H],
+# weights [D, ...]; direction 0 runs in time order (reversed when the attribute reverse is 1),
+# direction 1 the other way.
 
 def _fwd_avals(gates_x, w_hh, h0, c0, seq_lengths, **attrs):
-    """(h_seq, c_seq [B, T, H], acts [B, T, G], h_n, c_n [B, H]), all float32."""
-    batch, steps, gates = gates_x.shape
-    per_unit = jax.core.ShapedArray((batch, steps, gates // 4), _F32)
-    state = jax.core.ShapedArray((batch, gates // 4), _F32)
+    """(h_seq, c_seq [B, T, D, H], acts [B, T, D, G], h_n, c_n [B, D, H]), all float32."""
+    per_unit = jax.core.ShapedArray(gates_x.shape[:3] + (gates_x.shape[3] // 4,), _F32)
+    state = jax.core.ShapedArray(h0.shape, _F32)
     return [per_unit, per_unit, jax.core.ShapedArray(gates_x.shape, _F32), state, state]
 
 
 def _bwd_avals(dh_seq, dh_n, dc_n, acts, c_seq, c0, w_hh, seq_lengths, **attrs):
-    """(dgates [B, T, G], dh0, dc0 [B, H]), all float32."""
+    """(dgates [B, T, D, G], dh0, dc0 [B, D, H]), all float32."""
     state = jax.core.ShapedArray(dh_n.shape, _F32)
     return [jax.core.ShapedArray(acts.shape, _F32), state, state]
 
 
 def _gru_fwd_avals(gates_x, w_hh, b_hh, h0, seq_lengths, **attrs):
-    """(h_seq [B, T, H], saved [B, T, 4H], h_n [B, H]), all float32."""
-    batch, steps, gates = gates_x.shape
-    hidden = gates // 3
-    return [jax.core.ShapedArray((batch, steps, hidden), _F32),
-            jax.core.ShapedArray((batch, steps, 4 * hidden), _F32),
-            jax.core.ShapedArray((batch, hidden), _F32)]
+    """(h_seq [B, T, D, H], saved [B, T, D, 4H], h_n [B, D, H]), all float32."""
+    hidden = gates_x.shape[3] // 3
+    return [jax.core.ShapedArray(gates_x.shape[:3] + (hidden,), _F32),
+            jax.core.ShapedArray(gates_x.shape[:3] + (4 * hidden,), _F32),
+            jax.core.ShapedArray(h0.shape, _F32)]
 
 
 def _gru_bwd_avals(dh_seq, dh_n, saved, h_seq, h0, w_hh, seq_lengths, **attrs):
-    """(dgates_x, dgates_h [B, T, 3H], dh0 [B, H]), all float32."""
-    gates = jax.core.ShapedArray(h_seq.shape[:2] + (3 * h_seq.shape[2],), _F32)
+    """(dgates_x, dgates_h [B, T, D, 3H], dh0 [B, D, H]), all float32."""
+    gates = jax.core.ShapedArray(h_seq.shape[:3] + (3 * h_seq.shape[3],), _F32)
     return [gates, gates, jax.core.ShapedArray(dh_n.shape, _F32)]
 
 
 def _rnn_fwd_avals(gates_x, w_hh, h0, seq_lengths, **attrs):
-    """(h_seq [B, T, H], h_n [B, H]), float32 (G = H)."""
+    """(h_seq [B, T, D, H], h_n [B, D, H]), float32 (G = H)."""
     return [jax.core.ShapedArray(gates_x.shape, _F32), jax.core.ShapedArray(h0.shape, _F32)]
 
 
 def _rnn_bwd_avals(dh_seq, dh_n, h_seq, w_hh, seq_lengths, **attrs):
-    """(dgates [B, T, H], dh0 [B, H]), float32."""
+    """(dgates [B, T, D, H], dh0 [B, D, H]), float32."""
     return [jax.core.ShapedArray(h_seq.shape, _F32), jax.core.ShapedArray(dh_n.shape, _F32)]
+
+
+def _over_directions(reference, shared):
+    """A stage's reference over its D directions, from `reference`, one direction's function of
+    [B, T, ...] / [B, H] operands, weights [G, ...] and (..., seq_lengths, reverse, **options);
+    `shared` are the indices of the weight operands. Direction d runs reversed when reverse != (d == 1)."""
+    def run(*operands, reverse, **options):
+        directions = operands[shared[0]].shape[0]
+        per_row = [i for i in range(len(operands) - 1) if i not in shared]  # seq_lengths is last
+        outs = []
+        for d in range(directions):
+            ops = list(operands)
+            for i in shared:
+                ops[i] = operands[i][d]
+            for i in per_row:  # states [B, D, H], per-step operands [B, T, D, ...]
+                ops[i] = operands[i][:, d] if operands[i].ndim == 3 else operands[i][:, :, d]
+            outs.append(reference(*ops, bool(reverse) != (d == 1), **options))
+        return tuple(jnp.stack(o, axis=o[0].ndim - 1) for o in zip(*outs))
+    return run
 
 
 def _fold_rows_batch_rule(prim, args, dims, *, shared, reference, **attrs):
@@ -100,35 +120,42 @@ def _fold_rows_batch_rule(prim, args, dims, *, shared, reference, **attrs):
 
 
 def _primitive(name, version, result_avals, shared, reference, sharding_rule):
+    """(the stage's primitive, its reference over the D directions)."""
+    reference = _over_directions(reference, shared)
     batch_rule = functools.partial(_fold_rows_batch_rule, shared=shared, reference=reference)
-    return ffi_primitive(f"jaxdnn_{name}", f"jaxdnn_{name}_v{version}", result_avals=result_avals,
+    prim = ffi_primitive(f"jaxdnn_{name}", f"jaxdnn_{name}_v{version}", result_avals=result_avals,
                          batch_rule=batch_rule, sharding_rule=sharding_rule)
+    return prim, reference
 
 
-_lstm_fwd = _primitive("lstm_fwd", 2, _fwd_avals, (1,), _ref.lstm_fwd,
-                       "... t g, g h, ... h, ... h, ... -> ... t h, ... t h, ... t g, ... h, ... h")
-_lstm_bwd = _primitive("lstm_bwd", 1, _bwd_avals, (6,), _ref.lstm_bwd,
-                       "... t h, ... h, ... h, ... t g, ... t h, ... h, g h, ... -> ... t g, ... h, ... h")
-_gru_fwd = _primitive("gru_fwd", 2, _gru_fwd_avals, (1, 2), _ref.gru_fwd,
-                      "... t g, g h, g, ... h, ... -> ... t h, ... t s, ... h")
-_gru_bwd = _primitive("gru_bwd", 1, _gru_bwd_avals, (5,), _ref.gru_bwd,
-                      "... t h, ... h, ... t s, ... t h, ... h, g h, ... -> ... t g, ... t g, ... h")
-_rnn_fwd = _primitive("rnn_fwd", 2, _rnn_fwd_avals, (1,), _ref.rnn_fwd,
-                      "... t g, g h, ... h, ... -> ... t h, ... h")
-_rnn_bwd = _primitive("rnn_bwd", 1, _rnn_bwd_avals, (3,), _ref.rnn_bwd,
-                      "... t h, ... h, ... t h, g h, ... -> ... t g, ... h")
+_lstm_fwd = _primitive("lstm_fwd", 3, _fwd_avals, (1,), _ref.lstm_fwd,
+                       "... t d g, d g h, ... d h, ... d h, ... "
+                       "-> ... t d h, ... t d h, ... t d g, ... d h, ... d h")
+_lstm_bwd = _primitive("lstm_bwd", 2, _bwd_avals, (6,), _ref.lstm_bwd,
+                       "... t d h, ... d h, ... d h, ... t d g, ... t d h, ... d h, d g h, ... "
+                       "-> ... t d g, ... d h, ... d h")
+_gru_fwd = _primitive("gru_fwd", 3, _gru_fwd_avals, (1, 2), _ref.gru_fwd,
+                      "... t d g, d g h, d g, ... d h, ... -> ... t d h, ... t d s, ... d h")
+_gru_bwd = _primitive("gru_bwd", 2, _gru_bwd_avals, (5,), _ref.gru_bwd,
+                      "... t d h, ... d h, ... t d s, ... t d h, ... d h, d g h, ... "
+                      "-> ... t d g, ... t d g, ... d h")
+_rnn_fwd = _primitive("rnn_fwd", 3, _rnn_fwd_avals, (1,), _ref.rnn_fwd,
+                      "... t d g, d g h, ... d h, ... -> ... t d h, ... d h")
+_rnn_bwd = _primitive("rnn_bwd", 2, _rnn_bwd_avals, (3,), _ref.rnn_bwd,
+                      "... t d h, ... d h, ... t d h, d g h, ... -> ... t d g, ... d h")
 
 
-def _stage(prim, reference, reverse, *operands, tf32=None, **options):
-    """A kernel stage of one layer and direction, differentiated through its reference; `options`
-    are further attributes, passed to the reference as they are (the plain RNN's nonlinearity).
-    tf32 (forward stages only): whether the CUDA kernel may round its recurrent products' operands
-    to TF32."""
-    attrs = dict(options, reverse=np.int64(reverse))
+def _stage(stage, *operands, tf32=None, **options):
+    """A kernel stage (a pair from `_primitive`) of one layer, direction 0 in time order,
+    differentiated through its reference; `options` are further attributes, passed to the reference
+    as they are (the plain RNN's nonlinearity). tf32 (forward stages only): whether the CUDA kernel
+    may round its recurrent products' operands to TF32."""
+    prim, reference = stage
+    attrs = dict(options, reverse=np.int64(0))
     if tf32 is not None:
         attrs["tf32"] = np.int64(tf32)
     return with_reference_vjp(lambda *a: tuple(prim.bind(*a, **attrs)),
-                               lambda *a: reference(*a, reverse, **options), *operands)
+                               lambda *a: reference(*a, reverse=False, **options), *operands)
 
 
 # dot algorithms that are float32-accurate or better: the recurrence keeps exact float32 products.
@@ -165,55 +192,67 @@ def _nonlinearity(mode):
     return mode.removeprefix("rnn_")
 
 
-def _layer_fwd(mode, layer_in, params, inits, seq_lengths, reverse, precision):
-    """One layer and direction: (h_seq [B, T, H], residuals, final states)."""
+def _project_inputs(layer_in, w_ih, bias, precision):
+    """gates_x = x W_ih[d]^T + bias[d] [B, T, D, G] in float32 (float64 for float64 inputs), from
+    layer_in [B, T, I], w_ih [D, G, I] and bias [D, G]."""
+    dtype = jnp.result_type(_F32, layer_in.dtype, w_ih.dtype)
+    gates = jnp.einsum("bti,dgi->btdg", layer_in, w_ih, precision=precision, preferred_element_type=dtype)
+    return gates + bias.astype(dtype)
+
+
+def _layer_fwd(mode, layer_in, params, inits, seq_lengths, precision):
+    """One layer in its D directions: (h_seq [B, T, D, H], residuals, final states [B, D, H]).
+    params: (w_ih [D, G, I], w_hh [D, G, H], b_ih, b_hh [D, G]); inits: the states [B, D, H]."""
     w_ih, w_hh, b_ih, b_hh = params
     tf32 = _allows_tf32(precision)
     if mode == "gru":
-        gates_x = _ref.project_inputs(layer_in, w_ih, b_ih, precision)  # b_hh is inside the reset gate
-        h_seq, saved, h_n = _stage(_gru_fwd, _ref.gru_fwd, reverse, gates_x, w_hh, b_hh.astype(_F32),
-                                   inits[0], seq_lengths, tf32=tf32)
+        gates_x = _project_inputs(layer_in, w_ih, b_ih, precision)  # b_hh is inside the reset gate
+        h_seq, saved, h_n = _stage(_gru_fwd, gates_x, w_hh, b_hh.astype(_F32), inits[0], seq_lengths,
+                                   tf32=tf32)
         return h_seq, (saved,), (h_n,)
     # The LSTM and the plain RNN: both biases fold into the projection.
-    gates_x = _ref.project_inputs(layer_in, w_ih, _ref.folded_bias(b_ih, b_hh), precision)
+    gates_x = _project_inputs(layer_in, w_ih, _ref.folded_bias(b_ih, b_hh), precision)
     if mode == "lstm":
-        h_seq, c_seq, acts, h_n, c_n = _stage(_lstm_fwd, _ref.lstm_fwd, reverse, gates_x, w_hh, *inits,
-                                              seq_lengths, tf32=tf32)
+        h_seq, c_seq, acts, h_n, c_n = _stage(_lstm_fwd, gates_x, w_hh, *inits, seq_lengths, tf32=tf32)
         return h_seq, (c_seq, acts), (h_n, c_n)
-    h_seq, h_n = _stage(_rnn_fwd, _ref.rnn_fwd, reverse, gates_x, w_hh, inits[0], seq_lengths, tf32=tf32,
+    h_seq, h_n = _stage(_rnn_fwd, gates_x, w_hh, inits[0], seq_lengths, tf32=tf32,
                         nonlinearity=_nonlinearity(mode))
     return h_seq, (), (h_n,)  # act' comes from h_seq itself
 
 
-def _layer_bwd(mode, dh_seq, d_finals, h_seq, residuals, inits, w_hh, seq_lengths, reverse):
-    """Backward through time of one layer and direction: (dgates_x, dgates_h, d_inits), dgates_h the
-    gradient of the recurrent pre-activations W_hh h_prev + b_hh."""
+def _layer_bwd(mode, dh_seq, d_finals, h_seq, residuals, inits, w_hh, seq_lengths):
+    """Backward through time of one layer in its D directions: (dgates_x, dgates_h [B, T, D, G],
+    d_inits [B, D, H]), dgates_h the gradient of the recurrent pre-activations W_hh h_prev + b_hh."""
     if mode == "lstm":
         c_seq, acts = residuals
-        dgates, dh0, dc0 = _stage(_lstm_bwd, _ref.lstm_bwd, reverse, dh_seq, *d_finals, acts, c_seq, inits[1],
-                                  w_hh, seq_lengths)
+        dgates, dh0, dc0 = _stage(_lstm_bwd, dh_seq, *d_finals, acts, c_seq, inits[1], w_hh, seq_lengths)
         return dgates, dgates, (dh0, dc0)
     if mode == "gru":
-        dgates_x, dgates_h, dh0 = _stage(_gru_bwd, _ref.gru_bwd, reverse, dh_seq, d_finals[0], residuals[0],
-                                         h_seq, inits[0], w_hh, seq_lengths)
+        dgates_x, dgates_h, dh0 = _stage(_gru_bwd, dh_seq, d_finals[0], residuals[0], h_seq, inits[0],
+                                         w_hh, seq_lengths)
         return dgates_x, dgates_h, (dh0,)
-    dgates, dh0 = _stage(_rnn_bwd, _ref.rnn_bwd, reverse, dh_seq, d_finals[0], h_seq, w_hh, seq_lengths,
+    dgates, dh0 = _stage(_rnn_bwd, dh_seq, d_finals[0], h_seq, w_hh, seq_lengths,
                          nonlinearity=_nonlinearity(mode))
     return dgates, dgates, (dh0,)
 
 
-def _previous_states(h_seq, h0, seq_lengths, reverse):
-    """h_prev [B, T, H]: the state each step started from (h0 at a row's first step), the right
-    operand of dW_hh = sum_t dgates_h_t^T h_prev_t. Steps past a row's end have zero gradients."""
+def _previous_states(h_seq, h0, seq_lengths):
+    """h_prev [B, T, D, H]: the state each step started from (h0 [B, D, H] at a row's first step),
+    the right operand of dW_hh = sum_t dgates_h_t^T h_prev_t; direction 1 runs backwards. Steps past
+    a row's end have zero gradients."""
     steps = h_seq.shape[1]
-    zero = jnp.zeros_like(h_seq[:, :1])
-    if reverse:
-        shifted = jnp.concatenate([h_seq[:, 1:], zero], axis=1)
-        first = jnp.arange(steps)[None, :] == _ref.valid_steps(seq_lengths, steps)[:, None] - 1
-    else:
-        shifted = jnp.concatenate([zero, h_seq[:, :-1]], axis=1)
-        first = jnp.broadcast_to(jnp.arange(steps)[None, :] == 0, h_seq.shape[:2])
-    return jnp.where(first[..., None], h0[:, None], shifted)
+    zero = jnp.zeros_like(h_seq[:, :1, :1])
+    shifted = [jnp.concatenate([zero, h_seq[:, :-1, :1]], axis=1)]
+    first = [jnp.broadcast_to(jnp.arange(steps)[None, :] == 0, h_seq.shape[:2])]
+    if h_seq.shape[2] == 2:  # the reverse direction starts at each row's last valid step
+        shifted.append(jnp.concatenate([h_seq[:, 1:, 1:], zero], axis=1))
+        first.append(jnp.arange(steps)[None, :] == _ref.valid_steps(seq_lengths, steps)[:, None] - 1)
+    return jnp.where(jnp.stack(first, axis=2)[..., None], h0[:, None], jnp.concatenate(shifted, axis=2))
+
+
+def _layer_params(params, layer, directions):
+    """(w_ih, w_hh, b_ih, b_hh) of a layer, each stacked over its D directions."""
+    return tuple(jnp.stack(p) for p in zip(*params[layer * directions:(layer + 1) * directions]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -225,61 +264,63 @@ def _rnn_stack(x, states, weights, seq_lengths, masks, mode, sizes, precision):
     return _rnn_stack_fwd(x, states, weights, seq_lengths, masks, mode, sizes, precision)[0]
 
 
+def _layer_states(states, layer, directions):
+    """The states [L D, B, H] of a layer's directions as [B, D, H]."""
+    return [jnp.swapaxes(s[layer * directions:(layer + 1) * directions], 0, 1) for s in states]
+
+
 def _rnn_stack_fwd(x, states, weights, seq_lengths, masks, mode, sizes, precision):
     directions = 2 if sizes[3] else 1
     params = _ref.unpack_weights(weights, mode, *sizes)
+    batch, steps = x.shape[:2]
     layer_in, inputs, saved, finals = x, [], [], [[] for _ in states]
     for layer in range(sizes[2]):
         inputs.append(layer_in)
-        outputs = []
-        for d in range(directions):
-            p = layer * directions + d
-            inits = [s[p] for s in states]
-            h_seq, residuals, last = _layer_fwd(mode, layer_in, params[p], inits, seq_lengths, d == 1,
-                                                precision)
-            saved.append((h_seq, residuals))
-            for final, state in zip(finals, last):
-                final.append(state)
-            outputs.append(h_seq.astype(x.dtype))
-        layer_in = outputs[0] if directions == 1 else jnp.concatenate(outputs, axis=-1)
+        inits = _layer_states(states, layer, directions)
+        h_seq, residuals, last = _layer_fwd(mode, layer_in, _layer_params(params, layer, directions), inits,
+                                            seq_lengths, precision)
+        saved.append((h_seq, residuals))
+        for final, state in zip(finals, last):
+            final.append(jnp.swapaxes(state, 0, 1))
+        # The directions side by side: [B, T, D H].
+        layer_in = h_seq.reshape(batch, steps, directions * sizes[1]).astype(x.dtype)
         if layer < len(masks):
             layer_in = (layer_in.astype(_F32) * masks[layer]).astype(x.dtype)
-    results = (layer_in, tuple(jnp.stack(f) for f in finals))
+    results = (layer_in, tuple(jnp.concatenate(f) for f in finals))
     return results, (inputs, saved, states, weights, seq_lengths, masks)
 
 
 def _rnn_stack_bwd(mode, sizes, precision, residuals, cotangents):
     inputs, saved, states, weights, seq_lengths, masks = residuals
     dy, d_finals = cotangents
-    hidden, layers, directions = sizes[1], sizes[2], 2 if sizes[3] else 1
+    layers, directions = sizes[2], 2 if sizes[3] else 1
     params = _ref.unpack_weights(weights, mode, *sizes)
     grads = [None] * (layers * directions)
-    d_states = [[None] * len(grads) for _ in states]
+    d_states = [[None] * layers for _ in states]
     d_out = dy.astype(_F32)
     dot = functools.partial(jnp.einsum, precision=precision, preferred_element_type=_F32)
     for layer in reversed(range(layers)):
         if layer < len(masks):  # d_out reached the next layer's input: through this layer's dropout
             d_out = d_out * masks[layer]
-        layer_in, d_in = inputs[layer], []
+        layer_in = inputs[layer]
+        w_ih, w_hh, _, _ = _layer_params(params, layer, directions)
+        h_seq, layer_saved = saved[layer]
+        inits = _layer_states(states, layer, directions)
+        dh_seq = d_out.reshape(h_seq.shape)
+        d_last = _layer_states(d_finals, layer, directions)
+        dgates_x, dgates_h, d_inits = _layer_bwd(mode, dh_seq, d_last, h_seq, layer_saved, inits, w_hh,
+                                                 seq_lengths)
+        for d_state, d_init in zip(d_states, d_inits):
+            d_state[layer] = jnp.swapaxes(d_init, 0, 1)
+        h_prev = _previous_states(h_seq, inits[0], seq_lengths)
+        layer_grads = (dot("btdg,bti->dgi", dgates_x, layer_in.astype(_F32)),
+                       dot("btdg,btdh->dgh", dgates_h, h_prev),
+                       jnp.sum(dgates_x, axis=(0, 1)), jnp.sum(dgates_h, axis=(0, 1)))
         for d in range(directions):
-            p = layer * directions + d
-            w_ih, w_hh, _, _ = params[p]
-            h_seq, layer_saved = saved[p]
-            inits = [s[p] for s in states]
-            dh_seq = d_out[..., d * hidden:(d + 1) * hidden]
-            d_last = [f[p] for f in d_finals]
-            dgates_x, dgates_h, d_inits = _layer_bwd(mode, dh_seq, d_last, h_seq, layer_saved, inits, w_hh,
-                                                     seq_lengths, d == 1)
-            for d_state, d_init in zip(d_states, d_inits):
-                d_state[p] = d_init
-            h_prev = _previous_states(h_seq, inits[0], seq_lengths, d == 1)
-            grads[p] = (dot("btg,bti->gi", dgates_x, layer_in.astype(_F32)),
-                        dot("btg,bth->gh", dgates_h, h_prev),
-                        jnp.sum(dgates_x, axis=(0, 1)), jnp.sum(dgates_h, axis=(0, 1)))
-            d_in.append(dot("btg,gi->bti", dgates_x, w_ih.astype(_F32)))
-        d_out = functools.reduce(operator.add, d_in)
+            grads[layer * directions + d] = tuple(g[d] for g in layer_grads)
+        d_out = dot("btdg,dgi->bti", dgates_x, w_ih.astype(_F32))
     dweights = _ref.pack_weights(grads).astype(weights.dtype)
-    return (d_out.astype(inputs[0].dtype), tuple(jnp.stack(s) for s in d_states), dweights, None,
+    return (d_out.astype(inputs[0].dtype), tuple(jnp.concatenate(s) for s in d_states), dweights, None,
             tuple(jnp.zeros_like(m) for m in masks))
 
 
@@ -481,21 +522,24 @@ def _cell(mode, x, states, params):
 
 def _cell_fwd(mode, x, states, params):
     one_step = jnp.ones(x.shape[:1], jnp.int32)
-    h_seq, residuals, last = _layer_fwd(mode, x[:, None], params, states, one_step, False, None)
-    return last, (x, states, params, h_seq, residuals, one_step)
+    one_direction = tuple(p[None] for p in params)  # [1, ...]: one direction's weights
+    inits = [s[:, None] for s in states]  # [B, 1, H]
+    h_seq, residuals, last = _layer_fwd(mode, x[:, None], one_direction, inits, one_step, None)
+    return tuple(s[:, 0] for s in last), (x, states, params, h_seq, residuals, one_step)
 
 
 def _cell_bwd(mode, saved, d_last):
     x, states, params, h_seq, residuals, one_step = saved
     w_ih, w_hh, _, _ = params
     no_output_grad = jnp.zeros_like(h_seq)  # the new h's gradient arrives as d_last[0]
-    dgates_x, dgates_h, d_states = _layer_bwd(mode, no_output_grad, d_last, h_seq, residuals, states, w_hh,
-                                              one_step, False)
-    dgates_x, dgates_h = dgates_x[:, 0], dgates_h[:, 0]
+    dgates_x, dgates_h, d_states = _layer_bwd(mode, no_output_grad, [d[:, None] for d in d_last], h_seq,
+                                              residuals, [s[:, None] for s in states], w_hh[None], one_step)
+    dgates_x, dgates_h = dgates_x[:, 0, 0], dgates_h[:, 0, 0]
     grads = (jnp.einsum("bg,bi->gi", dgates_x, x.astype(_F32)), jnp.einsum("bg,bh->gh", dgates_h, states[0]),
              jnp.sum(dgates_x, axis=0), jnp.sum(dgates_h, axis=0))
     dx = jnp.einsum("bg,gi->bi", dgates_x, w_ih.astype(_F32))
-    return (dx.astype(x.dtype), tuple(d_states), tuple(g.astype(p.dtype) for g, p in zip(grads, params)))
+    return (dx.astype(x.dtype), tuple(d[:, 0] for d in d_states),
+            tuple(g.astype(p.dtype) for g, p in zip(grads, params)))
 
 
 _cell.defvjp(_cell_fwd, _cell_bwd)

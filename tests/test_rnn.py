@@ -224,11 +224,12 @@ def test_rnn_bad_nonlinearity(rng):
     with pytest.raises(ValueError, match="rnn: nonlinearity must be 'tanh' or 'relu', got 'Tanh'"):
         ref.rnn(args[0], *args[1], *args[2:], *sizes, nonlinearity="Tanh")
     from jaxdnn import recurrent as stages  # the kernels check the attribute too
-    gates_x, h0 = normal(rng, (2, 3, 4)), normal(rng, (2, 4))
+    gates_x, h0 = normal(rng, (2, 3, 1, 4)), normal(rng, (2, 1, 4))
     with pytest.raises(jax.errors.JaxRuntimeError, match='nonlinearity must be "tanh" or "relu", got "gelu"'):
         # Waited for: on a GPU the kernel's error surfaces when the (asynchronous) result is.
-        outs = stages._rnn_fwd.bind(gates_x, jnp.ones((4, 4)), h0, jnp.full((2,), 3, jnp.int32),
-                                    reverse=np.int64(0), nonlinearity="gelu", tf32=np.int64(0))
+        prim, _ = stages._rnn_fwd
+        outs = prim.bind(gates_x, jnp.ones((1, 4, 4)), h0, jnp.full((2,), 3, jnp.int32),
+                         reverse=np.int64(0), nonlinearity="gelu", tf32=np.int64(0))
         jax.block_until_ready(outs)
 
 
@@ -348,8 +349,8 @@ def test_hlo_holds_the_custom_calls(mode, rng):
     x, states, weights, seq_lengths = args
     hlo = jax.jit(jax.grad(lambda x, w: jnp.sum(_ours(mode, x, states, w, seq_lengths, sizes)[0] ** 2),
                            argnums=(0, 1))).lower(x, weights).as_text()
-    for target in [f"jaxdnn_{_name(mode)}_fwd_v2", f"jaxdnn_{_name(mode)}_bwd_v1"]:
-        assert hlo.count(target) >= 2, target  # one per direction
+    for target in [f"jaxdnn_{_name(mode)}_fwd_v3", f"jaxdnn_{_name(mode)}_bwd_v2"]:
+        assert hlo.count(target) == 1, target  # one for both directions
 
 
 @pytest.mark.parametrize("precision,tf32", [
@@ -414,7 +415,7 @@ def test_batch_sharded_runs_per_shard(mode, rng, devices):
     hlo = _vjp.lower(_ours, mode, placed, placed_cts, sizes).compile().as_text()
     assert "all-gather" not in hlo
     calls = [line for line in hlo.splitlines() if f'custom_call_target="jaxdnn_{_name(mode)}_' in line]
-    assert calls and all("f32[2,4,5]" in line for line in calls), calls  # 2 rows [T, H] per device
+    assert calls and all("f32[2,4,2,5]" in line for line in calls), calls  # 2 rows [T, D, H] per device
     out, grads = _vjp(_ours, mode, placed, placed_cts, sizes)
     _check_sharded(mode, out, grads, args, sizes, cts)
     assert out[0].sharding.spec[0] == "b"
@@ -594,7 +595,7 @@ def test_cell_in_a_scan(mode, dtype, rng):
         assert g.dtype == dtype or g.dtype == jnp.float32
         assert_close(g, w, tolerance(dtype, grad=True), "cell gradient")
     hlo = jax.jit(jax.grad(functools.partial(loss, cell))).lower(x, states, params).as_text()
-    assert f"jaxdnn_{_name(mode)}_fwd_v2" in hlo and f"jaxdnn_{_name(mode)}_bwd_v1" in hlo
+    assert f"jaxdnn_{_name(mode)}_fwd_v3" in hlo and f"jaxdnn_{_name(mode)}_bwd_v2" in hlo
 
 
 @mode_param
@@ -645,47 +646,55 @@ def test_cell_bad_input():
 # 8-warp blocks); 43 rows over 100 blocks of 3 units, in two batch chunks (129 (row, unit) pairs a
 # block: the backward's 16-warp blocks); a layer whose H is a multiple of 32, where the TF32 forward
 # reads its rows straight from L2 (9 rows: a partial second n tile; 9 units a block: 36 LSTM rows,
-# two passes of m tiles); and a layer whose W_hh slices do not fit in one SM's shared memory on a
-# 132-SM Hopper, which takes the per-row kernel (rnn_persistent.h).
+# two passes of m tiles); a layer whose W_hh slices do not fit in one SM's shared memory on a
+# 132-SM Hopper, which takes the per-row kernel (rnn_persistent.h); and one whose slices fit over
+# all 132 SMs but not over half of them, so that two directions take one launch each ("split",
+# run with two directions only).
 STAGE_SIZES = {"small": (5, 6, 7), "chunks": (43, 5, 300), "direct": (9, 4, 1088),
-               "wide": (2, 3, {"lstm": 2048, "gru": 2304, "rnn_tanh": 4096, "rnn_relu": 4096})}
+               "wide": (2, 3, {"lstm": 2048, "gru": 2304, "rnn_tanh": 4096, "rnn_relu": 4096}),
+               "split": (3, 3, {"lstm": 1536, "gru": 1792, "rnn_tanh": 3072, "rnn_relu": 3072})}
+# (D, reverse): the stage's directions, and whether direction 0 runs from each row's end.
+STAGE_DIRECTIONS = {"forward": (1, False), "reverse": (1, True), "both": (2, False),
+                    "both-reversed": (2, True)}
+STAGE_LAYOUTS = [pytest.param(size, *directions, id=f"{size}-{name}") for size in STAGE_SIZES
+                 for name, directions in STAGE_DIRECTIONS.items() if size != "split" or directions[0] == 2]
 
 
 @mode_param
-@pytest.mark.parametrize("size", STAGE_SIZES)
-@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("size, directions, reverse", STAGE_LAYOUTS)
 @pytest.mark.parametrize("tf32", [False, True], ids=["exact", "tf32"])
-def test_kernel_stages_match_their_references(mode, size, reverse, tf32, rng):
+def test_kernel_stages_match_their_references(mode, size, directions, reverse, tf32, rng):
     """Each kernel stage (the FFI targets' contract, every result incl. the saved residuals and the
-    zeros past each row's end) against its reference stage in float64, with bf16 W_hh. With tf32 the
-    persistent CUDA forward kernels round the state they multiply to TF32 (2^-11 relative): a looser
-    tolerance, and on a GPU the rounding must show (the "wide" sizes run the exact per-row kernel);
-    the CPU kernels and every backward stay exact."""
+    zeros past each row's end) against its reference stage in float64, with bf16 W_hh, in one or two
+    directions (direction 1 runs the other way). With tf32 the persistent CUDA forward kernels round
+    the state they multiply to TF32 (2^-11 relative): a looser tolerance, and on a GPU the rounding
+    must show (the "wide" sizes run the exact per-row kernel); the CPU kernels and every backward
+    stay exact."""
     from jaxdnn import recurrent as stages
     batch, steps, hidden = STAGE_SIZES[size]
     hidden = hidden[mode] if isinstance(hidden, dict) else hidden
     gates = ref.GATES[mode] * hidden
     lengths = jnp.asarray(rng.integers(-1, steps + 2, batch), jnp.int32).at[0].set(steps)
-    gates_x = normal(rng, (batch, steps, gates))
-    w_hh = normal(rng, (gates, hidden), jnp.bfloat16, scale=min(0.4, 1.5 / np.sqrt(hidden)))
-    h0, c0 = normal(rng, (batch, hidden)), normal(rng, (batch, hidden))
+    gates_x = normal(rng, (batch, steps, directions, gates))
+    w_hh = normal(rng, (directions, gates, hidden), jnp.bfloat16, scale=min(0.4, 1.5 / np.sqrt(hidden)))
+    h0, c0 = normal(rng, (batch, directions, hidden)), normal(rng, (batch, directions, hidden))
     options = {}  # attributes beyond reverse, given to the reference as they are
     if mode == "lstm":
         fwd_args = (gates_x, w_hh, h0, c0, lengths)
-        fwd_prim, fwd_ref, bwd_prim, bwd_ref = stages._lstm_fwd, ref.lstm_fwd, stages._lstm_bwd, ref.lstm_bwd
+        (fwd_prim, fwd_ref), (bwd_prim, bwd_ref) = stages._lstm_fwd, stages._lstm_bwd
     elif mode == "gru":
-        fwd_args = (gates_x, w_hh, normal(rng, (gates,)), h0, lengths)
-        fwd_prim, fwd_ref, bwd_prim, bwd_ref = stages._gru_fwd, ref.gru_fwd, stages._gru_bwd, ref.gru_bwd
+        fwd_args = (gates_x, w_hh, normal(rng, (directions, gates)), h0, lengths)
+        (fwd_prim, fwd_ref), (bwd_prim, bwd_ref) = stages._gru_fwd, stages._gru_bwd
     else:
         fwd_args = (gates_x, w_hh, h0, lengths)
-        fwd_prim, fwd_ref, bwd_prim, bwd_ref = stages._rnn_fwd, ref.rnn_fwd, stages._rnn_bwd, ref.rnn_bwd
+        (fwd_prim, fwd_ref), (bwd_prim, bwd_ref) = stages._rnn_fwd, stages._rnn_bwd
         options = dict(nonlinearity=mode.removeprefix("rnn_"))
     attrs = dict(reverse=np.int64(reverse), **options)
     tol = 5e-3 if tf32 else 1e-5
     rounds = tf32 and on_gpu() and size != "wide"
     to64 = lambda args: [a if a.dtype == jnp.int32 else f64(a) for a in args]  # noqa: E731
     got = jax.jit(lambda *a: fwd_prim.bind(*a, tf32=np.int64(tf32), **attrs))(*fwd_args)
-    want = fwd_ref(*to64(fwd_args), reverse, **options)
+    want = fwd_ref(*to64(fwd_args), reverse=reverse, **options)
     for g, w in zip(got, want):
         assert_close(g, w, tol, f"{mode} fwd stage")
     if rounds:
@@ -701,7 +710,7 @@ def test_kernel_stages_match_their_references(mode, size, reverse, tf32, rng):
         h_seq = got[0]
         bwd_args = (normal(rng, h_seq.shape), normal(rng, h0.shape), h_seq, w_hh, lengths)
     got = jax.jit(lambda *a: bwd_prim.bind(*a, **attrs))(*bwd_args)
-    want = bwd_ref(*to64(bwd_args), reverse, **options)
+    want = bwd_ref(*to64(bwd_args), reverse=reverse, **options)
     for g, w in zip(got, want):
         assert_close(g, w, 1e-5, f"{mode} bwd stage")  # exact, from the forward's (rounded) residuals
     past_end = np.arange(steps)[None, :] >= np.minimum(np.asarray(lengths), steps)[:, None]

@@ -10,15 +10,38 @@
 
 namespace jaxdnn {
 
-// The sizes of one layer-direction's recurrence (rnn.h): G = gates_per_unit * H gate rows.
+// A (batch row b, direction d) pair, one independent sequence: where its state is in the [B D, H]
+// view of the states [B, D, H], and its step 0 in the [B T D, ...] view of the per-step arrays
+// [B, T, D, ...] (At).
+struct SeqRow {
+  int64_t state;  // b D + d
+  int64_t first;  // b T D + d
+};
+
+// The sizes of one layer's recurrence in D directions (rnn.h): G = gates_per_unit * H gate rows.
 struct RecurrenceShape {
   int64_t batch = 0;           // B
   int64_t steps = 0;           // T
+  int64_t directions = 1;      // D: 1, or 2 (the second runs the other way through time)
   int64_t hidden = 0;          // H
   int64_t gates_per_unit = 4;  // 4 (LSTM), 3 (GRU) or 1 (plain RNN)
   JAXDNN_HOST_DEVICE int64_t gates() const { return gates_per_unit * hidden; }
   JAXDNN_HOST_DEVICE bool empty() const { return batch == 0 || hidden == 0; }
+  JAXDNN_HOST_DEVICE SeqRow Row(int64_t b, int64_t d) const {
+    return SeqRow{b * directions + d, b * steps * directions + d};
+  }
+  // A pair's direction d.
+  JAXDNN_HOST_DEVICE int64_t Direction(const SeqRow& r) const { return directions == 1 ? 0 : r.state & 1; }
 };
+
+// The index of a pair's time step t in the [B T D, ...] view of a per-step array.
+JAXDNN_HOST_DEVICE inline int64_t At(const RecurrenceShape& s, const SeqRow& r, int64_t t) {
+  return r.first + t * s.directions;
+}
+
+// Whether direction d runs from each row's end: the target's `reverse` for direction 0, the
+// opposite for direction 1.
+JAXDNN_HOST_DEVICE inline bool Reversed(bool reverse, int64_t d) { return reverse != (d == 1); }
 
 // The steps row b runs: seq_lengths[b] clamped to [0, T], so a bad length never reads out of bounds.
 JAXDNN_HOST_DEVICE inline int64_t ValidSteps(int32_t length, int64_t steps) {

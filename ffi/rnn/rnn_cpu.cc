@@ -1,9 +1,9 @@
 // CPU LSTM, GRU and plain RNN recurrences: the CUDA kernels' decomposition, with a chunk of up to
 // kChunkRows batch rows (instead of one) stepping through time together, so each row of W_hh read
 // from cache serves every row of the chunk. Per step: the recurrent products of the chunk's running rows (rows past
-// their length drop out), then the per-unit cell math of rnn_cell.h. W_hh is converted to float32
-// (and, for the forward, transposed) once per call, so every inner loop is an axpy over contiguous
-// floats that the compiler vectorizes.
+// their length drop out), then the per-unit cell math of rnn_cell.h. The directions run one after the
+// other; each one's W_hh is converted to float32 (and, for the forward, transposed) once per call, so
+// every inner loop is an axpy over contiguous floats that the compiler vectorizes.
 #include <algorithm>
 #include <string_view>
 #include <vector>
@@ -21,12 +21,12 @@ using F32Result = ffi::Result<ffi::Buffer<ffi::F32>>;
 
 constexpr int64_t kChunkRows = 16;
 
-// W_hh [G, H] as float32, or its transpose [H, G].
-ffi::Error WeightsAsFloat(const ffi::AnyBuffer& w_hh, bool transpose, std::vector<float>* out) {
+// Direction d's W_hh [G, H] (of w_hh [D, G, H]) as float32, or its transpose [H, G].
+ffi::Error WeightsAsFloat(const ffi::AnyBuffer& w_hh, int64_t d, bool transpose, std::vector<float>* out) {
   return DispatchFloat<float, Bf16, Half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
-    const W* w = static_cast<const W*>(w_hh.untyped_data());
-    const int64_t gates = w_hh.dimensions()[0], hidden = w_hh.dimensions()[1];
+    const int64_t gates = w_hh.dimensions()[1], hidden = w_hh.dimensions()[2];
+    const W* w = static_cast<const W*>(w_hh.untyped_data()) + d * gates * hidden;
     out->resize(gates * hidden);
     for (int64_t k = 0; k < gates; ++k) {
       for (int64_t j = 0; j < hidden; ++j) {
@@ -37,20 +37,54 @@ ffi::Error WeightsAsFloat(const ffi::AnyBuffer& w_hh, bool transpose, std::vecto
   });
 }
 
-// A chunk of batch rows [begin, begin + count) and their valid step counts.
+// A chunk of batch rows [begin, begin + count) in direction d, and their valid step counts.
 struct RowChunk {
-  int64_t begin = 0;
+  RecurrenceShape shape;
+  int64_t begin = 0, d = 0;
+  bool reverse = false;  // this direction's order (Reversed)
   std::vector<int64_t> lens;
   int64_t MaxSteps() const { return lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end()); }
+  // The chunk's r-th row in direction d.
+  SeqRow Row(int64_t r) const { return shape.Row(begin + r, d); }
+  // Its state's index in the [B D, H] view of the states.
+  int64_t Pair(int64_t r) const { return Row(r).state; }
+  // Its `step`-th step in the [B T D, ...] view of the per-step arrays.
+  int64_t At(int64_t r, int64_t step) const { return jaxdnn::At(shape, Row(r), StepTime(step, lens[r], reverse)); }
 };
 
-RowChunk MakeChunk(const int32_t* seq_lengths, int64_t begin, int64_t batch, int64_t steps) {
+RowChunk MakeChunk(const int32_t* seq_lengths, int64_t begin, const RecurrenceShape& s, int64_t d, bool reverse) {
   RowChunk chunk;
+  chunk.shape = s;
   chunk.begin = begin;
-  for (int64_t b = begin; b < std::min(batch, begin + kChunkRows); ++b) {
-    chunk.lens.push_back(ValidSteps(seq_lengths[b], steps));
+  chunk.d = d;
+  chunk.reverse = Reversed(reverse, d);
+  for (int64_t b = begin; b < std::min(s.batch, begin + kChunkRows); ++b) {
+    chunk.lens.push_back(ValidSteps(seq_lengths[b], s.steps));
   }
   return chunk;
+}
+
+// dst[r] = src[chunk.Pair(r)] (rows of `width` floats), for the chunk's rows.
+void GatherRows(const float* src, const RowChunk& chunk, int64_t width, float* dst) {
+  for (size_t r = 0; r < chunk.lens.size(); ++r) std::copy_n(src + chunk.Pair(r) * width, width, dst + r * width);
+}
+
+// dst[chunk.Pair(r)] = src[r], for the chunk's rows.
+void ScatterRows(const float* src, const RowChunk& chunk, int64_t width, float* dst) {
+  for (size_t r = 0; r < chunk.lens.size(); ++r) std::copy_n(src + r * width, width, dst + chunk.Pair(r) * width);
+}
+
+// Runs fn(chunk, w) over the chunks of batch rows of every direction in turn, w being the direction's
+// W_hh as float32 (transposed when `transpose`).
+template <typename Fn>
+ffi::Error ForEachChunk(const ffi::AnyBuffer& w_hh, bool transpose, const int32_t* seq_lengths,
+                        const RecurrenceShape& s, bool reverse, Fn fn) {
+  std::vector<float> w;
+  for (int64_t d = 0; d < s.directions; ++d) {
+    JAXDNN_RETURN_IF_ERROR(WeightsAsFloat(w_hh, d, transpose, &w));
+    for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) fn(MakeChunk(seq_lengths, begin, s, d, reverse), w);
+  }
+  return ffi::Error::Success();
 }
 
 // out[r, k] = sum_j W[k, j] h[r, j] for the chunk rows r still running at `step`; wt is W^T [H, G].
@@ -97,23 +131,21 @@ ffi::Error LstmFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, F32 c0, ffi::Bu
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {h_seq->dimensions(), c_seq->dimensions()}));
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 4, {acts->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
-  std::vector<float> wt;
-  JAXDNN_RETURN_IF_ERROR(WeightsAsFloat(w_hh, /*transpose=*/true, &wt));
-  const int64_t H = s.hidden, G = s.gates(), T = s.steps;
-  std::fill_n(h_seq->typed_data(), s.batch * T * H, 0.f);  // steps past each row's end stay zero
-  std::fill_n(c_seq->typed_data(), s.batch * T * H, 0.f);
-  std::fill_n(acts->typed_data(), s.batch * T * G, 0.f);
+  const int64_t H = s.hidden, G = s.gates(), T = s.steps, sequences = s.batch * s.directions * T;
+  std::fill_n(h_seq->typed_data(), sequences * H, 0.f);  // steps past each row's end stay zero
+  std::fill_n(c_seq->typed_data(), sequences * H, 0.f);
+  std::fill_n(acts->typed_data(), sequences * G, 0.f);
   std::vector<float> h(kChunkRows * H), c(kChunkRows * H), pre(kChunkRows * G);
-  for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) {
-    const RowChunk chunk = MakeChunk(seq_lengths.typed_data(), begin, s.batch, T);
+  return ForEachChunk(w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
+                      [&](const RowChunk& chunk, const std::vector<float>& wt) {
     const int64_t rows = int64_t(chunk.lens.size());
-    std::copy_n(h0.typed_data() + begin * H, rows * H, h.begin());
-    std::copy_n(c0.typed_data() + begin * H, rows * H, c.begin());
+    GatherRows(h0.typed_data(), chunk, H, h.data());
+    GatherRows(c0.typed_data(), chunk, H, c.data());
     for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
       RecurrentProducts(wt, h.data(), chunk, step, H, G, pre.data());
       for (int64_t r = 0; r < rows; ++r) {
         if (step >= chunk.lens[r]) continue;
-        const int64_t row = (begin + r) * T + StepTime(step, chunk.lens[r], reverse != 0);
+        const int64_t row = chunk.At(r, step);
         const float* gx = gates_x.typed_data() + row * G;
         const float* p = pre.data() + r * G;
         float* a = acts->typed_data() + row * G;
@@ -129,10 +161,9 @@ ffi::Error LstmFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, F32 c0, ffi::Bu
         }
       }
     }
-    std::copy_n(h.begin(), rows * H, h_n->typed_data() + begin * H);
-    std::copy_n(c.begin(), rows * H, c_n->typed_data() + begin * H);
-  }
-  return ffi::Error::Success();
+    ScatterRows(h.data(), chunk, H, h_n->typed_data());
+    ScatterRows(c.data(), chunk, H, c_n->typed_data());
+  });
 }
 
 ffi::Error LstmBwdImpl(F32 dh_seq, F32 dh_n, F32 dc_n, F32 acts, F32 c_seq, F32 c0, ffi::AnyBuffer w_hh,
@@ -146,25 +177,22 @@ ffi::Error LstmBwdImpl(F32 dh_seq, F32 dh_n, F32 dc_n, F32 acts, F32 c_seq, F32 
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {dh_seq.dimensions(), c_seq.dimensions()}));
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 4, {dgates->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
-  std::vector<float> w;
-  JAXDNN_RETURN_IF_ERROR(WeightsAsFloat(w_hh, /*transpose=*/false, &w));
   const int64_t H = s.hidden, G = s.gates(), T = s.steps;
-  std::fill_n(dgates->typed_data(), s.batch * T * G, 0.f);
+  std::fill_n(dgates->typed_data(), s.batch * s.directions * T * G, 0.f);
   std::vector<float> dh(kChunkRows * H), dc(kChunkRows * H), dg(kChunkRows * G);
-  for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) {
-    const RowChunk chunk = MakeChunk(seq_lengths.typed_data(), begin, s.batch, T);
+  return ForEachChunk(w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
+                      [&](const RowChunk& chunk, const std::vector<float>& w) {
     const int64_t rows = int64_t(chunk.lens.size());
-    std::copy_n(dh_n.typed_data() + begin * H, rows * H, dh.begin());
-    std::copy_n(dc_n.typed_data() + begin * H, rows * H, dc.begin());
+    GatherRows(dh_n.typed_data(), chunk, H, dh.data());
+    GatherRows(dc_n.typed_data(), chunk, H, dc.data());
     for (int64_t step = chunk.MaxSteps() - 1; step >= 0; --step) {
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t len = chunk.lens[r], b = begin + r;
-        if (step >= len) continue;
-        const int64_t row = b * T + StepTime(step, len, reverse != 0);
+        if (step >= chunk.lens[r]) continue;
+        const int64_t row = chunk.At(r, step);
         const float* a = acts.typed_data() + row * G;
         const float* c = c_seq.typed_data() + row * H;
-        const float* c_prev = step > 0 ? c_seq.typed_data() + (b * T + StepTime(step - 1, len, reverse != 0)) * H
-                                       : c0.typed_data() + b * H;
+        const float* c_prev = step > 0 ? c_seq.typed_data() + chunk.At(r, step - 1) * H
+                                       : c0.typed_data() + chunk.Pair(r) * H;
         const float* dy = dh_seq.typed_data() + row * H;
         float* out = dgates->typed_data() + row * G;
         float *dgr = dg.data() + r * G, *dhr = dh.data() + r * H, *dcr = dc.data() + r * H;
@@ -177,10 +205,9 @@ ffi::Error LstmBwdImpl(F32 dh_seq, F32 dh_n, F32 dc_n, F32 acts, F32 c_seq, F32 
       }
       TransposedProducts(w, dg.data(), chunk, step, H, G, dh.data());
     }
-    std::copy_n(dh.begin(), rows * H, dh0->typed_data() + begin * H);
-    std::copy_n(dc.begin(), rows * H, dc0->typed_data() + begin * H);
-  }
-  return ffi::Error::Success();
+    ScatterRows(dh.data(), chunk, H, dh0->typed_data());
+    ScatterRows(dc.data(), chunk, H, dc0->typed_data());
+  });
 }
 
 ffi::Error GruFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 b_hh, F32 h0, ffi::Buffer<ffi::S32> seq_lengths,
@@ -190,42 +217,40 @@ ffi::Error GruFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 b_hh, F32 h0, ffi::B
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 3, 3, &s));
   JAXDNN_RETURN_IF_ERROR(
       CheckRecurrenceOperands(s, w_hh, {h0.dimensions(), h_n->dimensions()}, seq_lengths.dimensions()));
-  JAXDNN_RETURN_IF_ERROR(ExpectShape("b_hh", b_hh.dimensions(), {s.gates()}));
+  JAXDNN_RETURN_IF_ERROR(ExpectShape("b_hh", b_hh.dimensions(), {s.directions, s.gates()}));
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {h_seq->dimensions()}));
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 4, {saved->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
-  std::vector<float> wt;
-  JAXDNN_RETURN_IF_ERROR(WeightsAsFloat(w_hh, /*transpose=*/true, &wt));
-  const int64_t H = s.hidden, G = s.gates(), T = s.steps;
-  std::fill_n(h_seq->typed_data(), s.batch * T * H, 0.f);
-  std::fill_n(saved->typed_data(), s.batch * T * 4 * H, 0.f);
+  const int64_t H = s.hidden, G = s.gates(), T = s.steps, sequences = s.batch * s.directions * T;
+  std::fill_n(h_seq->typed_data(), sequences * H, 0.f);
+  std::fill_n(saved->typed_data(), sequences * 4 * H, 0.f);
   std::vector<float> h(kChunkRows * H), hp(kChunkRows * G);
-  const float* bias = b_hh.typed_data();
-  for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) {
-    const RowChunk chunk = MakeChunk(seq_lengths.typed_data(), begin, s.batch, T);
+  return ForEachChunk(w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
+                      [&](const RowChunk& chunk, const std::vector<float>& wt) {
+    const float* bias = b_hh.typed_data() + chunk.d * s.gates();
     const int64_t rows = int64_t(chunk.lens.size());
-    std::copy_n(h0.typed_data() + begin * H, rows * H, h.begin());
+    GatherRows(h0.typed_data(), chunk, H, h.data());
     for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
       RecurrentProducts(wt, h.data(), chunk, step, H, G, hp.data());
       for (int64_t r = 0; r < rows; ++r) {
         if (step >= chunk.lens[r]) continue;
-        const int64_t row = (begin + r) * T + StepTime(step, chunk.lens[r], reverse != 0);
+        const int64_t row = chunk.At(r, step);
         const float* gx = gates_x.typed_data() + row * G;
         const float* p = hp.data() + r * G;
         float* keep = saved->typed_data() + row * 4 * H;
         float* hr = h.data() + r * H;
         for (int64_t j = 0; j < H; ++j) {
           const float hp_n = p[2 * H + j] + bias[2 * H + j];
-          const GruGates a = GruActivate(gx[j], gx[H + j], gx[2 * H + j], p[j] + bias[j], p[H + j] + bias[H + j], hp_n);
+          const GruGates a =
+              GruActivate(gx[j], gx[H + j], gx[2 * H + j], p[j] + bias[j], p[H + j] + bias[H + j], hp_n);
           hr[j] = GruOutput(a, hr[j]);
           keep[j] = a.r, keep[H + j] = a.z, keep[2 * H + j] = a.n, keep[3 * H + j] = hp_n;
           h_seq->typed_data()[row * H + j] = hr[j];
         }
       }
     }
-    std::copy_n(h.begin(), rows * H, h_n->typed_data() + begin * H);
-  }
-  return ffi::Error::Success();
+    ScatterRows(h.data(), chunk, H, h_n->typed_data());
+  });
 }
 
 ffi::Error GruBwdImpl(F32 dh_seq, F32 dh_n, F32 saved, F32 h_seq, F32 h0, ffi::AnyBuffer w_hh,
@@ -238,24 +263,21 @@ ffi::Error GruBwdImpl(F32 dh_seq, F32 dh_n, F32 saved, F32 h_seq, F32 h0, ffi::A
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {dh_seq.dimensions(), h_seq.dimensions()}));
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 3, {dgates_x->dimensions(), dgates_h->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
-  std::vector<float> w;
-  JAXDNN_RETURN_IF_ERROR(WeightsAsFloat(w_hh, /*transpose=*/false, &w));
   const int64_t H = s.hidden, G = s.gates(), T = s.steps;
-  std::fill_n(dgates_x->typed_data(), s.batch * T * G, 0.f);
-  std::fill_n(dgates_h->typed_data(), s.batch * T * G, 0.f);
+  std::fill_n(dgates_x->typed_data(), s.batch * s.directions * T * G, 0.f);
+  std::fill_n(dgates_h->typed_data(), s.batch * s.directions * T * G, 0.f);
   std::vector<float> dh(kChunkRows * H), bypass(kChunkRows * H), dgh(kChunkRows * G);
-  for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) {
-    const RowChunk chunk = MakeChunk(seq_lengths.typed_data(), begin, s.batch, T);
+  return ForEachChunk(w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
+                      [&](const RowChunk& chunk, const std::vector<float>& w) {
     const int64_t rows = int64_t(chunk.lens.size());
-    std::copy_n(dh_n.typed_data() + begin * H, rows * H, dh.begin());
+    GatherRows(dh_n.typed_data(), chunk, H, dh.data());
     for (int64_t step = chunk.MaxSteps() - 1; step >= 0; --step) {
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t len = chunk.lens[r], b = begin + r;
-        if (step >= len) continue;
-        const int64_t row = b * T + StepTime(step, len, reverse != 0);
+        if (step >= chunk.lens[r]) continue;
+        const int64_t row = chunk.At(r, step);
         const float* keep = saved.typed_data() + row * 4 * H;
-        const float* h_prev = step > 0 ? h_seq.typed_data() + (b * T + StepTime(step - 1, len, reverse != 0)) * H
-                                       : h0.typed_data() + b * H;
+        const float* h_prev = step > 0 ? h_seq.typed_data() + chunk.At(r, step - 1) * H
+                                       : h0.typed_data() + chunk.Pair(r) * H;
         const float* dy = dh_seq.typed_data() + row * H;
         float* out_x = dgates_x->typed_data() + row * G;
         float* out_h = dgates_h->typed_data() + row * G;
@@ -273,9 +295,8 @@ ffi::Error GruBwdImpl(F32 dh_seq, F32 dh_n, F32 saved, F32 h_seq, F32 h0, ffi::A
         for (int64_t j = 0; j < H; ++j) dh[r * H + j] += bypass[r * H + j];
       }
     }
-    std::copy_n(dh.begin(), rows * H, dh0->typed_data() + begin * H);
-  }
-  return ffi::Error::Success();
+    ScatterRows(dh.data(), chunk, H, dh0->typed_data());
+  });
 }
 
 ffi::Error RnnFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, ffi::Buffer<ffi::S32> seq_lengths, F32Result h_seq,
@@ -289,29 +310,26 @@ ffi::Error RnnFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, ffi::Buffer<ffi:
       CheckRecurrenceOperands(s, w_hh, {h0.dimensions(), h_n->dimensions()}, seq_lengths.dimensions()));
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {h_seq->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
-  std::vector<float> wt;
-  JAXDNN_RETURN_IF_ERROR(WeightsAsFloat(w_hh, /*transpose=*/true, &wt));
   const int64_t H = s.hidden, T = s.steps;
-  std::fill_n(h_seq->typed_data(), s.batch * T * H, 0.f);
+  std::fill_n(h_seq->typed_data(), s.batch * s.directions * T * H, 0.f);
   std::vector<float> h(kChunkRows * H), pre(kChunkRows * H);
-  for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) {
-    const RowChunk chunk = MakeChunk(seq_lengths.typed_data(), begin, s.batch, T);
+  return ForEachChunk(w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
+                      [&](const RowChunk& chunk, const std::vector<float>& wt) {
     const int64_t rows = int64_t(chunk.lens.size());
-    std::copy_n(h0.typed_data() + begin * H, rows * H, h.begin());
+    GatherRows(h0.typed_data(), chunk, H, h.data());
     for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
       RecurrentProducts(wt, h.data(), chunk, step, H, H, pre.data());
       for (int64_t r = 0; r < rows; ++r) {
         if (step >= chunk.lens[r]) continue;
-        const int64_t row = (begin + r) * T + StepTime(step, chunk.lens[r], reverse != 0);
+        const int64_t row = chunk.At(r, step);
         const float* gx = gates_x.typed_data() + row * H;
         const float* p = pre.data() + r * H;
         float* hr = h.data() + r * H;
         for (int64_t j = 0; j < H; ++j) hr[j] = h_seq->typed_data()[row * H + j] = RnnActivate(act, gx[j] + p[j]);
       }
     }
-    std::copy_n(h.begin(), rows * H, h_n->typed_data() + begin * H);
-  }
-  return ffi::Error::Success();
+    ScatterRows(h.data(), chunk, H, h_n->typed_data());
+  });
 }
 
 ffi::Error RnnBwdImpl(F32 dh_seq, F32 dh_n, F32 h_seq, ffi::AnyBuffer w_hh, ffi::Buffer<ffi::S32> seq_lengths,
@@ -324,19 +342,17 @@ ffi::Error RnnBwdImpl(F32 dh_seq, F32 dh_n, F32 h_seq, ffi::AnyBuffer w_hh, ffi:
       CheckRecurrenceOperands(s, w_hh, {dh_n.dimensions(), dh0->dimensions()}, seq_lengths.dimensions()));
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {dh_seq.dimensions(), dgates->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
-  std::vector<float> w;
-  JAXDNN_RETURN_IF_ERROR(WeightsAsFloat(w_hh, /*transpose=*/false, &w));
   const int64_t H = s.hidden, T = s.steps;
-  std::fill_n(dgates->typed_data(), s.batch * T * H, 0.f);
+  std::fill_n(dgates->typed_data(), s.batch * s.directions * T * H, 0.f);
   std::vector<float> dh(kChunkRows * H), dg(kChunkRows * H);
-  for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) {
-    const RowChunk chunk = MakeChunk(seq_lengths.typed_data(), begin, s.batch, T);
+  return ForEachChunk(w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
+                      [&](const RowChunk& chunk, const std::vector<float>& w) {
     const int64_t rows = int64_t(chunk.lens.size());
-    std::copy_n(dh_n.typed_data() + begin * H, rows * H, dh.begin());
+    GatherRows(dh_n.typed_data(), chunk, H, dh.data());
     for (int64_t step = chunk.MaxSteps() - 1; step >= 0; --step) {
       for (int64_t r = 0; r < rows; ++r) {
         if (step >= chunk.lens[r]) continue;
-        const int64_t row = (begin + r) * T + StepTime(step, chunk.lens[r], reverse != 0);
+        const int64_t row = chunk.At(r, step);
         const float* h = h_seq.typed_data() + row * H;
         const float* dy = dh_seq.typed_data() + row * H;
         float* out = dgates->typed_data() + row * H;
@@ -345,9 +361,8 @@ ffi::Error RnnBwdImpl(F32 dh_seq, F32 dh_n, F32 h_seq, ffi::AnyBuffer w_hh, ffi:
       }
       TransposedProducts(w, dg.data(), chunk, step, H, H, dh.data());
     }
-    std::copy_n(dh.begin(), rows * H, dh0->typed_data() + begin * H);
-  }
-  return ffi::Error::Success();
+    ScatterRows(dh.data(), chunk, H, dh0->typed_data());
+  });
 }
 
 }  // namespace

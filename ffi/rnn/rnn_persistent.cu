@@ -1,7 +1,9 @@
-// Persistent recurrence kernels (see rnn_persistent.h): one cooperative launch per layer-direction,
-// instead of the baseline's block per batch row re-reading W_hh from L2 at every step.
+// Persistent recurrence kernels (see rnn_persistent.h): one cooperative launch per layer, instead of
+// the baseline's block per batch row re-reading W_hh from L2 at every step.
 //
 // Decomposition. The H hidden units are split across P blocks (at most one per SM), `units` each.
+// A bidirectional layer's two directions run in one launch of 2P blocks, each direction over half
+// of the SMs, with its own barrier; where that plan does not fit, one launch a direction.
 // A block copies the W_hh entries its units need into shared memory once, then loops over time:
 // - forward step: every block reads the whole previous h [B, H] (from h_seq, in L2) in chunks of
 //   batch rows, multiplies it by its gate rows of W_hh (kGates * units rows), and runs the cell math
@@ -18,12 +20,13 @@
 // backward stays exact: its product per block is a few columns of W_hh (units x batch rows, K = G),
 // where TF32 tiles split over K ran slower than the CUDA cores (H100: LSTM fwd+bwd 1.10-1.14x the time).
 //
-// Barrier. A monotone arrival counter in global memory: after a step each block adds one; before
-// the next it waits until the counter reaches (steps done) * P. The launch is cooperative, so all P
-// blocks are resident and the spin cannot deadlock. No workspace operand exists in the targets'
-// ABI, so the counter borrows the first word of a result that is written last (h_n forward, dh0
-// backward): the handler zeroes it, and block 0, which owns that word, writes its final values
-// only after every block has arrived for the last time, i.e. has left its last wait.
+// Barrier. A monotone arrival counter in global memory per direction: after a step each of the
+// direction's blocks adds one; before the next it waits until the counter reaches (steps done) * P.
+// The launch is cooperative, so all blocks are resident and the spin cannot deadlock. No workspace
+// operand exists in the targets' ABI, so the counter borrows the first word of the direction's
+// part of a result that is written last (h_n forward, dh0 backward; batch row 0): the handler
+// zeroes it, and the direction's block 0, which owns that word, writes its final values only after
+// every block of the direction has arrived for the last time, i.e. has left its last wait.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -449,7 +452,9 @@ __device__ void Product(const W* w, int ldw, const float* x, int ldx, int rows, 
 }
 
 // --- cells: the per-unit work of each target ----------------------------------------------------
-// Forward cells: Step(s, b, j, t, t_prev, rec, stride) runs unit j of row b at time t (t_prev < 0:
+// The cells' b is a (batch row, direction) pair (SeqRow): b.state indexes the [B D, H] view of the
+// states, and At(s, b, t) finds its step t in the per-step arrays.
+// Forward cells: Step(s, b, j, t, t_prev, rec, stride) runs unit j of pair b at time t (t_prev < 0:
 // the first step, from the initial state), given rec[q * stride] = (W_hh h_prev)[q H + j];
 // Zero(...) writes the zeros of a step past the row's end; Final(..., t_last) writes the final
 // state (t_last < 0: the row has no valid step). h_seq and h0 are where the next step's h comes from.
@@ -458,8 +463,6 @@ __device__ void Product(const W* w, int ldw, const float* x, int ldx, int rows, 
 // W_hh): Init, then Step writes the gate gradients (`exchange` is the one multiplied by W_hh^T),
 // then Final writes the gradients of the initial state.
 
-inline __device__ int64_t At(const RecurrenceShape& s, int64_t b, int64_t t) { return b * s.steps + t; }
-
 template <typename Io>
 struct Cell;
 
@@ -467,14 +470,14 @@ template <>
 struct Cell<LstmFwdIo> {
   static constexpr int kGates = 4;
   LstmFwdIo io;
-  __device__ const float* HPrev(const RecurrenceShape& s, int64_t b, int64_t t_prev) const {
-    return t_prev < 0 ? io.h0 + b * s.hidden : io.h_seq + At(s, b, t_prev) * s.hidden;
+  __device__ const float* HPrev(const RecurrenceShape& s, const SeqRow& b, int64_t t_prev) const {
+    return t_prev < 0 ? io.h0 + b.state * s.hidden : io.h_seq + At(s, b, t_prev) * s.hidden;
   }
-  __device__ void Step(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t, int64_t t_prev, const float* rec,
-                       int stride) const {
+  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev,
+                       const float* rec, int stride) const {
     const int64_t H = s.hidden, row = At(s, b, t);
     const float* gx = io.gates_x + row * 4 * H;
-    const float c_prev = t_prev < 0 ? io.c0[b * H + j] : io.c_seq[At(s, b, t_prev) * H + j];
+    const float c_prev = t_prev < 0 ? io.c0[b.state * H + j] : io.c_seq[At(s, b, t_prev) * H + j];
     const LstmGates a = LstmActivate(gx[j] + rec[0], gx[H + j] + rec[stride], gx[2 * H + j] + rec[2 * stride],
                                      gx[3 * H + j] + rec[3 * stride]);
     const float c = a.f * c_prev + a.i * a.g;
@@ -486,34 +489,36 @@ struct Cell<LstmFwdIo> {
     act[2 * H + j] = a.g;
     act[3 * H + j] = a.o;
   }
-  __device__ void Zero(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+  __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     const int64_t H = s.hidden, row = At(s, b, t);
     io.h_seq[row * H + j] = 0.f;
     io.c_seq[row * H + j] = 0.f;
     for (int q = 0; q < 4; ++q) io.acts[row * 4 * H + q * H + j] = 0.f;
   }
-  __device__ void Final(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t_last) const {
+  __device__ void Final(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t_last) const {
     const int64_t H = s.hidden;
-    io.h_n[b * H + j] = t_last < 0 ? io.h0[b * H + j] : io.h_seq[At(s, b, t_last) * H + j];
-    io.c_n[b * H + j] = t_last < 0 ? io.c0[b * H + j] : io.c_seq[At(s, b, t_last) * H + j];
+    io.h_n[b.state * H + j] = t_last < 0 ? io.h0[b.state * H + j] : io.h_seq[At(s, b, t_last) * H + j];
+    io.c_n[b.state * H + j] = t_last < 0 ? io.c0[b.state * H + j] : io.c_seq[At(s, b, t_last) * H + j];
   }
-  __host__ __device__ unsigned* Counter() const { return reinterpret_cast<unsigned*>(io.h_n); }
+  __host__ __device__ unsigned* Counter(const RecurrenceShape& s, int64_t d) const {
+    return reinterpret_cast<unsigned*>(io.h_n + d * s.hidden);
+  }
 };
 
 template <>
 struct Cell<GruFwdIo> {
   static constexpr int kGates = 3;
   GruFwdIo io;
-  __device__ const float* HPrev(const RecurrenceShape& s, int64_t b, int64_t t_prev) const {
-    return t_prev < 0 ? io.h0 + b * s.hidden : io.h_seq + At(s, b, t_prev) * s.hidden;
+  __device__ const float* HPrev(const RecurrenceShape& s, const SeqRow& b, int64_t t_prev) const {
+    return t_prev < 0 ? io.h0 + b.state * s.hidden : io.h_seq + At(s, b, t_prev) * s.hidden;
   }
-  __device__ void Step(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t, int64_t t_prev, const float* rec,
-                       int stride) const {
+  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev,
+                       const float* rec, int stride) const {
     const int64_t H = s.hidden, row = At(s, b, t);
     const float* gx = io.gates_x + row * 3 * H;
-    const float hp_n = rec[2 * stride] + io.b_hh[2 * H + j];
-    const GruGates a = GruActivate(gx[j], gx[H + j], gx[2 * H + j], rec[0] + io.b_hh[j],
-                                   rec[stride] + io.b_hh[H + j], hp_n);
+    const float* b_hh = io.b_hh + s.Direction(b) * 3 * H;
+    const float hp_n = rec[2 * stride] + b_hh[2 * H + j];
+    const GruGates a = GruActivate(gx[j], gx[H + j], gx[2 * H + j], rec[0] + b_hh[j], rec[stride] + b_hh[H + j], hp_n);
     io.h_seq[row * H + j] = GruOutput(a, HPrev(s, b, t_prev)[j]);
     float* keep = io.saved + row * 4 * H;
     keep[j] = a.r;
@@ -521,36 +526,40 @@ struct Cell<GruFwdIo> {
     keep[2 * H + j] = a.n;
     keep[3 * H + j] = hp_n;
   }
-  __device__ void Zero(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+  __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     const int64_t H = s.hidden, row = At(s, b, t);
     io.h_seq[row * H + j] = 0.f;
     for (int q = 0; q < 4; ++q) io.saved[row * 4 * H + q * H + j] = 0.f;
   }
-  __device__ void Final(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t_last) const {
-    io.h_n[b * s.hidden + j] = HPrev(s, b, t_last)[j];
+  __device__ void Final(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t_last) const {
+    io.h_n[b.state * s.hidden + j] = HPrev(s, b, t_last)[j];
   }
-  __host__ __device__ unsigned* Counter() const { return reinterpret_cast<unsigned*>(io.h_n); }
+  __host__ __device__ unsigned* Counter(const RecurrenceShape& s, int64_t d) const {
+    return reinterpret_cast<unsigned*>(io.h_n + d * s.hidden);
+  }
 };
 
 template <>
 struct Cell<RnnFwdIo> {
   static constexpr int kGates = 1;
   RnnFwdIo io;
-  __device__ const float* HPrev(const RecurrenceShape& s, int64_t b, int64_t t_prev) const {
-    return t_prev < 0 ? io.h0 + b * s.hidden : io.h_seq + At(s, b, t_prev) * s.hidden;
+  __device__ const float* HPrev(const RecurrenceShape& s, const SeqRow& b, int64_t t_prev) const {
+    return t_prev < 0 ? io.h0 + b.state * s.hidden : io.h_seq + At(s, b, t_prev) * s.hidden;
   }
-  __device__ void Step(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t, int64_t, const float* rec,
+  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t, const float* rec,
                        int) const {
     const int64_t row = At(s, b, t) * s.hidden + j;
     io.h_seq[row] = RnnActivate(io.act, io.gates_x[row] + rec[0]);
   }
-  __device__ void Zero(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+  __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     io.h_seq[At(s, b, t) * s.hidden + j] = 0.f;
   }
-  __device__ void Final(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t_last) const {
-    io.h_n[b * s.hidden + j] = HPrev(s, b, t_last)[j];
+  __device__ void Final(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t_last) const {
+    io.h_n[b.state * s.hidden + j] = HPrev(s, b, t_last)[j];
   }
-  __host__ __device__ unsigned* Counter() const { return reinterpret_cast<unsigned*>(io.h_n); }
+  __host__ __device__ unsigned* Counter(const RecurrenceShape& s, int64_t d) const {
+    return reinterpret_cast<unsigned*>(io.h_n + d * s.hidden);
+  }
 };
 
 template <>
@@ -558,34 +567,37 @@ struct Cell<LstmBwdIo> {
   static constexpr bool kBypass = false;
   LstmBwdIo io;
   __device__ const float* Exchange() const { return io.dgates; }
-  __device__ void Init(const RecurrenceShape& s, int64_t b, int64_t j, float* state, int64_t stride) const {
-    state[0] = io.dh_n[b * s.hidden + j];
-    state[stride] = io.dc_n[b * s.hidden + j];
+  __device__ void Init(const RecurrenceShape& s, const SeqRow& b, int64_t j, float* state, int64_t stride) const {
+    state[0] = io.dh_n[b.state * s.hidden + j];
+    state[stride] = io.dc_n[b.state * s.hidden + j];
   }
-  __device__ void Prefetch(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+  __device__ void Prefetch(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     const int64_t H = s.hidden, row = At(s, b, t);
     for (int q = 0; q < 4; ++q) PrefetchL2(io.acts + row * 4 * H + q * H + j);
     PrefetchL2(io.c_seq + row * H + j);
     PrefetchL2(io.dh_seq + row * H + j);
   }
-  __device__ void Step(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t, int64_t t_prev, float* state,
+  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev, float* state,
                        int64_t stride) const {
     const int64_t H = s.hidden, row = At(s, b, t);
     const float* a = io.acts + row * 4 * H;
-    const float c_prev = t_prev < 0 ? io.c0[b * H + j] : io.c_seq[At(s, b, t_prev) * H + j];
+    const float c_prev = t_prev < 0 ? io.c0[b.state * H + j] : io.c_seq[At(s, b, t_prev) * H + j];
     float d_pre[4];
     state[stride] = LstmCellGrad(LstmGates{a[j], a[H + j], a[2 * H + j], a[3 * H + j]}, io.c_seq[row * H + j],
                                  c_prev, io.dh_seq[row * H + j] + state[0], state[stride], d_pre);
     for (int q = 0; q < 4; ++q) io.dgates[row * 4 * H + q * H + j] = d_pre[q];
   }
-  __device__ void Zero(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+  __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     for (int q = 0; q < 4; ++q) io.dgates[At(s, b, t) * 4 * s.hidden + q * s.hidden + j] = 0.f;
   }
-  __device__ void Final(const RecurrenceShape& s, int64_t b, int64_t j, const float* state, int64_t stride) const {
-    io.dh0[b * s.hidden + j] = state[0];
-    io.dc0[b * s.hidden + j] = state[stride];
+  __device__ void Final(const RecurrenceShape& s, const SeqRow& b, int64_t j, const float* state,
+                        int64_t stride) const {
+    io.dh0[b.state * s.hidden + j] = state[0];
+    io.dc0[b.state * s.hidden + j] = state[stride];
   }
-  __host__ __device__ unsigned* Counter() const { return reinterpret_cast<unsigned*>(io.dh0); }
+  __host__ __device__ unsigned* Counter(const RecurrenceShape& s, int64_t d) const {
+    return reinterpret_cast<unsigned*>(io.dh0 + d * s.hidden);
+  }
 };
 
 template <>
@@ -593,20 +605,20 @@ struct Cell<GruBwdIo> {
   static constexpr bool kBypass = true;
   GruBwdIo io;
   __device__ const float* Exchange() const { return io.dgates_h; }
-  __device__ void Init(const RecurrenceShape& s, int64_t b, int64_t j, float* state, int64_t stride) const {
-    state[0] = io.dh_n[b * s.hidden + j];
+  __device__ void Init(const RecurrenceShape& s, const SeqRow& b, int64_t j, float* state, int64_t stride) const {
+    state[0] = io.dh_n[b.state * s.hidden + j];
     state[stride] = 0.f;
   }
-  __device__ void Prefetch(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+  __device__ void Prefetch(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     const int64_t H = s.hidden, row = At(s, b, t);
     for (int q = 0; q < 4; ++q) PrefetchL2(io.saved + row * 4 * H + q * H + j);
     PrefetchL2(io.dh_seq + row * H + j);
   }
-  __device__ void Step(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t, int64_t t_prev, float* state,
+  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev, float* state,
                        int64_t stride) const {
     const int64_t H = s.hidden, row = At(s, b, t);
     const float* keep = io.saved + row * 4 * H;
-    const float h_prev = t_prev < 0 ? io.h0[b * H + j] : io.h_seq[At(s, b, t_prev) * H + j];
+    const float h_prev = t_prev < 0 ? io.h0[b.state * H + j] : io.h_seq[At(s, b, t_prev) * H + j];
     float d_x[3], d_h[3];
     state[stride] = GruCellGrad(GruGates{keep[j], keep[H + j], keep[2 * H + j]}, keep[3 * H + j], h_prev,
                                 io.dh_seq[row * H + j] + state[0], d_x, d_h);
@@ -615,16 +627,18 @@ struct Cell<GruBwdIo> {
       io.dgates_h[row * 3 * H + q * H + j] = d_h[q];
     }
   }
-  __device__ void Zero(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+  __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     for (int q = 0; q < 3; ++q) {
       io.dgates_x[At(s, b, t) * 3 * s.hidden + q * s.hidden + j] = 0.f;
       io.dgates_h[At(s, b, t) * 3 * s.hidden + q * s.hidden + j] = 0.f;
     }
   }
-  __device__ void Final(const RecurrenceShape& s, int64_t b, int64_t j, const float* state, int64_t) const {
-    io.dh0[b * s.hidden + j] = state[0];
+  __device__ void Final(const RecurrenceShape& s, const SeqRow& b, int64_t j, const float* state, int64_t) const {
+    io.dh0[b.state * s.hidden + j] = state[0];
   }
-  __host__ __device__ unsigned* Counter() const { return reinterpret_cast<unsigned*>(io.dh0); }
+  __host__ __device__ unsigned* Counter(const RecurrenceShape& s, int64_t d) const {
+    return reinterpret_cast<unsigned*>(io.dh0 + d * s.hidden);
+  }
 };
 
 template <>
@@ -632,25 +646,27 @@ struct Cell<RnnBwdIo> {
   static constexpr bool kBypass = false;
   RnnBwdIo io;
   __device__ const float* Exchange() const { return io.dgates; }
-  __device__ void Init(const RecurrenceShape& s, int64_t b, int64_t j, float* state, int64_t) const {
-    state[0] = io.dh_n[b * s.hidden + j];
+  __device__ void Init(const RecurrenceShape& s, const SeqRow& b, int64_t j, float* state, int64_t) const {
+    state[0] = io.dh_n[b.state * s.hidden + j];
   }
-  __device__ void Prefetch(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+  __device__ void Prefetch(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     PrefetchL2(io.h_seq + At(s, b, t) * s.hidden + j);
     PrefetchL2(io.dh_seq + At(s, b, t) * s.hidden + j);
   }
-  __device__ void Step(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t, int64_t, float* state,
+  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t, float* state,
                        int64_t) const {
     const int64_t row = At(s, b, t) * s.hidden + j;
     io.dgates[row] = RnnCellGrad(io.act, io.h_seq[row], io.dh_seq[row] + state[0]);
   }
-  __device__ void Zero(const RecurrenceShape& s, int64_t b, int64_t j, int64_t t) const {
+  __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     io.dgates[At(s, b, t) * s.hidden + j] = 0.f;
   }
-  __device__ void Final(const RecurrenceShape& s, int64_t b, int64_t j, const float* state, int64_t) const {
-    io.dh0[b * s.hidden + j] = state[0];
+  __device__ void Final(const RecurrenceShape& s, const SeqRow& b, int64_t j, const float* state, int64_t) const {
+    io.dh0[b.state * s.hidden + j] = state[0];
   }
-  __host__ __device__ unsigned* Counter() const { return reinterpret_cast<unsigned*>(io.dh0); }
+  __host__ __device__ unsigned* Counter(const RecurrenceShape& s, int64_t d) const {
+    return reinterpret_cast<unsigned*>(io.dh0 + d * s.hidden);
+  }
 };
 
 template <typename Io>
@@ -681,24 +697,39 @@ struct Plan {
 
 __host__ __device__ inline size_t AlignUp(size_t bytes) { return (bytes + 15) / 16 * 16; }
 
+// `shape` with D as a compile-time constant (the kernels' template parameter, shape.directions).
+// With one direction (and d = 0) the kernels then compile to the instructions they had before
+// directions existed: with D and d known only at run time, the latency-bound steps of unidirectional
+// layers ran 3-6% slower (H100 and H200).
+template <int kDirections>
+__device__ __forceinline__ RecurrenceShape WithDirections(RecurrenceShape shape) {
+  shape.directions = kDirections;
+  return shape;
+}
+
 // Forward: block p owns units [p * units, p * units + U); smem holds w [kGates * U][ldw] (row q U + u
 // is W_hh row q H + j0 + u), a chunk of previous h [chunk][ldx], the products of a group of batch
 // rows [group][kGates U] and the split sums. A step multiplies a group's rows chunk by chunk (or,
 // with no chunk buffer, straight from L2: Tf32GlobalProduct), then runs the cell over the whole
 // group: one wait on the cell's global operands a group, not a chunk.
-template <typename W, typename Io, bool kTf32, int kThreads>
+template <typename W, typename Io, bool kTf32, int kThreads, int kDirections>
 __global__ void __launch_bounds__(kThreads, 1)
     PersistentFwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
-                        RecurrenceShape s, bool reverse, Plan plan) {
+                        RecurrenceShape shape, bool reverse, Plan plan, int first_direction) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kGates = Cell<Io>::kGates;
-  const int H = int(s.hidden), j0 = blockIdx.x * plan.units, U = std::min(plan.units, H - j0), R = kGates * U;
+  const RecurrenceShape s = WithDirections<kDirections>(shape);
+  const int d = kDirections == 1 ? 0 : first_direction + int(blockIdx.x) / plan.blocks;
+  const int block = kDirections == 1 ? int(blockIdx.x) : int(blockIdx.x) % plan.blocks;
+  const bool rev = Reversed(reverse, d);
+  const int H = int(s.hidden), j0 = block * plan.units, U = std::min(plan.units, H - j0), R = kGates * U;
   const int64_t B = s.batch, T = s.steps;
   W* w = reinterpret_cast<W*>(smem);
   float* x = reinterpret_cast<float*>(smem + plan.weight_bytes);
   float* pre = x + plan.chunk * plan.ldx;
   float* partial = pre + plan.group * kGates * plan.units;
-  unsigned* counter = cell.Counter();
+  unsigned* counter = cell.Counter(s, d);
+  w_hh += int64_t(d) * s.gates() * H;  // this direction's W_hh
   const int Kp = int(KPadded(H));  // rows of w and x are zero past H, up to Kp (the TF32 product's blocks)
   for (int e = threadIdx.x; e < R * Kp; e += kThreads) {
     const int r = e / Kp, k = e % Kp;
@@ -709,17 +740,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int64_t step = 0; step < T; ++step) {
     for (int e = threadIdx.x; e < B * U; e += kThreads) {
       const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
-      const float* gx = cell.io.gates_x + At(s, b, StepTime(step, len, reverse)) * kGates * H + j0 + e % U;
+      const float* gx = cell.io.gates_x + At(s, s.Row(b, d), StepTime(step, len, rev)) * kGates * H + j0 + e % U;
       if (step < len) {
         for (int q = 0; q < kGates; ++q) PrefetchL2(gx + q * H);
       }
     }
-    if (step > 0) GridWait(counter, unsigned(step) * gridDim.x);  // every block wrote step - 1
+    if (step > 0) GridWait(counter, unsigned(step) * plan.blocks);  // every block wrote step - 1
     for (int64_t g0 = 0; g0 < B; g0 += plan.group) {
       const int group = int(std::min<int64_t>(plan.group, B - g0));
       auto h_prev = [&](int64_t b) -> const float* {  // null past the row's end: its product is dropped
         const int64_t len = ValidSteps(seq_lengths[b], T);
-        return step < len ? cell.HPrev(s, b, step == 0 ? -1 : StepTime(step - 1, len, reverse)) : nullptr;
+        return step < len ? cell.HPrev(s, s.Row(b, d), step == 0 ? -1 : StepTime(step - 1, len, rev)) : nullptr;
       };
       if constexpr (kTf32) {
         if (plan.chunk == 0) {  // the rows straight from L2 (ends synchronized)
@@ -735,20 +766,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int e = threadIdx.x; e < group * U; e += kThreads) {
         const int64_t b = g0 + e / U, j = j0 + e % U, len = ValidSteps(seq_lengths[b], T);
         if (step < len) {
-          const int64_t t_prev = step == 0 ? -1 : StepTime(step - 1, len, reverse);
-          cell.Step(s, b, j, StepTime(step, len, reverse), t_prev, pre + (e / U) * R + e % U, U);
+          const int64_t t_prev = step == 0 ? -1 : StepTime(step - 1, len, rev);
+          cell.Step(s, s.Row(b, d), j, StepTime(step, len, rev), t_prev, pre + (e / U) * R + e % U, U);
         } else {
-          cell.Zero(s, b, j, step);  // steps past the row's end are t = len .. T - 1
+          cell.Zero(s, s.Row(b, d), j, step);  // steps past the row's end are t = len .. T - 1
         }
       }
       __syncthreads();  // before the next group overwrites pre
     }
     GridArrive(counter);
   }
-  if (blockIdx.x == 0) GridWait(counter, unsigned(T) * gridDim.x);  // the counter word is ours to write
+  if (block == 0) GridWait(counter, unsigned(T) * plan.blocks);  // the counter word is ours to write
   for (int e = threadIdx.x; e < B * U; e += kThreads) {
     const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
-    cell.Final(s, b, j0 + e % U, len == 0 ? -1 : StepTime(len - 1, len, reverse));
+    cell.Final(s, s.Row(b, d), j0 + e % U, len == 0 ? -1 : StepTime(len - 1, len, rev));
   }
 }
 
@@ -756,48 +787,53 @@ __global__ void __launch_bounds__(kThreads, 1)
 // state [slots][B][units] and the split sums. The product reads every unit's gate gradients straight
 // from L2: staging them in shared memory beside W_hh^T's slice left room for few batch rows a round
 // (5 at H 1024 float32: 13 rounds a step).
-template <typename W, typename Io, int kThreads>
+template <typename W, typename Io, int kThreads, int kDirections>
 __global__ void __launch_bounds__(kThreads, 1)
     PersistentBwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
-                        RecurrenceShape s, bool reverse, Plan plan) {
+                        RecurrenceShape shape, bool reverse, Plan plan, int first_direction) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int H = int(s.hidden), G = int(s.gates()), j0 = blockIdx.x * plan.units, U = std::min(plan.units, H - j0);
+  const RecurrenceShape s = WithDirections<kDirections>(shape);
+  const int d = kDirections == 1 ? 0 : first_direction + int(blockIdx.x) / plan.blocks;
+  const int block = kDirections == 1 ? int(blockIdx.x) : int(blockIdx.x) % plan.blocks;
+  const bool rev = Reversed(reverse, d);
+  const int H = int(s.hidden), G = int(s.gates()), j0 = block * plan.units, U = std::min(plan.units, H - j0);
   const int64_t B = s.batch, T = s.steps, stride = B * plan.units;
   W* wt = reinterpret_cast<W*>(smem);
   float* state = reinterpret_cast<float*>(smem + plan.weight_bytes);
   float* partial = state + kStateSlots<Io> * stride;
-  unsigned* counter = cell.Counter();
+  unsigned* counter = cell.Counter(s, d);
+  w_hh += int64_t(d) * s.gates() * H;  // this direction's W_hh
   for (int e = threadIdx.x; e < U * G; e += kThreads) {
     const int k = e / U, u = e % U;
     wt[u * plan.ldw + k] = w_hh[int64_t(k) * H + j0 + u];
   }
   for (int e = threadIdx.x; e < B * U; e += kThreads) {
     const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
-    cell.Init(s, b, j0 + e % U, state + b * plan.units + e % U, stride);
-    if (T - 1 < len) cell.Prefetch(s, b, j0 + e % U, StepTime(T - 1, len, reverse));
+    cell.Init(s, s.Row(b, d), j0 + e % U, state + b * plan.units + e % U, stride);
+    if (T - 1 < len) cell.Prefetch(s, s.Row(b, d), j0 + e % U, StepTime(T - 1, len, rev));
   }
   for (int64_t step = T - 1; step >= 0; --step) {
     // Gate gradients of the own units (their state lives with the same (row, unit) mapping).
     for (int e = threadIdx.x; e < B * U; e += kThreads) {
       const int64_t b = e / U, j = j0 + e % U, len = ValidSteps(seq_lengths[b], T);
       if (step < len) {
-        const int64_t t_prev = step == 0 ? -1 : StepTime(step - 1, len, reverse);
-        cell.Step(s, b, j, StepTime(step, len, reverse), t_prev, state + b * plan.units + e % U, stride);
+        const int64_t t_prev = step == 0 ? -1 : StepTime(step - 1, len, rev);
+        cell.Step(s, s.Row(b, d), j, StepTime(step, len, rev), t_prev, state + b * plan.units + e % U, stride);
       } else {
-        cell.Zero(s, b, j, step);
+        cell.Zero(s, s.Row(b, d), j, step);
       }
     }
     GridArrive(counter);
     for (int e = threadIdx.x; e < B * U && step > 0; e += kThreads) {  // the next step's operands
       const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
-      if (step - 1 < len) cell.Prefetch(s, b, j0 + e % U, StepTime(step - 1, len, reverse));
+      if (step - 1 < len) cell.Prefetch(s, s.Row(b, d), j0 + e % U, StepTime(step - 1, len, rev));
     }
-    GridWait(counter, unsigned(T - step) * gridDim.x);  // every block wrote this step's gradients
+    GridWait(counter, unsigned(T - step) * plan.blocks);  // every block wrote this step's gradients
     // The gradient reaching h_prev of the own units: W_hh^T (every unit's gate gradients). A row
     // past its length reads its zeroed gate gradients of this step (cell.Zero); its product is dropped.
     auto gradients_of = [&](int b) -> const float* {
       const int64_t len = ValidSteps(seq_lengths[b], T);
-      return cell.Exchange() + At(s, b, step < len ? StepTime(step, len, reverse) : step) * G;
+      return cell.Exchange() + At(s, s.Row(b, d), step < len ? StepTime(step, len, rev) : step) * G;
     };
     // The product of (unit u, row b) lands in the state of that row's next (earlier) step. The cell
     // step's threads are done with it (GridArrive synchronized the block), and BlockMatmul ends
@@ -814,9 +850,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   // Block 0 owns the counter word: it writes its results once every block has left its last wait.
   GridArrive(counter);
-  if (blockIdx.x == 0) GridWait(counter, unsigned(T + 1) * gridDim.x);
+  if (block == 0) GridWait(counter, unsigned(T + 1) * plan.blocks);
   for (int e = threadIdx.x; e < B * U; e += kThreads) {
-    cell.Final(s, e / U, j0 + e % U, state + (e / U) * plan.units + e % U, stride);
+    cell.Final(s, s.Row(e / U, d), j0 + e % U, state + (e / U) * plan.units + e % U, stride);
   }
 }
 
@@ -874,39 +910,53 @@ ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths
       CudaError(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute"));
   JAXDNN_RETURN_IF_ERROR(CudaError(
       cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute"));
+  // The directions run at once, each over its share of the SMs, when that plan fits: a step is
+  // latency-bound, so two concurrent recurrences take little longer than one. Otherwise one launch
+  // a direction, over every SM.
+  const int directions = int(s.directions);
+  int together = directions;
   Plan plan;
-  if (s.hidden > INT32_MAX / 8 || !MakePlan<Io>(s, sizeof(W), tf32, sms, size_t(smem_limit), &plan)) {
-    return ffi::Error::Success();
+  if (s.hidden > INT32_MAX / 8) return ffi::Error::Success();
+  if (directions == 1 || !MakePlan<Io>(s, sizeof(W), tf32, sms / directions, size_t(smem_limit), &plan)) {
+    together = 1;
+    if (!MakePlan<Io>(s, sizeof(W), tf32, sms, size_t(smem_limit), &plan)) return ffi::Error::Success();
   }
-  auto kernel = [&] {
+  auto select = [&](auto directions) {
+    constexpr int kD = decltype(directions)::value;
     if constexpr (kIsBackward<Io>) {
-      return plan.threads == kWide ? PersistentBwdKernel<W, Io, kWide> : PersistentBwdKernel<W, Io, kNarrow>;
+      return plan.threads == kWide ? PersistentBwdKernel<W, Io, kWide, kD> : PersistentBwdKernel<W, Io, kNarrow, kD>;
     } else {
-      return tf32 ? PersistentFwdKernel<W, Io, true, kWide> : PersistentFwdKernel<W, Io, false, kWide>;
+      return tf32 ? PersistentFwdKernel<W, Io, true, kWide, kD> : PersistentFwdKernel<W, Io, false, kWide, kD>;
     }
-  }();
+  };
+  const auto kernel =
+      directions == 1 ? select(std::integral_constant<int, 1>{}) : select(std::integral_constant<int, 2>{});
   JAXDNN_RETURN_IF_ERROR(CudaError(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem_bytes)),
       "cudaFuncSetAttribute"));
   JAXDNN_RETURN_IF_ERROR(CudaError(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, plan.threads, plan.smem_bytes), "occupancy"));
-  if (int64_t(per_sm) * sms < plan.blocks) return ffi::Error::Success();
+  if (int64_t(per_sm) * sms < int64_t(together) * plan.blocks) return ffi::Error::Success();
 
   const Cell<Io> cell{io};
-  JAXDNN_RETURN_IF_ERROR(
-      CudaError(cudaMemsetAsync(cell.Counter(), 0, sizeof(unsigned), stream), "cudaMemsetAsync (rnn barrier)"));
+  for (int d = 0; d < directions; ++d) {
+    JAXDNN_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(cell.Counter(s, d), 0, sizeof(unsigned), stream),
+                                     "cudaMemsetAsync (rnn barrier)"));
+  }
   cudaLaunchAttribute cooperative;
   cooperative.id = cudaLaunchAttributeCooperative;
   cooperative.val.cooperative = 1;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(plan.blocks));
+  config.gridDim = dim3(unsigned(together * plan.blocks));
   config.blockDim = dim3(unsigned(plan.threads));
   config.dynamicSmemBytes = plan.smem_bytes;
   config.stream = stream;
   config.attrs = &cooperative;
   config.numAttrs = 1;
-  JAXDNN_RETURN_IF_ERROR(
-      CudaError(cudaLaunchKernelEx(&config, kernel, cell, w_hh, seq_lengths, s, reverse, plan), "rnn persistent"));
+  for (int first = 0; first < directions; first += together) {
+    JAXDNN_RETURN_IF_ERROR(CudaError(
+        cudaLaunchKernelEx(&config, kernel, cell, w_hh, seq_lengths, s, reverse, plan, first), "rnn persistent"));
+  }
   *launched = true;
   return ffi::Error::Success();
 }

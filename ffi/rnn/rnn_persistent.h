@@ -1,5 +1,6 @@
-// The persistent recurrence kernels (rnn_persistent.cu): one cooperative grid runs a layer-direction's
-// whole sequence, forward or backward through time, with W_hh held on chip. rnn.cu's handlers call
+// The persistent recurrence kernels (rnn_persistent.cu): one cooperative grid runs a layer's whole
+// sequence in each of its directions (both at once where they fit), forward or backward through
+// time, with W_hh held on chip. rnn.cu's handlers call
 // them first and fall back to the per-row baseline when the plan does not fit the device.
 // Shapes and meanings are rnn.h's; the *Io structs carry each target's operands and results.
 #pragma once
@@ -42,7 +43,7 @@ struct RnnBwdIo {
 
 // Launches the persistent kernel of `Io`'s target on `stream` and sets *launched, or leaves *launched
 // false (and launches nothing) when W_hh's slices or the per-block buffers do not fit in shared memory
-// or the grid cannot be co-resident. w_hh [G, H] has dtype w_type (float32, bfloat16 or float16).
+// or the grid cannot be co-resident. w_hh [D, G, H] has dtype w_type (float32, bfloat16 or float16).
 // tf32 (forward targets; the backward's callers pass false): the recurrent products run on tensor
 // cores with W_hh and the multiplied state rounded to TF32 (float32 sums); otherwise they are exact
 // float32 sums on CUDA cores.
