@@ -100,8 +100,8 @@ def test_wide_channels_and_many_rows(shape, axis, dtype, rng):
 
 
 def test_large_mean_keeps_the_variance(rng):
-    """Data far from zero: the sums are taken about the running mean, so the variance does not cancel
-    once the running mean is near the batch mean."""
+    """Data far from zero: the sums are taken about a sample of the batch (each channel's first
+    element), so the variance does not cancel."""
     x, params, stats, _ = _inputs(rng, (64, 32), -1, jnp.float32, loc=1000.0)
     stats = [jnp.full((32,), 1000.0, jnp.float32), stats[1]]
     _check(x, params, stats, None, normal(rng, x.shape), training=True, axis=-1, activation=None, tol=1e-5,
