@@ -45,6 +45,12 @@ namespace {
 // they hide (backward about 19% slower at (100, 1, 256, 256), 3% at (512, 16, 512, 512)).
 constexpr int kNarrow = 256, kWide = 512;
 constexpr int64_t kWideBackward = 128;
+// The backward's blocks hold at least kFewestBackwardPairs (row, unit) pairs where H allows (batches
+// of 1 to 3): there a step is the barrier's and the gate gradients' L2 round trips, and fewer, wider
+// blocks make fewer of them (H200, (100, 1, 256, 256): 8 units a block instead of 2, fwd+bwd
+// 0.717-0.738 -> 0.679-0.692 ms for the LSTM and the GRU). At (512, 16, 512, 512) 8 units a block
+// instead of 4 made it 7-9% slower; the forward at B 1 was 4% slower with 8.
+constexpr int64_t kFewestBackwardPairs = 8;
 // One warp's tile of a block product: 4 rows x 8 batch rows, 32 sums, one per lane after the
 // reduction across lanes.
 constexpr int kTileRows = 4;
@@ -866,6 +872,9 @@ template <typename Io>
 bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_t smem_limit, Plan* plan) {
   const int64_t H = s.hidden, G = s.gates(), K = kIsBackward<Io> ? G : H;  // the products' reduction length
   plan->units = int((H + sms - 1) / sms);
+  if (kIsBackward<Io> && s.batch * plan->units < kFewestBackwardPairs) {
+    plan->units = int(std::min<int64_t>(H, (kFewestBackwardPairs + s.batch - 1) / s.batch));
+  }
   plan->blocks = int((H + plan->units - 1) / plan->units);
   plan->threads = !kIsBackward<Io> || s.batch * plan->units >= kWideBackward ? kWide : kNarrow;
   // Backward: K + 16 bytes (BlockMatmul's lanes stride along one row); forward: FragmentStride.
