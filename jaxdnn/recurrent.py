@@ -255,6 +255,11 @@ def _layer_params(params, layer, directions):
     return tuple(jnp.stack(p) for p in zip(*params[layer * directions:(layer + 1) * directions]))
 
 
+def _layer_states(states, layer, directions):
+    """The states [L D, B, H] of a layer's directions as [B, D, H]."""
+    return [jnp.swapaxes(s[layer * directions:(layer + 1) * directions], 0, 1) for s in states]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _rnn_stack(x, states, weights, seq_lengths, masks, mode, sizes, precision):
     """(y [B, T, D H] in x's dtype, final states [L D, B, H] float32, one per initial state); states
@@ -262,11 +267,6 @@ def _rnn_stack(x, states, weights, seq_lengths, masks, mode, sizes, precision):
     bidirectional). masks: the dropout scales of the outputs of layers 0 .. len(masks) - 1
     (reference.rnn.dropout_masks)."""
     return _rnn_stack_fwd(x, states, weights, seq_lengths, masks, mode, sizes, precision)[0]
-
-
-def _layer_states(states, layer, directions):
-    """The states [L D, B, H] of a layer's directions as [B, D, H]."""
-    return [jnp.swapaxes(s[layer * directions:(layer + 1) * directions], 0, 1) for s in states]
 
 
 def _rnn_stack_fwd(x, states, weights, seq_lengths, masks, mode, sizes, precision):
