@@ -28,7 +28,9 @@ CASES = [
     (4, 6, 4, 3, 2, False, [6, 1, 3, 4]),
     (3, 7, 5, 6, 1, True, [7, 2, 5]),
     (2, 5, 3, 4, 2, True, [5, 3]),
-    (1, 9, 3, 5, 1, True, None),
+    (1, 9, 3, 5, 1, True, None),               # one row: on a GPU, the cluster kernels
+    (1, 6, 3, 5, 2, True, [4]),
+    (1, 5, 2, 4, 1, False, [0]),
     (5, 4, 2, 7, 1, False, [0, 4, 1, 0, 2]),  # empty sequences keep their initial state
     (3, 5, 3, 4, 1, True, [-2, 9, 3]),         # out of range: clamped to [0, T]
     (19, 6, 3, 4, 1, True, [6, 1, 0, 5, 3, 6, 2, 4, 6, 6, 1, 3, 5, 0, 2, 6, 4, 3, 6]),  # 2 CPU row chunks
@@ -272,7 +274,8 @@ def test_init_lstm_weight_and_long_sequence(rng):
 
 
 @mode_param
-@pytest.mark.parametrize("batch,steps", [(0, 4), (3, 0)], ids=["no-rows", "no-steps"])
+@pytest.mark.parametrize("batch,steps", [(0, 4), (3, 0), (1, 0)],
+                         ids=["no-rows", "no-steps", "one-row-no-steps"])
 def test_empty(mode, batch, steps, rng):
     args, sizes = _inputs(rng, mode, (batch, steps, 3, 4, 2, True, [steps] * batch))
     x, states, weights, seq_lengths = args
@@ -642,15 +645,16 @@ def test_cell_bad_input():
         jaxdnn.rnn_cell(x, h, w_ih, w_hh, b, b, nonlinearity="sigmoid")
 
 
-# (B, T, H) of the kernel-stage tests. On a GPU: a small layer at one unit a block (the backward's
-# 8-warp blocks); 43 rows over 100 blocks of 3 units, in two batch chunks (129 (row, unit) pairs a
-# block: the backward's 16-warp blocks); a layer whose H is a multiple of 32, where the TF32 forward
-# reads its rows straight from L2 (9 rows: a partial second n tile; 9 units a block: 36 LSTM rows,
-# two passes of m tiles); a layer whose W_hh slices do not fit in one SM's shared memory on a
-# 132-SM Hopper, which takes the per-row kernel (rnn_persistent.h); and one whose slices fit over
-# all 132 SMs but not over half of them, so that two directions take one launch each ("split",
-# run with two directions only).
-STAGE_SIZES = {"small": (5, 6, 7), "chunks": (43, 5, 300), "direct": (9, 4, 1088),
+# (B, T, H) of the kernel-stage tests. On a GPU: one batch row, which runs in a thread-block cluster
+# (3 units a block, the last of 14 blocks with one; a length short of T); a small layer at one unit
+# a block (the backward's 8-warp blocks); 43 rows over 100 blocks of 3 units, in two batch chunks
+# (129 (row, unit) pairs a block: the backward's 16-warp blocks); a layer whose H is a multiple of
+# 32, where the TF32 forward reads its rows straight from L2 (9 rows: a partial second n tile; 9
+# units a block: 36 LSTM rows, two passes of m tiles); a layer whose W_hh slices do not fit in one
+# SM's shared memory on a 132-SM Hopper, which takes the per-row kernel (rnn_persistent.h); and one
+# whose slices fit over all 132 SMs but not over half of them, so that two directions take one
+# launch each ("split", run with two directions only).
+STAGE_SIZES = {"cluster": (1, 7, 40), "small": (5, 6, 7), "chunks": (43, 5, 300), "direct": (9, 4, 1088),
                "wide": (2, 3, {"lstm": 2048, "gru": 2304, "rnn_tanh": 4096, "rnn_relu": 4096}),
                "split": (3, 3, {"lstm": 1536, "gru": 1792, "rnn_tanh": 3072, "rnn_relu": 3072})}
 # (D, reverse): the stage's directions, and whether direction 0 runs from each row's end.
@@ -674,7 +678,9 @@ def test_kernel_stages_match_their_references(mode, size, directions, reverse, t
     batch, steps, hidden = STAGE_SIZES[size]
     hidden = hidden[mode] if isinstance(hidden, dict) else hidden
     gates = ref.GATES[mode] * hidden
-    lengths = jnp.asarray(rng.integers(-1, steps + 2, batch), jnp.int32).at[0].set(steps)
+    lengths = rng.integers(-1, steps + 2, batch)
+    lengths[0] = steps if batch > 1 else steps - 2  # one full row; a lone row short of T
+    lengths = jnp.asarray(lengths, jnp.int32)
     gates_x = normal(rng, (batch, steps, directions, gates))
     w_hh = normal(rng, (directions, gates, hidden), jnp.bfloat16, scale=min(0.4, 1.5 / np.sqrt(hidden)))
     h0, c0 = normal(rng, (batch, directions, hidden)), normal(rng, (batch, directions, hidden))

@@ -13,6 +13,8 @@
 //   reads every unit's gate gradients back and multiplies them by its columns of W_hh (W_hh^T
 //   restricted to its units) to get the gradient reaching its units of h_prev.
 // Either way one grid-wide barrier per step separates the writes of a step from the reads of them.
+// A layer of one batch row runs instead on the cluster kernels (below; sm_90), whose blocks exchange
+// each step's values through distributed shared memory, with no grid barrier.
 // The recurrent products are exact float32 sums over CUDA cores (W_hh converted from its dtype on
 // the fly), as the baseline and the CPU kernel compute them, in a different summation order; or, in
 // the forward when the target's tf32 attribute allows, mma.sync on tensor cores with W_hh and the
@@ -32,6 +34,7 @@
 #include <type_traits>
 
 #include "common/cuda_common.cuh"
+#include "common/sm90_async.cuh"
 #include "rnn/rnn_persistent.h"
 
 namespace jaxdnn {
@@ -461,13 +464,20 @@ __device__ void Product(const W* w, int ldw, const float* x, int ldx, int rows, 
 // The cells' b is a (batch row, direction) pair (SeqRow): b.state indexes the [B D, H] view of the
 // states, and At(s, b, t) finds its step t in the per-step arrays.
 // Forward cells: Step(s, b, j, t, t_prev, rec, stride) runs unit j of pair b at time t (t_prev < 0:
-// the first step, from the initial state), given rec[q * stride] = (W_hh h_prev)[q H + j];
+// the first step, from the initial state), given rec[q * stride] = (W_hh h_prev)[q H + j]. It reads
+// gates_x and the carried state (the LSTM's c, the GRU's h) from global memory and calls
+// Advance(s, b, j, t, gx, gx_stride, carried, rec, stride), the cell math from gates_x gx[q gx_stride]
+// and the carried state (updated in place), which returns h (the cluster kernels keep both on chip;
+// Carried0 is the carried state's initial value);
 // Zero(...) writes the zeros of a step past the row's end; Final(..., t_last) writes the final
 // state (t_last < 0: the row has no valid step). h_seq and h0 are where the next step's h comes from.
 // Backward cells keep per-(row, unit) state in shared memory, state[0] (the gradient reaching h
 // from the next step) and state[stride] (the LSTM's dc, or the GRU's part of dh_prev that bypasses
 // W_hh): Init, then Step writes the gate gradients (`exchange` is the one multiplied by W_hh^T),
-// then Final writes the gradients of the initial state.
+// then Final writes the gradients of the initial state. Step is Grad(Load(...)): Load reads the
+// step's operands (Operands), Grad computes from them, and also leaves the exchanged gradients in
+// sent[q * sent_stride] when `sent` is given (the cluster kernels load a step ahead and send from
+// there).
 
 template <typename Io>
 struct Cell;
@@ -479,21 +489,30 @@ struct Cell<LstmFwdIo> {
   __device__ const float* HPrev(const RecurrenceShape& s, const SeqRow& b, int64_t t_prev) const {
     return t_prev < 0 ? io.h0 + b.state * s.hidden : io.h_seq + At(s, b, t_prev) * s.hidden;
   }
-  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev,
-                       const float* rec, int stride) const {
+  __device__ float Carried0(const RecurrenceShape& s, const SeqRow& b, int64_t j) const {
+    return io.c0[b.state * s.hidden + j];
+  }
+  __device__ float Advance(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, const float* gx,
+                           int64_t gx_stride, float& c, const float* rec, int stride) const {
     const int64_t H = s.hidden, row = At(s, b, t);
-    const float* gx = io.gates_x + row * 4 * H;
-    const float c_prev = t_prev < 0 ? io.c0[b.state * H + j] : io.c_seq[At(s, b, t_prev) * H + j];
-    const LstmGates a = LstmActivate(gx[j] + rec[0], gx[H + j] + rec[stride], gx[2 * H + j] + rec[2 * stride],
-                                     gx[3 * H + j] + rec[3 * stride]);
-    const float c = a.f * c_prev + a.i * a.g;
+    const LstmGates a = LstmActivate(gx[0] + rec[0], gx[gx_stride] + rec[stride], gx[2 * gx_stride] + rec[2 * stride],
+                                     gx[3 * gx_stride] + rec[3 * stride]);
+    c = a.f * c + a.i * a.g;
+    const float h = a.o * Tanh(c);
     io.c_seq[row * H + j] = c;
-    io.h_seq[row * H + j] = a.o * Tanh(c);
+    io.h_seq[row * H + j] = h;
     float* act = io.acts + row * 4 * H;
     act[j] = a.i;
     act[H + j] = a.f;
     act[2 * H + j] = a.g;
     act[3 * H + j] = a.o;
+    return h;
+  }
+  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev,
+                       const float* rec, int stride) const {
+    const int64_t H = s.hidden;
+    float c = t_prev < 0 ? io.c0[b.state * H + j] : io.c_seq[At(s, b, t_prev) * H + j];
+    Advance(s, b, j, t, io.gates_x + At(s, b, t) * 4 * H + j, H, c, rec, stride);
   }
   __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     const int64_t H = s.hidden, row = At(s, b, t);
@@ -518,19 +537,29 @@ struct Cell<GruFwdIo> {
   __device__ const float* HPrev(const RecurrenceShape& s, const SeqRow& b, int64_t t_prev) const {
     return t_prev < 0 ? io.h0 + b.state * s.hidden : io.h_seq + At(s, b, t_prev) * s.hidden;
   }
-  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev,
-                       const float* rec, int stride) const {
+  __device__ float Carried0(const RecurrenceShape& s, const SeqRow& b, int64_t j) const {
+    return io.h0[b.state * s.hidden + j];
+  }
+  __device__ float Advance(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, const float* gx,
+                           int64_t gx_stride, float& h, const float* rec, int stride) const {
     const int64_t H = s.hidden, row = At(s, b, t);
-    const float* gx = io.gates_x + row * 3 * H;
     const float* b_hh = io.b_hh + s.Direction(b) * 3 * H;
     const float hp_n = rec[2 * stride] + b_hh[2 * H + j];
-    const GruGates a = GruActivate(gx[j], gx[H + j], gx[2 * H + j], rec[0] + b_hh[j], rec[stride] + b_hh[H + j], hp_n);
-    io.h_seq[row * H + j] = GruOutput(a, HPrev(s, b, t_prev)[j]);
+    const GruGates a = GruActivate(gx[0], gx[gx_stride], gx[2 * gx_stride], rec[0] + b_hh[j],
+                                   rec[stride] + b_hh[H + j], hp_n);
+    h = GruOutput(a, h);
+    io.h_seq[row * H + j] = h;
     float* keep = io.saved + row * 4 * H;
     keep[j] = a.r;
     keep[H + j] = a.z;
     keep[2 * H + j] = a.n;
     keep[3 * H + j] = hp_n;
+    return h;
+  }
+  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev,
+                       const float* rec, int stride) const {
+    float h = HPrev(s, b, t_prev)[j];
+    Advance(s, b, j, t, io.gates_x + At(s, b, t) * 3 * s.hidden + j, s.hidden, h, rec, stride);
   }
   __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     const int64_t H = s.hidden, row = At(s, b, t);
@@ -552,10 +581,17 @@ struct Cell<RnnFwdIo> {
   __device__ const float* HPrev(const RecurrenceShape& s, const SeqRow& b, int64_t t_prev) const {
     return t_prev < 0 ? io.h0 + b.state * s.hidden : io.h_seq + At(s, b, t_prev) * s.hidden;
   }
+  __device__ float Carried0(const RecurrenceShape&, const SeqRow&, int64_t) const { return 0.f; }  // none
+  __device__ float Advance(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, const float* gx, int64_t,
+                           float&, const float* rec, int) const {
+    const float h = RnnActivate(io.act, gx[0] + rec[0]);
+    io.h_seq[At(s, b, t) * s.hidden + j] = h;
+    return h;
+  }
   __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t, const float* rec,
                        int) const {
-    const int64_t row = At(s, b, t) * s.hidden + j;
-    io.h_seq[row] = RnnActivate(io.act, io.gates_x[row] + rec[0]);
+    float none = 0.f;
+    Advance(s, b, j, t, io.gates_x + At(s, b, t) * s.hidden + j, 1, none, rec, 0);
   }
   __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     io.h_seq[At(s, b, t) * s.hidden + j] = 0.f;
@@ -570,6 +606,7 @@ struct Cell<RnnFwdIo> {
 
 template <>
 struct Cell<LstmBwdIo> {
+  static constexpr int kGates = 4;
   static constexpr bool kBypass = false;
   LstmBwdIo io;
   __device__ const float* Exchange() const { return io.dgates; }
@@ -583,15 +620,29 @@ struct Cell<LstmBwdIo> {
     PrefetchL2(io.c_seq + row * H + j);
     PrefetchL2(io.dh_seq + row * H + j);
   }
-  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev, float* state,
-                       int64_t stride) const {
+  struct Operands {
+    LstmGates a;
+    float c, c_prev, dh;
+  };
+  __device__ Operands Load(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev) const {
     const int64_t H = s.hidden, row = At(s, b, t);
     const float* a = io.acts + row * 4 * H;
-    const float c_prev = t_prev < 0 ? io.c0[b.state * H + j] : io.c_seq[At(s, b, t_prev) * H + j];
+    return {LstmGates{a[j], a[H + j], a[2 * H + j], a[3 * H + j]}, io.c_seq[row * H + j],
+            t_prev < 0 ? io.c0[b.state * H + j] : io.c_seq[At(s, b, t_prev) * H + j], io.dh_seq[row * H + j]};
+  }
+  __device__ void Grad(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, const Operands& o,
+                       float* state, int64_t stride, float* sent = nullptr, int sent_stride = 0) const {
+    const int64_t H = s.hidden, row = At(s, b, t);
     float d_pre[4];
-    state[stride] = LstmCellGrad(LstmGates{a[j], a[H + j], a[2 * H + j], a[3 * H + j]}, io.c_seq[row * H + j],
-                                 c_prev, io.dh_seq[row * H + j] + state[0], state[stride], d_pre);
-    for (int q = 0; q < 4; ++q) io.dgates[row * 4 * H + q * H + j] = d_pre[q];
+    state[stride] = LstmCellGrad(o.a, o.c, o.c_prev, o.dh + state[0], state[stride], d_pre);
+    for (int q = 0; q < 4; ++q) {
+      io.dgates[row * 4 * H + q * H + j] = d_pre[q];
+      if (sent != nullptr) sent[q * sent_stride] = d_pre[q];
+    }
+  }
+  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev, float* state,
+                       int64_t stride) const {
+    Grad(s, b, j, t, Load(s, b, j, t, t_prev), state, stride);
   }
   __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     for (int q = 0; q < 4; ++q) io.dgates[At(s, b, t) * 4 * s.hidden + q * s.hidden + j] = 0.f;
@@ -608,6 +659,7 @@ struct Cell<LstmBwdIo> {
 
 template <>
 struct Cell<GruBwdIo> {
+  static constexpr int kGates = 3;
   static constexpr bool kBypass = true;
   GruBwdIo io;
   __device__ const float* Exchange() const { return io.dgates_h; }
@@ -620,18 +672,30 @@ struct Cell<GruBwdIo> {
     for (int q = 0; q < 4; ++q) PrefetchL2(io.saved + row * 4 * H + q * H + j);
     PrefetchL2(io.dh_seq + row * H + j);
   }
-  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev, float* state,
-                       int64_t stride) const {
+  struct Operands {
+    GruGates a;
+    float h_n, h_prev, dh;
+  };
+  __device__ Operands Load(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev) const {
     const int64_t H = s.hidden, row = At(s, b, t);
     const float* keep = io.saved + row * 4 * H;
-    const float h_prev = t_prev < 0 ? io.h0[b.state * H + j] : io.h_seq[At(s, b, t_prev) * H + j];
+    return {GruGates{keep[j], keep[H + j], keep[2 * H + j]}, keep[3 * H + j],
+            t_prev < 0 ? io.h0[b.state * H + j] : io.h_seq[At(s, b, t_prev) * H + j], io.dh_seq[row * H + j]};
+  }
+  __device__ void Grad(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, const Operands& o,
+                       float* state, int64_t stride, float* sent = nullptr, int sent_stride = 0) const {
+    const int64_t H = s.hidden, row = At(s, b, t);
     float d_x[3], d_h[3];
-    state[stride] = GruCellGrad(GruGates{keep[j], keep[H + j], keep[2 * H + j]}, keep[3 * H + j], h_prev,
-                                io.dh_seq[row * H + j] + state[0], d_x, d_h);
+    state[stride] = GruCellGrad(o.a, o.h_n, o.h_prev, o.dh + state[0], d_x, d_h);
     for (int q = 0; q < 3; ++q) {
       io.dgates_x[row * 3 * H + q * H + j] = d_x[q];
       io.dgates_h[row * 3 * H + q * H + j] = d_h[q];
+      if (sent != nullptr) sent[q * sent_stride] = d_h[q];
     }
+  }
+  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev, float* state,
+                       int64_t stride) const {
+    Grad(s, b, j, t, Load(s, b, j, t, t_prev), state, stride);
   }
   __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     for (int q = 0; q < 3; ++q) {
@@ -649,6 +713,7 @@ struct Cell<GruBwdIo> {
 
 template <>
 struct Cell<RnnBwdIo> {
+  static constexpr int kGates = 1;
   static constexpr bool kBypass = false;
   RnnBwdIo io;
   __device__ const float* Exchange() const { return io.dgates; }
@@ -659,10 +724,22 @@ struct Cell<RnnBwdIo> {
     PrefetchL2(io.h_seq + At(s, b, t) * s.hidden + j);
     PrefetchL2(io.dh_seq + At(s, b, t) * s.hidden + j);
   }
-  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t, float* state,
-                       int64_t) const {
+  struct Operands {
+    float h, dh;
+  };
+  __device__ Operands Load(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t) const {
     const int64_t row = At(s, b, t) * s.hidden + j;
-    io.dgates[row] = RnnCellGrad(io.act, io.h_seq[row], io.dh_seq[row] + state[0]);
+    return {io.h_seq[row], io.dh_seq[row]};
+  }
+  __device__ void Grad(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, const Operands& o,
+                       float* state, int64_t, float* sent = nullptr, int = 0) const {
+    const float d = RnnCellGrad(io.act, o.h, o.dh + state[0]);
+    io.dgates[At(s, b, t) * s.hidden + j] = d;
+    if (sent != nullptr) sent[0] = d;
+  }
+  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev, float* state,
+                       int64_t stride) const {
+    Grad(s, b, j, t, Load(s, b, j, t, t_prev), state, stride);
   }
   __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     io.dgates[At(s, b, t) * s.hidden + j] = 0.f;
@@ -698,6 +775,7 @@ struct Plan {
   int group = 0;   // forward: batch rows per pass of the cell (a multiple of chunk, or B)
   int ldw = 0, ldx = 0;  // row strides (elements) of W_hh's slice and the forward's input buffer
   int threads = 0;       // kNarrow or kWide
+  int ld = 0;            // cluster kernels: the row length of W_hh's slice and the exchange buffers
   size_t weight_bytes = 0, smem_bytes = 0;
 };
 
@@ -862,6 +940,261 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// --- cluster kernels (one batch row) ---------------------------------------------------------------
+// Where a direction's W_hh slices fit on the blocks of one thread-block cluster (at most 16 on sm_90)
+// and the batch is one row, the blocks exchange each step's values through distributed shared memory
+// instead of global memory and a grid barrier: a block sends its units' new h (forward) or gate
+// gradients (backward) straight into every block's exchange buffer with st.async, whose bytes
+// complete a transaction count on the receiving block's mbarrier; a block waits on its own barrier
+// only. A step then holds no L2 round trip and no grid-wide fence on its critical path (at B 1, the
+// persistent kernels' step was those round trips). Two exchange buffers alternate: a block can
+// send into a buffer only after it received the receiver's values of the step before, which the
+// receiver sent after its last read of that buffer.
+
+// The cluster kernels' work split (a batch of one row): block p (its cluster rank) owns units
+// [j0, j0 + U); its warp v owns the units u = v + kClusterWarps i, lane i unit i of the warp. A step's
+// products split k over the lanes, two units at a time, summed by butterfly shuffles (every lane gets
+// every sum); lane i then runs its unit's cell with its operands in registers (loaded a step ahead)
+// and the warp sends each unit's results to every block (lane p to block p). No block barrier a step:
+// a warp waits only on its block's mbarrier.
+constexpr int kClusterWarps = kNarrow / 32;
+
+// The warp's units of a block's U: u = warp + kClusterWarps i for i < this.
+__device__ __forceinline__ int ClusterUnits(int U, int warp) {
+  return U > warp ? (U - warp + kClusterWarps - 1) / kClusterWarps : 0;
+}
+
+// sums[r] = sum_k rows[r][k] x[k] for k < K (a multiple of 4; rows 8-byte aligned, zero past their
+// length), in every lane: the lanes take 4 consecutive k each, 128 a round.
+template <int kRows, typename W>
+__device__ __forceinline__ void WarpDots(const W* const (&rows)[kRows], const float* x, int K, int lane,
+                                         float (&sums)[kRows]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) sums[r] = 0.f;
+  for (int k = 4 * lane; k < K; k += 128) {
+    const float4 xv = *reinterpret_cast<const float4*>(x + k);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float wv[4];
+      LoadVec<4>(rows[r] + k, wv);
+      sums[r] = fmaf(wv[0], xv.x, fmaf(wv[1], xv.y, fmaf(wv[2], xv.z, fmaf(wv[3], xv.w, sums[r]))));
+    }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m /= 2) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], m);
+  }
+}
+
+// out[q] (lane i: unit i of the warp) = sum_k w_row(unit, q)[k] x[k] for q < kGates, two units a pass.
+template <int kGates, typename W, typename Row>
+__device__ __forceinline__ void ClusterProduct(Row w_row, int units, const float* x, int K, int lane,
+                                               float (&out)[kGates]) {
+  for (int i = 0; i < units; i += 2) {
+    const int i2 = std::min(i + 1, units - 1);  // a lone last unit is summed twice
+    const W* rows[2 * kGates];
+#pragma unroll
+    for (int q = 0; q < kGates; ++q) {
+      rows[q] = w_row(i, q);
+      rows[kGates + q] = w_row(i2, q);
+    }
+    float sums[2 * kGates];
+    WarpDots(rows, x, K, lane, sums);
+#pragma unroll
+    for (int q = 0; q < kGates; ++q) {
+      if (lane == i) out[q] = sums[q];
+      if (lane == i + 1) out[q] = sums[kGates + q];
+    }
+  }
+}
+
+// Lane p < blocks sends v to block p's float at `at` (this block's shared-memory address of it,
+// mapped to block p), announcing its 4 bytes on block p's barrier at `bar`.
+__device__ __forceinline__ void SendToBlock(float v, uint32_t at, uint32_t bar, int lane, int blocks) {
+  if (lane < blocks) {
+    uint32_t dst, remote_bar;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst) : "r"(at), "r"(lane));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(lane));
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(dst),
+                 "r"(__float_as_uint(v)), "r"(remote_bar)
+                 : "memory");
+  }
+}
+
+__device__ __forceinline__ void ClusterSync() {
+  __syncwarp();  // the .aligned barrier wants the warp converged
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// Thread 0's setup of the two exchange barriers (exchange x of a launch's `count`, x = 0, 1, ...,
+// completes barrier x % 2): one arrival (its own, announcing an exchange's bytes) and the
+// transaction bytes; armed for exchanges 0 and 1.
+__device__ __forceinline__ void InitExchangeBarriers(uint64_t* arrived, uint32_t bytes, int64_t count) {
+  sm90::BarrierInit(&arrived[0], 1);
+  sm90::BarrierInit(&arrived[1], 1);
+  sm90::BarrierInitFence();
+  for (int64_t x = 0; x < 2 && x < count; ++x) sm90::BarrierArriveExpectTx(&arrived[x], bytes);
+}
+
+// Waits for exchange x and re-arms its barrier for exchange x + 2, whose bytes can only come after
+// this block sends exchange x + 1 (thread 0's warp sends its part after this).
+__device__ __forceinline__ void WaitExchange(uint64_t* arrived, int64_t x, int64_t count, uint32_t bytes) {
+  sm90::BarrierWait(&arrived[x & 1], uint32_t(x >> 1) & 1);
+  if (threadIdx.x == 0 && x + 2 < count) sm90::BarrierArriveExpectTx(&arrived[x & 1], bytes);
+}
+
+// Forward, one cluster a direction: w [kGates U][ld] (row q U + u is W_hh row q H + j0 + u, zero
+// from H up to ld), then the exchange buffers in[2][ld]: step s's product reads every unit's h of
+// step s - 1 (rounded to TF32 when the product is; step 0's from h0) from in[s % 2]. A lane's gates_x
+// of the next step are loaded into registers while this step runs; the carried state stays in a
+// register.
+template <typename W, typename Io, bool kTf32, int kDirections>
+__global__ void __launch_bounds__(kNarrow, 1)
+    ClusterFwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
+                     RecurrenceShape shape, bool reverse, Plan plan) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int kGates = Cell<Io>::kGates;
+  const RecurrenceShape s = WithDirections<kDirections>(shape);
+  const int d = kDirections == 1 ? 0 : int(blockIdx.x) / plan.blocks, block = int(blockIdx.x) % plan.blocks;
+  const bool rev = Reversed(reverse, d);
+  const int H = int(s.hidden), j0 = block * plan.units, U = std::min(plan.units, H - j0), R = kGates * U;
+  const int K = plan.ld, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t T = s.steps;
+  W* w = reinterpret_cast<W*>(smem);
+  float* in = reinterpret_cast<float*>(smem + plan.weight_bytes);
+  uint64_t* arrived = reinterpret_cast<uint64_t*>(in + 2 * K);
+  const uint32_t bytes = uint32_t(H) * sizeof(float);  // a step's h from every block
+  w_hh += int64_t(d) * s.gates() * H;
+  for (int e = threadIdx.x; e < R * K; e += kNarrow) {
+    const int r = e / K, k = e % K;
+    w[r * K + k] = k < H ? StoredWeight<kTf32>(w_hh[(int64_t(r / U) * H + j0 + r % U) * H + k]) : W(0.f);
+  }
+  const SeqRow row = s.Row(0, d);
+  for (int k = threadIdx.x; k < 2 * K; k += kNarrow) {
+    in[k] = k < H ? StoredWeight<kTf32>(cell.HPrev(s, row, -1)[k]) : 0.f;  // h0, zeros past it
+  }
+  const int64_t len = ValidSteps(seq_lengths[0], T);
+  if (threadIdx.x == 0) InitExchangeBarriers(arrived, bytes, len - 1);  // exchange x: step x's h
+  const int units = ClusterUnits(U, warp);
+  const bool mine = lane < units;
+  const int64_t j = j0 + warp + kClusterWarps * lane;
+  float carried = mine ? cell.Carried0(s, row, j) : 0.f;
+  float gx[kGates] = {}, gx_next[kGates] = {};  // this step's gates_x and the next one's
+  auto load_gates_x = [&](int64_t step, float (&g)[kGates]) {
+    if (mine && step < len) {
+      const float* p = cell.io.gates_x + At(s, row, StepTime(step, len, rev)) * kGates * H + j;
+#pragma unroll
+      for (int q = 0; q < kGates; ++q) g[q] = p[q * H];
+    }
+  };
+  load_gates_x(0, gx);
+  ClusterSync();  // w, in and every block's barriers are ready before any block sends
+  auto w_row = [&](int i, int q) { return w + (q * U + warp + kClusterWarps * i) * K; };
+  const uint32_t to = sm90::SharedAddress(in) + uint32_t(j0 + warp) * sizeof(float);
+  // Steps past the row's end (len < T) write zeros and send nothing; the other blocks stop there too.
+  for (int64_t step = 0; step < T; ++step) {
+    if (step >= len) {
+      if (mine) cell.Zero(s, row, j, step);
+      continue;
+    }
+    const int slot = int(step & 1);
+    load_gates_x(step + 1, gx_next);
+    if (step > 0) WaitExchange(arrived, step - 1, len - 1, bytes);
+    float rec[kGates] = {};  // this lane's unit's products
+    ClusterProduct<kGates, W>(w_row, units, in + slot * K, K, lane, rec);
+    float h = 0.f;
+    if (mine) h = StoredWeight<kTf32>(cell.Advance(s, row, j, StepTime(step, len, rev), gx, 1, carried, rec, 1));
+    if (step + 1 < len) {
+      const uint32_t bar = sm90::SharedAddress(&arrived[slot]);  // exchange `step`
+      for (int i = 0; i < units; ++i) {
+        const float v = __shfl_sync(0xffffffffu, h, i);
+        SendToBlock(v, to + uint32_t((1 - slot) * K + kClusterWarps * i) * sizeof(float), bar, lane, plan.blocks);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kGates; ++q) gx[q] = gx_next[q];
+  }
+  if (mine) cell.Final(s, row, j, len == 0 ? -1 : StepTime(len - 1, len, rev));
+  ClusterSync();  // no block leaves while another may still send to it
+#endif
+}
+
+// Backward, one cluster a direction: wt [U][ld] (wt[u][k] = W_hh[k][j0 + u], zero from G up to
+// ld), then in[2][ld]: each step a block sends its units' gate gradients (the ones multiplied by
+// W_hh^T) to every block, and multiplies every unit's, received in in[exchange % 2], by its columns
+// of W_hh for the gradient reaching its units of h_prev. A lane keeps its unit's state slots in
+// registers and loads the next step's cell operands while this step runs.
+template <typename W, typename Io, int kDirections>
+__global__ void __launch_bounds__(kNarrow, 1)
+    ClusterBwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
+                     RecurrenceShape shape, bool reverse, Plan plan) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int kGates = Cell<Io>::kGates;
+  const RecurrenceShape s = WithDirections<kDirections>(shape);
+  const int d = kDirections == 1 ? 0 : int(blockIdx.x) / plan.blocks, block = int(blockIdx.x) % plan.blocks;
+  const bool rev = Reversed(reverse, d);
+  const int H = int(s.hidden), G = int(s.gates()), j0 = block * plan.units, U = std::min(plan.units, H - j0);
+  const int K = plan.ld, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t T = s.steps;
+  W* wt = reinterpret_cast<W*>(smem);
+  float* in = reinterpret_cast<float*>(smem + plan.weight_bytes);
+  uint64_t* arrived = reinterpret_cast<uint64_t*>(in + 2 * K);
+  const uint32_t bytes = uint32_t(G) * sizeof(float);  // a step's gate gradients from every block
+  w_hh += int64_t(d) * s.gates() * H;
+  for (int e = threadIdx.x; e < U * K; e += kNarrow) {
+    const int k = e / U, u = e % U;
+    wt[u * K + k] = k < G ? w_hh[int64_t(k) * H + j0 + u] : W(0.f);
+  }
+  for (int k = threadIdx.x; k < 2 * K; k += kNarrow) in[k] = 0.f;  // the columns past G stay zero
+  const SeqRow row = s.Row(0, d);
+  const int64_t len = ValidSteps(seq_lengths[0], T);
+  if (threadIdx.x == 0) InitExchangeBarriers(arrived, bytes, len);  // exchange x: step len - 1 - x's
+  const int units = ClusterUnits(U, warp);
+  const bool mine = lane < units;
+  const int64_t j = j0 + warp + kClusterWarps * lane;
+  using Operands = typename Cell<Io>::Operands;
+  auto load = [&](int64_t step) {  // the cell operands of a step < len
+    return cell.Load(s, row, j, StepTime(step, len, rev), step == 0 ? -1 : StepTime(step - 1, len, rev));
+  };
+  float state[2] = {};  // kStateSlots<Io> of them used
+  Operands operands{};
+  if (mine) {
+    cell.Init(s, row, j, state, 1);
+    if (len > 0) operands = load(len - 1);
+  }
+  ClusterSync();  // wt, in and every block's barriers are ready before any block sends
+  auto w_row = [&](int i, int) { return wt + (warp + kClusterWarps * i) * K; };
+  const uint32_t to = sm90::SharedAddress(in) + uint32_t(j0 + warp) * sizeof(float);
+  for (int64_t step = T - 1; step >= len; --step) {  // past the row's end: zero gate gradients
+    if (mine) cell.Zero(s, row, j, step);
+  }
+  for (int64_t step = len - 1; step >= 0; --step) {
+    const int64_t x = len - 1 - step;
+    const int slot = int(x & 1);
+    float sent[kGates] = {};
+    if (mine) cell.Grad(s, row, j, StepTime(step, len, rev), operands, state, 1, sent, 1);
+    const uint32_t bar = sm90::SharedAddress(&arrived[slot]);
+    for (int i = 0; i < units; ++i) {
+#pragma unroll
+      for (int q = 0; q < kGates; ++q) {
+        const float v = __shfl_sync(0xffffffffu, sent[q], i);
+        SendToBlock(v, to + uint32_t(slot * K + q * H + kClusterWarps * i) * sizeof(float), bar, lane, plan.blocks);
+      }
+    }
+    if (mine && step > 0) operands = load(step - 1);
+    WaitExchange(arrived, x, len, bytes);
+    float dh[1] = {};
+    ClusterProduct<1, W>(w_row, units, in + slot * K, K, lane, dh);
+    if (mine) state[0] = dh[0] + (Cell<Io>::kBypass ? state[1] : 0.f);
+  }
+  if (mine) cell.Final(s, row, j, state, 1);
+  ClusterSync();  // no block leaves while another may still send to it
+#endif
+}
+
 // --- host -------------------------------------------------------------------------------------
 
 // Sizes the grid: the fewest units per block that spread H over the SMs, then (forward) the largest
@@ -910,6 +1243,73 @@ bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_
   }
 }
 
+// The cluster kernels' plan for clusters of up to `size` blocks: the fewest units a block that spread
+// H over them. False but for a batch of one row (larger batches ran slower in clusters than on the
+// persistent kernels: their products grow with B on a tenth of the SMs), or when the buffers do not
+// fit.
+template <typename Io>
+bool MakeClusterPlan(const RecurrenceShape& s, size_t w_size, int size, size_t smem_limit, Plan* plan) {
+  if (s.batch != 1 || s.hidden > INT32_MAX / 16) return false;
+  const bool backward = kIsBackward<Io>;
+  const int64_t H = s.hidden, gates = s.gates() / H;
+  plan->units = int((H + size - 1) / size);
+  plan->blocks = int((H + plan->units - 1) / plan->units);
+  plan->threads = kNarrow;
+  if (plan->units > 32 * kClusterWarps) return false;  // a lane a unit
+  plan->ld = int(((backward ? s.gates() : H) + 3) / 4 * 4);
+  plan->weight_bytes = AlignUp(size_t((backward ? 1 : gates) * plan->units * plan->ld) * w_size);
+  plan->smem_bytes = plan->weight_bytes + 2 * size_t(plan->ld) * sizeof(float) + 2 * sizeof(uint64_t);
+  return plan->smem_bytes <= smem_limit;
+}
+
+// Launches the cluster kernels (sm_90) where their plan fits: clusters of 16 blocks, else 8.
+template <typename W, typename Io>
+ffi::Error LaunchCluster(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths, const RecurrenceShape& s,
+                         bool reverse, bool tf32, const Io& io, int device, size_t smem_limit, bool* launched) {
+  int major = 0;
+  JAXDNN_RETURN_IF_ERROR(CudaError(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute"));
+  if (major < 9) return ffi::Error::Success();
+  for (int size : {16, 8}) {
+    Plan plan;
+    if (!MakeClusterPlan<Io>(s, sizeof(W), size, smem_limit, &plan)) continue;
+    auto select = [&](auto directions) {
+      constexpr int kD = decltype(directions)::value;
+      if constexpr (kIsBackward<Io>) {
+        return ClusterBwdKernel<W, Io, kD>;
+      } else {
+        return tf32 ? ClusterFwdKernel<W, Io, true, kD> : ClusterFwdKernel<W, Io, false, kD>;
+      }
+    };
+    const auto kernel =
+        s.directions == 1 ? select(std::integral_constant<int, 1>{}) : select(std::integral_constant<int, 2>{});
+    JAXDNN_RETURN_IF_ERROR(CudaError(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem_bytes)),
+        "cudaFuncSetAttribute"));
+    JAXDNN_RETURN_IF_ERROR(CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+                                     "cudaFuncSetAttribute"));
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = unsigned(plan.blocks);
+    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(unsigned(s.directions * plan.blocks));
+    config.blockDim = dim3(unsigned(plan.threads));
+    config.dynamicSmemBytes = plan.smem_bytes;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    int clusters = 0;  // a direction's cluster each, all resident at once
+    JAXDNN_RETURN_IF_ERROR(CudaError(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "occupancy"));
+    if (clusters < s.directions) continue;
+    JAXDNN_RETURN_IF_ERROR(CudaError(
+        cudaLaunchKernelEx(&config, kernel, Cell<Io>{io}, w_hh, seq_lengths, s, reverse, plan), "rnn cluster"));
+    *launched = true;
+    return ffi::Error::Success();
+  }
+  return ffi::Error::Success();
+}
+
 template <typename W, typename Io>
 ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths, const RecurrenceShape& s,
                   bool reverse, bool tf32, const Io& io, bool* launched) {
@@ -926,6 +1326,9 @@ ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths
   int together = directions;
   Plan plan;
   if (s.hidden > INT32_MAX / 8) return ffi::Error::Success();
+  JAXDNN_RETURN_IF_ERROR(
+      LaunchCluster(stream, w_hh, seq_lengths, s, reverse, tf32, io, device, size_t(smem_limit), launched));
+  if (*launched) return ffi::Error::Success();
   if (directions == 1 || !MakePlan<Io>(s, sizeof(W), tf32, sms / directions, size_t(smem_limit), &plan)) {
     together = 1;
     if (!MakePlan<Io>(s, sizeof(W), tf32, sms, size_t(smem_limit), &plan)) return ffi::Error::Success();
