@@ -647,7 +647,7 @@ def test_cell_bad_input():
 
 # (B, T, H) of the kernel-stage tests. On a GPU: one batch row, which runs in a thread-block cluster
 # (3 units a block, the last of 14 blocks with one; a length short of T); a small layer at one unit
-# a block (the backward's 8-warp blocks); 43 rows over 100 blocks of 3 units, in two batch chunks
+# a block (the backward 2, in 8-warp blocks); 43 rows over 100 blocks of 3 units, in two batch chunks
 # (129 (row, unit) pairs a block: the backward's 16-warp blocks); a layer whose H is a multiple of
 # 32, where the TF32 forward reads its rows straight from L2 (9 rows: a partial second n tile; 9
 # units a block: 36 LSTM rows, two passes of m tiles); a layer whose W_hh slices do not fit in one
