@@ -688,7 +688,8 @@ def rnn_cases(quick: bool) -> list[Case]:
     w.r.t. x, the initial states and the weights).
 
     Shapes (T, B, I, H) of issue 6: (512, 16, 512, 512), (256, 64, 1024, 1024), the (100, 1, 256, 256)
-    latency case, and a 2-layer bidirectional (256, 32, 512, 512); every sequence full length; weights
+    latency case, and a 2-layer bidirectional (256, 32, 512, 512); and a small batch (100, 8, 256, 256)
+    (the tensor-core cluster kernels' size); every sequence full length; weights
     uniform in +-1/sqrt(H) as `init_lstm_weight`. FLOPs: fwd = 2 B T G (I_l + H) summed over layers and
     directions (G = 4H for the LSTM, 3H for the GRU; I_l = I, then D H); fwd+bwd = 3x.
     """
@@ -696,7 +697,7 @@ def rnn_cases(quick: bool) -> list[Case]:
 
     shapes = [(16, 2, 8, 8, 1, False)] if quick else [
         (512, 16, 512, 512, 1, False), (256, 64, 1024, 1024, 1, False), (100, 1, 256, 256, 1, False),
-        (256, 32, 512, 512, 2, True)]
+        (256, 32, 512, 512, 2, True), (100, 8, 256, 256, 1, False)]
     sets = 2 if quick else 8
     on_gpu = jax.default_backend() == "gpu"
     cases = []

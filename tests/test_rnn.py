@@ -62,7 +62,8 @@ def _inputs(rng, mode, case, dtype=jnp.float32, state_dtype=jnp.float32):
     x = normal(rng, (batch, steps, inputs), dtype)
     states = tuple(normal(rng, shape, state_dtype) for _ in _state_names(mode))
     count = ref.weight_count(mode, inputs, hidden, layers, bidirectional)
-    weights = jnp.asarray(rng.uniform(-0.6, 0.6, count), dtype)
+    bound = min(0.6, 2 / np.sqrt(hidden))  # wider layers: a relu RNN's state would overflow float16
+    weights = jnp.asarray(rng.uniform(-bound, bound, count), dtype)
     seq_lengths = jnp.asarray([steps] * batch if lengths is None else lengths, jnp.int32)
     return (x, states, weights, seq_lengths), (inputs, hidden, layers, 0.0, bidirectional)
 
@@ -235,8 +236,13 @@ def test_rnn_bad_nonlinearity(rng):
         jax.block_until_ready(outs)
 
 
+# A batch of 5 rows, H 64, two bidirectional layers: on a GPU the tensor-core cluster kernels (the
+# backward with 16-bit weights only).
+CLUSTER_BATCH_CASE = (5, 6, 8, 64, 2, True, [6, 2, 0, 5, 6])
+
+
 @mode_param
-@case_param
+@pytest.mark.parametrize("case", [*CASES, CLUSTER_BATCH_CASE], ids=str)
 def test_forward_and_grad_f32(mode, case, rng):
     args, sizes = _inputs(rng, mode, case)
     cts = _cotangents(rng, _ours(mode, *args, sizes))
@@ -245,7 +251,7 @@ def test_forward_and_grad_f32(mode, case, rng):
 
 @mode_param
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=dtype_id)
-@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=str)
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CLUSTER_BATCH_CASE], ids=str)
 def test_forward_and_grad_half(mode, case, dtype, rng):
     """Half-precision x and weights; the state stays float32 (h_0, c_0 float32 here)."""
     args, sizes = _inputs(rng, mode, case, dtype)
@@ -645,16 +651,19 @@ def test_cell_bad_input():
         jaxdnn.rnn_cell(x, h, w_ih, w_hh, b, b, nonlinearity="sigmoid")
 
 
-# (B, T, H) of the kernel-stage tests. On a GPU: one batch row, which runs in a thread-block cluster
-# (3 units a block, the last of 14 blocks with one; a length short of T); a small layer at one unit
-# a block (the backward 2, in 8-warp blocks); 43 rows over 100 blocks of 3 units, in two batch chunks
-# (129 (row, unit) pairs a block: the backward's 16-warp blocks); a layer whose H is a multiple of
-# 32, where the TF32 forward reads its rows straight from L2 (9 rows: a partial second n tile; 9
-# units a block: 36 LSTM rows, two passes of m tiles); a layer whose W_hh slices do not fit in one
-# SM's shared memory on a 132-SM Hopper, which takes the per-row kernel (rnn_persistent.h); and one
-# whose slices fit over all 132 SMs but not over half of them, so that two directions take one
-# launch each ("split", run with two directions only).
-STAGE_SIZES = {"cluster": (1, 7, 40), "small": (5, 6, 7), "chunks": (43, 5, 300), "direct": (9, 4, 1088),
+# (B, T, H) of the kernel-stage tests. On a GPU: one batch row, which runs in a thread-block cluster (3 units
+# a block, the last of 14 blocks with one; a length short of T); a batch of 11 rows on the tensor-core cluster
+# kernels (the TF32 forward and the backward; rows 8 to 10 in a second mma tile), at H 160 (forward: 12 units
+# a block, the last of 14 with 4) and at H 352 (the plain RNN only: 24 units a block, the last of 15 with 16;
+# the other cells' slices are too large); a small layer at one unit a block (the backward 2, in 8-warp
+# blocks); 43 rows over 100 blocks of 3 units, in two batch chunks (129 (row, unit) pairs a block: the
+# backward's 16-warp blocks); a layer whose H is a multiple of 32, where the TF32 forward reads its rows
+# straight from L2 (9 rows: a partial second n tile; 9 units a block: 36 LSTM rows, two passes of m tiles); a
+# layer whose W_hh slices do not fit in one SM's shared memory on a 132-SM Hopper, which takes the per-row
+# kernel (rnn_persistent.h); and one whose slices fit over all 132 SMs but not over half of them, so that two
+# directions take one launch each ("split", run with two directions only).
+STAGE_SIZES = {"cluster": (1, 7, 40), "cluster-batch": (11, 5, 160), "cluster-batch-wide": (11, 4, 352),
+               "small": (5, 6, 7), "chunks": (43, 5, 300), "direct": (9, 4, 1088),
                "wide": (2, 3, {"lstm": 2048, "gru": 2304, "rnn_tanh": 4096, "rnn_relu": 4096}),
                "split": (3, 3, {"lstm": 1536, "gru": 1792, "rnn_tanh": 3072, "rnn_relu": 3072})}
 # (D, reverse): the stage's directions, and whether direction 0 runs from each row's end.

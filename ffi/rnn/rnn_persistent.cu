@@ -13,14 +13,16 @@
 //   reads every unit's gate gradients back and multiplies them by its columns of W_hh (W_hh^T
 //   restricted to its units) to get the gradient reaching its units of h_prev.
 // Either way one grid-wide barrier per step separates the writes of a step from the reads of them.
-// A layer of one batch row runs instead on the cluster kernels (below; sm_90), whose blocks exchange
-// each step's values through distributed shared memory, with no grid barrier.
+// A layer of one batch row, or of 2 to 16 rows with small W_hh slices, runs instead on the cluster
+// kernels (below; sm_90), whose blocks exchange each step's values through distributed shared
+// memory, with no grid barrier.
 // The recurrent products are exact float32 sums over CUDA cores (W_hh converted from its dtype on
 // the fly), as the baseline and the CPU kernel compute them, in a different summation order; or, in
 // the forward when the target's tf32 attribute allows, mma.sync on tensor cores with W_hh and the
 // multiplied state rounded to TF32 and float32 sums (cuDNN's default math for float32 RNNs). The
 // backward stays exact: its product per block is a few columns of W_hh (units x batch rows, K = G),
-// where TF32 tiles split over K ran slower than the CUDA cores (H100: LSTM fwd+bwd 1.10-1.14x the time).
+// where TF32 tiles split over K ran slower than the CUDA cores (H100: LSTM fwd+bwd 1.10-1.14x the time);
+// the tensor-core cluster backward keeps float32 accuracy by splitting each gate gradient in two.
 //
 // Barrier. A monotone arrival counter in global memory per direction: after a step each of the
 // direction's blocks adds one; before the next it waits until the counter reaches (steps done) * P.
@@ -254,8 +256,20 @@ __device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], c
 
 // p[0, 8) (shared memory, 16-byte aligned) as TF32 operand bits: floats rounded when kRound, else
 // taken as stored (StoredWeight made them TF32 values); bfloat16 and float16 values are TF32 values.
+// A bfloat16 is the upper half of its float's bits: one shift or one mask a value (the generic
+// conversion took two instructions a value).
 template <bool kRound, typename T>
 __device__ __forceinline__ void LoadTf32x8(const T* p, uint32_t (&out)[8]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};  // element 2 i in the low half of word i
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = words[i] << 16;
+      out[2 * i + 1] = words[i] & 0xffff0000u;
+    }
+    return;
+  }
   struct alignas(16) Pack {
     T v[8];
   };
@@ -1195,6 +1209,249 @@ __global__ void __launch_bounds__(kNarrow, 1)
 #endif
 }
 
+// --- cluster kernels (a batch of rows) ---------------------------------------------------------
+// Batches of 2 to 16 rows run in clusters too, with their products on TF32 tensor cores: per step a
+// block multiplies its W_hh slice by every row's received state (forward), or its units' gate
+// gradients by its slice of W_hh^T and sends each block the partial sums of that block's units
+// (backward), in 16-byte (forward) and 8-byte st.async stores. The forward rounds W_hh and the
+// multiplied h to TF32, as the persistent TF32 forward does; the backward, for a 16-bit W_hh (exact
+// in TF32), stays exact to float32 rounding: each gate gradient is split into a TF32 value and a
+// TF32 remainder (the two products sum to the float32 product within 2^-22 relative), and the
+// partial sums are added in a fixed order. Blocks of kWide threads, one
+// (row, unit) pair a thread; U is a multiple of 4 (forward) or 8 (backward) and H of kKBlock.
+
+// The largest W_hh slice (elements) a block of the tensor-core cluster kernels holds: 64 rows of
+// 256 (LSTM H 256, 16 blocks), where they stepped faster than the persistent kernels (H200, batches
+// of 2 to 16).
+constexpr int64_t kClusterBatchSlice = 64 * 256;
+
+// Lane-wide st.async of 4 (or 2) floats to block `rank`'s shared-memory address `at` (this block's
+// address of it, mapped), announcing their bytes on that block's barrier at `bar`.
+__device__ __forceinline__ void SendToBlock(float4 v, uint32_t at, uint32_t bar, int rank) {
+  uint32_t dst, remote_bar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst) : "r"(at), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(dst),
+               "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+               "r"(__float_as_uint(v.w)), "r"(remote_bar)
+               : "memory");
+}
+__device__ __forceinline__ void SendToBlock(float2 v, uint32_t at, uint32_t bar, int rank) {
+  uint32_t dst, remote_bar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst) : "r"(at), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(dst),
+               "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(remote_bar)
+               : "memory");
+}
+
+// Forward: w [kGates U][ldw] (row q U + u is W_hh row q H + j0 + u), then in[2][B][ldx] (every row's
+// h of the step before, TF32-rounded; step 0's from h0), the products [B][kGates units], this
+// step's h of the block's units [B][units] (sent from there) and MmaBlockProduct's split sums.
+// Thread e runs the cell of row e / U, unit e % U, its gates_x loaded a step ahead into registers
+// and its carried state in a register. Every step exchanges every row's h (rows past their end
+// send zeros), so all blocks count the same T - 1 exchanges.
+template <typename W, typename Io, int kDirections>
+__global__ void __launch_bounds__(kWide, 1)
+    ClusterBatchFwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
+                          RecurrenceShape shape, bool reverse, Plan plan) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int kGates = Cell<Io>::kGates;
+  const RecurrenceShape s = WithDirections<kDirections>(shape);
+  const int d = kDirections == 1 ? 0 : int(blockIdx.x) / plan.blocks, block = int(blockIdx.x) % plan.blocks;
+  const bool rev = Reversed(reverse, d);
+  const int H = int(s.hidden), j0 = block * plan.units, U = std::min(plan.units, H - j0), R = kGates * U;
+  const int B = int(s.batch), ldw = plan.ldw, ldx = plan.ldx;
+  const int64_t T = s.steps;
+  W* w = reinterpret_cast<W*>(smem);
+  uint64_t* arrived = reinterpret_cast<uint64_t*>(smem + plan.weight_bytes);
+  float* in = reinterpret_cast<float*>(arrived + 2);
+  float* pre = in + 2 * B * ldx;
+  float* out = pre + B * kGates * plan.units;
+  float* partial = out + B * plan.units;
+  const uint32_t bytes = uint32_t(B * H) * sizeof(float);  // a step's h of every row from every block
+  w_hh += int64_t(d) * s.gates() * H;
+  for (int e = threadIdx.x; e < R * H; e += kWide) {
+    const int r = e / H, k = e % H;
+    w[r * ldw + k] = StoredWeight<true>(w_hh[(int64_t(r / U) * H + j0 + r % U) * H + k]);
+  }
+  for (int e = threadIdx.x; e < B * H; e += kWide) {
+    in[(e / H) * ldx + e % H] = __uint_as_float(Tf32(cell.HPrev(s, s.Row(e / H, d), -1)[e % H]));
+  }
+  if (threadIdx.x == 0) InitExchangeBarriers(arrived, bytes, T - 1);  // exchange x: step x's h
+  const bool mine = int(threadIdx.x) < B * U;
+  const int n = mine ? int(threadIdx.x) / U : 0, u = mine ? int(threadIdx.x) % U : 0;
+  const int64_t j = j0 + u, len = ValidSteps(seq_lengths[n], T);
+  const SeqRow row = s.Row(n, d);
+  float carried = mine ? cell.Carried0(s, row, j) : 0.f;
+  float gx[kGates] = {}, gx_next[kGates] = {};  // this step's gates_x and the next one's
+  auto load_gates_x = [&](int64_t step, float (&g)[kGates]) {
+    if (mine && step < len) {
+      const float* p = cell.io.gates_x + At(s, row, StepTime(step, len, rev)) * kGates * H + j;
+#pragma unroll
+      for (int q = 0; q < kGates; ++q) g[q] = p[q * H];
+    }
+  };
+  load_gates_x(0, gx);
+  ClusterSync();  // w, in and every block's barriers are ready before any block sends
+  const int chunks = B * U / 4;  // 16-byte pieces of this block's h a step
+  for (int64_t step = 0; step < T; ++step) {
+    const int slot = int(step & 1);
+    load_gates_x(step + 1, gx_next);
+    if (step > 0) WaitExchange(arrived, step - 1, T - 1, bytes);
+    const float* x = in + slot * B * ldx;
+    MmaBlockProduct<kWide, false, false>([&](int m) { return w + m * ldw; }, [&](int r) { return x + r * ldx; }, R,
+                                         B, H, pre, 1, R, partial);  // ends synchronized
+    if (mine) {
+      float h = 0.f;  // sent for steps past the row's end (their products are dropped)
+      if (step < len) {
+        h = cell.Advance(s, row, j, StepTime(step, len, rev), gx, 1, carried, pre + n * R + u, U);
+      } else {
+        cell.Zero(s, row, j, step);
+      }
+      out[n * U + u] = __uint_as_float(Tf32(h));
+    }
+    if (step + 1 < T) {
+      __syncthreads();  // out is whole
+      const uint32_t bar = sm90::SharedAddress(&arrived[slot]);  // exchange `step`
+      const uint32_t to = sm90::SharedAddress(in + (1 - slot) * B * ldx + j0);
+      for (int e = threadIdx.x; e < chunks * plan.blocks; e += kWide) {
+        const int c = e % chunks, r = c / (U / 4), i = 4 * (c % (U / 4));
+        SendToBlock(*reinterpret_cast<const float4*>(out + r * U + i), to + uint32_t(r * ldx + i) * sizeof(float),
+                    bar, e / chunks);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kGates; ++q) gx[q] = gx_next[q];
+  }
+  if (mine) cell.Final(s, row, j, len == 0 ? -1 : StepTime(len - 1, len, rev));
+  ClusterSync();  // no block leaves while another may still send to it
+#endif
+}
+
+// Backward: wt [H][ldw] (wt[k][r] = W_hh[q H + j0 + u][k] for the block's gate r = q U + u, zero
+// from R up to ldw; each row's 16-byte pieces swapped in halves on odd rows when ldw's pieces fill
+// whole 128-byte lines, so the two rows a load phase reads take disjoint banks), then in[2][blocks]
+// [B][units] (the partial sums each block sent of this block's units), and the gate gradients
+// dg[2][16][ldg] that the product multiplies. A step: each thread's cell writes its pair's gate
+// gradients to dg, the warps multiply dg (16 rows, zero past B) by wt, n tiles of 8 units a warp,
+// send each tile's sums to the block that owns its units, and each thread adds its pair's partial
+// sums from every block, in rank order.
+template <typename W, typename Io, int kDirections>
+__global__ void __launch_bounds__(kWide, 1)
+    ClusterBatchBwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
+                          RecurrenceShape shape, bool reverse, Plan plan) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int kGates = Cell<Io>::kGates, kTiles = 4;  // n tiles a warp holds at once
+  const RecurrenceShape s = WithDirections<kDirections>(shape);
+  const int d = kDirections == 1 ? 0 : int(blockIdx.x) / plan.blocks, block = int(blockIdx.x) % plan.blocks;
+  const bool rev = Reversed(reverse, d);
+  const int H = int(s.hidden), j0 = block * plan.units, U = std::min(plan.units, H - j0), R = kGates * U;
+  const int B = int(s.batch), ldw = plan.ldw, ldg = plan.ldx, units = plan.units;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t T = s.steps;
+  W* wt = reinterpret_cast<W*>(smem);
+  uint64_t* arrived = reinterpret_cast<uint64_t*>(smem + plan.weight_bytes);
+  float* in = reinterpret_cast<float*>(arrived + 2);
+  float* dg = in + 2 * plan.blocks * B * units;
+  const int flip = ldw % 64 == 0 ? 4 : 0;  // 16-byte pieces a row a multiple of 8: swap halves on odd rows
+  auto piece = [&](int k, int p) { return wt + k * ldw + 8 * (p ^ (k & 1 ? flip : 0)); };
+  w_hh += int64_t(d) * s.gates() * H;
+  for (int e = threadIdx.x; e < H * ldw; e += kWide) {
+    const int k = e / ldw, r = e % ldw;
+    piece(k, r / 8)[r % 8] = r < R ? w_hh[(int64_t(r / U) * H + j0 + r % U) * H + k] : W(0.f);
+  }
+  for (int e = threadIdx.x; e < 2 * 16 * ldg; e += kWide) dg[e] = 0.f;  // rows past B and gates past R stay zero
+  const uint32_t bytes = uint32_t(plan.blocks * B * U) * sizeof(float);  // partial sums from every block
+  if (threadIdx.x == 0) InitExchangeBarriers(arrived, bytes, T);  // exchange x: step T - 1 - x's
+  const bool mine = int(threadIdx.x) < B * U;
+  const int n = mine ? int(threadIdx.x) / U : 0, u = mine ? int(threadIdx.x) % U : 0;
+  const int64_t j = j0 + u, len = ValidSteps(seq_lengths[n], T);
+  const SeqRow row = s.Row(n, d);
+  using Operands = typename Cell<Io>::Operands;
+  auto load = [&](int64_t step) {  // the cell operands of a step < len
+    return cell.Load(s, row, j, StepTime(step, len, rev), step == 0 ? -1 : StepTime(step - 1, len, rev));
+  };
+  float state[2] = {};  // kStateSlots<Io> of them used
+  Operands operands{};
+  if (mine) {
+    cell.Init(s, row, j, state, 1);
+    if (len > 0) operands = load(len - 1);
+  }
+  ClusterSync();  // wt, in, dg and every block's barriers are ready before any block sends
+  const int tiles = H / kMmaN, k_blocks = (R + kKBlock - 1) / kKBlock;
+  for (int64_t step = T - 1; step >= 0; --step) {
+    const int64_t x = T - 1 - step;
+    const int slot = int(x & 1);
+    float* a = dg + slot * 16 * ldg;
+    if (mine) {
+      float sent[kGates] = {};  // zero past the row's end
+      if (step < len) {
+        cell.Grad(s, row, j, StepTime(step, len, rev), operands, state, 1, sent, 1);
+        if (step > 0) operands = load(step - 1);
+      } else {
+        cell.Zero(s, row, j, step);
+      }
+#pragma unroll
+      for (int q = 0; q < kGates; ++q) a[n * ldg + q * U + u] = sent[q];
+    }
+    __syncthreads();  // a is whole
+    const uint32_t bar = sm90::SharedAddress(&arrived[slot]);
+    const uint32_t to = sm90::SharedAddress(in + (slot * plan.blocks + block) * B * units);
+    for (int tile0 = warp * kTiles; tile0 < tiles; tile0 += kWide / 32 * kTiles) {
+      float acc[kTiles][4] = {};
+      for (int blk = 0; blk < k_blocks; ++blk) {
+        const float* a_lo = a + g * ldg + blk * kKBlock + 8 * t;
+        uint32_t hi[2][8], lo[2][8];  // [row g, g + 8][k]: TF32 value and remainder
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float4 v0 = *reinterpret_cast<const float4*>(a_lo + 8 * i * ldg);
+          const float4 v1 = *reinterpret_cast<const float4*>(a_lo + 8 * i * ldg + 4);
+          const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            hi[i][k] = Tf32(v[k]);
+            lo[i][k] = Tf32(v[k] - __uint_as_float(hi[i][k]));
+          }
+        }
+#pragma unroll
+        for (int tt = 0; tt < kTiles; ++tt) {
+          const int tile = std::min(tile0 + tt, tiles - 1);  // a repeated last tile's sums are dropped
+          uint32_t bv[8];
+          LoadTf32x8<false>(piece(tile * kMmaN + g, 4 * blk + t), bv);
+#pragma unroll
+          for (int q = 0; q < kKBlock / kMmaK; ++q) {
+            const uint32_t bf[2] = {bv[2 * q], bv[2 * q + 1]};
+            const uint32_t ah[4] = {hi[0][2 * q], hi[1][2 * q], hi[0][2 * q + 1], hi[1][2 * q + 1]};
+            const uint32_t al[4] = {lo[0][2 * q], lo[1][2 * q], lo[0][2 * q + 1], lo[1][2 * q + 1]};
+            MmaTf32(acc[tt], al, bf);
+            MmaTf32(acc[tt], ah, bf);
+          }
+        }
+      }
+#pragma unroll
+      for (int tt = 0; tt < kTiles; ++tt) {
+        if (tile0 + tt >= tiles) break;
+        const int k = (tile0 + tt) * kMmaN + 2 * t, p = k / units, c = k % units;  // the owner, its unit
+        if (g < B) SendToBlock(make_float2(acc[tt][0], acc[tt][1]), to + uint32_t(g * units + c) * 4, bar, p);
+        if (g + 8 < B) SendToBlock(make_float2(acc[tt][2], acc[tt][3]), to + uint32_t((g + 8) * units + c) * 4, bar, p);
+      }
+    }
+    WaitExchange(arrived, x, T, bytes);
+    if (mine && step < len) {
+      float dh = 0.f;
+      const float* part = in + slot * plan.blocks * B * units + n * units + u;
+      for (int p = 0; p < plan.blocks; ++p) dh += part[p * B * units];
+      state[0] = dh + (Cell<Io>::kBypass ? state[1] : 0.f);
+    }
+  }
+  if (mine) cell.Final(s, row, j, state, 1);
+  ClusterSync();  // no block leaves while another may still send to it
+#endif
+}
+
 // --- host -------------------------------------------------------------------------------------
 
 // Sizes the grid: the fewest units per block that spread H over the SMs, then (forward) the largest
@@ -1244,21 +1501,49 @@ bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_
 }
 
 // The cluster kernels' plan for clusters of up to `size` blocks: the fewest units a block that spread
-// H over them. False but for a batch of one row (larger batches ran slower in clusters than on the
-// persistent kernels: their products grow with B on a tenth of the SMs), or when the buffers do not
-// fit.
+// H over them. A batch of one row runs on the CUDA-core cluster kernels; a batch of 2 to 16 rows
+// on the tensor-core ones, with H a multiple of kKBlock, one (row, unit) pair a thread, a W_hh slice
+// of at most kClusterBatchSlice elements and, forward, `tf32` (their products round W_hh and the
+// state), backward, a 16-bit W_hh (exact in TF32). Larger batches and slices, and the backward of a
+// float32 W_hh, stay on the persistent kernels: with larger slices the 16 SMs step slower than the
+// grid (H200, LSTM (512, 16, 512, 512) bf16, 128 KB slices: fwd 2.32 -> 3.12 ms, fwd+bwd 5.29 ->
+// 6.97; Nsight Compute: the block's product, issue-bound, held 44% of the stall samples). False
+// when the buffers do not fit.
 template <typename Io>
-bool MakeClusterPlan(const RecurrenceShape& s, size_t w_size, int size, size_t smem_limit, Plan* plan) {
-  if (s.batch != 1 || s.hidden > INT32_MAX / 16) return false;
+bool MakeClusterPlan(const RecurrenceShape& s, size_t w_size, bool tf32, int size, size_t smem_limit, Plan* plan) {
+  if (s.batch < 1 || s.hidden > INT32_MAX / 16) return false;
   const bool backward = kIsBackward<Io>;
-  const int64_t H = s.hidden, gates = s.gates() / H;
+  const int64_t H = s.hidden, gates = s.gates() / H, B = s.batch;
   plan->units = int((H + size - 1) / size);
+  if (B == 1) {
+    plan->blocks = int((H + plan->units - 1) / plan->units);
+    plan->threads = kNarrow;
+    if (plan->units > 32 * kClusterWarps) return false;  // a lane a unit
+    plan->ld = int(((backward ? s.gates() : H) + 3) / 4 * 4);
+    plan->weight_bytes = AlignUp(size_t((backward ? 1 : gates) * plan->units * plan->ld) * w_size);
+    plan->smem_bytes = plan->weight_bytes + 2 * size_t(plan->ld) * sizeof(float) + 2 * sizeof(uint64_t);
+    return plan->smem_bytes <= smem_limit;
+  }
+  if (B > 16 || H % kKBlock != 0 || (backward ? w_size != 2 : !tf32)) return false;
+  const int multiple = backward ? kMmaN : 4;  // the backward's n tiles, the forward's 16-byte sends
+  plan->units = (plan->units + multiple - 1) / multiple * multiple;
   plan->blocks = int((H + plan->units - 1) / plan->units);
-  plan->threads = kNarrow;
-  if (plan->units > 32 * kClusterWarps) return false;  // a lane a unit
-  plan->ld = int(((backward ? s.gates() : H) + 3) / 4 * 4);
-  plan->weight_bytes = AlignUp(size_t((backward ? 1 : gates) * plan->units * plan->ld) * w_size);
-  plan->smem_bytes = plan->weight_bytes + 2 * size_t(plan->ld) * sizeof(float) + 2 * sizeof(uint64_t);
+  plan->threads = kWide;
+  const int64_t units = plan->units, R = gates * units;
+  if (B * units > kWide || R * H > kClusterBatchSlice) return false;
+  if (backward) {
+    plan->ldw = int(KPadded(R));
+    plan->ldx = int(FragmentStride(R, sizeof(float)));  // the gate gradients' rows
+    plan->weight_bytes = AlignUp(size_t(H * plan->ldw) * w_size);
+    plan->smem_bytes = plan->weight_bytes + 2 * sizeof(uint64_t) +
+                       size_t(2 * plan->blocks * B * units + 2 * kMmaM * plan->ldx) * sizeof(float);
+  } else {
+    plan->ldw = int(FragmentStride(H, w_size));
+    plan->ldx = int(FragmentStride(H, sizeof(float)));
+    plan->weight_bytes = AlignUp(size_t(R * plan->ldw) * w_size);
+    plan->smem_bytes = plan->weight_bytes + 2 * sizeof(uint64_t) +
+                       size_t(2 * B * plan->ldx + B * R + B * units + kWide / 32 * kMmaTile) * sizeof(float);
+  }
   return plan->smem_bytes <= smem_limit;
 }
 
@@ -1272,13 +1557,18 @@ ffi::Error LaunchCluster(cudaStream_t stream, const W* w_hh, const int32_t* seq_
   if (major < 9) return ffi::Error::Success();
   for (int size : {16, 8}) {
     Plan plan;
-    if (!MakeClusterPlan<Io>(s, sizeof(W), size, smem_limit, &plan)) continue;
+    if (!MakeClusterPlan<Io>(s, sizeof(W), tf32, size, smem_limit, &plan)) continue;
     auto select = [&](auto directions) {
       constexpr int kD = decltype(directions)::value;
+      using Kernel = void (*)(Cell<Io>, const W*, const int32_t*, RecurrenceShape, bool, Plan);
       if constexpr (kIsBackward<Io>) {
-        return ClusterBwdKernel<W, Io, kD>;
+        if constexpr (sizeof(W) == 2) {  // MakeClusterPlan takes batches above 1 for 16-bit W_hh only
+          if (s.batch > 1) return Kernel(ClusterBatchBwdKernel<W, Io, kD>);
+        }
+        return Kernel(ClusterBwdKernel<W, Io, kD>);
       } else {
-        return tf32 ? ClusterFwdKernel<W, Io, true, kD> : ClusterFwdKernel<W, Io, false, kD>;
+        if (s.batch > 1) return Kernel(ClusterBatchFwdKernel<W, Io, kD>);
+        return tf32 ? Kernel(ClusterFwdKernel<W, Io, true, kD>) : Kernel(ClusterFwdKernel<W, Io, false, kD>);
       }
     };
     const auto kernel =

@@ -1,8 +1,8 @@
 // The persistent recurrence kernels (rnn_persistent.cu): one cooperative grid runs a layer's whole
 // sequence in each of its directions (both at once where they fit), forward or backward through
-// time, with W_hh held on chip (a layer of one batch row: one thread-block cluster a direction, on
-// sm_90). rnn.cu's handlers call them first and fall back to the per-row baseline when the plan
-// does not fit the device.
+// time, with W_hh held on chip (a layer of one batch row, or of 2 to 16 rows with small W_hh
+// slices: one thread-block cluster a direction, on sm_90). rnn.cu's handlers call them first and
+// fall back to the per-row baseline when the plan does not fit the device.
 // Shapes and meanings are rnn.h's; the *Io structs carry each target's operands and results.
 #pragma once
 
