@@ -3,7 +3,8 @@
 //
 // Decomposition. The H hidden units are split across P blocks (at most one per SM), `units` each.
 // A bidirectional layer's two directions run in one launch of 2P blocks, each direction over half
-// of the SMs, with its own barrier counter; where that plan does not fit, one launch a direction.
+// of the SMs (the backward with its own barrier counter); where that plan does not fit, one launch
+// a direction.
 // A block copies the W_hh entries its units need into shared memory once, then loops over time:
 // - forward step: every block reads the whole previous h [B, H] (from h_seq, in L2) in chunks of
 //   batch rows, awaiting each value's publication (below), multiplies it by its gate rows of W_hh
