@@ -66,6 +66,20 @@ def test_kinks_and_saturation(name, rng):
 
 
 @act_param
+def test_nan_propagates(name, rng):
+    """NaN inputs give jax.nn's outputs and gradients: NaN where jax.nn's are NaN, the same numbers
+    elsewhere (relu, relu6 and hard_tanh keep a NaN, as jnp.maximum, minimum and where do)."""
+    op, oracle = ACTIVATIONS[name]
+    x = normal(rng, (40,), scale=3.0).at[::3].set(jnp.nan)
+    cotangent = normal(rng, x.shape)
+    y, vjp = jax.vjp(jax.jit(op), x)
+    want, want_vjp = jax.vjp(oracle, f64(x))
+    np.testing.assert_allclose(y, want, rtol=tolerance(jnp.float32), atol=1e-6, equal_nan=True)
+    np.testing.assert_allclose(vjp(cotangent)[0], want_vjp(f64(cotangent))[0],
+                               rtol=tolerance(jnp.float32, grad=True), atol=1e-6, equal_nan=True)
+
+
+@act_param
 def test_transforms(name, rng):
     op, oracle = ACTIVATIONS[name]
     x = normal(rng, (4, 3, 24), scale=2.0)

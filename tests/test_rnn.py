@@ -296,9 +296,9 @@ def test_empty(mode, batch, steps, rng):
 @mode_param
 def test_nan_stays_in_its_row(mode, rng):
     """A NaN with every payload bit set (the CUDA forward's fill of h values not yet published) in one
-    row's x at step 2 and in another row's h_0 turns those rows' outputs to NaN from there (the relu
-    RNN's excepted: its kernel's relu maps NaN to 0) and leaves every other row as the reference's;
-    19 rows put a GPU on the persistent kernels, whose steps await each h as it is published."""
+    row's x at step 2 and in another row's h_0 turns those rows' outputs to NaN from there and leaves
+    every other row as the reference's; 19 rows put a GPU on the persistent kernels, whose steps
+    await each h as it is published."""
     args, sizes = _inputs(rng, mode, (19, 5, 3, 8, 1, False, None))
     x, states, weights, seq_lengths = args
     nan = np.array(0xFFFFFFFF, np.uint32).view(np.float32)
@@ -308,9 +308,8 @@ def test_nan_stays_in_its_row(mode, rng):
     expected = _oracle(mode, x, states, weights, seq_lengths, sizes)[0]
     clean = np.setdiff1d(np.arange(19), [4, 7])
     assert_close(y[clean], expected[clean], tolerance(jnp.float32), "rows without a NaN")
-    if mode != "rnn_relu":
-        assert np.all(np.isnan(y[4, 2:])) and np.all(np.isnan(y[7]))
-        assert np.all(np.isfinite(y[4, :2]))
+    assert np.all(np.isnan(y[4, 2:])) and np.all(np.isnan(y[7]))
+    assert np.all(np.isfinite(y[4, :2]))
 
 
 @mode_param

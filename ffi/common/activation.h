@@ -83,8 +83,10 @@ template <Activation kAct>
 JAXDNN_HOST_DEVICE inline float Activate(float x, float param) {
   switch (kAct) {
     case Activation::kIdentity: return x;
-    case Activation::kRelu: return x > 0.f ? x : 0.f;
-    case Activation::kRelu6: return fminf(fmaxf(x, 0.f), 6.f);
+    // Comparisons that fail for a NaN x return x, as jax.nn's maximum, minimum and where do (fmaxf and
+    // fminf would return the other operand).
+    case Activation::kRelu: return x <= 0.f ? 0.f : x;
+    case Activation::kRelu6: return x <= 0.f ? 0.f : (x >= 6.f ? 6.f : x);
     case Activation::kLeakyRelu: return x >= 0.f ? x : param * x;
     case Activation::kElu: return x > 0.f ? x : param * expm1f(x);
     case Activation::kSigmoid: return Sigmoid(x);
@@ -94,7 +96,7 @@ JAXDNN_HOST_DEVICE inline float Activate(float x, float param) {
     case Activation::kGeluErf: return 0.5f * x * erfcf(-x * kInvSqrt2);
     case Activation::kSilu: return x * Sigmoid(x);
     case Activation::kSoftplus: return log1pf(expf(-fabsf(x))) + fmaxf(x, 0.f);
-    case Activation::kHardTanh: return fminf(fmaxf(x, -1.f), 1.f);
+    case Activation::kHardTanh: return x > 1.f ? 1.f : (x < -1.f ? -1.f : x);
   }
   return x;
 }
@@ -120,7 +122,7 @@ JAXDNN_HOST_DEVICE inline float ActivateGrad(float x, float param) {
       return s * (1.f + x * (1.f - s));
     }
     case Activation::kSoftplus: return Sigmoid(x);
-    case Activation::kHardTanh: return x >= -1.f && x <= 1.f ? 1.f : 0.f;  // jax.nn: 1 at +-1
+    case Activation::kHardTanh: return x > 1.f || x < -1.f ? 0.f : 1.f;  // jax.nn: 1 at +-1 and at NaN
   }
   return 1.f;
 }
