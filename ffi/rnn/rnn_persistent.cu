@@ -18,7 +18,13 @@
 // forward by the values themselves (published values, below): no block waits for more than the h
 // it reads, and no fence or counter round trip lies on the step's path (H200, (512, 16, 512, 512)
 // LSTM bf16: forward 2.39 -> 2.10 ms). The backward's gate gradients polled alike ran twice as slow
-// (there fwd+bwd 5.7 -> 12.1 ms in a probe build), so the backward keeps the barrier.
+// (there fwd+bwd 5.7 -> 12.1 ms in a probe build), so the backward keeps the barrier. Staging each
+// step's gate gradients in shared memory by cluster multicast (one L2 read a cluster of 2 to 8
+// blocks, not one a block) gained nothing there: the step is not bound by the product's L2 reads.
+// A thread with one (row, unit) pair loads its cell's operands a step ahead into registers (the
+// forward keeps c or the GRU's h there too): the cell then waits on no global load (H200, fwd+bwd:
+// (512, 16, 512, 512) LSTM bf16 5.27 -> 4.79 ms, 2-layer bidirectional (256, 32, 512, 512) 9.34 ->
+// 8.99, (256, 64, 1024, 1024) 11.56 -> 11.10).
 // A layer of one batch row, or of 2 to 16 rows with small W_hh slices, runs instead on the cluster
 // kernels (below; sm_90), whose blocks exchange each step's values through distributed shared
 // memory, with no grid barrier.
@@ -888,13 +894,36 @@ __global__ void __launch_bounds__(kThreads, 1)
     w[r * plan.ldw + k] = k < H ? StoredWeight<kTf32>(w_hh[(int64_t(r / U) * H + j0 + r % U) * H + k]) : W(0.f);
   }
   for (int e = threadIdx.x; e < plan.chunk * plan.ldx; e += kThreads) x[e] = 0.f;  // LoadRows writes [0, H)
+  // Where the cell runs one group of rows with at most one (row, unit) pair a thread, the pair is the
+  // same every step: the thread keeps its carried state (c, or the GRU's h) in a register and loads
+  // its gates_x a step ahead, through the product, so the cell waits on no global load (else each
+  // step's gates_x are prefetched to L2).
+  const bool ahead = plan.group == B && B * U <= kThreads;
+  const bool mine = ahead && int(threadIdx.x) < B * U;
+  const int n = mine ? int(threadIdx.x) / U : 0, u = mine ? int(threadIdx.x) % U : 0;
+  const SeqRow row = s.Row(n, d);
+  const int64_t j = j0 + u, len = mine ? ValidSteps(seq_lengths[n], T) : 0;
+  float carried = mine ? cell.Carried0(s, row, j) : 0.f;
+  float gx[kGates] = {}, gx_next[kGates] = {};  // this step's gates_x and the next one's
+  auto load_gates_x = [&](int64_t step, float (&g)[kGates]) {
+    if (mine && step < len) {
+      const float* p = cell.io.gates_x + At(s, row, StepTime(step, len, rev)) * kGates * H + j;
+#pragma unroll
+      for (int q = 0; q < kGates; ++q) g[q] = p[q * H];
+    }
+  };
+  load_gates_x(0, gx);
   __syncthreads();  // LoadRows's warps write rows that other threads zeroed
   for (int64_t step = 0; step < T; ++step) {
-    for (int e = threadIdx.x; e < B * U; e += kThreads) {
-      const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
-      const float* gx = cell.io.gates_x + At(s, s.Row(b, d), StepTime(step, len, rev)) * kGates * H + j0 + e % U;
-      if (step < len) {
-        for (int q = 0; q < kGates; ++q) PrefetchL2(gx + q * H);
+    if (ahead) {
+      load_gates_x(step + 1, gx_next);
+    } else {
+      for (int e = threadIdx.x; e < B * U; e += kThreads) {
+        const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
+        const float* gx = cell.io.gates_x + At(s, s.Row(b, d), StepTime(step, len, rev)) * kGates * H + j0 + e % U;
+        if (step < len) {
+          for (int q = 0; q < kGates; ++q) PrefetchL2(gx + q * H);
+        }
       }
     }
     const bool poll = step > 0;  // h_prev is h_seq's: await each value's publication
@@ -916,17 +945,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         __syncthreads();
         Product<kTf32, kThreads>(w, plan.ldw, x, plan.ldx, R, rows, H, pre + c0 * R, partial);  // ends synchronized
       }
-      for (int e = threadIdx.x; e < group * U; e += kThreads) {
-        const int64_t b = g0 + e / U, j = j0 + e % U, len = ValidSteps(seq_lengths[b], T);
-        if (step < len) {
-          const int64_t t_prev = step == 0 ? -1 : StepTime(step - 1, len, rev);
-          cell.Step(s, s.Row(b, d), j, StepTime(step, len, rev), t_prev, pre + (e / U) * R + e % U, U);
-        } else {
-          cell.Zero(s, s.Row(b, d), j, step);  // steps past the row's end are t = len .. T - 1
+      if (ahead) {
+        if (mine && step < len) {
+          cell.Advance(s, row, j, StepTime(step, len, rev), gx, 1, carried, pre + n * R + u, U);
+        } else if (mine) {
+          cell.Zero(s, row, j, step);  // steps past the row's end are t = len .. T - 1
+        }
+      } else {
+        for (int e = threadIdx.x; e < group * U; e += kThreads) {
+          const int64_t b = g0 + e / U, j = j0 + e % U, len = ValidSteps(seq_lengths[b], T);
+          if (step < len) {
+            const int64_t t_prev = step == 0 ? -1 : StepTime(step - 1, len, rev);
+            cell.Step(s, s.Row(b, d), j, StepTime(step, len, rev), t_prev, pre + (e / U) * R + e % U, U);
+          } else {
+            cell.Zero(s, s.Row(b, d), j, step);
+          }
         }
       }
       __syncthreads();  // before the next group overwrites pre
     }
+#pragma unroll
+    for (int q = 0; q < kGates; ++q) gx[q] = gx_next[q];
   }
   for (int e = threadIdx.x; e < B * U; e += kThreads) {
     const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
@@ -958,26 +997,53 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int k = e / U, u = e % U;
     wt[u * plan.ldw + k] = w_hh[int64_t(k) * H + j0 + u];
   }
+  // With at most one (row, unit) pair a thread, a thread loads its pair's operands of the next step
+  // into registers while it waits at the barrier and through the product, so the cell waits on no
+  // global load (else each step's operands are prefetched to L2).
+  const bool ahead = B * U <= kThreads;
+  const bool mine = ahead && int(threadIdx.x) < B * U;
+  const int n = mine ? int(threadIdx.x) / U : 0, u = mine ? int(threadIdx.x) % U : 0;
+  const SeqRow row = s.Row(n, d);
+  const int64_t j = j0 + u, len = mine ? ValidSteps(seq_lengths[n], T) : 0;
+  typename Cell<Io>::Operands operands{};
+  auto load_operands = [&](int64_t step) {
+    if (mine && step < len) {
+      operands = cell.Load(s, row, j, StepTime(step, len, rev), step == 0 ? -1 : StepTime(step - 1, len, rev));
+    }
+  };
   for (int e = threadIdx.x; e < B * U; e += kThreads) {
     const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
     cell.Init(s, s.Row(b, d), j0 + e % U, state + b * plan.units + e % U, stride);
-    if (T - 1 < len) cell.Prefetch(s, s.Row(b, d), j0 + e % U, StepTime(T - 1, len, rev));
+    if (T - 1 < len && !ahead) cell.Prefetch(s, s.Row(b, d), j0 + e % U, StepTime(T - 1, len, rev));
   }
+  load_operands(T - 1);
   for (int64_t step = T - 1; step >= 0; --step) {
     // Gate gradients of the own units (their state lives with the same (row, unit) mapping).
-    for (int e = threadIdx.x; e < B * U; e += kThreads) {
-      const int64_t b = e / U, j = j0 + e % U, len = ValidSteps(seq_lengths[b], T);
-      if (step < len) {
-        const int64_t t_prev = step == 0 ? -1 : StepTime(step - 1, len, rev);
-        cell.Step(s, s.Row(b, d), j, StepTime(step, len, rev), t_prev, state + b * plan.units + e % U, stride);
-      } else {
-        cell.Zero(s, s.Row(b, d), j, step);
+    if (ahead) {
+      if (mine && step < len) {
+        cell.Grad(s, row, j, StepTime(step, len, rev), operands, state + n * plan.units + u, stride);
+      } else if (mine) {
+        cell.Zero(s, row, j, step);
+      }
+    } else {
+      for (int e = threadIdx.x; e < B * U; e += kThreads) {
+        const int64_t b = e / U, j = j0 + e % U, len = ValidSteps(seq_lengths[b], T);
+        if (step < len) {
+          const int64_t t_prev = step == 0 ? -1 : StepTime(step - 1, len, rev);
+          cell.Step(s, s.Row(b, d), j, StepTime(step, len, rev), t_prev, state + b * plan.units + e % U, stride);
+        } else {
+          cell.Zero(s, s.Row(b, d), j, step);
+        }
       }
     }
     GridArrive(counter);
-    for (int e = threadIdx.x; e < B * U && step > 0; e += kThreads) {  // the next step's operands
-      const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
-      if (step - 1 < len) cell.Prefetch(s, s.Row(b, d), j0 + e % U, StepTime(step - 1, len, rev));
+    if (step > 0 && ahead) {  // the next step's operands
+      load_operands(step - 1);
+    } else if (step > 0) {
+      for (int e = threadIdx.x; e < B * U; e += kThreads) {
+        const int64_t b = e / U, len = ValidSteps(seq_lengths[b], T);
+        if (step - 1 < len) cell.Prefetch(s, s.Row(b, d), j0 + e % U, StepTime(step - 1, len, rev));
+      }
     }
     GridWait(counter, unsigned(T - step) * plan.blocks);  // every block wrote this step's gradients
     // The gradient reaching h_prev of the own units: W_hh^T (every unit's gate gradients). A row
