@@ -22,9 +22,9 @@
 // step's gate gradients in shared memory by cluster multicast (one L2 read a cluster of 2 to 8
 // blocks, not one a block) gained nothing there: the step is not bound by the product's L2 reads.
 // A thread with one (row, unit) pair loads its cell's operands a step ahead into registers (the
-// forward keeps c or the GRU's h there too): the cell then waits on no global load (H200, fwd+bwd:
-// (512, 16, 512, 512) LSTM bf16 5.27 -> 4.79 ms, 2-layer bidirectional (256, 32, 512, 512) 9.34 ->
-// 8.99, (256, 64, 1024, 1024) 11.56 -> 11.10).
+// forward keeps c or the GRU's h there too): the cell then waits on no global load (H200, bf16
+// fwd+bwd against main's build in one session: (512, 16, 512, 512) LSTM 5.09 -> 4.79 ms, GRU 4.93
+// -> 4.54; 2-layer bidirectional (256, 32, 512, 512) LSTM 9.25 -> 8.99).
 // A layer of one batch row, or of 2 to 16 rows with small W_hh slices, runs instead on the cluster
 // kernels (below; sm_90), whose blocks exchange each step's values through distributed shared
 // memory, with no grid barrier.
