@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -86,6 +87,26 @@ def test_forward_and_grad(dtype, x_shape, window, multiplier, kwargs, rng):
     assert dx.dtype == dtype and dw.dtype == dtype
     assert_close(dx, want_dx, tolerance(dtype, grad=True), "grad x")
     assert_close(dw, want_dw, tolerance(dtype, grad=True), "grad w")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=str)
+def test_non_finite_stays_in_its_channel(dtype, value, rng):
+    """An inf or NaN of one channel reaches that channel's outputs only, through the fused
+    epilogue too (a kernel that multiplies a pixel's channels together, as a tensor-core product
+    by each tap's diagonal would, must not let it reach the others)."""
+    x, w = _operands(rng, (2, 9, 40, 32), (3, 3), 1, dtype)
+    x = x.at[1, 4, 21, 5].set(value)
+    bias = normal(rng, (32,), dtype)
+    kwargs = dict(window_strides=(1, 1), padding="SAME")
+    op, oracle = _op(jaxdnn.conv_general_dilated, x, kwargs), _op(lax.conv_general_dilated, x, kwargs)
+    fused = jax.jit(lambda x, w, b: jaxdnn.conv(x, w, b, groups=32))
+    want_y = oracle(f64(x), f64(w))
+    for got, want in ((jax.jit(op)(x, w), want_y), (fused(x, w, bias), want_y + f64(bias))):
+        assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isinf(got), np.isinf(want))
+        finite = np.isfinite(np.asarray(want))
+        assert finite.sum() < want.size and not finite[1, 3:6, 20:23, 5].any()
+        assert_close(np.where(finite, got, 0), np.where(finite, want, 0), tolerance(dtype), "finite outputs")
 
 
 def test_hlo_holds_the_custom_calls(rng):
