@@ -836,6 +836,19 @@ constexpr bool kIsBackward<GruBwdIo> = true;
 template <>
 constexpr bool kIsBackward<RnnBwdIo> = true;
 
+// g = the gates_x of unit j of pair b at `step` of its len valid steps (g unchanged past them): the
+// forward kernels that load them a step ahead into registers.
+template <typename Io>
+__device__ __forceinline__ void LoadGatesX(const Cell<Io>& cell, const RecurrenceShape& s, SeqRow b, int64_t j,
+                                           int64_t step, int64_t len, bool rev, float (&g)[Cell<Io>::kGates]) {
+  if (step < len) {
+    const int H = int(s.hidden);
+    const float* p = cell.io.gates_x + At(s, b, StepTime(step, len, rev)) * Cell<Io>::kGates * H + j;
+#pragma unroll
+    for (int q = 0; q < Cell<Io>::kGates; ++q) g[q] = p[q * H];
+  }
+}
+
 // Backward state slots per (row, unit): the gradient reaching h, and the LSTM's dc or GRU's bypass.
 template <typename Io>
 constexpr int kStateSlots = (std::is_same_v<Io, RnnBwdIo> ? 1 : 2);
@@ -906,11 +919,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float carried = mine ? cell.Carried0(s, row, j) : 0.f;
   float gx[kGates] = {}, gx_next[kGates] = {};  // this step's gates_x and the next one's
   auto load_gates_x = [&](int64_t step, float (&g)[kGates]) {
-    if (mine && step < len) {
-      const float* p = cell.io.gates_x + At(s, row, StepTime(step, len, rev)) * kGates * H + j;
-#pragma unroll
-      for (int q = 0; q < kGates; ++q) g[q] = p[q * H];
-    }
+    if (mine) LoadGatesX(cell, s, row, j, step, len, rev, g);
   };
   load_gates_x(0, gx);
   __syncthreads();  // LoadRows's warps write rows that other threads zeroed
@@ -1216,11 +1225,7 @@ __global__ void __launch_bounds__(kNarrow, 1)
   float carried = mine ? cell.Carried0(s, row, j) : 0.f;
   float gx[kGates] = {}, gx_next[kGates] = {};  // this step's gates_x and the next one's
   auto load_gates_x = [&](int64_t step, float (&g)[kGates]) {
-    if (mine && step < len) {
-      const float* p = cell.io.gates_x + At(s, row, StepTime(step, len, rev)) * kGates * H + j;
-#pragma unroll
-      for (int q = 0; q < kGates; ++q) g[q] = p[q * H];
-    }
+    if (mine) LoadGatesX(cell, s, row, j, step, len, rev, g);
   };
   load_gates_x(0, gx);
   ClusterSync();  // w, in and every block's barriers are ready before any block sends
@@ -1406,11 +1411,7 @@ __global__ void __launch_bounds__(kWide, 1)
   float carried = mine ? cell.Carried0(s, row, j) : 0.f;
   float gx[kGates] = {}, gx_next[kGates] = {};  // this step's gates_x and the next one's
   auto load_gates_x = [&](int64_t step, float (&g)[kGates]) {
-    if (mine && step < len) {
-      const float* p = cell.io.gates_x + At(s, row, StepTime(step, len, rev)) * kGates * H + j;
-#pragma unroll
-      for (int q = 0; q < kGates; ++q) g[q] = p[q * H];
-    }
+    if (mine) LoadGatesX(cell, s, row, j, step, len, rev, g);
   };
   load_gates_x(0, gx);
   ClusterSync();  // w, in and every block's barriers are ready before any block sends
