@@ -849,6 +849,15 @@ __device__ __forceinline__ void LoadGatesX(const Cell<Io>& cell, const Recurrenc
   }
 }
 
+// The backward cell's operands of unit j of pair b at `step` (< len) of its len valid steps: the
+// kernels that load them a step ahead into registers.
+template <typename Io>
+__device__ __forceinline__ typename Cell<Io>::Operands LoadOperands(const Cell<Io>& cell, const RecurrenceShape& s,
+                                                                    SeqRow b, int64_t j, int64_t step, int64_t len,
+                                                                    bool rev) {
+  return cell.Load(s, b, j, StepTime(step, len, rev), step == 0 ? -1 : StepTime(step - 1, len, rev));
+}
+
 // Backward state slots per (row, unit): the gradient reaching h, and the LSTM's dc or GRU's bypass.
 template <typename Io>
 constexpr int kStateSlots = (std::is_same_v<Io, RnnBwdIo> ? 1 : 2);
@@ -1017,7 +1026,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   typename Cell<Io>::Operands operands{};
   auto load_operands = [&](int64_t step) {
     if (mine && step < len) {
-      operands = cell.Load(s, row, j, StepTime(step, len, rev), step == 0 ? -1 : StepTime(step - 1, len, rev));
+      operands = LoadOperands(cell, s, row, j, step, len, rev);
     }
   };
   for (int e = threadIdx.x; e < B * U; e += kThreads) {
@@ -1294,9 +1303,7 @@ __global__ void __launch_bounds__(kNarrow, 1)
   const bool mine = lane < units;
   const int64_t j = j0 + warp + kClusterWarps * lane;
   using Operands = typename Cell<Io>::Operands;
-  auto load = [&](int64_t step) {  // the cell operands of a step < len
-    return cell.Load(s, row, j, StepTime(step, len, rev), step == 0 ? -1 : StepTime(step - 1, len, rev));
-  };
+  auto load = [&](int64_t step) { return LoadOperands(cell, s, row, j, step, len, rev); };  // a step < len
   float state[2] = {};  // kStateSlots<Io> of them used
   Operands operands{};
   if (mine) {
@@ -1491,9 +1498,7 @@ __global__ void __launch_bounds__(kWide, 1)
   const int64_t j = j0 + u, len = ValidSteps(seq_lengths[n], T);
   const SeqRow row = s.Row(n, d);
   using Operands = typename Cell<Io>::Operands;
-  auto load = [&](int64_t step) {  // the cell operands of a step < len
-    return cell.Load(s, row, j, StepTime(step, len, rev), step == 0 ? -1 : StepTime(step - 1, len, rev));
-  };
+  auto load = [&](int64_t step) { return LoadOperands(cell, s, row, j, step, len, rev); };  // a step < len
   float state[2] = {};  // kStateSlots<Io> of them used
   Operands operands{};
   if (mine) {
