@@ -1,9 +1,9 @@
 // CPU LSTM, GRU and plain RNN recurrences: the CUDA kernels' decomposition, with a chunk of up to
-// kChunkRows batch rows (instead of one) stepping through time together, so each row of W_hh read
-// from cache serves every row of the chunk. Per step: the recurrent products of the chunk's running rows (rows past
-// their length drop out), then the per-unit cell math of rnn_cell.h. The directions run one after the
-// other; each one's W_hh is converted to float32 (and, for the forward, transposed) once per call, so
-// every inner loop is an axpy over contiguous floats that the compiler vectorizes.
+// kChunkRows batch rows (instead of one) stepping through time together. Per step: the recurrent
+// products of the chunk's running rows (rows past their length drop out), then the per-unit cell
+// math of rnn_cell.h. The directions run one after the other; each one's W_hh is converted to
+// float32 and packed once per call (PackWeights), so that the products keep tiles of 4 rows x 8
+// columns of sums in vector registers over the whole reduction.
 #include <algorithm>
 #include <string_view>
 #include <vector>
@@ -21,16 +21,38 @@ using F32Result = ffi::Result<ffi::Buffer<ffi::F32>>;
 
 constexpr int64_t kChunkRows = 16;
 
-// Direction d's W_hh [G, H] (of w_hh [D, G, H]) as float32, or its transpose [H, G].
-ffi::Error WeightsAsFloat(const ffi::AnyBuffer& w_hh, int64_t d, bool transpose, std::vector<float>* out) {
+// The per-step products' register tile: kTileRows batch rows x kPanel columns of sums (8 vector
+// registers of 4 floats), kept across the whole reduction. Written with the GCC/Clang vector
+// extension: left to itself the compiler vectorized along the reduction, shuffling each step's
+// panel rows into place (slower than the plain axpy loops this replaced).
+constexpr int64_t kTileRows = 4, kPanel = 8;
+// A panel row's 8 floats are two of them: rows are 32 bytes, and std::vector's storage is 16-byte aligned.
+using Vec4 = float __attribute__((vector_size(16)));
+
+// A direction's recurrent weights as the right operand B [K, N] of the per-step products (float32),
+// packed in panels of kPanel columns, each [K][kPanel] and zero past N: the tile reads a row of its
+// panel as one contiguous run, and a panel (8 KiB at K 256) stays in L1 while every row tile uses it.
+struct PackedWeights {
+  int64_t k = 0, n = 0;
+  std::vector<float> panels;
+  int64_t PanelCount() const { return (n + kPanel - 1) / kPanel; }
+  const float* Panel(int64_t p) const { return panels.data() + p * k * kPanel; }
+};
+
+// Direction d's W_hh [G, H] (of w_hh [D, G, H]) packed as B = W_hh (K = G, N = H), or as B = W_hh^T
+// (K = H, N = G) when `transpose`.
+ffi::Error PackWeights(const ffi::AnyBuffer& w_hh, int64_t d, bool transpose, PackedWeights* out) {
   return DispatchFloat<float, Bf16, Half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
     const int64_t gates = w_hh.dimensions()[1], hidden = w_hh.dimensions()[2];
     const W* w = static_cast<const W*>(w_hh.untyped_data()) + d * gates * hidden;
-    out->resize(gates * hidden);
-    for (int64_t k = 0; k < gates; ++k) {
+    out->k = transpose ? hidden : gates;
+    out->n = transpose ? gates : hidden;
+    out->panels.assign(out->PanelCount() * out->k * kPanel, 0.f);
+    for (int64_t g = 0; g < gates; ++g) {
       for (int64_t j = 0; j < hidden; ++j) {
-        (*out)[transpose ? j * gates + k : k * hidden + j] = ToFloat(w[k * hidden + j]);
+        const int64_t k = transpose ? j : g, n = transpose ? g : j;
+        out->panels[((n / kPanel) * out->k + k) * kPanel + n % kPanel] = ToFloat(w[g * hidden + j]);
       }
     }
     return ffi::Error::Success();
@@ -75,48 +97,79 @@ void ScatterRows(const float* src, const RowChunk& chunk, int64_t width, float* 
 }
 
 // Runs fn(chunk, w) over the chunks of batch rows of every direction in turn, w being the direction's
-// W_hh as float32 (transposed when `transpose`).
+// W_hh packed by PackWeights (as W_hh^T when `transpose`).
 template <typename Fn>
 ffi::Error ForEachChunk(const ffi::AnyBuffer& w_hh, bool transpose, const int32_t* seq_lengths,
                         const RecurrenceShape& s, bool reverse, Fn fn) {
-  std::vector<float> w;
+  PackedWeights w;
   for (int64_t d = 0; d < s.directions; ++d) {
-    JAXDNN_RETURN_IF_ERROR(WeightsAsFloat(w_hh, d, transpose, &w));
+    JAXDNN_RETURN_IF_ERROR(PackWeights(w_hh, d, transpose, &w));
     for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) fn(MakeChunk(seq_lengths, begin, s, d, reverse), w);
   }
   return ffi::Error::Success();
 }
 
-// out[r, k] = sum_j W[k, j] h[r, j] for the chunk rows r still running at `step`; wt is W^T [H, G].
-void RecurrentProducts(const std::vector<float>& wt, const float* h, const RowChunk& chunk, int64_t step,
-                       int64_t hidden, int64_t gates, float* out) {
-  const int64_t rows = int64_t(chunk.lens.size());
-  for (int64_t r = 0; r < rows; ++r) std::fill_n(out + r * gates, gates, 0.f);
-  for (int64_t j = 0; j < hidden; ++j) {
-    const float* w = wt.data() + j * gates;
-    for (int64_t r = 0; r < rows; ++r) {
-      if (step >= chunk.lens[r]) continue;
-      const float hj = h[r * hidden + j];
-      float* o = out + r * gates;
-      for (int64_t k = 0; k < gates; ++k) o[k] += hj * w[k];
+// sum[i] = a_rows[i] . (panel's kPanel columns) over k < K, for a tile of R rows. Tiles of fewer
+// than 4 rows keep 4 / R partial sums along k, so that 8 independent vector sums hide the adds'
+// latency (a lone row with one chain ran slower than the axpy loops this replaced).
+template <int R>
+void TileProducts(const float* const* a_rows, const float* panel, int64_t K, Vec4 (&sum)[R][kPanel / 4]) {
+  constexpr int kSplit = R >= 4 ? 1 : 4 / R;
+  Vec4 part[kSplit][R][kPanel / 4] = {};
+  auto accumulate = [&](int s, int64_t k) {
+    const Vec4* w = reinterpret_cast<const Vec4*>(panel + k * kPanel);
+    for (int i = 0; i < R; ++i) {
+      const float x = a_rows[i][k];
+      for (int v = 0; v < kPanel / 4; ++v) part[s][i][v] += x * w[v];
+    }
+  };
+  int64_t k0 = 0;
+  for (; k0 + kSplit <= K; k0 += kSplit) {
+    for (int s = 0; s < kSplit; ++s) accumulate(s, k0 + s);
+  }
+  for (; k0 < K; ++k0) accumulate(0, k0);
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < kPanel / 4; ++v) {
+      sum[i][v] = part[0][i][v];
+      for (int s = 1; s < kSplit; ++s) sum[i][v] += part[s][i][v];
     }
   }
 }
 
-// out[r, j] = sum_k W[k, j] d[r, k] for the chunk rows r still running at `step`; w is W [G, H].
-void TransposedProducts(const std::vector<float>& w, const float* d, const RowChunk& chunk, int64_t step,
-                        int64_t hidden, int64_t gates, float* out) {
-  const int64_t rows = int64_t(chunk.lens.size());
-  for (int64_t r = 0; r < rows; ++r) {
-    if (step < chunk.lens[r]) std::fill_n(out + r * hidden, hidden, 0.f);
+// c[rows[i], n0 + j] = the products of a tile of R rows with panel p (columns n0 = p kPanel on).
+template <int R>
+void StoreTile(const PackedWeights& b, const float* a, int64_t lda, const int64_t* rows, int64_t p, float* c,
+               int64_t ldc) {
+  const float* a_rows[R];
+  for (int i = 0; i < R; ++i) a_rows[i] = a + rows[i] * lda;
+  Vec4 sum[R][kPanel / 4];
+  TileProducts<R>(a_rows, b.Panel(p), b.k, sum);
+  const int64_t n0 = p * kPanel, cols = std::min(kPanel, b.n - n0);
+  for (int i = 0; i < R; ++i) {
+    for (int64_t j = 0; j < cols; ++j) c[rows[i] * ldc + n0 + j] = sum[i][j / 4][j % 4];
   }
-  for (int64_t k = 0; k < gates; ++k) {
-    const float* wk = w.data() + k * hidden;
-    for (int64_t r = 0; r < rows; ++r) {
-      if (step >= chunk.lens[r]) continue;
-      const float dk = d[r * gates + k];
-      float* o = out + r * hidden;
-      for (int64_t j = 0; j < hidden; ++j) o[j] += dk * wk[j];
+}
+
+// c[r, n] = sum_k a[r, k] B[k, n] for the chunk rows r still running at `step` (the other rows of c
+// are left as they are); rows of a and c are lda and ldc floats apart. The forward's products are
+// h W_hh^T (B = W_hh^T), the backward's d W_hh (B = W_hh). Panels outside, so that each stays in L1
+// while every tile of rows uses it.
+void RunningRowProducts(const PackedWeights& b, const float* a, int64_t lda, const RowChunk& chunk, int64_t step,
+                        float* c, int64_t ldc) {
+  int64_t running[kChunkRows];
+  int64_t count = 0;
+  for (int64_t r = 0; r < int64_t(chunk.lens.size()); ++r) {
+    if (step < chunk.lens[r]) running[count++] = r;
+  }
+  for (int64_t p = 0; p < b.PanelCount(); ++p) {
+    for (int64_t i0 = 0; i0 < count; i0 += kTileRows) {
+      const int64_t* rows = running + i0;
+      switch (std::min(kTileRows, count - i0)) {
+        case 1: StoreTile<1>(b, a, lda, rows, p, c, ldc); break;
+        case 2: StoreTile<2>(b, a, lda, rows, p, c, ldc); break;
+        case 3: StoreTile<3>(b, a, lda, rows, p, c, ldc); break;
+        default: StoreTile<4>(b, a, lda, rows, p, c, ldc); break;
+      }
     }
   }
 }
@@ -137,12 +190,12 @@ ffi::Error LstmFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, F32 c0, ffi::Bu
   std::fill_n(acts->typed_data(), sequences * G, 0.f);
   std::vector<float> h(kChunkRows * H), c(kChunkRows * H), pre(kChunkRows * G);
   return ForEachChunk(w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
-                      [&](const RowChunk& chunk, const std::vector<float>& wt) {
+                      [&](const RowChunk& chunk, const PackedWeights& wt) {
     const int64_t rows = int64_t(chunk.lens.size());
     GatherRows(h0.typed_data(), chunk, H, h.data());
     GatherRows(c0.typed_data(), chunk, H, c.data());
     for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
-      RecurrentProducts(wt, h.data(), chunk, step, H, G, pre.data());
+      RunningRowProducts(wt, h.data(), H, chunk, step, pre.data(), G);
       for (int64_t r = 0; r < rows; ++r) {
         if (step >= chunk.lens[r]) continue;
         const int64_t row = chunk.At(r, step);
@@ -181,7 +234,7 @@ ffi::Error LstmBwdImpl(F32 dh_seq, F32 dh_n, F32 dc_n, F32 acts, F32 c_seq, F32 
   std::fill_n(dgates->typed_data(), s.batch * s.directions * T * G, 0.f);
   std::vector<float> dh(kChunkRows * H), dc(kChunkRows * H), dg(kChunkRows * G);
   return ForEachChunk(w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
-                      [&](const RowChunk& chunk, const std::vector<float>& w) {
+                      [&](const RowChunk& chunk, const PackedWeights& w) {
     const int64_t rows = int64_t(chunk.lens.size());
     GatherRows(dh_n.typed_data(), chunk, H, dh.data());
     GatherRows(dc_n.typed_data(), chunk, H, dc.data());
@@ -203,7 +256,7 @@ ffi::Error LstmBwdImpl(F32 dh_seq, F32 dh_n, F32 dc_n, F32 acts, F32 c_seq, F32 
           for (int q = 0; q < 4; ++q) out[q * H + j] = dgr[q * H + j] = d_pre[q];
         }
       }
-      TransposedProducts(w, dg.data(), chunk, step, H, G, dh.data());
+      RunningRowProducts(w, dg.data(), G, chunk, step, dh.data(), H);
     }
     ScatterRows(dh.data(), chunk, H, dh0->typed_data());
     ScatterRows(dc.data(), chunk, H, dc0->typed_data());
@@ -226,12 +279,12 @@ ffi::Error GruFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 b_hh, F32 h0, ffi::B
   std::fill_n(saved->typed_data(), sequences * 4 * H, 0.f);
   std::vector<float> h(kChunkRows * H), hp(kChunkRows * G);
   return ForEachChunk(w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
-                      [&](const RowChunk& chunk, const std::vector<float>& wt) {
+                      [&](const RowChunk& chunk, const PackedWeights& wt) {
     const float* bias = b_hh.typed_data() + chunk.d * s.gates();
     const int64_t rows = int64_t(chunk.lens.size());
     GatherRows(h0.typed_data(), chunk, H, h.data());
     for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
-      RecurrentProducts(wt, h.data(), chunk, step, H, G, hp.data());
+      RunningRowProducts(wt, h.data(), H, chunk, step, hp.data(), G);
       for (int64_t r = 0; r < rows; ++r) {
         if (step >= chunk.lens[r]) continue;
         const int64_t row = chunk.At(r, step);
@@ -268,7 +321,7 @@ ffi::Error GruBwdImpl(F32 dh_seq, F32 dh_n, F32 saved, F32 h_seq, F32 h0, ffi::A
   std::fill_n(dgates_h->typed_data(), s.batch * s.directions * T * G, 0.f);
   std::vector<float> dh(kChunkRows * H), bypass(kChunkRows * H), dgh(kChunkRows * G);
   return ForEachChunk(w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
-                      [&](const RowChunk& chunk, const std::vector<float>& w) {
+                      [&](const RowChunk& chunk, const PackedWeights& w) {
     const int64_t rows = int64_t(chunk.lens.size());
     GatherRows(dh_n.typed_data(), chunk, H, dh.data());
     for (int64_t step = chunk.MaxSteps() - 1; step >= 0; --step) {
@@ -289,7 +342,7 @@ ffi::Error GruBwdImpl(F32 dh_seq, F32 dh_n, F32 saved, F32 h_seq, F32 h0, ffi::A
           for (int q = 0; q < 3; ++q) out_x[q * H + j] = d_x[q], out_h[q * H + j] = dgr[q * H + j] = d_h[q];
         }
       }
-      TransposedProducts(w, dgh.data(), chunk, step, H, G, dh.data());
+      RunningRowProducts(w, dgh.data(), G, chunk, step, dh.data(), H);
       for (int64_t r = 0; r < rows; ++r) {
         if (step >= chunk.lens[r]) continue;
         for (int64_t j = 0; j < H; ++j) dh[r * H + j] += bypass[r * H + j];
@@ -314,11 +367,11 @@ ffi::Error RnnFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, ffi::Buffer<ffi:
   std::fill_n(h_seq->typed_data(), s.batch * s.directions * T * H, 0.f);
   std::vector<float> h(kChunkRows * H), pre(kChunkRows * H);
   return ForEachChunk(w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
-                      [&](const RowChunk& chunk, const std::vector<float>& wt) {
+                      [&](const RowChunk& chunk, const PackedWeights& wt) {
     const int64_t rows = int64_t(chunk.lens.size());
     GatherRows(h0.typed_data(), chunk, H, h.data());
     for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
-      RecurrentProducts(wt, h.data(), chunk, step, H, H, pre.data());
+      RunningRowProducts(wt, h.data(), H, chunk, step, pre.data(), H);
       for (int64_t r = 0; r < rows; ++r) {
         if (step >= chunk.lens[r]) continue;
         const int64_t row = chunk.At(r, step);
@@ -346,7 +399,7 @@ ffi::Error RnnBwdImpl(F32 dh_seq, F32 dh_n, F32 h_seq, ffi::AnyBuffer w_hh, ffi:
   std::fill_n(dgates->typed_data(), s.batch * s.directions * T * H, 0.f);
   std::vector<float> dh(kChunkRows * H), dg(kChunkRows * H);
   return ForEachChunk(w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
-                      [&](const RowChunk& chunk, const std::vector<float>& w) {
+                      [&](const RowChunk& chunk, const PackedWeights& w) {
     const int64_t rows = int64_t(chunk.lens.size());
     GatherRows(dh_n.typed_data(), chunk, H, dh.data());
     for (int64_t step = chunk.MaxSteps() - 1; step >= 0; --step) {
@@ -359,7 +412,7 @@ ffi::Error RnnBwdImpl(F32 dh_seq, F32 dh_n, F32 h_seq, ffi::AnyBuffer w_hh, ffi:
         float *dgr = dg.data() + r * H, *dhr = dh.data() + r * H;
         for (int64_t j = 0; j < H; ++j) out[j] = dgr[j] = RnnCellGrad(act, h[j], dy[j] + dhr[j]);
       }
-      TransposedProducts(w, dg.data(), chunk, step, H, H, dh.data());
+      RunningRowProducts(w, dg.data(), H, chunk, step, dh.data(), H);
     }
     ScatterRows(dh.data(), chunk, H, dh0->typed_data());
   });
