@@ -109,9 +109,9 @@ ffi::Error ForEachChunk(const ffi::AnyBuffer& w_hh, bool transpose, const int32_
   return ffi::Error::Success();
 }
 
-// sum[i] = a_rows[i] . (panel's kPanel columns) over k < K, for a tile of R rows. Tiles of fewer
-// than 4 rows keep 4 / R partial sums along k, so that 8 independent vector sums hide the adds'
-// latency (a lone row with one chain ran slower than the axpy loops this replaced).
+// sum[i] = a_rows[i] . (panel's kPanel columns) over k < K, for a tile of R rows. Tiles of 1 or 2
+// rows keep 4 / R partial sums along k, so that 8 independent vector sums (6 for 3 rows) hide the
+// adds' latency (a lone row with one chain ran slower than the axpy loops this replaced).
 template <int R>
 void TileProducts(const float* const* a_rows, const float* panel, int64_t K, Vec4 (&sum)[R][kPanel / 4]) {
   constexpr int kSplit = R >= 4 ? 1 : 4 / R;
