@@ -1,11 +1,14 @@
 // CPU LSTM, GRU and plain RNN recurrences: the CUDA kernels' decomposition, with a chunk of up to
 // kChunkRows batch rows (instead of one) stepping through time together. Per step: the recurrent
 // products of the chunk's running rows (rows past their length drop out), then the per-unit cell
-// math of rnn_cell.h. The directions run one after the other; each one's W_hh is converted to
-// float32 and packed once per call (PackWeights), so that the products keep tiles of 4 rows x 8
-// columns of sums in vector registers over the whole reduction.
+// math of rnn_cell.h. The chunks of every direction run in parallel on XLA's intra-op thread pool;
+// each direction's W_hh is converted to float32 and packed once per call (PackWeights), so that the
+// products keep tiles of 4 rows x 8 columns of sums in vector registers over the whole reduction.
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "common/half_cpu.h"
@@ -96,16 +99,40 @@ void ScatterRows(const float* src, const RowChunk& chunk, int64_t width, float* 
   for (size_t r = 0; r < chunk.lens.size(); ++r) std::copy_n(src + r * width, width, dst + chunk.Pair(r) * width);
 }
 
-// Runs fn(chunk, w) over the chunks of batch rows of every direction in turn, w being the direction's
-// W_hh packed by PackWeights (as W_hh^T when `transpose`).
+// Runs fn(i) for i in [0, n) on the calling thread and on up to n - 1 tasks of XLA's intra-op
+// thread pool. Each takes items from a shared counter, so the caller waits only for items already
+// taken, never for a task that has not started: a busy pool, or none, cannot deadlock it (a task
+// that starts late finds no items left and touches nothing of the caller's).
 template <typename Fn>
-ffi::Error ForEachChunk(const ffi::AnyBuffer& w_hh, bool transpose, const int32_t* seq_lengths,
-                        const RecurrenceShape& s, bool reverse, Fn fn) {
-  PackedWeights w;
-  for (int64_t d = 0; d < s.directions; ++d) {
-    JAXDNN_RETURN_IF_ERROR(PackWeights(w_hh, d, transpose, &w));
-    for (int64_t begin = 0; begin < s.batch; begin += kChunkRows) fn(MakeChunk(seq_lengths, begin, s, d, reverse), w);
-  }
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
+  struct Progress {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto progress = std::make_shared<Progress>();
+  auto run = [progress, n, &fn] {
+    for (int64_t i; (i = progress->next.fetch_add(1)) < n;) {
+      fn(i);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 1; t < std::min<int64_t>(pool.num_threads(), n); ++t) pool.Schedule([run] { run(); });
+  run();
+  while (progress->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// Runs fn(chunk, w) over the chunks of batch rows of every direction, in parallel (they are
+// independent recurrences), w being the direction's W_hh packed by PackWeights (as W_hh^T when
+// `transpose`). fn allocates its own buffers: chunks run on several threads at once.
+template <typename Fn>
+ffi::Error ForEachChunk(ffi::ThreadPool& pool, const ffi::AnyBuffer& w_hh, bool transpose,
+                        const int32_t* seq_lengths, const RecurrenceShape& s, bool reverse, Fn fn) {
+  std::vector<PackedWeights> w(s.directions);
+  for (int64_t d = 0; d < s.directions; ++d) JAXDNN_RETURN_IF_ERROR(PackWeights(w_hh, d, transpose, &w[d]));
+  const int64_t chunks = (s.batch + kChunkRows - 1) / kChunkRows;
+  ParallelFor(pool, s.directions * chunks, [&](int64_t i) {
+    const int64_t d = i / chunks;
+    fn(MakeChunk(seq_lengths, i % chunks * kChunkRows, s, d, reverse), w[d]);
+  });
   return ffi::Error::Success();
 }
 
@@ -174,7 +201,8 @@ void RunningRowProducts(const PackedWeights& b, const float* a, int64_t lda, con
   }
 }
 
-ffi::Error LstmFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, F32 c0, ffi::Buffer<ffi::S32> seq_lengths,
+ffi::Error LstmFwdImpl(ffi::ThreadPool pool,
+                       F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, F32 c0, ffi::Buffer<ffi::S32> seq_lengths,
                        F32Result h_seq, F32Result c_seq, F32Result acts, F32Result h_n, F32Result c_n,
                        int64_t reverse, int64_t /*tf32: always exact here*/) {
   RecurrenceShape s;
@@ -188,10 +216,10 @@ ffi::Error LstmFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, F32 c0, ffi::Bu
   std::fill_n(h_seq->typed_data(), sequences * H, 0.f);  // steps past each row's end stay zero
   std::fill_n(c_seq->typed_data(), sequences * H, 0.f);
   std::fill_n(acts->typed_data(), sequences * G, 0.f);
-  std::vector<float> h(kChunkRows * H), c(kChunkRows * H), pre(kChunkRows * G);
-  return ForEachChunk(w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
+  return ForEachChunk(pool, w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
                       [&](const RowChunk& chunk, const PackedWeights& wt) {
     const int64_t rows = int64_t(chunk.lens.size());
+    std::vector<float> h(rows * H), c(rows * H), pre(rows * G);
     GatherRows(h0.typed_data(), chunk, H, h.data());
     GatherRows(c0.typed_data(), chunk, H, c.data());
     for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
@@ -219,7 +247,8 @@ ffi::Error LstmFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, F32 c0, ffi::Bu
   });
 }
 
-ffi::Error LstmBwdImpl(F32 dh_seq, F32 dh_n, F32 dc_n, F32 acts, F32 c_seq, F32 c0, ffi::AnyBuffer w_hh,
+ffi::Error LstmBwdImpl(ffi::ThreadPool pool,
+                       F32 dh_seq, F32 dh_n, F32 dc_n, F32 acts, F32 c_seq, F32 c0, ffi::AnyBuffer w_hh,
                        ffi::Buffer<ffi::S32> seq_lengths, F32Result dgates, F32Result dh0, F32Result dc0,
                        int64_t reverse) {
   RecurrenceShape s;
@@ -232,10 +261,10 @@ ffi::Error LstmBwdImpl(F32 dh_seq, F32 dh_n, F32 dc_n, F32 acts, F32 c_seq, F32 
   if (s.empty()) return ffi::Error::Success();
   const int64_t H = s.hidden, G = s.gates(), T = s.steps;
   std::fill_n(dgates->typed_data(), s.batch * s.directions * T * G, 0.f);
-  std::vector<float> dh(kChunkRows * H), dc(kChunkRows * H), dg(kChunkRows * G);
-  return ForEachChunk(w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
+  return ForEachChunk(pool, w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
                       [&](const RowChunk& chunk, const PackedWeights& w) {
     const int64_t rows = int64_t(chunk.lens.size());
+    std::vector<float> dh(rows * H), dc(rows * H), dg(rows * G);
     GatherRows(dh_n.typed_data(), chunk, H, dh.data());
     GatherRows(dc_n.typed_data(), chunk, H, dc.data());
     for (int64_t step = chunk.MaxSteps() - 1; step >= 0; --step) {
@@ -263,7 +292,8 @@ ffi::Error LstmBwdImpl(F32 dh_seq, F32 dh_n, F32 dc_n, F32 acts, F32 c_seq, F32 
   });
 }
 
-ffi::Error GruFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 b_hh, F32 h0, ffi::Buffer<ffi::S32> seq_lengths,
+ffi::Error GruFwdImpl(ffi::ThreadPool pool,
+                      F32 gates_x, ffi::AnyBuffer w_hh, F32 b_hh, F32 h0, ffi::Buffer<ffi::S32> seq_lengths,
                       F32Result h_seq, F32Result saved, F32Result h_n, int64_t reverse,
                       int64_t /*tf32: always exact here*/) {
   RecurrenceShape s;
@@ -277,11 +307,11 @@ ffi::Error GruFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 b_hh, F32 h0, ffi::B
   const int64_t H = s.hidden, G = s.gates(), T = s.steps, sequences = s.batch * s.directions * T;
   std::fill_n(h_seq->typed_data(), sequences * H, 0.f);
   std::fill_n(saved->typed_data(), sequences * 4 * H, 0.f);
-  std::vector<float> h(kChunkRows * H), hp(kChunkRows * G);
-  return ForEachChunk(w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
+  return ForEachChunk(pool, w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
                       [&](const RowChunk& chunk, const PackedWeights& wt) {
     const float* bias = b_hh.typed_data() + chunk.d * s.gates();
     const int64_t rows = int64_t(chunk.lens.size());
+    std::vector<float> h(rows * H), hp(rows * G);
     GatherRows(h0.typed_data(), chunk, H, h.data());
     for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
       RunningRowProducts(wt, h.data(), H, chunk, step, hp.data(), G);
@@ -306,7 +336,8 @@ ffi::Error GruFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 b_hh, F32 h0, ffi::B
   });
 }
 
-ffi::Error GruBwdImpl(F32 dh_seq, F32 dh_n, F32 saved, F32 h_seq, F32 h0, ffi::AnyBuffer w_hh,
+ffi::Error GruBwdImpl(ffi::ThreadPool pool,
+                      F32 dh_seq, F32 dh_n, F32 saved, F32 h_seq, F32 h0, ffi::AnyBuffer w_hh,
                       ffi::Buffer<ffi::S32> seq_lengths, F32Result dgates_x, F32Result dgates_h, F32Result dh0,
                       int64_t reverse) {
   RecurrenceShape s;
@@ -319,10 +350,10 @@ ffi::Error GruBwdImpl(F32 dh_seq, F32 dh_n, F32 saved, F32 h_seq, F32 h0, ffi::A
   const int64_t H = s.hidden, G = s.gates(), T = s.steps;
   std::fill_n(dgates_x->typed_data(), s.batch * s.directions * T * G, 0.f);
   std::fill_n(dgates_h->typed_data(), s.batch * s.directions * T * G, 0.f);
-  std::vector<float> dh(kChunkRows * H), bypass(kChunkRows * H), dgh(kChunkRows * G);
-  return ForEachChunk(w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
+  return ForEachChunk(pool, w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
                       [&](const RowChunk& chunk, const PackedWeights& w) {
     const int64_t rows = int64_t(chunk.lens.size());
+    std::vector<float> dh(rows * H), bypass(rows * H), dgh(rows * G);
     GatherRows(dh_n.typed_data(), chunk, H, dh.data());
     for (int64_t step = chunk.MaxSteps() - 1; step >= 0; --step) {
       for (int64_t r = 0; r < rows; ++r) {
@@ -352,7 +383,8 @@ ffi::Error GruBwdImpl(F32 dh_seq, F32 dh_n, F32 saved, F32 h_seq, F32 h0, ffi::A
   });
 }
 
-ffi::Error RnnFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, ffi::Buffer<ffi::S32> seq_lengths, F32Result h_seq,
+ffi::Error RnnFwdImpl(ffi::ThreadPool pool,
+                      F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, ffi::Buffer<ffi::S32> seq_lengths, F32Result h_seq,
                       F32Result h_n, int64_t reverse, std::string_view nonlinearity,
                       int64_t /*tf32: always exact here*/) {
   RecurrenceShape s;
@@ -365,10 +397,10 @@ ffi::Error RnnFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, ffi::Buffer<ffi:
   if (s.empty()) return ffi::Error::Success();
   const int64_t H = s.hidden, T = s.steps;
   std::fill_n(h_seq->typed_data(), s.batch * s.directions * T * H, 0.f);
-  std::vector<float> h(kChunkRows * H), pre(kChunkRows * H);
-  return ForEachChunk(w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
+  return ForEachChunk(pool, w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
                       [&](const RowChunk& chunk, const PackedWeights& wt) {
     const int64_t rows = int64_t(chunk.lens.size());
+    std::vector<float> h(rows * H), pre(rows * H);
     GatherRows(h0.typed_data(), chunk, H, h.data());
     for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
       RunningRowProducts(wt, h.data(), H, chunk, step, pre.data(), H);
@@ -385,7 +417,8 @@ ffi::Error RnnFwdImpl(F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, ffi::Buffer<ffi:
   });
 }
 
-ffi::Error RnnBwdImpl(F32 dh_seq, F32 dh_n, F32 h_seq, ffi::AnyBuffer w_hh, ffi::Buffer<ffi::S32> seq_lengths,
+ffi::Error RnnBwdImpl(ffi::ThreadPool pool,
+                      F32 dh_seq, F32 dh_n, F32 h_seq, ffi::AnyBuffer w_hh, ffi::Buffer<ffi::S32> seq_lengths,
                       F32Result dgates, F32Result dh0, int64_t reverse, std::string_view nonlinearity) {
   RecurrenceShape s;
   Activation act;
@@ -397,10 +430,10 @@ ffi::Error RnnBwdImpl(F32 dh_seq, F32 dh_n, F32 h_seq, ffi::AnyBuffer w_hh, ffi:
   if (s.empty()) return ffi::Error::Success();
   const int64_t H = s.hidden, T = s.steps;
   std::fill_n(dgates->typed_data(), s.batch * s.directions * T * H, 0.f);
-  std::vector<float> dh(kChunkRows * H), dg(kChunkRows * H);
-  return ForEachChunk(w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
+  return ForEachChunk(pool, w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
                       [&](const RowChunk& chunk, const PackedWeights& w) {
     const int64_t rows = int64_t(chunk.lens.size());
+    std::vector<float> dh(rows * H), dg(rows * H);
     GatherRows(dh_n.typed_data(), chunk, H, dh.data());
     for (int64_t step = chunk.MaxSteps() - 1; step >= 0; --step) {
       for (int64_t r = 0; r < rows; ++r) {
@@ -423,9 +456,15 @@ ffi::Error RnnBwdImpl(F32 dh_seq, F32 dh_n, F32 h_seq, ffi::AnyBuffer w_hh, ffi:
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCpu, jaxdnn::LstmFwdImpl, jaxdnn::BindLstmFwd(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCpu, jaxdnn::LstmBwdImpl, jaxdnn::BindLstmBwd(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCpu, jaxdnn::GruFwdImpl, jaxdnn::BindGruFwd(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCpu, jaxdnn::GruBwdImpl, jaxdnn::BindGruBwd(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnFwdCpu, jaxdnn::RnnFwdImpl, jaxdnn::BindRnnFwd(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnBwdCpu, jaxdnn::RnnBwdImpl, jaxdnn::BindRnnBwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCpu, jaxdnn::LstmFwdImpl,
+                              jaxdnn::BindLstmFwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCpu, jaxdnn::LstmBwdImpl,
+                              jaxdnn::BindLstmBwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCpu, jaxdnn::GruFwdImpl,
+                              jaxdnn::BindGruFwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCpu, jaxdnn::GruBwdImpl,
+                              jaxdnn::BindGruBwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnFwdCpu, jaxdnn::RnnFwdImpl,
+                              jaxdnn::BindRnnFwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnBwdCpu, jaxdnn::RnnBwdImpl,
+                              jaxdnn::BindRnnBwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
