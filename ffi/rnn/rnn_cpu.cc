@@ -456,15 +456,14 @@ ffi::Error RnnBwdImpl(ffi::ThreadPool pool,
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCpu, jaxdnn::LstmFwdImpl,
-                              jaxdnn::BindLstmFwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCpu, jaxdnn::LstmBwdImpl,
-                              jaxdnn::BindLstmBwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCpu, jaxdnn::GruFwdImpl,
-                              jaxdnn::BindGruFwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCpu, jaxdnn::GruBwdImpl,
-                              jaxdnn::BindGruBwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnFwdCpu, jaxdnn::RnnFwdImpl,
-                              jaxdnn::BindRnnFwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnBwdCpu, jaxdnn::RnnBwdImpl,
-                              jaxdnn::BindRnnBwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+namespace {
+// The CPU handlers' binding: XLA's intra-op thread pool first (ForEachChunk runs the chunks on it).
+auto BindWithThreadPool() { return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>(); }
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCpu, jaxdnn::LstmFwdImpl, jaxdnn::BindLstmFwd(BindWithThreadPool()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCpu, jaxdnn::LstmBwdImpl, jaxdnn::BindLstmBwd(BindWithThreadPool()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCpu, jaxdnn::GruFwdImpl, jaxdnn::BindGruFwd(BindWithThreadPool()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCpu, jaxdnn::GruBwdImpl, jaxdnn::BindGruBwd(BindWithThreadPool()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnFwdCpu, jaxdnn::RnnFwdImpl, jaxdnn::BindRnnFwd(BindWithThreadPool()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnBwdCpu, jaxdnn::RnnBwdImpl, jaxdnn::BindRnnBwd(BindWithThreadPool()));
