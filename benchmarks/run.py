@@ -558,24 +558,17 @@ def _depthwise_conv_cases(quick: bool) -> list[Case]:
 # --- dense -------------------------------------------------------------------------------------------
 
 def dense_cases(quick: bool) -> list[Case]:
-    """jaxdnn.dense on a bf16 M = N = K = 8192 product (256 with --quick), x [M, K] @ w [K, N]: the plain
+    """jaxdnn.dense on an M = N = K = 8192 product (256 with --quick), x [M, K] @ w [K, N]: the plain
     product against XLA's `x @ w` (cuBLAS on a GPU); with bias and gelu (tanh) fused into the epilogue
     against XLA's `jax.nn.gelu(x @ w + b)` (which XLA fuses into its GEMM's epilogue where it can); and
-    the fwd+bwd of the latter (gradients w.r.t. x, w and b, random cotangent, passes separated).
+    the fwd+bwd of the latter (gradients w.r.t. x, w and b, random cotangent, passes separated). In
+    bf16, and in float32 at JAX's default precision (both sides multiply TF32-rounded operands on
+    tensor cores; the case names say "float32").
 
     FLOPs: fwd = 2 * M * N * K (the epilogue's elementwise work is not counted), fwd+bwd = 3 x fwd.
     """
-    dtype = jnp.bfloat16
-    sets = 2 if quick else 8
     n = 256 if quick else 8192
     key = jax.random.key(2)
-    primal_sets, dys = [], []
-    for _ in range(sets):
-        key, kx, kw, kb, kdy = jax.random.split(key, 5)
-        # w scaled by 1 / sqrt(K): x @ w ~ N(0, 1), gelu's interesting region
-        primal_sets.append((_normal(kx, (n, n), dtype), _normal(kw, (n, n), dtype, std=n**-0.5),
-                            _normal(kb, (n,), dtype)))
-        dys.append(_normal(kdy, (n, n), dtype))
 
     def fused(x, w, b):
         return jaxdnn.dense(x, w, b, activation="gelu")
@@ -584,14 +577,25 @@ def dense_cases(quick: bool) -> list[Case]:
         return jax.nn.gelu(x @ w + b)
 
     flops = 2 * n**3
-    name = f"M{n} N{n} K{n}"
-    return [
-        Case("dense", f"dense {name} fwd", jaxdnn.dense, "xla", jnp.matmul,
-             [(x, w) for x, w, _ in primal_sets], flops, "TFLOP/s"),
-        Case("dense", f"dense+bias+gelu {name} fwd", fused, "xla", fused_xla, primal_sets, flops, "TFLOP/s"),
-        Case("dense", f"dense+bias+gelu {name} fwd+bwd", _fwd_bwd(fused), "xla", _fwd_bwd(fused_xla),
-             [(*primals, dy) for primals, dy in zip(primal_sets, dys)], 3 * flops, "TFLOP/s"),
-    ]
+    cases = []
+    for dtype, sets in ((jnp.bfloat16, 8), (jnp.float32, 4)):
+        primal_sets, dys = [], []
+        for _ in range(2 if quick else sets):
+            key, kx, kw, kb, kdy = jax.random.split(key, 5)
+            # w scaled by 1 / sqrt(K): x @ w ~ N(0, 1), gelu's interesting region
+            primal_sets.append((_normal(kx, (n, n), dtype), _normal(kw, (n, n), dtype, std=n**-0.5),
+                                _normal(kb, (n,), dtype)))
+            dys.append(_normal(kdy, (n, n), dtype))
+        name = f"M{n} N{n} K{n}" + (" float32" if dtype == jnp.float32 else "")
+        cases += [
+            Case("dense", f"dense {name} fwd", jaxdnn.dense, "xla", jnp.matmul,
+                 [(x, w) for x, w, _ in primal_sets], flops, "TFLOP/s"),
+            Case("dense", f"dense+bias+gelu {name} fwd", fused, "xla", fused_xla, primal_sets, flops,
+                 "TFLOP/s"),
+            Case("dense", f"dense+bias+gelu {name} fwd+bwd", _fwd_bwd(fused), "xla", _fwd_bwd(fused_xla),
+                 [(*primals, dy) for primals, dy in zip(primal_sets, dys)], 3 * flops, "TFLOP/s"),
+        ]
+    return cases
 
 
 # --- attention ---------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ const Target kTargets[] = {
     {"jaxdnn_conv_fprop_fused_v3", ConvFpropFusedCpu, JAXDNN_CUDA_HANDLER(ConvFpropFusedCuda)},
     {"jaxdnn_conv_dgrad_v3", ConvDgradCpu, JAXDNN_CUDA_HANDLER(ConvDgradCuda)},
     {"jaxdnn_conv_wgrad_v3", ConvWgradCpu, JAXDNN_CUDA_HANDLER(ConvWgradCuda)},
-    {"jaxdnn_gemm_v2", GemmCpu, JAXDNN_CUDA_HANDLER(GemmCuda)},
+    {"jaxdnn_gemm_v3", GemmCpu, JAXDNN_CUDA_HANDLER(GemmCuda)},
     {"jaxdnn_attention_fwd_v1", AttentionFwdCpu, JAXDNN_CUDA_HANDLER(AttentionFwdCuda)},
     {"jaxdnn_attention_bwd_v2", AttentionBwdCpu, JAXDNN_CUDA_HANDLER(AttentionBwdCuda)},
     {"jaxdnn_lstm_fwd_v3", LstmFwdCpu, JAXDNN_CUDA_HANDLER(LstmFwdCuda)},

@@ -135,6 +135,6 @@ def _patches(x, geometry):
 def gemm_convolve(x, w, geometry, bias=None, activation=None):
     """act(conv(x, w) + bias): x [N, D, H, W, C], w [T, U, V, C, K], bias None or [K] -> [N, P, Q, R, K]
     in x's dtype (float32 accumulation), differentiable to any order (XLA's gather and transpose
-    around dense's)."""
+    around dense's). Exact float32 products, as the other convolution kernels' are."""
     filters = _pad_channels(w.reshape(-1, w.shape[-1]), 0)  # rows as the patches' columns
-    return dense(_patches(x, geometry), filters, bias, activation=activation)
+    return dense(_patches(x, geometry), filters, bias, activation=activation, precision="highest")

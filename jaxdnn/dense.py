@@ -2,10 +2,11 @@
 GEMM kernel.
 
 Shapes: x [..., K] (any leading axes, M rows in all), w [K, N] (flax's `kernel` layout), bias [N],
-y [..., N]. The kernel (ffi/dense/dense.h, target `jaxdnn_gemm_v2`) computes, for every batch
+y [..., N]. The kernel (ffi/dense/dense.h, target `jaxdnn_gemm_v3`) computes, for every batch
 entry l < L, c[l] = act(op_a(a[l]) . op_b(b[l]) + bias) with op_a / op_b optional transposes,
-float32 accumulation and the operands' dtype out. `dense` folds x's leading axes into M (L = 1);
-the training forward writes z with it and the backward is two more calls, dx = dz . w^T and
+float32 accumulation and the operands' dtype out (float32 operands rounded to TF32 on a GPU's
+tensor cores where `precision` allows it, as XLA's float32 dots). `dense` folds x's leading axes into
+M (L = 1); the training forward writes z with it and the backward is two more calls, dx = dz . w^T and
 dw = x^T . dz with every leading axis folded into the contracted rows (split into slices summed in
 float32 when the product has few output tiles).
 
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdnn import _autotune, _ffi  # noqa: F401  (_ffi registers the FFI targets)
+from jaxdnn._precision import allows_tf32
 from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front, per_row_shard
 from jaxdnn.activation import KINDS, _activation, epilogue, epilogue_attrs
 from jaxdnn.reference.activation import FUNCTIONS
@@ -35,7 +37,7 @@ _KIND_NAMES = {value: name for name, value in KINDS.items()}  # the activation a
 
 # --- the kernel as primitives ---------------------------------------------------------------------
 
-def _gemm_avals(a, b, bias, *, trans_a, trans_b, activation, activation_param, algorithm):
+def _gemm_avals(a, b, bias, *, trans_a, trans_b, activation, activation_param, algorithm, tf32):
     m = a.shape[2] if trans_a else a.shape[1]
     n = b.shape[1] if trans_b else b.shape[2]
     return [jax.core.ShapedArray((a.shape[0], m, n), a.dtype)]
@@ -71,7 +73,7 @@ def _batch_rule(prim, args, dims, **attrs):
 
 
 def _gemm_primitive(layout: str, rule: str, **kwargs):
-    return ffi_primitive(f"jaxdnn_gemm_{layout}", "jaxdnn_gemm_v2", result_avals=_gemm_avals,
+    return ffi_primitive(f"jaxdnn_gemm_{layout}", "jaxdnn_gemm_v3", result_avals=_gemm_avals,
                          batch_rule=_batch_rule, sharding_rule=rule, **kwargs)
 
 
@@ -94,12 +96,14 @@ _GEMM = {
 _TILE_CONFIGS = (1, 2, 3)
 
 
-def _candidates(a, b, trans_b):
-    """The tile configurations, where the tensor cores take the product (16-bit operands, 16-byte
-    aligned rows: dense.cu's GemmOnTensorCores)."""
+def _candidates(a, b, trans_b, tf32):
+    """The tile configurations, where the tensor cores take the product (16-bit operands, or float32
+    ones as TF32; 16-byte aligned rows: dense.cu's GemmOnTensorCores)."""
     n = b.shape[1] if trans_b else b.shape[2]
-    aligned = a.shape[-1] % 8 == 0 and b.shape[-1] % 8 == 0 and n % 8 == 0
-    return _TILE_CONFIGS if jnp.dtype(a.dtype).itemsize == 2 and aligned else ()
+    itemsize = jnp.dtype(a.dtype).itemsize
+    per_16_bytes = 16 // itemsize
+    aligned = a.shape[-1] % per_16_bytes == 0 and b.shape[-1] % per_16_bytes == 0 and n % per_16_bytes == 0
+    return _TILE_CONFIGS if (itemsize == 2 or tf32) and aligned else ()
 
 
 def _bind(a, b, bias, **attrs):
@@ -113,34 +117,36 @@ def _bind(a, b, bias, **attrs):
     else:
         layout = "batched"
     attrs = {k: v for k, v in attrs.items() if k != "algorithm"}
-    algorithm = _autotune.choose(_GEMM[layout], (a, b, bias), attrs, _candidates(a, b, trans_b))
+    algorithm = _autotune.choose(_GEMM[layout], (a, b, bias), attrs,
+                                 _candidates(a, b, trans_b, int(attrs["tf32"])))
     return _GEMM[layout].bind(a, b, bias, **attrs, algorithm=np.int64(algorithm))[0]
 
 
-def _gemm(a, b, bias, trans_a, trans_b, kind="identity", param=0.0):
+def _gemm(a, b, bias, trans_a, trans_b, tf32, kind="identity", param=0.0):
     return _bind(a, b, jnp.zeros((0,), _F32) if bias is None else bias, trans_a=np.int64(trans_a),
-                 trans_b=np.int64(trans_b), **epilogue_attrs(kind, param))
+                 trans_b=np.int64(trans_b), tf32=np.int64(tf32), **epilogue_attrs(kind, param))
 
 
 # --- the plain product, differentiated by two more products ---------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _matmul(a, b, trans_a, trans_b):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _matmul(a, b, trans_a, trans_b, tf32):
     """op_a(a) . op_b(b) per batch entry: a [L, M, K] ([L, K, M] when trans_a), b [L, K, N]
-    ([L, N, K] when trans_b) -> [L, M, N]."""
-    return _gemm(a, b, None, trans_a, trans_b)
+    ([L, N, K] when trans_b) -> [L, M, N]; float32 operands as TF32 on a GPU when tf32."""
+    return _gemm(a, b, None, trans_a, trans_b, tf32)
 
 
-def _matmul_bwd(trans_a, trans_b, residuals, dc):
+def _matmul_bwd(trans_a, trans_b, tf32, residuals, dc):
     # With A = op_a(a), B = op_b(b): dA = dc . B^T and dB = A^T . dc, written as products of the
     # stored a, b and dc so that no operand is transposed in memory.
     a, b = residuals
-    da = _matmul(b, dc, trans_b, 1) if trans_a else _matmul(dc, b, 0, 1 - trans_b)
-    db = _matmul(dc, a, 1, trans_a) if trans_b else _matmul(a, dc, 1 - trans_a, 0)
+    da = _matmul(b, dc, trans_b, 1, tf32) if trans_a else _matmul(dc, b, 0, 1 - trans_b, tf32)
+    db = _matmul(dc, a, 1, trans_a, tf32) if trans_b else _matmul(a, dc, 1 - trans_a, 0, tf32)
     return da, db
 
 
-_matmul.defvjp(lambda a, b, trans_a, trans_b: (_matmul(a, b, trans_a, trans_b), (a, b)), _matmul_bwd)
+_matmul.defvjp(lambda a, b, trans_a, trans_b, tf32: (_matmul(a, b, trans_a, trans_b, tf32), (a, b)),
+               _matmul_bwd)
 
 
 # The weight gradient x^T . dz contracts the M rows. With few output tiles (a [147, 64] stem filter,
@@ -158,39 +164,39 @@ def _row_slices(rows, k, n):
     return next((s for s in range(limit, 1, -1) if rows % s == 0), 1)
 
 
-def _weight_gradient(x, dz):
+def _weight_gradient(x, dz, tf32):
     """x^T . dz for x [1, M, K] and dz [1, M, N] -> [1, K, N]. Split into slices, each partial
     product is rounded to x's dtype before the float32 sum: for 16-bit operands about one more
     rounding error than one product would make."""
     rows, k, n = x.shape[1], x.shape[2], dz.shape[2]
     slices = _row_slices(rows, k, n)
     if slices == 1:
-        return _matmul(x, dz, 1, 0)
-    parts = _matmul(x.reshape(slices, rows // slices, k), dz.reshape(slices, rows // slices, n), 1, 0)
+        return _matmul(x, dz, 1, 0, tf32)
+    parts = _matmul(x.reshape(slices, rows // slices, k), dz.reshape(slices, rows // slices, n), 1, 0, tf32)
     return jnp.sum(parts, axis=0, keepdims=True, dtype=_F32).astype(x.dtype)
 
 
 # --- the fused forward ----------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _dense(x, w, bias, kind, param):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _dense(x, w, bias, kind, param, tf32):
     """act(x . w + bias) in one kernel call: x [1, M, K], w [1, K, N], bias [N] float32 or [0]."""
-    return _gemm(x, w, bias, 0, 0, kind, param)
+    return _gemm(x, w, bias, 0, 0, tf32, kind, param)
 
 
-def _dense_fwd(x, w, bias, kind, param):
+def _dense_fwd(x, w, bias, kind, param, tf32):
     # z through `_dense` itself (identity epilogue), so that it is differentiable for the higher
     # orders; the activation by its own kernel, keeping z (not y) for act'(z).
-    z = _dense(x, w, bias, "identity", 0.0)
+    z = _dense(x, w, bias, "identity", 0.0, tf32)
     y = z if kind == "identity" else _activation(z, kind, param)
     return y, (x, w, bias, z)
 
 
-def _dense_bwd(kind, param, residuals, dy):
+def _dense_bwd(kind, param, tf32, residuals, dy):
     x, w, bias, z = residuals
     dz = dy if kind == "identity" else jax.vjp(lambda z: _activation(z, kind, param), z)[1](dy)[0]
     dbias = (jnp.sum(dz[0], axis=0, dtype=_F32) if bias.shape[0] else jnp.zeros_like(bias))
-    return _matmul(dz, w, 0, 1), _weight_gradient(x, dz), dbias
+    return _matmul(dz, w, 0, 1, tf32), _weight_gradient(x, dz, tf32), dbias
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
@@ -227,7 +233,7 @@ def _check(x, w, bias):
     return x, w, bias.astype(_F32)
 
 
-def dense(x, w, bias=None, *, activation=None):
+def dense(x, w, bias=None, *, activation=None, precision=None):
     """act(x @ w + bias) on the GEMM kernel, the bias and activation fused into its epilogue.
 
     Args:
@@ -237,6 +243,11 @@ def dense(x, w, bias=None, *, activation=None):
       bias: None or [N], float32 or x's dtype (added in float32).
       activation: None or a name of `jaxdnn.activation.EPILOGUES` ("relu", "gelu", "silu",
         "leaky_relu", ...).
+      precision: as `lax.dot_general`'s, for float32 x and w: None (JAX's default, unless
+        `jax_default_matmul_precision` sets another), DEFAULT or HIGH let the GPU kernel round the
+        operands to TF32 on tensor cores, as XLA's float32 dots do; HIGHEST (or a float32-accurate
+        dot algorithm) keeps exact float32 products. The CPU kernel's are always exact; 16-bit
+        operands are exact products in any case.
 
     Returns:
       [..., N] in x's dtype, accumulated in float32 and rounded once.
@@ -248,11 +259,12 @@ def dense(x, w, bias=None, *, activation=None):
     """
     kind, param = epilogue("dense", activation)
     x, w, bias = _check(x, w, bias)
+    tf32 = int(x.dtype == jnp.dtype(_F32) and allows_tf32(precision))
 
     def run(x, w, bias):
         w, bias = match_varying(x, w, bias)
         rows = x.reshape((1, math.prod(x.shape[:-1]), x.shape[-1]))
-        y = _dense(rows, w[None], jnp.zeros((0,), _F32) if bias is None else bias, kind, param)
+        y = _dense(rows, w[None], jnp.zeros((0,), _F32) if bias is None else bias, kind, param, tf32)
         return y.reshape(x.shape[:-1] + w.shape[1:])
     if bias is None:
         return per_row_shard(lambda x, w: run(x, w, None), x, w)

@@ -5,8 +5,9 @@ of ``jaxdnn.activation.EPILOGUES``, fused into the kernel's epilogue), module na
 params ``w`` ``(C, K)`` and ``b`` ``(K,)`` created in the input's dtype, so params made with stock
 Haiku load unchanged. Only ``__call__`` differs: act(inputs @ w + b) in one GEMM kernel call.
 
-Shapes: inputs ``(..., C)`` -> ``(..., K)``. ``precision`` is accepted and ignored (float32
-accumulation). Reverse-mode autodiff works to any order; ``jvp`` does not.
+Shapes: inputs ``(..., C)`` -> ``(..., K)``. ``precision`` is ``jaxdnn.dense``'s (float32 operands as
+TF32 on a GPU unless it asks for HIGHEST, as stock ``Linear`` under XLA). Reverse-mode autodiff works
+to any order; ``jvp`` does not.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ class Linear(hk.Linear):
 
     def __call__(self, inputs, *, precision=None):
         """inputs (..., C) -> act(inputs @ w + b), (..., K)."""
-        del precision  # the kernel accumulates in float32
         inputs = jnp.asarray(inputs)
         if not inputs.shape:
             raise ValueError("jaxdnn haiku Linear: inputs must not be a scalar (shape (..., C))")
@@ -40,4 +40,4 @@ class Linear(hk.Linear):
         w = hk.get_parameter("w", [self.input_size, self.output_size], inputs.dtype, init=w_init)
         b = (hk.get_parameter("b", [self.output_size], inputs.dtype, init=self.b_init) if self.with_bias
              else None)
-        return jaxdnn.dense(inputs, w, b, activation=self.activation)
+        return jaxdnn.dense(inputs, w, b, activation=self.activation, precision=precision)

@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
+from jaxdnn._precision import allows_tf32
 from jaxdnn._primitive import (explicit_row_sharding, ffi_primitive, match_varying, move_to_front,
                                with_reference_vjp)
 from jaxdnn.reference import rnn as _ref
@@ -158,33 +159,6 @@ def _stage(stage, *operands, tf32=None, **options):
                                lambda *a: reference(*a, reverse=False, **options), *operands)
 
 
-# dot algorithms that are float32-accurate or better: the recurrence keeps exact float32 products.
-_EXACT_ALGORITHMS = frozenset({"F32_F32_F32", "F64_F64_F64", "TF32_TF32_F32_X3", "BF16_BF16_F32_X6",
-                               "BF16_BF16_F32_X9"})
-
-
-def _allows_tf32(precision) -> bool:
-    """Whether `precision` lets the recurrent products round W_hh and the state to TF32 on a GPU, as
-    `jax.experimental.rnn` lets cuDNN: None (unless `jax_default_matmul_precision` says otherwise),
-    DEFAULT and HIGH do; HIGHEST and float32-accurate dot algorithms do not. A pair (lhs, rhs)
-    allows it when both do."""
-    if precision is None:
-        precision = jax.config.jax_default_matmul_precision
-        if precision is None:
-            return True
-    if isinstance(precision, (tuple, list)):
-        return all(_allows_tf32(p) for p in precision)
-    if isinstance(precision, str):
-        if precision.upper() in jax.lax.DotAlgorithmPreset.__members__:
-            return precision.upper() not in _EXACT_ALGORITHMS
-        precision = jax.lax.Precision(precision)
-    if isinstance(precision, jax.lax.DotAlgorithmPreset):
-        return precision.name not in _EXACT_ALGORITHMS
-    if isinstance(precision, jax.lax.Precision):
-        return precision != jax.lax.Precision.HIGHEST
-    return False  # another dot algorithm: keep the products exact
-
-
 # --- the differentiable stack -----------------------------------------------------------------
 
 def _nonlinearity(mode):
@@ -204,7 +178,7 @@ def _layer_fwd(mode, layer_in, params, inits, seq_lengths, precision):
     """One layer in its D directions: (h_seq [B, T, D, H], residuals, final states [B, D, H]).
     params: (w_ih [D, G, I], w_hh [D, G, H], b_ih, b_hh [D, G]); inits: the states [B, D, H]."""
     w_ih, w_hh, b_ih, b_hh = params
-    tf32 = _allows_tf32(precision)
+    tf32 = allows_tf32(precision)
     if mode == "gru":
         gates_x = _project_inputs(layer_in, w_ih, b_ih, precision)  # b_hh is inside the reset gate
         h_seq, saved, h_n = _stage(_gru_fwd, gates_x, w_hh, b_hh.astype(_F32), inits[0], seq_lengths,

@@ -16,7 +16,7 @@ import jaxdnn
 from helpers import check_fused_conv, dtype_id, normal
 from jaxdnn import _autotune
 from test_conv import NHWC, test_forward_and_grad as check_conv
-from test_dense import _check as check_dense, _inputs as dense_inputs
+from test_dense import TF32_TOLERANCE, _check as check_dense, _inputs as dense_inputs
 
 # (lhs shape, rhs shape, kwargs): a 64-channel 3x3 (the tall and small tiles' case, and the halo
 # kernels'), a strided one (dgrad on zero-inserted dy), a pointwise one (the GEMM is a candidate), a
@@ -59,6 +59,15 @@ def test_every_fused_conv_algorithm_is_correct(algorithm, forced, rng):
 def test_every_dense_algorithm_is_correct(algorithm, n, forced, rng):
     forced(algorithm)
     check_dense("gelu", *dense_inputs(rng, (3, 70, 136), n, jnp.bfloat16), rng)
+
+
+@pytest.mark.parametrize("algorithm", GEMM_ALGORITHMS)
+def test_every_tf32_dense_algorithm_is_correct(algorithm, forced, rng):
+    """float32 at JAX's default precision: each tile configuration's TF32 kernel (exact on CPU)."""
+    forced(algorithm)
+    with jax.default_matmul_precision(None):
+        check_dense("gelu", *dense_inputs(rng, (3, 70, 136), 264), rng, tol=TF32_TOLERANCE,
+                    grad_tol=10 * TF32_TOLERANCE)
 
 
 def _conv_fn():

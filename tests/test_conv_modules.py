@@ -37,7 +37,7 @@ def _check_against(apply, apply_stock, params, x, rng):
     hlo = run.lower(params, x, ct).as_text()
     assert "convolution" not in hlo
     assert (all(f"@{target}(" in hlo for target in TARGETS)
-            or "@jaxdnn_gemm_v2(" in hlo), "jaxdnn's conv kernels missing from the HLO"
+            or "@jaxdnn_gemm_v3(" in hlo), "jaxdnn's conv kernels missing from the HLO"
 
 
 # --- Flax linen ---------------------------------------------------------------------------------

@@ -14,12 +14,12 @@ from jax import export
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
-from helpers import DTYPES, assert_close, batch_mesh, dtype_id, f64, normal, tolerance
+from helpers import DTYPES, assert_close, batch_mesh, dtype_id, f64, normal, on_gpu, rel_err, tolerance
 from jaxdnn.dense import _matmul, _row_slices
 from jaxdnn.activation import epilogue
 from jaxdnn.reference.activation import activation_fwd
 
-TARGET = "jaxdnn_gemm_v2"
+TARGET = "jaxdnn_gemm_v3"
 
 
 def _op(activation):
@@ -125,7 +125,7 @@ def test_matmul_stage_transposes(trans_a, trans_b, batch, rng):
 
     def oracle(a, b):
         return jnp.matmul(jnp.swapaxes(a, 1, 2) if trans_a else a, jnp.swapaxes(b, 1, 2) if trans_b else b)
-    op = lambda a, b: _matmul(a, b, trans_a, trans_b)  # noqa: E731
+    op = lambda a, b: _matmul(a, b, trans_a, trans_b, 0)  # noqa: E731
     assert_close(op(a, b), oracle(f64(a), f64(b)), 1e-5, "forward")
     ct = normal(rng, (batch, m, n))
 
@@ -136,6 +136,53 @@ def test_matmul_stage_transposes(trans_a, trans_b, batch, rng):
     want = jax.grad(functools.partial(penalty, oracle), argnums=(0, 1))(f64(a), f64(b))
     assert_close(got[0], want[0], 1e-5, "grad of grad a")
     assert_close(got[1], want[1], 1e-5, "grad of grad b")
+
+
+# --- precision: float32 operands as TF32 --------------------------------------------------------
+
+# Operands rounded to TF32 (10 explicit mantissa bits), float32 sums: a few 2^-11 relative errors.
+TF32_TOLERANCE = 2e-3
+
+
+@pytest.mark.parametrize("precision,dtype,tf32", [
+    (None, jnp.float32, 1), ("default", jnp.float32, 1), (jax.lax.Precision.HIGH, jnp.float32, 1),
+    ("highest", jnp.float32, 0), ("F32_F32_F32", jnp.float32, 0), (None, jnp.bfloat16, 0)], ids=str)
+def test_precision_sets_tf32_on_every_call(precision, dtype, tf32, rng):
+    """The forward's and both gradients' GEMM calls carry the tf32 attribute that precision implies
+    (JAX's default lets XLA's float32 dots use TF32 on a GPU; 16-bit operands are exact anyway)."""
+    x, w, bias = _inputs(rng, (6, 16), 8, dtype)
+    loss = lambda x, w, b: jnp.sum(jaxdnn.dense(x, w, b, activation="gelu", precision=precision) ** 2)  # noqa: E731
+    with jax.default_matmul_precision(None):  # JAX's own default (this suite sets "highest")
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w, bias).as_text()
+    assert hlo.count(f"@{TARGET}(") == 3 and hlo.count(f"tf32 = {tf32} : i64") == 3
+    # Under jax_default_matmul_precision = "highest" (this suite's), precision None keeps them exact.
+    if precision is None:
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w, bias).as_text()
+        assert hlo.count("tf32 = 0 : i64") == 3
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(0, 0), (0, 1), (1, 0), (1, 1)])
+def test_tf32_products_every_layout(trans_a, trans_b, rng):
+    """float32 as TF32 on each operand layout (the tensor cores read TF32 operands K-major only, so
+    CUTLASS feeds the others from registers): within TF32 rounding of the float64 product, and on a
+    GPU not exact (the tensor cores ran); exact on CPU. Sizes are multiples of 4 (16-byte rows)."""
+    m, k, n, batch = 200, 136, 72, 2
+    a = normal(rng, (batch, k, m) if trans_a else (batch, m, k))
+    b = normal(rng, (batch, n, k) if trans_b else (batch, k, n))
+    want = jnp.matmul(jnp.swapaxes(f64(a), 1, 2) if trans_a else f64(a),
+                      jnp.swapaxes(f64(b), 1, 2) if trans_b else f64(b))
+    err = rel_err(jax.jit(lambda a, b: _matmul(a, b, trans_a, trans_b, 1))(a, b), want)
+    assert err <= (TF32_TOLERANCE if on_gpu() else 1e-6), err
+    if on_gpu():
+        assert err > 1e-6, f"exact float32 sums ({err}): the TF32 kernel did not run"
+
+
+@pytest.mark.parametrize("activation", [None, "gelu"], ids=str)
+def test_tf32_forward_and_grad(activation, rng):
+    """dense at JAX's default precision, forward and VJP, within TF32 rounding (exact on CPU)."""
+    x, w, bias = _inputs(rng, (3, 64, 96), 40)
+    with jax.default_matmul_precision(None):
+        _check(activation, x, w, bias, rng, tol=TF32_TOLERANCE, grad_tol=10 * TF32_TOLERANCE)
 
 
 # --- transforms -------------------------------------------------------------------------------

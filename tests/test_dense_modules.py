@@ -21,7 +21,7 @@ import jaxdnn.haiku as jhk  # noqa: E402
 from jaxdnn.flax import nnx as jnnx  # noqa: E402
 
 F32 = jnp.float32
-TARGET = "jaxdnn_gemm_v2"
+TARGET = "jaxdnn_gemm_v3"
 
 
 def _check_against(apply, apply_stock, params, x, rng):
@@ -121,3 +121,21 @@ def test_haiku_linear_in_an_mlp_shares_params(rng):
     assert_close(ours.apply(params, x), stock.apply(f64_tree(params), f64_tree(x)), tolerance(F32), "mlp")
     with pytest.raises(ValueError, match="scalar"):
         hk.transform(lambda x: jhk.Linear(3)(x)).init(jax.random.key(0), jnp.float32(1.0))
+
+
+def test_precision_reaches_the_kernel(rng):
+    """Each module's `precision` is jaxdnn.dense's: at JAX's default (None) float32 may run as TF32
+    (tf32 = 1), HIGHEST keeps exact products (tf32 = 0)."""
+    x = normal(rng, (4, 8), F32)
+    linen = lambda p: jflax.Dense(5, precision=p)  # noqa: E731
+    haiku = lambda p: hk.without_apply_rng(hk.transform(lambda x: jhk.Linear(5)(x, precision=p)))  # noqa: E731
+    with jax.default_matmul_precision(None):  # JAX's own default (this suite sets "highest")
+        for precision, tf32 in ((None, 1), ("highest", 0)):
+            module = linen(precision)
+            hlos = [jax.jit(module.apply).lower(module.init(jax.random.key(0), x), x).as_text()]
+            transformed = haiku(precision)
+            hlos.append(jax.jit(transformed.apply).lower(transformed.init(jax.random.key(0), x), x).as_text())
+            linear = jnnx.Linear(8, 5, precision=precision, rngs=nnx.Rngs(0))
+            hlos.append(jax.jit(lambda x: linear(x)).lower(x).as_text())
+            for hlo in hlos:
+                assert hlo.count(f"@{TARGET}(") == 1 and f"tf32 = {tf32} : i64" in hlo

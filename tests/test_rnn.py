@@ -396,13 +396,14 @@ def test_precision_reaches_the_kernels(precision, tf32, rng):
 
 def test_precision_allows_tf32_as_jax_rnn_allows_cudnn():
     """The precision rule itself, dot algorithms included (which XLA's CPU dots cannot lower)."""
-    from jaxdnn.recurrent import _allows_tf32
+    from jaxdnn._precision import allows_tf32
     with jax.default_matmul_precision(None):
-        assert _allows_tf32(None)
-    assert _allows_tf32("default") and _allows_tf32(jax.lax.Precision.HIGH)
-    assert not _allows_tf32("highest") and not _allows_tf32("float32")
-    assert _allows_tf32("TF32_TF32_F32") and _allows_tf32(jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
-    assert not _allows_tf32("TF32_TF32_F32_X3") and not _allows_tf32(jax.lax.DotAlgorithmPreset.F32_F32_F32)
+        assert allows_tf32(None)
+    assert allows_tf32("default") and allows_tf32(jax.lax.Precision.HIGH)
+    assert not allows_tf32("highest") and not allows_tf32("float32")
+    assert allows_tf32("TF32_TF32_F32") and allows_tf32(jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
+    assert not allows_tf32("TF32_TF32_F32_X3") and not allows_tf32(jax.lax.DotAlgorithmPreset.F32_F32_F32)
+    assert not allows_tf32(("default", "highest"))
 
 
 @mode_param

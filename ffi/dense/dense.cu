@@ -1,6 +1,6 @@
-// CUDA GEMM handler (jaxdnn_gemm_v1, see dense.h). bfloat16/float16 problems whose rows suit TMA run
-// on the Hopper tensor-core kernels (gemm_sm90.cuh); float32 and unaligned problems run on a tiled
-// CUDA-core kernel here, with the same epilogue.
+// CUDA GEMM handler (jaxdnn_gemm_v3, see dense.h). bfloat16/float16 problems whose rows suit TMA, and
+// float32 ones with the tf32 attribute, run on the Hopper tensor-core kernels (gemm_sm90.cuh); exact
+// float32 and unaligned problems run on a tiled CUDA-core kernel here, with the same epilogue.
 #include <climits>
 #include <optional>
 #include <utility>
@@ -94,7 +94,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   const GemmProblem p{a.untyped_data(), b.untyped_data(),
                       bias.element_count() > 0 ? bias.typed_data() : nullptr, c->untyped_data(),
                       shape.batch, shape.m, shape.n, shape.k, attrs.trans_a != 0, attrs.trans_b != 0,
-                      int(attrs.activation), attrs.activation_param, attrs.algorithm};
+                      int(attrs.activation), attrs.activation_param, attrs.algorithm, attrs.tf32 != 0};
   if (auto status = GemmOnTensorCores(p, a.element_type(), stream)) return std::move(*status);
   return GemmTiledCuda(p, a.element_type(), stream);
 }
@@ -102,14 +102,17 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
 }  // namespace
 
 std::optional<ffi::Error> GemmOnTensorCores(const GemmProblem& p, ffi::DataType dtype, cudaStream_t stream) {
-  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return std::nullopt;
+  const bool tf32 = dtype == ffi::DataType::F32 && p.tf32;
+  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16 && !tf32) return std::nullopt;
   int device = 0, major = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   const int64_t a_row = p.trans_a ? p.m : p.k, b_row = p.trans_b ? p.k : p.n;
-  const bool fits = major == 9 && p.k > 0 && a_row % 8 == 0 && b_row % 8 == 0 && p.n % 8 == 0 &&
+  const int64_t align = tf32 ? 4 : 8;  // elements in 16 bytes: TMA's row alignment
+  const bool fits = major == 9 && p.k > 0 && a_row % align == 0 && b_row % align == 0 && p.n % align == 0 &&
                     p.m < INT32_MAX && p.n < INT32_MAX && p.k < INT32_MAX && p.batch < INT32_MAX;
   if (!fits) return std::nullopt;
+  if (tf32) return GemmSm90Tf32(p, stream);
   return dtype == ffi::DataType::BF16 ? GemmSm90Bf16(p, stream) : GemmSm90F16(p, stream);
 }
 

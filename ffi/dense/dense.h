@@ -7,10 +7,12 @@
 //   bias  [N] float32, or [0] for no bias
 //   c     [L, M, N], a's dtype (b must have it too): float32, bfloat16 or float16
 // Target (versioned: the ABI of exported programs):
-//   jaxdnn_gemm_v2  (a, b, bias) -> (c)
+//   jaxdnn_gemm_v3  (a, b, bias) -> (c)
 //   attributes: trans_a, trans_b (int64, 0 or 1); activation (int64, the Activation enum of
 //   common/activation.h); activation_param (float32, leaky_relu's slope or elu's alpha); algorithm
-//   (int64, a GemmAlgorithm).
+//   (int64, a GemmAlgorithm); tf32 (int64, 0 or 1: float32 operands may be rounded to TF32 on
+//   tensor cores, as XLA's float32 dots at JAX's default precision; 0 keeps exact float32 products,
+//   and the CPU kernel's are always exact).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +38,7 @@ struct GemmAttrs {
   int64_t activation;
   float activation_param;
   int64_t algorithm;  // a GemmAlgorithm
+  int64_t tf32;       // 0 or 1
 };
 
 // The problem's sizes, read from the buffers.
@@ -54,7 +57,7 @@ auto BindGemm(Binding binding) {
 }
 
 // Checks the operands against each other and returns the sizes: rank 3, one batch size, one dtype,
-// K shared by a and b, c [L, M, N], bias [N] or [0], a known activation, trans_* 0 or 1.
+// K shared by a and b, c [L, M, N], bias [N] or [0], a known activation, trans_* and tf32 0 or 1.
 xla::ffi::Error CheckGemm(xla::ffi::AnyBuffer a, xla::ffi::AnyBuffer b, xla::ffi::Buffer<xla::ffi::F32> bias,
                           const xla::ffi::AnyBuffer& c, const GemmAttrs& attrs, GemmShape* shape);
 
@@ -63,7 +66,7 @@ xla::ffi::Error CheckGemm(xla::ffi::AnyBuffer a, xla::ffi::AnyBuffer b, xla::ffi
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxdnn::GemmAttrs, StructMember<int64_t>("trans_a"),
                                       StructMember<int64_t>("trans_b"), StructMember<int64_t>("activation"),
                                       StructMember<float>("activation_param"),
-                                      StructMember<int64_t>("algorithm"));
+                                      StructMember<int64_t>("algorithm"), StructMember<int64_t>("tf32"));
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GemmCpu);
 

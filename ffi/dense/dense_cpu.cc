@@ -164,6 +164,9 @@ ffi::Error CheckGemm(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b
   if (attrs.trans_b != 0 && attrs.trans_b != 1) {
     return InvalidArgument("gemm: trans_b must be 0 or 1, got " + std::to_string(attrs.trans_b));
   }
+  if (attrs.tf32 != 0 && attrs.tf32 != 1) {
+    return InvalidArgument("gemm: tf32 must be 0 or 1, got " + std::to_string(attrs.tf32));
+  }
   if (attrs.activation < 0 || attrs.activation >= kNumActivations) {
     return InvalidArgument("gemm: unknown activation " + std::to_string(attrs.activation));
   }

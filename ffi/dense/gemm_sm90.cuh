@@ -1,7 +1,7 @@
 // Hopper tensor-core GEMM built from CUTLASS's collectives: TMA loads into a shared-memory pipeline,
 // wgmma in two consumer warp groups fed by a producer warp (warp-specialized, persistent), and an
 // epilogue that adds the bias and applies the activation before a TMA store. Included by one file
-// per dtype (gemm_sm90_bf16.cu, gemm_sm90_f16.cu) so the two compile in parallel.
+// per dtype (gemm_sm90_bf16.cu, gemm_sm90_f16.cu, gemm_sm90_tf32.cu) so they compile in parallel.
 // Must be compiled with NDEBUG (CMake's Release build): CUTLASS's device asserts are calls, and a
 // call between wgmma instructions makes ptxas serialize them (warning C7510).
 #pragma once
@@ -30,20 +30,28 @@ namespace sm90 {
 // split one tile). At 8192^3 (bf16, H200, constant inputs in a standalone probe) the large tile ran
 // at 1.22 ms, the small one at 1.95 ms and a 64x256 ping-pong at 1.53 ms. The small tile serves
 // problems the large one cannot spread over every SM, the narrow one products with few columns.
+// A stage is 128 bytes of K a row: 64 elements of 16-bit operands, 32 of float32 ones (TF32), so
+// both hold as many stages.
+template <class Element>
+using StageK = cute::Int<128 / sizeof(Element)>;
+
+template <class Element>
 struct CooperativeLarge {
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using TileShape = cute::Shape<cute::_128, cute::_256, StageK<Element>>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 };
+template <class Element>
 struct CooperativeSmall {
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using TileShape = cute::Shape<cute::_128, cute::_128, StageK<Element>>;
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 };
+template <class Element>
 struct CooperativeNarrow {  // N <= 64, e.g. a 1x1 convolution down to 64 channels
-  using TileShape = cute::Shape<cute::_128, cute::_64, cute::_64>;
+  using TileShape = cute::Shape<cute::_128, cute::_64, StageK<Element>>;
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
@@ -51,16 +59,23 @@ struct CooperativeNarrow {  // N <= 64, e.g. a 1x1 convolution down to 64 channe
 
 // The kernel for one element type, operand layout and configuration (cutlass::layout::RowMajor /
 // ColumnMajor tags: A [M, K] row-major is K-major; B [K, N] row-major is N-major, [N, K] K-major).
-template <class Element, class LayoutA, class LayoutB, class Config>
+// float operands run as TF32; wgmma reads TF32 operands K-major from shared memory only, so for
+// the other layouts CUTLASS's builder feeds one operand from registers (transposed on the way).
+// kColumnD: D column-major with the bias per row (the transposed product, see Dispatch), else D
+// row-major with the bias per column.
+template <class Element, class LayoutA, class LayoutB, class Config, bool kColumnD = false>
 struct Gemm {
-  using LayoutC = cutlass::layout::RowMajor;
+  using LayoutD = cute::conditional_t<kColumnD, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  template <template <class> class Activation, class... Types>
+  using BiasAct = cute::conditional_t<kColumnD, cutlass::epilogue::fusion::LinCombPerRowBiasEltAct<Activation, Types...>,
+                                      cutlass::epilogue::fusion::LinCombPerColBiasEltAct<Activation, Types...>>;
   static constexpr int kAlign = 16 / sizeof(Element);
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape,
       typename Config::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, LayoutC, kAlign,  // no C operand: the bias is a broadcast row
-      Element, LayoutC, kAlign, typename Config::EpilogueSchedule,
-      cutlass::epilogue::fusion::LinCombPerColBiasEltAct<RuntimeActivation, Element, float, float>>::CollectiveOp;
+      void, LayoutD, kAlign,  // no C operand: the bias is a broadcast row (or column)
+      Element, LayoutD, kAlign, typename Config::EpilogueSchedule,
+      BiasAct<RuntimeActivation, Element, float, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB, kAlign,
       float, typename Config::TileShape, typename Config::ClusterShape,
@@ -92,17 +107,19 @@ inline int SmCount() {
   return sms;
 }
 
-template <class Element, class LayoutA, class LayoutB, class Config>
+template <class Element, class LayoutA, class LayoutB, class Config, bool kColumnD>
 ffi::Error Run(const GemmProblem& p, cudaStream_t stream) {
-  using Adapter = typename Gemm<Element, LayoutA, LayoutB, Config>::Adapter;
+  using Adapter = typename Gemm<Element, LayoutA, LayoutB, Config, kColumnD>::Adapter;
   using Kernel = typename Adapter::GemmKernel;
   const int m = int(p.m), n = int(p.n), k = int(p.k), l = int(p.batch);
   // A is (M, K): row-major [M, K] has stride (K, 1); [K, M] (trans_a) has (1, M). B is (N, K):
-  // [K, N] has stride (1, N); [N, K] (trans_b) has (K, 1). D is (M, N) row-major.
+  // [K, N] has stride (1, N); [N, K] (trans_b) has (K, 1). D is (M, N), row-major (stride (N, 1))
+  // or column-major ((1, M)).
   const auto stride_a = PackedStride<typename Kernel::StrideA>(p.trans_a ? p.m : p.k, p.m * p.k);
   const auto stride_b = PackedStride<typename Kernel::StrideB>(p.trans_b ? p.k : p.n, p.n * p.k);
-  const auto stride_c = PackedStride<typename Kernel::StrideC>(p.n, p.m * p.n);  // unused: no C
-  const auto stride_d = PackedStride<typename Kernel::StrideD>(p.n, p.m * p.n);
+  const int64_t d_contiguous = kColumnD ? p.m : p.n;
+  const auto stride_c = PackedStride<typename Kernel::StrideC>(d_contiguous, p.m * p.n);  // unused: no C
+  const auto stride_d = PackedStride<typename Kernel::StrideD>(d_contiguous, p.m * p.n);
   typename Adapter::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {m, n, k, l},
@@ -131,24 +148,38 @@ ffi::Error Run(const GemmProblem& p, cudaStream_t stream) {
 
 // The configuration p asks for, or the heuristic's: narrow tiles for N <= 64 (wider ones would mostly
 // multiply padding), else large tiles when they give every SM at least one, else the small ones.
-template <class Element, class LayoutA, class LayoutB>
+template <class Element, class LayoutA, class LayoutB, bool kColumnD = false>
 ffi::Error RunTiled(const GemmProblem& p, cudaStream_t stream) {
   int64_t config = p.algorithm;
   if (config != kGemmLarge && config != kGemmSmall && config != kGemmNarrow) {
     const int64_t large_tiles = (p.m + 127) / 128 * ((p.n + 255) / 256) * p.batch;
     config = p.n <= 64 ? kGemmNarrow : large_tiles >= SmCount() ? kGemmLarge : kGemmSmall;
   }
-  if (config == kGemmNarrow) return Run<Element, LayoutA, LayoutB, CooperativeNarrow>(p, stream);
-  if (config == kGemmLarge) return Run<Element, LayoutA, LayoutB, CooperativeLarge>(p, stream);
-  return Run<Element, LayoutA, LayoutB, CooperativeSmall>(p, stream);
+  if (config == kGemmNarrow) return Run<Element, LayoutA, LayoutB, CooperativeNarrow<Element>, kColumnD>(p, stream);
+  if (config == kGemmLarge) return Run<Element, LayoutA, LayoutB, CooperativeLarge<Element>, kColumnD>(p, stream);
+  return Run<Element, LayoutA, LayoutB, CooperativeSmall<Element>, kColumnD>(p, stream);
 }
 
-// The four operand layouts of one element type.
+// The four operand layouts of one element type. With float (TF32) operands as stored, A [M, K]
+// K-major and B [K, N] N-major, CUTLASS's builder would feed B from registers by swapping the
+// operands inside its mainloop, and that kernel wrote non-finite values (H200, 2026-11-27). That
+// layout runs as the transposed product C^T = B^T A^T instead: A' = B^T is N-major (fed from
+// registers, as in the (Col, Col) layout), B' = A^T K-major, and C^T is written column-major, which
+// is C row-major, with the bias per row of C^T.
 template <class Element>
 ffi::Error Dispatch(const GemmProblem& p, cudaStream_t stream) {
   using Row = cutlass::layout::RowMajor;
   using Col = cutlass::layout::ColumnMajor;
-  if (!p.trans_a && !p.trans_b) return RunTiled<Element, Row, Row>(p, stream);
+  if constexpr (cute::is_same_v<Element, float>) {
+    if (!p.trans_a && !p.trans_b) {
+      GemmProblem transposed = p;
+      transposed.a = p.b, transposed.b = p.a, transposed.m = p.n, transposed.n = p.m;
+      transposed.trans_a = transposed.trans_b = true;
+      return RunTiled<Element, Col, Col, true>(transposed, stream);
+    }
+  } else {
+    if (!p.trans_a && !p.trans_b) return RunTiled<Element, Row, Row>(p, stream);
+  }
   if (!p.trans_a && p.trans_b) return RunTiled<Element, Row, Col>(p, stream);
   if (p.trans_a && !p.trans_b) return RunTiled<Element, Col, Row>(p, stream);
   return RunTiled<Element, Col, Col>(p, stream);

@@ -11,7 +11,8 @@ Shapes: inputs ``(..., C)`` -> ``(..., K)``.
 One attribute is added: ``activation`` (None, or a name of ``jaxdnn.activation.EPILOGUES`` such as
 "relu" or "gelu"), fused into the kernel's epilogue; with None the module computes what stock
 ``Dense`` does. ``dot_general``/``dot_general_cls`` must be None (a ``ValueError`` otherwise: the
-module always runs jaxdnn's kernel); ``precision`` is accepted and ignored (float32 accumulation).
+module always runs jaxdnn's kernel); ``precision`` is ``jaxdnn.dense``'s (float32 operands as TF32 on
+a GPU unless it asks for HIGHEST, as stock ``Dense`` under XLA).
 Reverse-mode autodiff works to any order; forward-mode ``jvp`` does not (custom_vjp).
 """
 
@@ -28,8 +29,8 @@ __all__ = ["Dense"]
 class Dense(nn.Dense):
     """``flax.linen.Dense`` (same attributes and params) computing on ``jaxdnn.dense``.
 
-    Attributes: those of ``flax.linen.Dense`` (features K, use_bias, dtype, param_dtype, precision
-    (ignored), kernel_init, bias_init, promote_dtype), and ``activation`` (None or an epilogue name).
+    Attributes: those of ``flax.linen.Dense`` (features K, use_bias, dtype, param_dtype, precision,
+    kernel_init, bias_init, promote_dtype), and ``activation`` (None or an epilogue name).
     """
 
     activation: str | None = None
@@ -46,4 +47,4 @@ class Dense(nn.Dense):
         bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias
                 else None)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        return jaxdnn.dense(inputs, kernel, bias, activation=self.activation)
+        return jaxdnn.dense(inputs, kernel, bias, activation=self.activation, precision=self.precision)

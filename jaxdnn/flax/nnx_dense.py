@@ -8,8 +8,9 @@ Kept out of ``jaxdnn.flax.dense`` because ``flax.nnx`` is imported only on deman
 
 ``dot_general`` must be left at its default (``lax.dot_general``), ``out_sharding`` None and
 ``preferred_element_type`` None or the computation dtype (each a ``ValueError`` otherwise);
-``precision`` is ignored (float32 accumulation). Reverse-mode autodiff works to any order;
-forward-mode ``jvp`` does not.
+``precision`` is ``jaxdnn.dense``'s (float32 operands as TF32 on a GPU unless it asks for HIGHEST,
+as stock ``Linear`` under XLA). Reverse-mode autodiff works to any order; forward-mode ``jvp`` does
+not.
 """
 
 from __future__ import annotations
@@ -48,4 +49,4 @@ class Linear(nnx.Linear):
         if self.preferred_element_type not in (None, inputs.dtype):
             raise ValueError(f"{module}: preferred_element_type must be None or {inputs.dtype}, got "
                              f"{self.preferred_element_type}")
-        return jaxdnn.dense(inputs, kernel, bias, activation=self.activation)
+        return jaxdnn.dense(inputs, kernel, bias, activation=self.activation, precision=self.precision)
