@@ -66,16 +66,15 @@ struct CooperativeNarrow {  // N <= 64, e.g. a 1x1 convolution down to 64 channe
 template <class Element, class LayoutA, class LayoutB, class Config, bool kColumnD = false>
 struct Gemm {
   using LayoutD = cute::conditional_t<kColumnD, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-  template <template <class> class Activation, class... Types>
-  using BiasAct = cute::conditional_t<kColumnD, cutlass::epilogue::fusion::LinCombPerRowBiasEltAct<Activation, Types...>,
-                                      cutlass::epilogue::fusion::LinCombPerColBiasEltAct<Activation, Types...>>;
+  using BiasAct = cute::conditional_t<
+      kColumnD, cutlass::epilogue::fusion::LinCombPerRowBiasEltAct<RuntimeActivation, Element, float, float>,
+      cutlass::epilogue::fusion::LinCombPerColBiasEltAct<RuntimeActivation, Element, float, float>>;
   static constexpr int kAlign = 16 / sizeof(Element);
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape,
       typename Config::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, LayoutD, kAlign,  // no C operand: the bias is a broadcast row (or column)
-      Element, LayoutD, kAlign, typename Config::EpilogueSchedule,
-      BiasAct<RuntimeActivation, Element, float, float>>::CollectiveOp;
+      Element, LayoutD, kAlign, typename Config::EpilogueSchedule, BiasAct>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB, kAlign,
       float, typename Config::TileShape, typename Config::ClusterShape,
