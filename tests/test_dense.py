@@ -56,16 +56,17 @@ def _check(activation, x, w, bias, rng, *, tol=None, grad_tol=None):
     def rounded_act(z):
         return activation_fwd(z + jax.lax.stop_gradient(z.astype(dtype).astype(z.dtype) - z), kind, param)
 
-    z64 = fn(_oracle(None))(*(f64(a) for a in args))
-    want_rounded, want_vjp = jax.vjp(lambda *a: rounded_act(fn(_oracle(None))(*a)), *(f64(a) for a in args))
+    z64, product_vjp = jax.vjp(fn(_oracle(None)), *(f64(a) for a in args))
+    want_rounded, act_vjp = jax.vjp(rounded_act, z64)
     assert_close(y, want_rounded, tol or tolerance(dtype), "differentiated forward")
     ct = normal(rng, y.shape, dtype)
+    (dz,) = act_vjp(f64(ct))
     # dbias sums dz (rounded to x's dtype) over the rows. Those roundings are independent, so the sum
     # is known to about the root sum of squares of its terms: where the terms cancel (a few rows, one
     # column) the relative tolerance grows by that over the sum's size.
-    dz = np.asarray(jax.vjp(rounded_act, z64)[1](f64(ct))[0]).reshape(-1, y.shape[-1])
-    spread = np.linalg.norm(np.sqrt(np.sum(dz**2, axis=0))) / max(np.linalg.norm(dz.sum(axis=0)), 1e-300)
-    for name, g, want_g, primal in zip(("dx", "dw", "dbias"), vjp(ct), want_vjp(f64(ct)), args):
+    rows = np.asarray(dz).reshape(-1, y.shape[-1])
+    spread = np.linalg.norm(np.sqrt(np.sum(rows**2, axis=0))) / max(np.linalg.norm(rows.sum(axis=0)), 1e-300)
+    for name, g, want_g, primal in zip(("dx", "dw", "dbias"), vjp(ct), product_vjp(dz), args):
         assert g.dtype == primal.dtype, (name, g.dtype, primal.dtype)
         grad_tolerance = grad_tol or tolerance(dtype, grad=True)
         assert_close(g, want_g, grad_tolerance * (max(1.0, spread) if name == "dbias" else 1.0), name)
