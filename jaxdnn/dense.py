@@ -96,14 +96,14 @@ _GEMM = {
 _TILE_CONFIGS = (1, 2, 3)
 
 
-def _candidates(a, b, trans_b, tf32):
+def _candidates(a, b, trans_a, trans_b, tf32):
     """The tile configurations, where the tensor cores take the product (16-bit operands, or float32
-    ones as TF32; 16-byte aligned rows: dense.cu's GemmOnTensorCores)."""
+    ones as TF32; 16-byte aligned rows; not both operands transposed: dense.cu's GemmOnTensorCores)."""
     n = b.shape[1] if trans_b else b.shape[2]
     itemsize = jnp.dtype(a.dtype).itemsize
     per_16_bytes = 16 // itemsize
     aligned = a.shape[-1] % per_16_bytes == 0 and b.shape[-1] % per_16_bytes == 0 and n % per_16_bytes == 0
-    return _TILE_CONFIGS if (itemsize == 2 or tf32) and aligned else ()
+    return _TILE_CONFIGS if (itemsize == 2 or tf32) and aligned and not (trans_a and trans_b) else ()
 
 
 def _bind(a, b, bias, **attrs):
@@ -111,14 +111,14 @@ def _bind(a, b, bias, **attrs):
     tile configuration from autotuning (any `algorithm` in attrs is chosen anew for these shapes)."""
     batch, trans_a, trans_b = a.shape[0], int(attrs["trans_a"]), int(attrs["trans_b"])
     if isinstance(batch, int) and batch == 1:
-        # trans_a with trans_b (only in second-order terms): the contracted rows are b's last axis,
-        # so only L may stay sharded.
+        # trans_a with trans_b (a caller's own bind: _matmul never makes one): the contracted rows
+        # are b's last axis, so only L may stay sharded.
         layout = "contract" if trans_a and not trans_b else ("batched" if trans_a else "rows")
     else:
         layout = "batched"
     attrs = {k: v for k, v in attrs.items() if k != "algorithm"}
     algorithm = _autotune.choose(_GEMM[layout], (a, b, bias), attrs,
-                                 _candidates(a, b, trans_b, int(attrs["tf32"])))
+                                 _candidates(a, b, trans_a, trans_b, int(attrs["tf32"])))
     return _GEMM[layout].bind(a, b, bias, **attrs, algorithm=np.int64(algorithm))[0]
 
 
@@ -133,6 +133,10 @@ def _gemm(a, b, bias, trans_a, trans_b, tf32, kind="identity", param=0.0):
 def _matmul(a, b, trans_a, trans_b, tf32):
     """op_a(a) . op_b(b) per batch entry: a [L, M, K] ([L, K, M] when trans_a), b [L, K, N]
     ([L, N, K] when trans_b) -> [L, M, N]; float32 operands as TF32 on a GPU when tf32."""
+    if trans_a and trans_b:
+        # A^T . B^T = (B . A)^T and one XLA transpose: the tensor-core kernels leave this layout out
+        # (dense.cu), as jaxdnn's products and their derivatives never need it.
+        return jnp.swapaxes(_gemm(b, a, None, 0, 0, tf32), 1, 2)
     return _gemm(a, b, None, trans_a, trans_b, tf32)
 
 

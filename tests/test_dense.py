@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
 from helpers import DTYPES, assert_close, batch_mesh, dtype_id, f64, normal, on_gpu, rel_err, tolerance
-from jaxdnn.dense import _matmul, _row_slices
+from jaxdnn.dense import _gemm, _matmul, _row_slices
 from jaxdnn.activation import epilogue
 from jaxdnn.reference.activation import activation_fwd
 
@@ -134,6 +134,8 @@ def test_matmul_stage_transposes(trans_a, trans_b, batch, rng):
         return jnp.matmul(jnp.swapaxes(a, 1, 2) if trans_a else a, jnp.swapaxes(b, 1, 2) if trans_b else b)
     op = lambda a, b: _matmul(a, b, trans_a, trans_b, 0)  # noqa: E731
     assert_close(op(a, b), oracle(f64(a), f64(b)), 1e-5, "forward")
+    if trans_a and trans_b:  # the target's own form of this layout (_matmul binds its transpose)
+        assert_close(_gemm(a, b, None, 1, 1, 0), oracle(f64(a), f64(b)), 1e-5, "forward, both transposed")
     ct = normal(rng, (batch, m, n))
 
     def penalty(f, a, b):
@@ -172,7 +174,8 @@ def test_precision_sets_tf32_on_every_call(precision, dtype, tf32, rng):
 def test_tf32_products_every_layout(trans_a, trans_b, rng):
     """float32 as TF32 on each operand layout (the tensor cores read TF32 operands K-major only:
     CUTLASS reads an M-major A through registers and transposes an N-major B in shared memory, and
-    A K-major with B N-major runs as the transposed product): within TF32 rounding of the float64
+    A K-major with B N-major runs as the transposed product; both transposed as the transpose of
+    B . A): within TF32 rounding of the float64
     product, and on a GPU not exact (the tensor cores ran); exact on CPU. Sizes are multiples of 4."""
     m, k, n, batch = 200, 136, 72, 2
     a = normal(rng, (batch, k, m) if trans_a else (batch, m, k))

@@ -163,8 +163,10 @@ std::optional<ffi::Error> GemmOnTensorCores(const GemmProblem& p, ffi::DataType 
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   const int64_t a_row = p.trans_a ? p.m : p.k, b_row = p.trans_b ? p.k : p.n;
   const int64_t align = tf32 ? 4 : 8;  // elements in 16 bytes: TMA's row alignment
-  const bool fits = major == 9 && p.k > 0 && a_row % align == 0 && b_row % align == 0 && p.n % align == 0 &&
-                    p.m < INT32_MAX && p.n < INT32_MAX && p.k < INT32_MAX && p.batch < INT32_MAX;
+  // Both operands transposed has no kernel there: jaxdnn's products never ask for it (dense.py).
+  const bool fits = major == 9 && !(p.trans_a && p.trans_b) && p.k > 0 && a_row % align == 0 &&
+                    b_row % align == 0 && p.n % align == 0 && p.m < INT32_MAX && p.n < INT32_MAX &&
+                    p.k < INT32_MAX && p.batch < INT32_MAX;
   if (!fits) return std::nullopt;
   if (tf32) return GemmSm90Tf32(p, stream);
   return dtype == ffi::DataType::BF16 ? GemmSm90Bf16(p, stream) : GemmSm90F16(p, stream);

@@ -159,12 +159,13 @@ ffi::Error RunTiled(const GemmProblem& p, cudaStream_t stream) {
   return Run<Element, LayoutA, LayoutB, CooperativeSmall<Element>, kColumnD>(p, stream);
 }
 
-// The four operand layouts of one element type. With float (TF32) operands as stored, A [M, K]
-// K-major and B [K, N] N-major, CUTLASS's builder would feed B from registers by swapping the
-// operands inside its mainloop, and that kernel wrote non-finite values (H200, 2026-11-27). That
-// layout runs as the transposed product C^T = B^T A^T instead: A' = B^T is N-major (fed from
-// registers, as in the (Col, Col) layout), B' = A^T K-major, and C^T is written column-major, which
-// is C row-major, with the bias per row of C^T.
+// Three operand layouts of one element type: neither, B or A transposed (both: GemmOnTensorCores
+// declines, as jaxdnn's products never ask for it; see dense.py's _matmul). With float (TF32)
+// operands as stored, A [M, K] K-major and B [K, N] N-major, CUTLASS's builder would feed B from
+// registers by swapping the operands inside its mainloop, and that kernel wrote non-finite values
+// (H200, 2026-11-27). That layout runs as the transposed product C^T = B^T A^T instead: A' = B^T is
+// M'-major (fed from registers), B' = A^T K-major, and C^T is written column-major, which is C
+// row-major, with the bias per row of C^T.
 template <class Element>
 ffi::Error Dispatch(const GemmProblem& p, cudaStream_t stream) {
   using Row = cutlass::layout::RowMajor;
@@ -179,9 +180,8 @@ ffi::Error Dispatch(const GemmProblem& p, cudaStream_t stream) {
   } else {
     if (!p.trans_a && !p.trans_b) return RunTiled<Element, Row, Row>(p, stream);
   }
-  if (!p.trans_a && p.trans_b) return RunTiled<Element, Row, Col>(p, stream);
-  if (p.trans_a && !p.trans_b) return RunTiled<Element, Col, Row>(p, stream);
-  return RunTiled<Element, Col, Col>(p, stream);
+  if (p.trans_b) return RunTiled<Element, Row, Col>(p, stream);
+  return RunTiled<Element, Col, Row>(p, stream);
 }
 
 }  // namespace sm90
