@@ -164,7 +164,7 @@ ffi::Error RunTiled(const GemmProblem& p, cudaStream_t stream) {
 // operands as stored, A [M, K] K-major and B [K, N] N-major, CUTLASS's builder would feed B from
 // registers by swapping the operands inside its mainloop, and that kernel wrote non-finite values
 // (H200, 2026-11-27). That layout runs as the transposed product C^T = B^T A^T instead: A' = B^T is
-// M'-major (fed from registers), B' = A^T K-major, and C^T is written column-major, which is C
+// N-major (fed from registers), B' = A^T K-major, and C^T is written column-major, which is C
 // row-major, with the bias per row of C^T.
 template <class Element>
 ffi::Error Dispatch(const GemmProblem& p, cudaStream_t stream) {

@@ -26,13 +26,13 @@ struct GemmProblem {
 };
 
 // Runs p on the Hopper tensor cores when they take it: bfloat16 or float16 operands, or float32 ones
-// with p.tf32; at most one operand transposed; an sm_90 device, 16-byte aligned rows for TMA (the contiguous extent of a, b and c a
-// multiple of 16 bytes), sizes within int32 and K > 0. Returns the launch's status, or nothing when p
-// needs another kernel.
+// with p.tf32; at most one operand transposed; an sm_90 device, 16-byte aligned rows for TMA (the
+// contiguous extent of a, b and c a multiple of 16 bytes), sizes within int32 and K > 0. Returns the
+// launch's status, or nothing when p needs another kernel.
 std::optional<ffi::Error> GemmOnTensorCores(const GemmProblem& p, ffi::DataType dtype, cudaStream_t stream);
 
-// The warp-specialized TMA + wgmma kernels (CUTLASS), one per operand layout taken; bfloat16, float16, and
-// float32 operands multiplied as TF32.
+// The warp-specialized TMA + wgmma kernels (CUTLASS), one per operand layout taken; bfloat16,
+// float16, and float32 operands multiplied as TF32.
 ffi::Error GemmSm90Bf16(const GemmProblem& p, cudaStream_t stream);
 ffi::Error GemmSm90F16(const GemmProblem& p, cudaStream_t stream);
 ffi::Error GemmSm90Tf32(const GemmProblem& p, cudaStream_t stream);
