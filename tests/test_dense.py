@@ -175,8 +175,8 @@ def test_tf32_products_every_layout(trans_a, trans_b, rng):
     """float32 as TF32 on each operand layout (the tensor cores read TF32 operands K-major only:
     CUTLASS reads an M-major A through registers and transposes an N-major B in shared memory, and
     A K-major with B N-major runs as the transposed product; both transposed as the transpose of
-    B . A): within TF32 rounding of the float64
-    product, and on a GPU not exact (the tensor cores ran); exact on CPU. Sizes are multiples of 4."""
+    B . A): within TF32 rounding of the float64 product, and on a GPU not exact (the tensor cores
+    ran); exact on CPU. Sizes are multiples of 4."""
     m, k, n, batch = 200, 136, 72, 2
     a = normal(rng, (batch, k, m) if trans_a else (batch, m, k))
     b = normal(rng, (batch, n, k) if trans_b else (batch, k, n))

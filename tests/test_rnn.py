@@ -691,7 +691,7 @@ STAGE_DIRECTIONS = {"forward": (1, False), "reverse": (1, True), "both": (2, Fal
                     "both-reversed": (2, True)}
 # The sizes are the GPU kernels' cases. On CPU the larger ones would only repeat the smaller ones at
 # more cost: the CPU kernel's own paths (chunks of 16 rows, tiles of 4 rows with a tail as rows
-# finish, column panels of 8 with a tail, the reduction's tail) are all in the first four sizes.
+# finish, column panels of 8 with a tail, the reduction's tail) are all in these four sizes.
 STAGE_CPU_SIZES = ("cluster", "cluster-batch", "small", "chunks")
 STAGE_LAYOUTS = [pytest.param(size, *directions, id=f"{size}-{name}") for size in STAGE_SIZES
                  for name, directions in STAGE_DIRECTIONS.items()
