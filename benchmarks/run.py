@@ -454,17 +454,23 @@ _RESNET50_CONVS = [
 def conv_cases(quick: bool) -> list[Case]:
     """conv_general_dilated on ResNet-50's layers, NHWC / HWIO, bf16, N = 128 (2 with --quick), SAME
     padding, against lax.conv_general_dilated (XLA calls cuDNN on a GPU): fwd, and fwd+bwd (the
-    gradients w.r.t. both the input and the filter, passes separated as in a network); then the
-    fused conv + bias + relu.
+    gradients w.r.t. both the input and the filter, passes separated as in a network); the same in
+    float32 at JAX's default precision (both sides multiply TF32-rounded operands on tensor cores;
+    the case names say "float32"); then the fused conv + bias + relu and the depthwise cases.
 
     FLOPs: fwd = 2 * N * P * Q * K * C * R * S (groups = 1), fwd+bwd = 3 x fwd.
     """
-    dtype = jnp.bfloat16
-    sets = 2 if quick else 8
+    return (_resnet_conv_cases(quick, jnp.bfloat16, 8) + _resnet_conv_cases(quick, jnp.float32, 4)
+            + _fused_conv_cases(quick) + _depthwise_conv_cases(quick))
+
+
+def _resnet_conv_cases(quick: bool, dtype, sets: int) -> list[Case]:
+    sets = 2 if quick else sets
     batch = 2 if quick else 128
     numbers = ("NHWC", "HWIO", "NHWC")
     key = jax.random.key(0)
     cases = []
+    suffix = " float32" if dtype == jnp.float32 else ""
     for label, size, channels, filters, window, stride in _RESNET50_CONVS:
         out = -(-size // stride)
         x_shape, w_shape, y_shape = (batch, size, size, channels), (window, window, channels, filters), (
@@ -478,11 +484,11 @@ def conv_cases(quick: bool) -> list[Case]:
         fn = functools.partial(jaxdnn.conv_general_dilated, **conv)
         peer_fn = functools.partial(jax.lax.conv_general_dilated, **conv)
         flops = 2 * batch * out * out * filters * channels * window * window
-        name = f"{label} N{batch} H{size} W{size} C{channels} K{filters} {window}x{window}/{stride}"
+        name = f"{label} N{batch} H{size} W{size} C{channels} K{filters} {window}x{window}/{stride}{suffix}"
         cases.append(Case("conv", f"{name} fwd", fn, "xla", peer_fn, primal_sets, flops, "TFLOP/s"))
         cases.append(Case("conv", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn),
                           [(x, w, dy) for (x, w), dy in zip(primal_sets, dys)], 3 * flops, "TFLOP/s"))
-    return cases + _fused_conv_cases(quick) + _depthwise_conv_cases(quick)
+    return cases
 
 
 def _fused_conv_cases(quick: bool) -> list[Case]:

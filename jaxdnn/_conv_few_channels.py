@@ -114,7 +114,7 @@ def space_to_depth(x, w, geometry):
     return input_blocks(x, geometry), ws, unit
 
 
-def _patches(x, geometry):
+def patches(x, geometry):
     """x [N, D, H, W, C] -> [N, P, Q, R, Kp]: each output pixel's window, taps in row-major (T U V)
     order with C values each, zero-padded to Kp = taps * C rounded up to a multiple of 8."""
     g = geometry
@@ -135,6 +135,8 @@ def _patches(x, geometry):
 def gemm_convolve(x, w, geometry, bias=None, activation=None):
     """act(conv(x, w) + bias): x [N, D, H, W, C], w [T, U, V, C, K], bias None or [K] -> [N, P, Q, R, K]
     in x's dtype (float32 accumulation), differentiable to any order (XLA's gather and transpose
-    around dense's). Exact float32 products, as the other convolution kernels' are."""
+    around dense's). float32 products are exact unless geometry.tf32 allows TF32 (as the other
+    convolution kernels)."""
     filters = _pad_channels(w.reshape(-1, w.shape[-1]), 0)  # rows as the patches' columns
-    return dense(_patches(x, geometry), filters, bias, activation=activation, precision="highest")
+    precision = "default" if geometry.tf32 else "highest"
+    return dense(patches(x, geometry), filters, bias, activation=activation, precision=precision)

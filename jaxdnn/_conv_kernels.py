@@ -5,6 +5,15 @@ Canonical layout (ffi/conv/conv.h), batch first and channels last, 3-D:
 with G feature groups (C = G * Cg, K = G * Kg). Stages: fprop, dgrad (w.r.t. x) and wgrad (w.r.t. w),
 bilinear, each one's VJP made of the other two, so every order of reverse-mode derivatives runs on
 the kernels; and the fused forward act(fprop(x, w) + bias + residual).
+
+float32 with TF32 allowed (`Conv.tf32`, from `precision`): the GPU's forward multiplies on the
+tensor cores as TF32; wgmma reads TF32 operands K-major only, which in these layouts the forward's
+are and the backward stages' are not, so the backward runs as other products (exact float32 sums
+of the same values on the CPU, so the CPU tests check the rewrites): dgrad as the forward of dy with
+the flipped filter, its channels and filters swapped (`_dgrad_as_fprop`; strided windows first
+through the space-to-depth form as the 16-bit dgrad, 1-wide strided windows on the input's strided
+subgrid), wgrad as dense's GEMM of XLA's im2col patches of x with dy (`_wgrad_by_gemm`; the patches,
+taps times x, live only during the call).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from jaxdnn import _autotune, _ffi  # noqa: F401  (_ffi registers the FFI target
 from jaxdnn import _conv_few_channels as few_channels
 from jaxdnn._primitive import ffi_primitive, move_to_front
 from jaxdnn.activation import _activation, epilogue_attrs
+from jaxdnn.dense import weight_gradient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +44,7 @@ class Conv:
     lhs_dilation: tuple[int, int, int]
     rhs_dilation: tuple[int, int, int]
     groups: int
+    tf32: bool = False  # float32 operands may be multiplied as TF32 on a GPU's tensor cores
 
     def attrs(self) -> dict:
         """The targets' attributes (int64, see ffi/conv/conv.h)."""
@@ -43,6 +54,7 @@ class Conv:
         attrs = {f"{name}_{axis}": np.int64(v[i])
                  for name, v in values.items() for i, axis in enumerate("dhw")}
         attrs["groups"] = np.int64(self.groups)
+        attrs["tf32"] = np.int64(self.tf32)
         return attrs
 
 
@@ -78,8 +90,12 @@ def _workspace(dtype, elements):
     return jax.core.ShapedArray((elements,), dtype)
 
 
-def _on_tensor_cores(dtype, channels, attrs):
-    return jnp.dtype(dtype).itemsize == 2 and int(attrs["groups"]) == 1 and not _is_depthwise(channels, attrs)
+def _on_tensor_cores(dtype, channels, attrs, forward=False):
+    """Whether a stage may run on the tensor-core kernels: 16-bit operands, or float32 ones as TF32 in
+    the forward when the tf32 attribute allows it; one group, not depthwise."""
+    tf32 = forward and jnp.dtype(dtype) == jnp.float32 and int(attrs["tf32"])
+    return ((jnp.dtype(dtype).itemsize == 2 or tf32) and int(attrs["groups"]) == 1
+            and not _is_depthwise(channels, attrs))
 
 
 def _is_depthwise(channels, attrs):
@@ -171,7 +187,7 @@ def _candidates(stage, dtype, channels, filters, batch, attrs):
     conditions): none where the tensor cores cannot take it; the implicit-GEMM tiles; the GEMM for a
     pointwise stage (not the fused forward, whose epilogue the GEMM lacks); the halo kernels for the
     64-channel 3x3 layers and for 1x1 ones with 64 channels on one side (see _halo_pointwise)."""
-    if not _on_tensor_cores(dtype, channels, attrs) or filters % 8:
+    if not _on_tensor_cores(dtype, channels, attrs, forward=stage in ("fprop", "fused")) or filters % 8:
         return ()
     window, strides, pads = (_spatial(attrs, name) for name in ("window", "stride", "pad"))
     if window[0] != 1 or strides[0] != 1 or pads[0] != 0 or _spatial(attrs, "lhs_dilation") != (1, 1, 1):
@@ -179,9 +195,11 @@ def _candidates(stage, dtype, channels, filters, batch, attrs):
     tiles = (_TILE_WIDE, _TILE_TALL) + ((_TILE_SMALL,) if stage in ("fprop", "fused", "dgrad") else ())
     pointwise = window == (1, 1, 1) and strides == (1, 1, 1) and pads == (0, 0, 0)
     gemm = (_GEMM,) if stage != "fused" and pointwise and channels % 8 == 0 else ()
-    halo = _halo(channels, filters, batch, attrs) or _halo_pointwise(stage, channels, filters, batch, attrs)
+    sixteen_bit = jnp.dtype(dtype).itemsize == 2  # the halo and im2col kernels' only operands
+    halo = sixteen_bit and (_halo(channels, filters, batch, attrs)
+                            or _halo_pointwise(stage, channels, filters, batch, attrs))
     im2col = tuple(a for a, tile in ((_IM2COL, 128), (_IM2COL_WIDE, 256))
-                   if _im2col(stage, channels, filters, attrs, tile))
+                   if sixteen_bit and _im2col(stage, channels, filters, attrs, tile))
     return gemm + tiles + ((_HALO,) if halo else ()) + im2col
 
 
@@ -195,7 +213,7 @@ def _bind_tuned(prim, stage, operands, channels, filters, attrs):
 
 def _fprop_avals(x, w, **attrs):
     elements = 0
-    if _on_tensor_cores(x.dtype, x.shape[-1], attrs):
+    if _on_tensor_cores(x.dtype, x.shape[-1], attrs, forward=True):
         elements = _padded_filter(w.shape) + _padded_input(x.shape)
     return [jax.core.ShapedArray((x.shape[0],) + _spatial(attrs, "out") + (w.shape[-1],), x.dtype),
             _workspace(x.dtype, elements)]
@@ -270,7 +288,7 @@ def _batch_rule(prim, args, dims, *, batch_major, **attrs):
 
 
 def _stage(name, result_avals, rule, batch_major, target=None, **kwargs):
-    return ffi_primitive(f"jaxdnn_conv_{name}", f"jaxdnn_conv_{target or name}_v3",
+    return ffi_primitive(f"jaxdnn_conv_{name}", f"jaxdnn_conv_{target or name}_v4",
                          result_avals=result_avals, sharding_rule=rule, scratch_results=1,
                          batch_rule=functools.partial(_batch_rule, batch_major=batch_major), **kwargs)
 
@@ -305,25 +323,79 @@ def _dgrad(dy, w, conv):
         from_blocks = jax.linear_transpose(functools.partial(few_channels.input_blocks, geometry=conv),
                                            jax.ShapeDtypeStruct(x_shape, dy.dtype))
         return from_blocks(_dgrad(dy, ws, unit))[0]
+    if _tf32_rewrites(dy.dtype, channels, conv, (dy, w)):
+        if conv.strides == (1, 1, 1):
+            return _dgrad_as_fprop(dy, w, conv)
+        if _strided_taps_are_single(conv):
+            return _dgrad_on_subgrid(dy, w, conv)
     return _bind_tuned(_dgrad_stage, "dgrad", (dy, w), channels, w.shape[-1], conv.attrs())
 
 
 def _dgrad_by_blocks(dtype, channels, conv):
     """Whether dgrad runs as the unit-stride dgrad of the space-to-depth form of the convolution
     (_conv_few_channels.space_to_depth), then that form's transpose back to x (one copy of dx in
-    XLA): 16-bit operands, one group, h/w strides whose windows are at least as wide. On the tensor
-    cores a strided dgrad otherwise multiplies dy with zeros inserted between its pixels (stride^2 the
-    work, 4x for 3x3/2); the space-to-depth form does ceil(k / s)^2 s^2 / k^2 the work (1.78x)."""
+    XLA): 16-bit operands (or float32 ones as TF32), one group, h/w strides whose windows are at
+    least as wide. On the tensor cores a strided dgrad otherwise multiplies dy with zeros inserted
+    between its pixels (stride^2 the work, 4x for 3x3/2); the space-to-depth form does
+    ceil(k / s)^2 s^2 / k^2 the work (1.78x)."""
     axes = zip(conv.window[1:], conv.strides[1:], conv.rhs_dilation[1:])
     strided = [(k, s, d) for k, s, d in axes if s > 1]
-    return (jnp.dtype(dtype).itemsize == 2 and conv.groups == 1 and channels % 8 == 0 and bool(strided)
+    tf32 = jnp.dtype(dtype) == jnp.float32 and conv.tf32
+    return ((jnp.dtype(dtype).itemsize == 2 or tf32) and conv.groups == 1 and channels % 8 == 0 and bool(strided)
             and conv.lhs_dilation == (1, 1, 1) and conv.window[0] == 1 and conv.strides[0] == 1
             and all(k >= s and d == 1 for k, s, d in strided))
 
 
+def _tf32_rewrites(dtype, channels, conv, operands):
+    """Whether a backward stage runs as other products (see the module docstring): float32 with TF32
+    allowed, one group, no lhs dilation, not depthwise, no empty operand (the stages' own kernels
+    write the zeros of an empty sum)."""
+    return (jnp.dtype(dtype) == jnp.float32 and conv.tf32 and conv.groups == 1 and channels > 1
+            and conv.lhs_dilation == (1, 1, 1) and all(math.prod(a.shape) > 0 for a in operands))
+
+
+def _dgrad_as_fprop(dy, w, conv):
+    """dgrad with unit strides as a forward: dx[i] = sum over taps t of dy[i + pad - t * dilation]
+    w[t], which is dy convolved with the filter flipped on every window axis (taps T - 1 - t), its
+    channels and filters swapped, and low padding (T - 1) * dilation - pad; its output is x's extent.
+    A padding outside what the tensor-core kernels take sends it to the baseline forward (exact)."""
+    pads = tuple((t - 1) * d - lo for t, d, lo in zip(conv.window, conv.rhs_dilation, conv.pads))
+    flipped = dataclasses.replace(conv, in_spatial=conv.out_spatial, out_spatial=conv.in_spatial, pads=pads)
+    return fprop(dy, jnp.flip(w, (0, 1, 2)).swapaxes(3, 4), flipped)
+
+
+def _strided_taps_are_single(conv):
+    """Every strided axis has a 1-wide window and no low padding (a strided 1x1 convolution)."""
+    return all(s == 1 or (t == 1 and lo == 0) for s, t, lo in zip(conv.strides, conv.window, conv.pads))
+
+
+def _dgrad_on_subgrid(dy, w, conv):
+    """dgrad of a convolution whose strided axes have 1-wide windows at offset 0: it reads x only on
+    the subgrid of every stride-th pixel, so dx is the unit-stride dgrad on that subgrid (ceil(D / s)
+    pixels an axis) with stride - 1 zeros inserted between its pixels (XLA's interior padding)."""
+    sub_spatial = tuple(-(-i // s) for i, s in zip(conv.in_spatial, conv.strides))
+    sub = dataclasses.replace(conv, in_spatial=sub_spatial, strides=(1, 1, 1))
+    dx = _dgrad(dy, w, sub)
+    spread = [(0, i - ((n - 1) * s + 1), s - 1) for i, n, s in zip(conv.in_spatial, sub_spatial, conv.strides)]
+    return jax.lax.pad(dx, jnp.zeros((), dx.dtype), [(0, 0, 0)] + spread + [(0, 0, 0)])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _wgrad(x, dy, conv):
+    if _tf32_rewrites(x.dtype, x.shape[-1], conv, (x, dy)):
+        return _wgrad_by_gemm(x, dy, conv)
     return _bind_tuned(_wgrad_stage, "wgrad", (x, dy), x.shape[-1], dy.shape[-1], conv.attrs())
+
+
+def _wgrad_by_gemm(x, dy, conv):
+    """dw = patches(x)^T . dy over every output pixel, on dense's GEMM with TF32 (its rows split into
+    slices when the filter has few output tiles): the patches are XLA's im2col of x (each output
+    pixel's window, taps * C values; for a pointwise convolution x itself), built for the call."""
+    patches = few_channels.patches(x, conv)
+    rows = math.prod(patches.shape[:-1])
+    dw = weight_gradient(patches.reshape(1, rows, -1), dy.reshape(1, rows, -1), tf32=1)[0]
+    channels = x.shape[-1]
+    return dw[:math.prod(conv.window) * channels].reshape(conv.window + (channels, dy.shape[-1]))
 
 
 def _fprop_bwd(conv, residuals, dy):

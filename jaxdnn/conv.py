@@ -16,6 +16,12 @@ channels, unit-stride ones into XLA's im2col and dense's GEMM.
 Differentiable with `jax.grad`/`jax.vjp` to any order (every derivative runs on the fprop, dgrad
 and wgrad kernels, or dense's GEMM for the explicit-GEMM form); forward-mode `jax.jvp` is not
 provided (custom_vjp).
+
+float32 at a `precision` that allows TF32 (None unless `jax_default_matmul_precision` says
+otherwise, DEFAULT, HIGH: where XLA's float32 convolutions use TF32 too) multiplies on a GPU's
+tensor cores as TF32; HIGHEST keeps exact float32 products. The backward then runs as a forward
+(dgrad) and dense's GEMM over XLA's im2col patches of x (wgrad, taps times x in memory during the
+call): see jaxdnn/_conv_kernels.py.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from jax.sharding import PartitionSpec
 
 from jaxdnn import _conv_few_channels as few_channels
 from jaxdnn._conv_kernels import Conv, Epilogue, fprop, fused, stack_features
+from jaxdnn._precision import allows_tf32
 from jaxdnn._primitive import explicit_row_sharding, match_varying, per_row_shard
 from jaxdnn.activation import epilogue
 
@@ -151,7 +158,7 @@ def _permute(a, perm):
 
 
 def _prepare(fn, lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-             feature_group_count, batch_group_count, preferred_element_type):
+             feature_group_count, batch_group_count, preferred_element_type, precision):
     """Validates a convolution's arguments. Returns (x [N, D, H, W, C], w [T, U, V, Cg, K], its Conv,
     finish), where finish maps the kernels' y [N, P, Q, R, K] back to the caller's layout."""
     lhs, rhs = (a if hasattr(a, "shape") and hasattr(a, "dtype") else jnp.asarray(a) for a in (lhs, rhs))
@@ -192,7 +199,8 @@ def _prepare(fn, lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, 
     conv = Conv(in_spatial=ones + tuple(in_spatial), out_spatial=ones + tuple(out_spatial),
                 window=ones + tuple(window), strides=ones + strides,
                 pads=(0,) * missing + tuple(lo for lo, _ in pads), lhs_dilation=ones + lhs_dilation,
-                rhs_dilation=ones + rhs_dilation, groups=feature_groups * batch_groups)
+                rhs_dilation=ones + rhs_dilation, groups=feature_groups * batch_groups,
+                tf32=bool(x.dtype == jnp.float32 and allows_tf32(precision)))
     x = x.reshape(x.shape[:1] + conv.in_spatial + x.shape[-1:])
     w = w.reshape(conv.window + w.shape[-2:])
 
@@ -225,18 +233,19 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
       feature_group_count: G: grouped (and, with G = C, depthwise) convolution.
       batch_group_count: B: lhs's batch split in B groups, each convolved with K / B of the filters
         (at most one of the two counts may exceed 1, as in lax).
-      precision: accepted for compatibility and ignored: the kernels multiply in the operands' type
-        and accumulate in float32.
+      precision: as lax's: for float32 operands, None (unless `jax_default_matmul_precision` says
+        otherwise), DEFAULT or HIGH let a GPU multiply them as TF32 on the tensor cores (as XLA's
+        float32 convolutions do); HIGHEST (or a float32-accurate dot algorithm) keeps the products
+        exact. 16-bit operands are multiplied exactly either way; sums are float32.
       preferred_element_type: None or the operands' dtype (the result's dtype is the operands').
 
     Returns:
       The convolution in the layout of `dimension_numbers`' output spec, the operands' dtype.
       Differentiable with `jax.grad`/`jax.vjp` to any order; `jax.jvp` is not supported.
     """
-    del precision  # the kernels always accumulate in float32
     x, w, conv, finish = _prepare("conv_general_dilated", lhs, rhs, window_strides, padding, lhs_dilation,
                                   rhs_dilation, dimension_numbers, feature_group_count, batch_group_count,
-                                  preferred_element_type)
+                                  preferred_element_type, precision)
     return finish(per_row_shard(lambda x, w: _forward(x, w, conv), x, w, whole_axes=4))
 
 
@@ -341,7 +350,7 @@ def _fused_operand(fn, name, a, shape):
 
 
 def conv(x, w, bias=None, *, activation=None, residual=None, strides=1, padding="SAME", dilation=1,
-         groups=1):
+         groups=1, precision=None):
     """act(conv(x, w) + bias + residual), the epilogue fused into the forward kernel.
 
     Args:
@@ -353,6 +362,7 @@ def conv(x, w, bias=None, *, activation=None, residual=None, strides=1, padding=
       strides, dilation: an int or one int per spatial axis (dilation is the kernel's).
       padding: "SAME", "SAME_LOWER", "VALID" or a (low, high) pair per spatial axis.
       groups: feature groups (C for depthwise).
+      precision: as `conv_general_dilated`'s (float32 as TF32 on a GPU unless HIGHEST).
 
     Returns:
       [N, *out, K] in x's dtype. Differentiable to any order (`jax.jvp` is not supported); the
@@ -365,7 +375,7 @@ def conv(x, w, bias=None, *, activation=None, residual=None, strides=1, padding=
         strides = _per_axis("conv", "strides", strides, spatial)
         dilation = _per_axis("conv", "dilation", dilation, spatial)
     x5, w5, geometry, finish = _prepare("conv", x, w, strides, padding, None, dilation,
-                                        _CHANNELS_LAST.get(spatial), groups, 1, None)
+                                        _CHANNELS_LAST.get(spatial), groups, 1, None, precision)
     if bias is None and residual is None and kind == "identity":
         return finish(per_row_shard(lambda x, w: _forward(x, w, geometry), x5, w5, whole_axes=4))
     filters = w.shape[-1]

@@ -168,7 +168,7 @@ def _row_slices(rows, k, n):
     return next((s for s in range(limit, 1, -1) if rows % s == 0), 1)
 
 
-def _weight_gradient(x, dz, tf32):
+def weight_gradient(x, dz, tf32):
     """x^T . dz for x [1, M, K] and dz [1, M, N] -> [1, K, N]. Split into slices, each partial
     product is rounded to x's dtype before the float32 sum: for 16-bit operands about one more
     rounding error than one product would make."""
@@ -200,7 +200,7 @@ def _dense_bwd(kind, param, tf32, residuals, dy):
     x, w, bias, z = residuals
     dz = dy if kind == "identity" else jax.vjp(lambda z: _activation(z, kind, param), z)[1](dy)[0]
     dbias = (jnp.sum(dz[0], axis=0, dtype=_F32) if bias.shape[0] else jnp.zeros_like(bias))
-    return _matmul(dz, w, 0, 1, tf32), _weight_gradient(x, dz, tf32), dbias
+    return _matmul(dz, w, 0, 1, tf32), weight_gradient(x, dz, tf32), dbias
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)

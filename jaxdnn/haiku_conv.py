@@ -11,8 +11,9 @@ bfloat16 or float16). Channels-first layouts (NCHW) are transposed to channels l
 kernels by ``jaxdnn.conv_general_dilated``.
 
 Shapes: inputs ``(N, *spatial, C)`` (or ``(N, C, *spatial)`` channels first), or without ``N`` for
-a single example -> the same layout with ``K`` output channels. ``precision`` is accepted and
-ignored (float32 accumulation). Reverse-mode autodiff works to any order; ``jvp`` does not.
+a single example -> the same layout with ``K`` output channels. ``precision`` is
+``jaxdnn.conv_general_dilated``'s (float32 as TF32 on a GPU unless HIGHEST, as ``hk.ConvND`` on
+XLA). Reverse-mode autodiff works to any order; ``jvp`` does not.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ class ConvND(hk.ConvND):
     def __call__(self, inputs, *, precision=None):
         """inputs ``(N, *spatial, C)`` (``(N, C, *spatial)`` channels first), or without ``N`` for one
         example -> the same layout with ``output_channels`` K channels."""
-        del precision  # the kernels accumulate in float32
         inputs = jnp.asarray(inputs)
         module = f"jaxdnn haiku {type(self).__name__}"
         rank = self.num_spatial_dims + 1
@@ -58,7 +58,7 @@ class ConvND(hk.ConvND):
         out = jaxdnn.conv_general_dilated(
             inputs, w, self.stride, self.padding, lhs_dilation=self.lhs_dilation,
             rhs_dilation=self.kernel_dilation, dimension_numbers=self.dimension_numbers,
-            feature_group_count=groups)
+            feature_group_count=groups, precision=precision)
         if self.with_bias:
             channels_last = self.channel_index == -1
             b_shape = (self.output_channels,) + (() if channels_last else (1,) * self.num_spatial_dims)

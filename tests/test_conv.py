@@ -15,9 +15,10 @@ from jax import export, lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
-from helpers import DTYPES, assert_close, batch_mesh, check_fused_conv, dtype_id, f64, normal, tolerance
+from helpers import (DTYPES, assert_close, batch_mesh, check_fused_conv, dtype_id, f64, normal, on_gpu, rel_err,
+                     tolerance)
 
-TARGETS = ("jaxdnn_conv_fprop_v3", "jaxdnn_conv_dgrad_v3", "jaxdnn_conv_wgrad_v3")
+TARGETS = ("jaxdnn_conv_fprop_v4", "jaxdnn_conv_dgrad_v4", "jaxdnn_conv_wgrad_v4")
 
 # (lhs shape, rhs shape, kwargs of conv_general_dilated). Odd sizes, channel counts with and without
 # a multiple of 8, size-1 axes; the rhs shape is in the layout dimension_numbers names.
@@ -158,8 +159,81 @@ def test_strided_dgrad_runs_on_space_to_depth(window, strides, dgrad_strides, rn
     op = _op(jaxdnn.conv_general_dilated, kwargs)
     dy = normal(rng, jax.eval_shape(op, x, w).shape, jnp.bfloat16)
     hlo = jax.jit(lambda x, dy: jax.vjp(lambda x: op(x, w), x)[1](dy)).lower(x, dy).as_text()
-    dgrad = hlo[hlo.index("jaxdnn_conv_dgrad_v3"):].splitlines()[0]
+    dgrad = hlo[hlo.index("jaxdnn_conv_dgrad_v4"):].splitlines()[0]
     assert re.search(rf"stride_h = {dgrad_strides[0]} .*stride_w = {dgrad_strides[1]} ", dgrad)
+
+
+# float32 with TF32 allowed (precision DEFAULT): on a GPU the forward multiplies on the tensor cores
+# as TF32, and the backward runs as other products (dgrad as a forward of dy with the flipped
+# filter, wgrad as dense's GEMM of im2col patches). The CPU's products are exact, so there the float32
+# tolerance checks the rewrites; on a GPU TF32's 10-bit mantissas (float16's) get float16's
+# tolerance. `dgrad_stage`: whether the dgrad target remains (the cases no rewrite serves).
+TF32_CASES = [
+    ((2, 9, 10, 16), (3, 3, 16, 24), dict(window_strides=(1, 1), padding="SAME"), False),
+    ((1, 10, 9, 32), (5, 3, 32, 16), dict(window_strides=(1, 1), padding="VALID", rhs_dilation=(2, 1)), False),
+    ((2, 8, 8, 8), (3, 3, 8, 16), dict(window_strides=(1, 1), padding=((2, -1), (0, 3))), False),
+    ((2, 12, 11, 8), (3, 3, 8, 24), dict(window_strides=(2, 2), padding="SAME"), False),  # space-to-depth
+    ((2, 9, 10, 16), (1, 1, 16, 24), dict(window_strides=(2, 3), padding="VALID"), False),  # the subgrid
+    ((2, 9, 10, 16), (1, 1, 16, 24), dict(window_strides=(1, 1), padding="VALID"), False),  # pointwise
+    ((3, 8, 8, 16), (2, 2, 16, 8), dict(window_strides=(3, 3), padding="SAME"), True),  # window < stride
+    ((2, 11, 10, 5), (3, 3, 5, 8), dict(window_strides=(1, 1), padding="SAME"), False),  # few channels
+    ((2, 20, 16), (3, 16, 8), dict(window_strides=(2,), padding="SAME"), False),  # 1-D, strided
+    ((2, 3, 6, 7, 8), (3, 3, 3, 8, 16), dict(window_strides=(1, 1, 1), padding="SAME"), False),  # 3-D
+]
+_CHANNELS_LAST = {3: ("NWC", "WIO", "NWC"), 4: NHWC, 5: ("NDHWC", "DHWIO", "NDHWC")}
+
+
+@pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs,dgrad_stage", TF32_CASES, ids=str)
+def test_tf32_forward_and_grad(lhs_shape, rhs_shape, kwargs, dgrad_stage, rng):
+    kwargs = dict(kwargs, dimension_numbers=_CHANNELS_LAST[len(lhs_shape)], precision=lax.Precision.DEFAULT)
+    op = _op(jaxdnn.conv_general_dilated, kwargs)
+    lhs, rhs = normal(rng, lhs_shape), normal(rng, rhs_shape, scale=0.5)
+    y = jax.jit(op)(lhs, rhs)
+    want_y, _ = _oracle(kwargs, lhs, rhs)
+    tol = tolerance(jnp.float16 if on_gpu() else jnp.float32)
+    assert_close(y, want_y, tol, "forward")
+    cotangent = normal(rng, y.shape)
+    dlhs, drhs = _vjp(op, lhs, rhs, cotangent)
+    _, (want_dlhs, want_drhs) = _oracle(kwargs, lhs, rhs, cotangent)
+    assert_close(dlhs, want_dlhs, 10 * tol, "grad lhs")
+    assert_close(drhs, want_drhs, 10 * tol, "grad rhs")
+    hlo = jax.jit(lambda x, w, ct: jax.vjp(op, x, w)[1](ct)).lower(lhs, rhs, cotangent).as_text()
+    assert "jaxdnn_conv_wgrad" not in hlo and "jaxdnn_gemm_v3" in hlo and "convolution" not in hlo
+    assert ("jaxdnn_conv_dgrad_v4" in hlo) == dgrad_stage
+    # The forward: the conv target, or (few channels) the GEMM of the explicit-GEMM form, as TF32.
+    assert re.search(r"@jaxdnn_(conv_fprop_v4|gemm_v3).*tf32 = 1 ", jax.jit(op).lower(lhs, rhs).as_text())
+
+
+@pytest.mark.parametrize("precision,tf32", [(None, 0), ("highest", 0), ("default", 1), (lax.Precision.HIGH, 1),
+                                            ("F32_F32_F32", 0), ("BF16_BF16_F32", 1)], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+def test_precision_picks_the_kernels(precision, tf32, dtype, rng):
+    """float32 at a precision that allows TF32 gets tf32 = 1 and the rewritten backward; HIGHEST
+    (and None here: the tests set jax_default_matmul_precision to "highest") keeps every stage's
+    target; 16-bit operands ignore the precision."""
+    tf32 = int(tf32 and dtype == jnp.float32)
+    op = _op(jaxdnn.conv_general_dilated, dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC,
+                                               precision=precision))
+    lhs, rhs = normal(rng, (2, 6, 5, 8), dtype), normal(rng, (3, 3, 8, 8), dtype)
+    hlo = jax.jit(jax.grad(lambda x, w: jnp.sum(op(x, w) ** 2), argnums=(0, 1))).lower(lhs, rhs).as_text()
+    assert re.search(rf"jaxdnn_conv_fprop_v4.*tf32 = {tf32} ", hlo)
+    assert all((target in hlo) != tf32 for target in TARGETS[1:])
+
+
+@pytest.mark.gpu
+def test_tf32_runs_on_the_tensor_cores(rng):
+    """On a GPU, float32 at DEFAULT differs from the exact products by TF32's rounding in every
+    stage (its kernels ran), and at HIGHEST it is exact to float32."""
+    lhs, rhs = normal(rng, (4, 16, 16, 32)), normal(rng, (3, 3, 32, 64))
+    ct = normal(rng, (4, 16, 16, 64))
+    kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)
+    want = _oracle(kwargs, lhs, rhs, ct)
+    want = (want[0],) + want[1]
+    for precision, low, high in ((lax.Precision.DEFAULT, 2e-5, tolerance(jnp.float16)), ("highest", 0, 1e-5)):
+        op = _op(jaxdnn.conv_general_dilated, dict(kwargs, precision=precision))
+        got = jax.jit(lambda x, w, ct: (lambda y, f: (y, *f(ct)))(*jax.vjp(op, x, w)))(lhs, rhs, ct)
+        for name, g, w in zip(("y", "dx", "dw"), got, want):
+            assert low <= rel_err(g, w) <= high, (precision, name, rel_err(g, w))
 
 
 def test_wgrad_slices():
@@ -201,7 +275,7 @@ def test_vmap(lhs_axis, rhs_axis, rng):
     assert_close(jax.jit(vmapped)(lhs, rhs), want, 1e-5, "vmap")
     # The batch is folded into N or into feature groups: one kernel call, not a loop.
     hlo = jax.jit(vmapped).lower(lhs, rhs).as_text()
-    assert hlo.count("@jaxdnn_conv_fprop_v3(") == 1 and "stablehlo.while" not in hlo
+    assert hlo.count("@jaxdnn_conv_fprop_v4(") == 1 and "stablehlo.while" not in hlo
     ct = normal(rng, want.shape)
 
     def grads(fn, lhs, rhs, ct):
@@ -319,6 +393,28 @@ def test_batch_sharded_runs_per_shard(mesh_kind, channels, devices, rng):
     assert_close(dlhs, want_dlhs, 1e-5, "sharded grad lhs")
     assert_close(drhs, want_drhs, 1e-5, "sharded grad rhs")
     assert y.sharding.spec[0] == "b" and dlhs.sharding.spec[0] == "b"
+
+
+@pytest.mark.parametrize("mesh_kind", ["mesh", "auto", "explicit"])
+def test_tf32_batch_sharded(mesh_kind, devices, rng):
+    """The TF32 backward's rewrites (a forward for dgrad, the GEMM for wgrad) keep a batch-sharded
+    step per shard: no all-gather, dw summed over the shards."""
+    kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC, precision="default")
+    op = _op(jaxdnn.conv_general_dilated, kwargs)
+    mesh = batch_mesh(mesh_kind, devices)
+    lhs = jax.device_put(normal(rng, (8, 9, 10, 8)), NamedSharding(mesh, P("b")))
+    rhs = jax.device_put(normal(rng, (3, 3, 8, 16)), NamedSharding(mesh, P()))
+    ct = jax.device_put(normal(rng, (8, 9, 10, 16)), NamedSharding(mesh, P("b")))
+    step = jax.jit(lambda x, w, ct: (lambda y, pullback: (y, *pullback(ct)))(*jax.vjp(op, x, w)))
+    with jax.set_mesh(mesh) if mesh_kind == "explicit" else contextlib.nullcontext():
+        hlo = step.lower(lhs, rhs, ct).compile().as_text()
+        got = step(lhs, rhs, ct)
+    assert "all-gather" not in hlo and 'custom_call_target="jaxdnn_gemm_v3"' in hlo
+    want_y, want_grads = _oracle(kwargs, np.asarray(lhs), np.asarray(rhs), np.asarray(ct))
+    tol = tolerance(jnp.float16 if on_gpu() else jnp.float32)
+    for name, g, w in zip(("y", "dx", "dw"), got, (want_y, *want_grads)):
+        assert_close(g, w, tol if name == "y" else 10 * tol, f"sharded {name}")
+    assert got[0].sharding.spec[0] == "b" and got[1].sharding.spec[0] == "b"
 
 
 def test_shard_map_grad(devices, rng):
@@ -443,7 +539,7 @@ def test_conv_transpose(dtype, lhs_shape, rhs_shape, kwargs, rng):
     got, want = _vjp(op, lhs, rhs, cotangent), pullback(f64(cotangent))
     assert_close(got[0], want[0], tolerance(dtype, grad=True), "grad lhs")
     assert_close(got[1], want[1], tolerance(dtype, grad=True), "grad rhs")
-    assert "jaxdnn_conv_fprop_v3" in jax.jit(op).lower(lhs, rhs).as_text()
+    assert "jaxdnn_conv_fprop_v4" in jax.jit(op).lower(lhs, rhs).as_text()
 
 
 # (x shape, w shape, kwargs of conv), channels last; bias and residual are added by the test.
@@ -485,7 +581,7 @@ def test_conv_fused_hlo_and_second_order(rng):
     def op(fn):
         return lambda x, w, bias: fn(x, w, bias, activation="silu", residual=residual)
     infer_hlo = jax.jit(op(jaxdnn.conv)).lower(x, w, bias).as_text()
-    assert "jaxdnn_conv_fprop_fused_v3" in infer_hlo and "jaxdnn_activation" not in infer_hlo
+    assert "jaxdnn_conv_fprop_fused_v4" in infer_hlo and "jaxdnn_activation" not in infer_hlo
     assert "convolution" not in infer_hlo
 
     def penalty(fn, x, w, bias):
@@ -496,7 +592,7 @@ def test_conv_fused_hlo_and_second_order(rng):
     for name, g, want_g in zip(("x", "w", "bias"), grad(x, w, bias), want(f64(x), f64(w), f64(bias))):
         assert_close(g, want_g, 1e-5, f"grad of grad {name}")
     hlo = grad.lower(x, w, bias).as_text()
-    assert all(target in hlo for target in TARGETS + ("jaxdnn_conv_fprop_fused_v3",))
+    assert all(target in hlo for target in TARGETS + ("jaxdnn_conv_fprop_fused_v4",))
     assert "convolution" not in hlo
 
 

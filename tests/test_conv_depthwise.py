@@ -114,7 +114,7 @@ def test_hlo_holds_the_custom_calls(rng):
     op = _op(jaxdnn.conv_general_dilated, x, dict(window_strides=(1, 1), padding="SAME"))
     hlo = jax.jit(jax.grad(lambda x, w: jnp.sum(op(x, w).astype(jnp.float32) ** 2), argnums=(0, 1))).lower(
         x, w).as_text()
-    assert all(f"jaxdnn_conv_{stage}_v3" in hlo for stage in ("fprop", "dgrad", "wgrad"))
+    assert all(f"jaxdnn_conv_{stage}_v4" in hlo for stage in ("fprop", "dgrad", "wgrad"))
     assert "convolution" not in hlo
 
 
@@ -176,4 +176,4 @@ FUSED_EPILOGUES = [(jnp.float32, "gelu"), (jnp.float32, "leaky_relu"), (jnp.bflo
 def test_conv_fused(dtype, activation, x_shape, window, multiplier, kwargs, with_residual, rng):
     x, w = _operands(rng, x_shape, window, multiplier, dtype)
     op, args = check_fused_conv(x, w, dict(kwargs, groups=x_shape[-1]), activation, with_residual, rng)
-    assert "jaxdnn_conv_fprop_fused_v3" in op.lower(*args).as_text()
+    assert "jaxdnn_conv_fprop_fused_v4" in op.lower(*args).as_text()

@@ -18,7 +18,7 @@ import jaxdnn.flax as jflax  # noqa: E402
 import jaxdnn.haiku as jhk  # noqa: E402
 
 F32 = jnp.float32
-TARGETS = ("jaxdnn_conv_fprop_v3", "jaxdnn_conv_dgrad_v3", "jaxdnn_conv_wgrad_v3")
+TARGETS = ("jaxdnn_conv_fprop_v4", "jaxdnn_conv_dgrad_v4", "jaxdnn_conv_wgrad_v4")
 
 
 def _check_against(apply, apply_stock, params, x, rng):
@@ -204,3 +204,24 @@ def test_nnx_conv_bad_options_raise(rng):
         conv(normal(rng, (1, 5, 5, 3), F32))
     with pytest.raises(ValueError, match="out_sharding"):
         conv(normal(rng, (1, 5, 5, 4), F32), out_sharding=jax.sharding.PartitionSpec())
+
+
+def test_precision_reaches_the_kernels(rng):
+    """Each module's `precision` is jaxdnn.conv_general_dilated's: at JAX's default (None) a float32
+    convolution may run as TF32 (tf32 = 1), HIGHEST keeps exact products (tf32 = 0)."""
+    nnx = pytest.importorskip("flax.nnx")
+    from jaxdnn.flax import nnx as jnnx
+
+    x = normal(rng, (2, 6, 5, 8), F32)
+    with jax.default_matmul_precision(None):  # JAX's own default (this suite sets "highest")
+        for precision, tf32 in ((None, 1), ("highest", 0)):
+            hlos = []
+            for module in (jflax.Conv(4, (3, 3), precision=precision),
+                           jflax.ConvTranspose(4, (3, 3), strides=(2, 2), precision=precision)):
+                hlos.append(jax.jit(module.apply).lower(module.init(jax.random.key(0), x), x).as_text())
+            haiku = hk.without_apply_rng(hk.transform(lambda x: jhk.Conv2D(4, 3)(x, precision=precision)))
+            hlos.append(jax.jit(haiku.apply).lower(haiku.init(jax.random.key(0), x), x).as_text())
+            conv = jnnx.Conv(8, 4, (3, 3), precision=precision, rngs=nnx.Rngs(0))
+            hlos.append(jax.jit(lambda x: conv(x)).lower(x).as_text())
+            for hlo in hlos:
+                assert hlo.count("@jaxdnn_conv_fprop_v4(") == 1 and f"tf32 = {tf32} : i64" in hlo

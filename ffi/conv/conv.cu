@@ -1,5 +1,6 @@
 // CUDA convolution. Depthwise stages (groups == C, no lhs dilation) run on the memory-bound kernels
-// of depthwise.cu. Stages with 16-bit operands, one group and K a multiple of 8 run on tensor cores:
+// of depthwise.cu. Stages with 16-bit operands, one group and K a multiple of 8 run on tensor cores,
+// and so do float32 forwards (plain and fused) whose tf32 attribute allows TF32 products:
 // pointwise forwards and dgrads (1x1 windows, unit strides, no padding, C a multiple of 8) on the GEMM
 // of ffi/dense (see PointwiseGemm), or on the pointwise product of conv/halo_sm90.h when their
 // reduction has 64 channels, the other 2-D stages on the implicit-GEMM kernels of conv_sm90.cuh
@@ -153,9 +154,10 @@ bool IsPointwise(const ConvGeometry& g) {
 
 std::optional<ffi::Error> PointwiseGemm(cudaStream_t stream, const ConvGeometry& g, const void* a,
                                         const void* b, void* c, int64_t m, int64_t n, int64_t k, bool trans_a,
-                                        bool trans_b, ffi::DataType dtype) {
+                                        bool trans_b, ffi::DataType dtype, bool tf32 = false) {
   if (!IsPointwise(g)) return std::nullopt;
-  const GemmProblem p{a, b, nullptr, c, 1, m, n, k, trans_a, trans_b, 0, 0.f};
+  GemmProblem p{a, b, nullptr, c, 1, m, n, k, trans_a, trans_b, 0, 0.f};
+  p.tf32 = tf32;
   return GemmOnTensorCores(p, dtype, stream);
 }
 
@@ -168,7 +170,8 @@ bool TriesGemmFirst(int64_t algorithm) {
 // The forward with an epilogue (the plain one passes none); `bias` and `residual` may be null.
 ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
                        const ffi::AnyBuffer* bias, const ffi::AnyBuffer* residual, int64_t activation,
-                       float activation_param, int64_t algorithm, ffi::AnyBuffer& y, ffi::AnyBuffer& workspace) {
+                       float activation_param, int64_t algorithm, bool tf32, ffi::AnyBuffer& y,
+                       ffi::AnyBuffer& workspace) {
   const int64_t items = g.OutPixels() * g.filters;
   if (items == 0) return ffi::Error::Success();
   auto baseline = [&] {
@@ -199,7 +202,7 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::An
                                     bias != nullptr ? bias->untyped_data() : nullptr,
                                     residual != nullptr ? residual->untyped_data() : nullptr, activation,
                                     activation_param, y.untyped_data(), workspace.untyped_data(),
-                                    workspace.size_bytes(), algorithm)) {
+                                    workspace.size_bytes(), algorithm, tf32)) {
     return std::move(*status);
   }
   return baseline();
@@ -224,11 +227,12 @@ ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
   }
   if (!empty && TriesGemmFirst(attrs.algorithm)) {
     if (auto status = PointwiseGemm(stream, g, x.untyped_data(), w.untyped_data(), y->untyped_data(),
-                                    g.OutPixels(), g.filters, g.channels, false, false, x.element_type())) {
+                                    g.OutPixels(), g.filters, g.channels, false, false, x.element_type(),
+                                    attrs.tf32 != 0)) {
       return std::move(*status);
     }
   }
-  return LaunchFprop(stream, g, x, w, nullptr, nullptr, 0, 0.0f, attrs.algorithm, *y, *workspace);
+  return LaunchFprop(stream, g, x, w, nullptr, nullptr, 0, 0.0f, attrs.algorithm, attrs.tf32 != 0, *y, *workspace);
 }
 
 ffi::Error ConvFpropFusedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
@@ -239,7 +243,7 @@ ffi::Error ConvFpropFusedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
   JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, w, *y));
   JAXDNN_RETURN_IF_ERROR(CheckEpilogue(g, x, bias, residual, *y, attrs.activation));
   return LaunchFprop(stream, g, x, w, &bias, residual.has_value() ? &*residual : nullptr, attrs.activation,
-                     attrs.activation_param, attrs.conv.algorithm, *y, *workspace);
+                     attrs.activation_param, attrs.conv.algorithm, attrs.conv.tf32 != 0, *y, *workspace);
 }
 
 ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,

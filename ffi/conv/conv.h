@@ -12,18 +12,21 @@
 // Targets (versioned: the ABI of exported programs); all accumulate in float32. Each has a last
 // result `workspace`: scratch for the GPU's tensor-core kernels, which take filters [K, T, U, V, Cg]
 // (the filter, or wgrad's result, transposed there). Sized at trace time: T*U*V*Cg*K elements of
-// x's dtype for 16-bit dtypes, none otherwise; a smaller one sends the stage to another kernel.
-//   jaxdnn_conv_fprop_v3  (x, w)  -> (y)    the forward
-//   jaxdnn_conv_fprop_fused_v3  (x, w, bias, [residual]) -> (y)
+// x's dtype for 16-bit dtypes (and for float32 forwards with tf32), none otherwise; a smaller one
+// sends the stage to another kernel.
+//   jaxdnn_conv_fprop_v4  (x, w)  -> (y)    the forward
+//   jaxdnn_conv_fprop_fused_v4  (x, w, bias, [residual]) -> (y)
 //                                         y = act(conv(x, w) + bias + residual): bias [K], residual
 //                                         y's shape, both x's dtype; attributes activation (int64, the
 //                                         Activation enum of common/activation.h), activation_param (f32)
-//   jaxdnn_conv_dgrad_v3  (dy, w) -> (dx)   the gradient w.r.t. x (the transpose of fprop in x)
-//   jaxdnn_conv_wgrad_v3  (x, dy) -> (dw)   the gradient w.r.t. w (summed over N and the output pixels)
+//   jaxdnn_conv_dgrad_v4  (dy, w) -> (dx)   the gradient w.r.t. x (the transpose of fprop in x)
+//   jaxdnn_conv_wgrad_v4  (x, dy) -> (dw)   the gradient w.r.t. w (summed over N and the output pixels)
 // Attributes (int64, per spatial axis d h w): in_* (D H W), out_* (P Q R), window_* (T U V), stride_*,
-// pad_*, lhs_dilation_*, rhs_dilation_*, groups, and algorithm (a ConvAlgorithm). The sizes are checked
-// against the buffers' shapes (every stage's abstract evaluation needs the one size its operands do
-// not give).
+// pad_*, lhs_dilation_*, rhs_dilation_*, groups, algorithm (a ConvAlgorithm) and tf32 (1: the GPU's
+// forward may multiply float32 operands as TF32 on the tensor cores, as cuDNN's float32 convolutions
+// do at JAX's default precision; the CPU kernels, the backward stages' kernels and 16-bit operands
+// ignore it). The sizes are checked against the buffers' shapes (every stage's abstract evaluation
+// needs the one size its operands do not give).
 #pragma once
 
 #include <cstdint>
@@ -62,6 +65,7 @@ struct ConvAttrs {
   int64_t rhs_dilation_d, rhs_dilation_h, rhs_dilation_w;
   int64_t groups;
   int64_t algorithm;  // a ConvAlgorithm
+  int64_t tf32;       // 1: float32 forwards may run on the tensor cores as TF32
 };
 
 // The fused forward's attributes: the convolution's and its epilogue's.
@@ -139,7 +143,8 @@ auto BindConvWgrad(Binding binding) {
   StructMember<int64_t>("rhs_dilation_h"),  \
   StructMember<int64_t>("rhs_dilation_w"),  \
   StructMember<int64_t>("groups"),  \
-  StructMember<int64_t>("algorithm")
+  StructMember<int64_t>("algorithm"),  \
+  StructMember<int64_t>("tf32")
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxdnn::ConvAttrs, JAXDNN_CONV_ATTR_MEMBERS);
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxdnn::ConvFusedAttrs, JAXDNN_CONV_ATTR_MEMBERS,

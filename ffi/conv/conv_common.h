@@ -56,6 +56,7 @@ inline ffi::Error MakeConvGeometry(const ConvAttrs& attrs, ffi::AnyBuffer::Dimen
                         x, w, y);
     }
   }
+  if (attrs.tf32 != 0 && attrs.tf32 != 1) return InvalidArgument("conv: tf32 must be 0 or 1");
   const int64_t groups = attrs.groups;
   if (groups < 1 || x[4] != groups * w[3] || w[4] % groups != 0) {
     return ShapeError("groups = " + std::to_string(groups) + " must divide K and C must be groups * Cg", x, w, y);

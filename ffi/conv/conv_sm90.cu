@@ -1,5 +1,6 @@
 // The tensor-core convolution stages as conv.cu's handlers call them: which problems the CUTLASS
-// kernels of conv_sm90.cuh take, and the layout work around them, in the targets' workspace:
+// kernels of conv_sm90.cuh take (16-bit operands; the forward also float32 ones as TF32, when the
+// target's tf32 attribute allows it), and the layout work around them, in the targets' workspace:
 // - fprop and dgrad: the filter [R, S, C, K] transposed to CUTLASS's [K, R, S, C];
 // - channel counts C % 8 != 0 (an RGB stem): x (dx) and the filter with zero channels appended up to
 //   TMA's 16-byte rows;
@@ -33,11 +34,12 @@ constexpr int kTile = 32;      // the transposes' tile: 32 x 32 values through s
 constexpr int kTileRows = 8;   // threads per tile column: each moves 4 values
 constexpr int kBlock = 256;
 
-// out[c, r] = in[r, c] for a row-major [rows, cols] matrix of 16-bit values; reads and writes
-// coalesced.
+// out[c, r] = in[r, c] for a row-major [rows, cols] matrix of 16-bit (T = uint16_t) or 32-bit values;
+// reads and writes coalesced.
+template <typename T>
 __global__ void __launch_bounds__(kTile* kTileRows)
-    Transpose16Kernel(const uint16_t* __restrict__ in, int64_t rows, int64_t cols, uint16_t* __restrict__ out) {
-  __shared__ uint16_t tile[kTile][kTile + 1];  // + 1: no bank conflicts on the way out
+    TransposeKernel(const T* __restrict__ in, int64_t rows, int64_t cols, T* __restrict__ out) {
+  __shared__ T tile[kTile][kTile + 1];  // + 1: no bank conflicts on the way out
   const int64_t row0 = int64_t(blockIdx.x) * kTile, col0 = int64_t(blockIdx.y) * kTile;
   for (int i = threadIdx.y; i < kTile; i += kTileRows) {
     const int64_t r = row0 + i, c = col0 + threadIdx.x;
@@ -76,25 +78,26 @@ __global__ void __launch_bounds__(kTile* kTileRows)
   }
 }
 
-// out [pixels, to] = in [pixels, from] with its channels cut or zero-padded to `to` (16-bit values).
+// out [pixels, to] = in [pixels, from] with its channels cut or zero-padded to `to` (T as above).
+template <typename T>
 __global__ void __launch_bounds__(kBlock)
-    CopyChannelsKernel(const uint16_t* __restrict__ in, int64_t pixels, int64_t from, int64_t to,
-                       uint16_t* __restrict__ out) {
+    CopyChannelsKernel(const T* __restrict__ in, int64_t pixels, int64_t from, int64_t to, T* __restrict__ out) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < pixels * to; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t c = i % to;
-    out[i] = c < from ? in[i / to * from + c] : uint16_t(0);
+    out[i] = c < from ? in[i / to * from + c] : T(0);
   }
 }
 
 // wt [K, R * S, Cp] = w [R * S, C, K] transposed, its channels zero-padded to Cp (a gather: only
-// padded problems, whose filters are small, take it; the others use Transpose16Kernel).
+// padded problems, whose filters are small, take it; the others use TransposeKernel).
+template <typename T>
 __global__ void __launch_bounds__(kBlock)
-    PaddedFilterKernel(const uint16_t* __restrict__ w, int64_t taps, int64_t channels, int64_t filters,
-                       int64_t padded_channels, uint16_t* __restrict__ wt) {
+    PaddedFilterKernel(const T* __restrict__ w, int64_t taps, int64_t channels, int64_t filters,
+                       int64_t padded_channels, T* __restrict__ wt) {
   const int64_t total = filters * taps * padded_channels;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t c = i % padded_channels, tap = i / padded_channels % taps, k = i / (padded_channels * taps);
-    wt[i] = c < channels ? w[(tap * channels + c) * filters + k] : uint16_t(0);
+    wt[i] = c < channels ? w[(tap * channels + c) * filters + k] : T(0);
   }
 }
 
@@ -113,11 +116,26 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-ffi::Error Transpose16(cudaStream_t stream, const void* in, int64_t rows, int64_t cols, void* out) {
+// The bytes of a value of the tensor-core stages' dtypes: 2, or 4 for float32 (the forward's TF32).
+int64_t ElementBytes(ffi::DataType dtype) { return dtype == ffi::DataType::F32 ? 4 : 2; }
+
+// Runs `launch` with the unsigned integer type of a value of `dtype` (the layout kernels only move
+// values).
+template <typename Launch>
+ffi::Error ForValueBits(ffi::DataType dtype, Launch launch) {
+  if (ElementBytes(dtype) == 4) return launch(uint32_t{});
+  return launch(uint16_t{});
+}
+
+ffi::Error Transpose(cudaStream_t stream, ffi::DataType dtype, const void* in, int64_t rows, int64_t cols,
+                     void* out) {
   const dim3 grid(unsigned((rows + kTile - 1) / kTile), unsigned((cols + kTile - 1) / kTile));
-  Transpose16Kernel<<<grid, dim3(kTile, kTileRows), 0, stream>>>(static_cast<const uint16_t*>(in), rows, cols,
-                                                                 static_cast<uint16_t*>(out));
-  return LaunchError("conv filter transpose");
+  return ForValueBits(dtype, [&](auto bits) {
+    using T = decltype(bits);
+    TransposeKernel<T><<<grid, dim3(kTile, kTileRows), 0, stream>>>(static_cast<const T*>(in), rows, cols,
+                                                                    static_cast<T*>(out));
+    return LaunchError("conv filter transpose");
+  });
 }
 
 int GridFor(int64_t items) { return int(std::clamp<int64_t>((items + kBlock - 1) / kBlock, 1, 1 << 20)); }
@@ -129,24 +147,32 @@ bool Padded(const ConvGeometry& g) { return g.channels % 8 != 0; }
 int64_t FilterElements(const ConvGeometry& g) { return g.Taps() * PaddedChannels(g) * g.filters; }
 int64_t PaddedInputElements(const ConvGeometry& g) { return Padded(g) ? g.InPixels() * PaddedChannels(g) : 0; }
 
-ffi::Error CopyChannels(cudaStream_t stream, const void* in, int64_t pixels, int64_t from, int64_t to, void* out) {
-  CopyChannelsKernel<<<GridFor(pixels * to), kBlock, 0, stream>>>(static_cast<const uint16_t*>(in), pixels, from,
-                                                                  to, static_cast<uint16_t*>(out));
-  return LaunchError("conv channel padding");
+ffi::Error CopyChannels(cudaStream_t stream, ffi::DataType dtype, const void* in, int64_t pixels, int64_t from,
+                        int64_t to, void* out) {
+  return ForValueBits(dtype, [&](auto bits) {
+    using T = decltype(bits);
+    CopyChannelsKernel<T><<<GridFor(pixels * to), kBlock, 0, stream>>>(static_cast<const T*>(in), pixels, from, to,
+                                                                       static_cast<T*>(out));
+    return LaunchError("conv channel padding");
+  });
 }
 
 // The filter in CUTLASS's layout [K, R, S, Cp] at wt.
-ffi::Error FilterToKrsc(cudaStream_t stream, const ConvGeometry& g, const void* w, void* wt) {
-  if (!Padded(g)) return Transpose16(stream, w, g.Taps() * g.channels, g.filters, wt);
-  PaddedFilterKernel<<<GridFor(FilterElements(g)), kBlock, 0, stream>>>(
-      static_cast<const uint16_t*>(w), g.Taps(), g.channels, g.filters, PaddedChannels(g),
-      static_cast<uint16_t*>(wt));
-  return LaunchError("conv filter transpose");
+ffi::Error FilterToKrsc(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* w, void* wt) {
+  if (!Padded(g)) return Transpose(stream, dtype, w, g.Taps() * g.channels, g.filters, wt);
+  return ForValueBits(dtype, [&](auto bits) {
+    using T = decltype(bits);
+    PaddedFilterKernel<T><<<GridFor(FilterElements(g)), kBlock, 0, stream>>>(
+        static_cast<const T*>(w), g.Taps(), g.channels, g.filters, PaddedChannels(g), static_cast<T*>(wt));
+    return LaunchError("conv filter transpose");
+  });
 }
 
-// CUTLASS's 2-D problem for g (its channels padded), when its kernels take g (see conv_sm90.h).
-bool MakeProblem(const ConvGeometry& g, ffi::DataType dtype, int64_t algorithm, ConvSm90Problem* p) {
-  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
+// CUTLASS's 2-D problem for g (its channels padded), when its kernels take g (see conv_sm90.h):
+// 16-bit operands, or float32 ones where `tf32` allows TF32 (the forward's callers only).
+bool MakeProblem(const ConvGeometry& g, ffi::DataType dtype, bool tf32, int64_t algorithm, ConvSm90Problem* p) {
+  const bool takes = dtype == ffi::DataType::BF16 || dtype == ffi::DataType::F16 || (tf32 && dtype == ffi::DataType::F32);
+  if (!takes) return false;
   if (g.groups != 1 || g.filters % 8 != 0) return false;
   if (g.window[0] != 1 || g.stride[0] != 1 || g.pad[0] != 0 || g.in[0] != g.out[0]) return false;
   constexpr int64_t kMaxInt = INT32_MAX;
@@ -212,7 +238,7 @@ int Im2colTile(const ConvGeometry& g, ffi::DataType dtype, bool dgrad, int64_t a
 std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
                                           const void* x, const void* w, const void* bias, const void* residual,
                                           int64_t activation, float activation_param, void* y, void* workspace,
-                                          size_t workspace_bytes, int64_t algorithm) {
+                                          size_t workspace_bytes, int64_t algorithm, bool tf32) {
   if (UsesHalo(g, dtype, algorithm)) {
     return HaloFprop(stream, g, dtype, x, w, bias, residual, activation, activation_param, y);
   }
@@ -220,13 +246,14 @@ std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometr
     return Im2colFprop(stream, g, dtype, tile, x, w, bias, residual, activation, activation_param, y);
   }
   ConvSm90Problem p;
-  const size_t need = size_t(FilterElements(g) + PaddedInputElements(g)) * 2;
-  if (!MakeProblem(g, dtype, algorithm, &p) || workspace_bytes < need) return std::nullopt;
+  const int64_t bytes = ElementBytes(dtype);
+  const size_t need = size_t(FilterElements(g) + PaddedInputElements(g)) * bytes;
+  if (!MakeProblem(g, dtype, tf32, algorithm, &p) || workspace_bytes < need) return std::nullopt;
   char* wt = static_cast<char*>(workspace);
-  JAXDNN_RETURN_IF_ERROR(FilterToKrsc(stream, g, w, wt));
+  JAXDNN_RETURN_IF_ERROR(FilterToKrsc(stream, g, dtype, w, wt));
   if (Padded(g)) {
-    void* xp = wt + FilterElements(g) * 2;
-    JAXDNN_RETURN_IF_ERROR(CopyChannels(stream, x, g.InPixels(), g.channels, PaddedChannels(g), xp));
+    void* xp = wt + FilterElements(g) * bytes;
+    JAXDNN_RETURN_IF_ERROR(CopyChannels(stream, dtype, x, g.InPixels(), g.channels, PaddedChannels(g), xp));
     x = xp;
   }
   return ConvSm90Fprop(p, dtype, x, wt, bias, residual, int(activation), activation_param, y, stream);
@@ -248,9 +275,9 @@ std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometr
   ConvSm90Problem p;
   const int64_t spread = Strided(g) ? SpreadPixels(g) * g.filters : 0;
   const size_t need = size_t(FilterElements(g) + spread + PaddedInputElements(g)) * 2;
-  if (!MakeProblem(unit, dtype, algorithm, &p) || workspace_bytes < need) return std::nullopt;
+  if (!MakeProblem(unit, dtype, /*tf32=*/false, algorithm, &p) || workspace_bytes < need) return std::nullopt;
   char* wt = static_cast<char*>(workspace);
-  JAXDNN_RETURN_IF_ERROR(FilterToKrsc(stream, g, w, wt));
+  JAXDNN_RETURN_IF_ERROR(FilterToKrsc(stream, g, dtype, w, wt));
   if (Strided(g)) {
     uint4* spread_dy = reinterpret_cast<uint4*>(wt + FilterElements(g) * 2);
     InsertZerosKernel<<<GridFor(spread / 8), kBlock, 0, stream>>>(static_cast<const uint4*>(dy), g.batch * g.out[0],
@@ -262,7 +289,7 @@ std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometr
   void* dxp = Padded(g) ? wt + (FilterElements(g) + spread) * 2 : dx;
   auto status = ConvSm90Dgrad(p, dtype, dy, wt, dxp, stream);
   if (!status.has_value() || status->failure() || !Padded(g)) return status;
-  return CopyChannels(stream, dxp, g.InPixels(), PaddedChannels(g), g.channels, dx);
+  return CopyChannels(stream, dtype, dxp, g.InPixels(), PaddedChannels(g), g.channels, dx);
 }
 
 std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
@@ -272,7 +299,8 @@ std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometr
   const size_t slice_bytes = size_t(FilterElements(g)) * sizeof(float);
   const size_t padded_bytes = size_t(PaddedInputElements(g)) * 2;
   const int64_t rows = g.Taps() * g.channels, cols = g.filters;
-  if (!MakeProblem(g, dtype, algorithm, &p) || workspace_bytes < slice_bytes + padded_bytes || rows > int64_t(kTile) * 65535) {
+  if (!MakeProblem(g, dtype, /*tf32=*/false, algorithm, &p) || workspace_bytes < slice_bytes + padded_bytes ||
+      rows > int64_t(kTile) * 65535) {
     return std::nullopt;
   }
   float* partial = static_cast<float*>(workspace);
@@ -288,7 +316,7 @@ std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometr
       {int64_t((workspace_bytes - padded_bytes) / slice_bytes), int64_t(p.n), int64_t(kWgradMaxSlices)}));
   if (Padded(g)) {
     void* xp = static_cast<char*>(workspace) + slices * slice_bytes;
-    JAXDNN_RETURN_IF_ERROR(CopyChannels(stream, x, g.InPixels(), g.channels, PaddedChannels(g), xp));
+    JAXDNN_RETURN_IF_ERROR(CopyChannels(stream, dtype, x, g.InPixels(), g.channels, PaddedChannels(g), xp));
     x = xp;
   }
   auto status = ConvSm90Wgrad(p, dtype, x, dy, partial, slices, stream);

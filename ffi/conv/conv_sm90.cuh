@@ -36,12 +36,21 @@ namespace sm90 {
 // short reductions (R * S * 64) leave a 128 x 64 tile's pipeline fill and epilogue exposed; a small
 // one with half the shared memory, so that two CTAs share an SM and one's fill and epilogue overlap
 // the other's main loop (an autotuning candidate); and wgrad's, whose N (the filter's (R, S, C)
-// modes) nests as the others' K does, 64 rows tall for K <= 64 filters.
-using ConvTileWide = cute::Shape<cute::_128, cute::_128, cute::Shape<cute::_64>>;
-using ConvTileTall = cute::Shape<cute::_256, cute::_64, cute::Shape<cute::_64>>;
-using ConvTileSmall = cute::Shape<cute::_128, cute::_64, cute::Shape<cute::_64>>;
-using ConvTileWgrad = cute::Shape<cute::_128, cute::Shape<cute::_128>, cute::Shape<cute::_64>>;
-using ConvTileWgradShort = cute::Shape<cute::_64, cute::Shape<cute::_128>, cute::Shape<cute::_64>>;
+// modes) nests as the others' K does, 64 rows tall for K <= 64 filters. A pipeline stage holds 128
+// bytes of channels a row: 64 16-bit values, or 32 float32 ones multiplied as TF32 (the swizzle's
+// width either way).
+template <class Element>
+using StageK = cute::Shape<cute::Int<128 / sizeof(Element)>>;
+template <class Element>
+using ConvTileWide = cute::Shape<cute::_128, cute::_128, StageK<Element>>;
+template <class Element>
+using ConvTileTall = cute::Shape<cute::_256, cute::_64, StageK<Element>>;
+template <class Element>
+using ConvTileSmall = cute::Shape<cute::_128, cute::_64, StageK<Element>>;
+template <class Element>
+using ConvTileWgrad = cute::Shape<cute::_128, cute::Shape<cute::_128>, StageK<Element>>;
+template <class Element>
+using ConvTileWgradShort = cute::Shape<cute::_64, cute::Shape<cute::_128>, StageK<Element>>;
 
 // The shared memory a tile's pipeline leaves unused: none (as many stages as fit), or half of it.
 enum class Occupancy { kOneCta, kTwoCtas };
@@ -54,7 +63,9 @@ struct TwoCtas : Base {
 };
 
 // The kernel of one stage, operand type, tile and result type. Fusion is the epilogue's operation:
-// the forward's bias + residual + activation, or a plain store.
+// the forward's bias + residual + activation, or a plain store. float operands are multiplied as
+// TF32 (CUTLASS's builder maps them to it), which wgmma reads K-major only: of the three stages,
+// only the forward has both operands K-major in these layouts.
 template <cutlass::conv::Operator Op, class Element, class Tile, class ElementC, class ElementD, class Fusion,
           Occupancy kOccupancy = Occupancy::kOneCta>
 struct Conv {
@@ -176,12 +187,14 @@ std::optional<ffi::Error> Fprop(const ConvSm90Problem& p, const void* x, const v
                                 cudaStream_t stream) {
   switch (TileFor(p, p.k, p.r * p.s * p.c)) {
     case kConvTileTall:
-      return FpropTiled<Element, ConvTileTall>(p, x, w, bias, residual, activation, activation_param, y, stream);
+      return FpropTiled<Element, ConvTileTall<Element>>(p, x, w, bias, residual, activation, activation_param, y,
+                                                        stream);
     case kConvTileSmall:
-      return FpropTiled<Element, ConvTileSmall, Occupancy::kTwoCtas>(p, x, w, bias, residual, activation,
-                                                                     activation_param, y, stream);
+      return FpropTiled<Element, ConvTileSmall<Element>, Occupancy::kTwoCtas>(p, x, w, bias, residual, activation,
+                                                                              activation_param, y, stream);
     default:
-      return FpropTiled<Element, ConvTileWide>(p, x, w, bias, residual, activation, activation_param, y, stream);
+      return FpropTiled<Element, ConvTileWide<Element>>(p, x, w, bias, residual, activation, activation_param, y,
+                                                        stream);
   }
 }
 
@@ -209,12 +222,12 @@ std::optional<ffi::Error> Dgrad(const ConvSm90Problem& p, const void* dy, const 
   constexpr const char* kWhat = "conv dgrad (tensor cores)";
   switch (TileFor(p, p.c, p.r * p.s * p.k)) {
     case kConvTileTall:
-      return BackwardTiled<kDgrad, Element, ConvTileTall, Element>(p, dy, w, dx, stream, kWhat);
+      return BackwardTiled<kDgrad, Element, ConvTileTall<Element>, Element>(p, dy, w, dx, stream, kWhat);
     case kConvTileSmall:
-      return BackwardTiled<kDgrad, Element, ConvTileSmall, Element, Occupancy::kTwoCtas>(p, dy, w, dx, stream,
-                                                                                        kWhat);
+      return BackwardTiled<kDgrad, Element, ConvTileSmall<Element>, Element, Occupancy::kTwoCtas>(p, dy, w, dx,
+                                                                                                 stream, kWhat);
     default:
-      return BackwardTiled<kDgrad, Element, ConvTileWide, Element>(p, dy, w, dx, stream, kWhat);
+      return BackwardTiled<kDgrad, Element, ConvTileWide<Element>, Element>(p, dy, w, dx, stream, kWhat);
   }
 }
 
@@ -286,15 +299,21 @@ std::optional<ffi::Error> WgradTiled(const ConvSm90Problem& p, const void* x, co
 template <class Element>
 std::optional<ffi::Error> Wgrad(const ConvSm90Problem& p, const void* x, const void* dy, float* partial,
                                 int slices, cudaStream_t stream) {
-  if (p.algorithm != kConvTileWide) return WgradTiled<Element, ConvTileWgradShort>(p, x, dy, partial, slices, stream);
-  return WgradTiled<Element, ConvTileWgrad>(p, x, dy, partial, slices, stream);
+  if (p.algorithm != kConvTileWide) {
+    return WgradTiled<Element, ConvTileWgradShort<Element>>(p, x, dy, partial, slices, stream);
+  }
+  return WgradTiled<Element, ConvTileWgrad<Element>>(p, x, dy, partial, slices, stream);
 }
 
-// The dtype dispatch of one stage: bfloat16 or float16 (conv_sm90.cu admits no other).
-template <class Run>
+// The dtype dispatch of one stage: bfloat16 or float16, and float32 (as TF32) where kTf32 (the
+// forward; conv_sm90.cu admits no other).
+template <bool kTf32 = false, class Run>
 std::optional<ffi::Error> ForDtype(ffi::DataType dtype, Run run) {
   if (dtype == ffi::DataType::BF16) return run(cutlass::bfloat16_t{});
   if (dtype == ffi::DataType::F16) return run(cutlass::half_t{});
+  if constexpr (kTf32) {
+    if (dtype == ffi::DataType::F32) return run(float{});
+  }
   return std::nullopt;
 }
 

@@ -24,8 +24,9 @@ struct ConvSm90Problem {
 
 // The CUTLASS kernels (conv_sm90_{fprop,dgrad,wgrad}.cu). Each returns the launch's status, or
 // nothing when it cannot take the problem after all (its TMA im2col limits on padding and window
-// offsets): the caller then runs another kernel.
-// y = act(conv(x, w) + bias + residual): bias [K] or null, residual y's shape or null.
+// offsets, or a dtype it lacks): the caller then runs another kernel.
+// y = act(conv(x, w) + bias + residual): bias [K] or null, residual y's shape or null; bfloat16,
+// float16, or float32 multiplied as TF32.
 std::optional<ffi::Error> ConvSm90Fprop(const ConvSm90Problem& p, ffi::DataType dtype, const void* x,
                                         const void* w, const void* bias, const void* residual, int activation,
                                         float activation_param, void* y, cudaStream_t stream);
@@ -41,8 +42,9 @@ std::optional<ffi::Error> ConvSm90Wgrad(const ConvSm90Problem& p, ffi::DataType 
                                         const void* dy, float* partial, int slices, cudaStream_t stream);
 
 // The stages as conv.cu's handlers run them (conv_sm90.cu), on jaxdnn's layouts (conv.h) and with
-// the targets' workspace. They take 2-D problems with 16-bit operands, one group, no lhs dilation,
-// non-negative padding, C and K multiples of 8 (TMA's 16-byte rows) and sizes within int32; the
+// the targets' workspace. They take 2-D problems with 16-bit operands (the forward also float32 ones
+// when `tf32`, multiplied as TF32), one group, no lhs dilation, non-negative padding, C and K
+// multiples of 8 (TMA's 16-byte rows; channels padded to 8 otherwise) and sizes within int32; the
 // depth axis must be trivial (window 1, stride 1, no padding) and is folded into N. Each returns the
 // launch's status, or nothing when g (or a workspace too small for it) needs another kernel.
 // `algorithm` (a ConvAlgorithm) picks the tile where it names one the stage has.
@@ -51,7 +53,7 @@ std::optional<ffi::Error> ConvSm90Wgrad(const ConvSm90Problem& p, ffi::DataType 
 std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
                                           const void* x, const void* w, const void* bias, const void* residual,
                                           int64_t activation, float activation_param, void* y, void* workspace,
-                                          size_t workspace_bytes, int64_t algorithm);
+                                          size_t workspace_bytes, int64_t algorithm, bool tf32);
 std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
                                           const void* dy, const void* w, void* dx, void* workspace,
                                           size_t workspace_bytes, int64_t algorithm);

@@ -14,9 +14,9 @@ axes are flattened into one and restored, no batch axis means a batch of one) ->
 Padding: "SAME", "VALID", ints, (low, high) pairs, and for ``Conv`` also "CIRCULAR", "REFLECT"
 (the input is padded with ``jnp.pad`` first, as Flax does) and "CAUSAL" (1-D only).
 ``ConvTranspose`` with "CIRCULAR" padding raises ``ValueError``, as do the deprecated
-``conv_general_dilated``/``conv_general_dilated_cls`` overrides. ``precision`` is accepted and
-ignored (the kernels accumulate in float32). Reverse-mode autodiff works to any order; forward-mode
-``jvp`` does not (custom_vjp).
+``conv_general_dilated``/``conv_general_dilated_cls`` overrides. ``precision`` is
+``jaxdnn.conv_general_dilated``'s (float32 as TF32 on a GPU unless HIGHEST, as Flax's stock modules
+on XLA). Reverse-mode autodiff works to any order; forward-mode ``jvp`` does not (custom_vjp).
 """
 
 from __future__ import annotations
@@ -100,11 +100,11 @@ def check_kernel(module: str, inputs, groups: int, kernel_shape, mask) -> None:
                          f"{mask.shape}")
 
 
-def conv_with_bias(inputs, kernel, bias, strides, padding, input_dilation, kernel_dilation, groups):
+def conv_with_bias(inputs, kernel, bias, strides, padding, input_dilation, kernel_dilation, groups, precision):
     """jaxdnn.conv_general_dilated on inputs (N, *spatial, C) and kernel (*window, C/G, K), + bias (K,)."""
     y = jaxdnn.conv_general_dilated(inputs, kernel, strides, padding, lhs_dilation=input_dilation,
                                     rhs_dilation=kernel_dilation, dimension_numbers=_LAYOUTS[kernel.ndim - 2],
-                                    feature_group_count=groups)
+                                    feature_group_count=groups, precision=precision)
     return _add_bias(y, bias)
 
 
@@ -124,7 +124,7 @@ class Conv(nn.Conv):
 
     Attributes: those of ``flax.linen.Conv`` (features K, kernel_size, strides, padding,
     input_dilation, kernel_dilation, feature_group_count G, use_bias, mask, dtype, param_dtype,
-    precision (ignored), kernel_init, bias_init, promote_dtype).
+    precision, kernel_init, bias_init, promote_dtype).
     """
 
     @nn.compact
@@ -144,7 +144,7 @@ class Conv(nn.Conv):
         kernel, bias = _kernel_and_bias(self, kernel_shape)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         y = conv_with_bias(inputs, kernel, bias, _per_axis(self.strides, spatial), padding,
-                           _per_axis(self.input_dilation, spatial), kernel_dilation, groups)
+                           _per_axis(self.input_dilation, spatial), kernel_dilation, groups, self.precision)
         return restore(y)
 
 
@@ -152,7 +152,7 @@ class ConvTranspose(nn.ConvTranspose):
     """``flax.linen.ConvTranspose`` (same attributes and params) computing on ``jaxdnn.conv_transpose``.
 
     Attributes: those of ``flax.linen.ConvTranspose`` (features K, kernel_size, strides, padding,
-    kernel_dilation, use_bias, mask, dtype, param_dtype, precision (ignored), kernel_init,
+    kernel_dilation, use_bias, mask, dtype, param_dtype, precision, kernel_init,
     bias_init, transpose_kernel, promote_dtype, preferred_element_type (None or the computation
     dtype)). padding="CIRCULAR" is not supported.
     """
@@ -176,6 +176,6 @@ class ConvTranspose(nn.ConvTranspose):
         kernel, bias = _kernel_and_bias(self, kernel_shape)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         y = jaxdnn.conv_transpose(inputs, kernel, strides, padding, rhs_dilation=kernel_dilation,
-                                  transpose_kernel=self.transpose_kernel,
+                                  transpose_kernel=self.transpose_kernel, precision=self.precision,
                                   preferred_element_type=self.preferred_element_type)
         return restore(_add_bias(y, bias))

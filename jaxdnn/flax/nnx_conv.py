@@ -8,7 +8,7 @@ module's input handling (batch flattening, "CIRCULAR"/"REFLECT"/"CAUSAL" padding
 
 ``conv_general_dilated`` must be left at its default (or be ``jaxdnn.conv_general_dilated``),
 ``out_sharding`` must be None, and ``preferred_element_type`` None or the computation dtype;
-``precision`` is ignored (float32 accumulation).
+``precision`` is ``jaxdnn.conv_general_dilated``'s (float32 as TF32 on a GPU unless HIGHEST).
 """
 
 from __future__ import annotations
@@ -51,5 +51,6 @@ class Conv(nnx.Conv):
             raise ValueError(f"jaxdnn {module}: preferred_element_type must be None or {inputs.dtype}, got "
                              f"{self.preferred_element_type}")
         y = conv_with_bias(inputs, kernel, bias, _per_axis(self.strides, spatial), padding,
-                           _per_axis(self.input_dilation, spatial), kernel_dilation, self.feature_group_count)
+                           _per_axis(self.input_dilation, spatial), kernel_dilation, self.feature_group_count,
+                           self.precision)
         return restore(y)
