@@ -141,23 +141,15 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-// A 1x1 convolution with unit strides and dilations, no padding and one group is a GEMM over the
-// pixels: y[pixels, K] = x[pixels, C] . w[C, K], dx = dy . w^T, dw = x^T . dy. Such stages run on the
-// tensor-core GEMM when it takes them (16-bit operands, channel counts multiples of 8); the result
-// is then that launch's status, else nothing.
-bool IsPointwise(const ConvGeometry& g) {
-  for (int a = 0; a < 3; ++a) {
-    if (g.window[a] != 1 || g.stride[a] != 1 || g.pad[a] != 0 || g.lhs_dilation[a] != 1) return false;
-  }
-  return g.groups == 1;
-}
-
+// A pointwise convolution (ConvGeometry::IsPointwise) is a GEMM over the pixels: y[pixels, K] =
+// x[pixels, C] . w[C, K], dx = dy . w^T, dw = x^T . dy. Such stages run on the tensor-core GEMM when it
+// takes them (16-bit operands, channel counts multiples of 8); the result is then that launch's
+// status, else nothing. (float32 forwards take the GEMM in TensorCoreFprop, on the transposed filter.)
 std::optional<ffi::Error> PointwiseGemm(cudaStream_t stream, const ConvGeometry& g, const void* a,
                                         const void* b, void* c, int64_t m, int64_t n, int64_t k, bool trans_a,
-                                        bool trans_b, ffi::DataType dtype, bool tf32 = false) {
-  if (!IsPointwise(g)) return std::nullopt;
-  GemmProblem p{a, b, nullptr, c, 1, m, n, k, trans_a, trans_b, 0, 0.f};
-  p.tf32 = tf32;
+                                        bool trans_b, ffi::DataType dtype) {
+  if (!g.IsPointwise()) return std::nullopt;
+  const GemmProblem p{a, b, nullptr, c, 1, m, n, k, trans_a, trans_b, 0, 0.f};
   return GemmOnTensorCores(p, dtype, stream);
 }
 
@@ -227,8 +219,7 @@ ffi::Error ConvFpropImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
   }
   if (!empty && TriesGemmFirst(attrs.algorithm)) {
     if (auto status = PointwiseGemm(stream, g, x.untyped_data(), w.untyped_data(), y->untyped_data(),
-                                    g.OutPixels(), g.filters, g.channels, false, false, x.element_type(),
-                                    attrs.tf32 != 0)) {
+                                    g.OutPixels(), g.filters, g.channels, false, false, x.element_type())) {
       return std::move(*status);
     }
   }

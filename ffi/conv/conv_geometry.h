@@ -37,6 +37,15 @@ struct ConvGeometry {
   JAXDNN_CONV_HD int64_t InPixels() const { return batch * in[0] * in[1] * in[2]; }
   JAXDNN_CONV_HD int64_t OutPixels() const { return batch * out[0] * out[1] * out[2]; }
 
+  // A 1x1 window with unit strides, no padding or lhs dilation, one group: a GEMM over the pixels,
+  // y[pixels, K] = x[pixels, C] . w[C, K].
+  JAXDNN_CONV_HD bool IsPointwise() const {
+    for (int a = 0; a < 3; ++a) {
+      if (window[a] != 1 || stride[a] != 1 || pad[a] != 0 || lhs_dilation[a] != 1) return false;
+    }
+    return groups == 1;
+  }
+
   // The input coordinate on axis a that output coordinate o reads through window tap t, or -1
   // where it reads padding or a hole of the lhs dilation.
   JAXDNN_CONV_HD int64_t InputAt(int a, int64_t o, int64_t t) const {

@@ -26,6 +26,7 @@
 #include "conv/conv_sm90.h"
 #include "conv/halo_sm90.h"
 #include "conv/im2col_sm90.h"
+#include "dense/gemm_sm90.h"
 
 namespace jaxdnn {
 namespace {
@@ -251,6 +252,15 @@ std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometr
   if (!MakeProblem(g, dtype, tf32, algorithm, &p) || workspace_bytes < need) return std::nullopt;
   char* wt = static_cast<char*>(workspace);
   JAXDNN_RETURN_IF_ERROR(FilterToKrsc(stream, g, dtype, w, wt));
+  // A plain float32 pointwise forward: dense's TF32 GEMM y = x . wt^T, both operands K-major, the one
+  // way wgmma reads TF32 (w [C, K] itself, N-major, made the GEMM run its transposed product).
+  const bool plain = bias == nullptr && residual == nullptr && activation == 0;
+  if (dtype == ffi::DataType::F32 && plain && g.IsPointwise() && !Padded(g) &&
+      (algorithm == kConvAuto || algorithm == kConvGemm)) {
+    GemmProblem gemm{x, wt, nullptr, y, 1, g.OutPixels(), g.filters, g.channels, false, true, 0, 0.f};
+    gemm.tf32 = true;
+    if (auto status = GemmOnTensorCores(gemm, dtype, stream)) return status;
+  }
   if (Padded(g)) {
     void* xp = wt + FilterElements(g) * bytes;
     JAXDNN_RETURN_IF_ERROR(CopyChannels(stream, dtype, x, g.InPixels(), g.channels, PaddedChannels(g), xp));
