@@ -461,7 +461,7 @@ def conv_cases(quick: bool) -> list[Case]:
     FLOPs: fwd = 2 * N * P * Q * K * C * R * S (groups = 1), fwd+bwd = 3 x fwd.
     """
     return (_resnet_conv_cases(quick, jnp.bfloat16, 8) + _resnet_conv_cases(quick, jnp.float32, 4)
-            + _fused_conv_cases(quick) + _depthwise_conv_cases(quick))
+            + _fused_conv_cases(quick) + _depthwise_conv_cases(quick) + _transpose_conv_cases(quick))
 
 
 def _resnet_conv_cases(quick: bool, dtype, sets: int) -> list[Case]:
@@ -558,6 +558,38 @@ def _depthwise_conv_cases(quick: bool) -> list[Case]:
         cases.append(Case("conv", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn),
                           [(x, w, dy) for (x, w), dy in zip(primal_sets, dys)],
                           fwd_bytes + 3 * x_bytes + 2 * w_bytes, "GB/s"))
+    return cases
+
+
+def _transpose_conv_cases(quick: bool) -> list[Case]:
+    """conv_transpose (NHWC / HWIO) against lax.conv_transpose (cuDNN's dgrad through XLA), bf16 and
+    float32 at JAX's default precision, fwd and fwd+bwd: a U-Net decoder's 2x2/2 upsampling (N 32,
+    56^2 -> 112^2, 128 -> 64 channels) and DCGAN's 4x4/2 (N 64, 32^2 -> 64^2, 256 -> 128).
+
+    FLOPs: every input pixel meets every tap: fwd = 2 * N * H * W * C * K * R * S (H, W the input's),
+    fwd+bwd = 3 x fwd.
+    """
+    cases = []
+    key = jax.random.key(4)
+    for label, batch, size, channels, filters, window in (("U-Net 2x2/2", 32, 56, 128, 64, 2),
+                                                          ("DCGAN 4x4/2", 64, 32, 256, 128, 4)):
+        batch = 2 if quick else batch
+        for dtype in (jnp.bfloat16, jnp.float32):
+            primal_sets, dys = [], []
+            for _ in range(2 if quick else 4):
+                key, kx, kw, kdy = jax.random.split(key, 4)
+                primal_sets.append((_normal(kx, (batch, size, size, channels), dtype),
+                                    _normal(kw, (window, window, channels, filters), dtype, std=0.1)))
+                dys.append(_normal(kdy, (batch, 2 * size, 2 * size, filters), dtype))
+            conv = dict(strides=(2, 2), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            fn = functools.partial(jaxdnn.conv_transpose, **conv)
+            peer_fn = functools.partial(jax.lax.conv_transpose, **conv)
+            flops = 2 * batch * size * size * channels * filters * window * window
+            name = (f"conv_transpose {label} N{batch} H{size} W{size} C{channels} K{filters}"
+                    + (" float32" if dtype == jnp.float32 else ""))
+            cases.append(Case("conv", f"{name} fwd", fn, "xla", peer_fn, primal_sets, flops, "TFLOP/s"))
+            cases.append(Case("conv", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn),
+                              [(x, w, dy) for (x, w), dy in zip(primal_sets, dys)], 3 * flops, "TFLOP/s"))
     return cases
 
 

@@ -364,6 +364,26 @@ def _dgrad_as_fprop(dy, w, conv):
     return fprop(dy, jnp.flip(w, (0, 1, 2)).swapaxes(3, 4), flipped)
 
 
+def runs_as_dgrad(conv):
+    """Whether a convolution with lhs dilation (a transposed one) runs as `transposed_by_dgrad`: unit
+    strides, one group."""
+    return conv.lhs_dilation != (1, 1, 1) and conv.strides == (1, 1, 1) and conv.groups == 1
+
+
+def transposed_by_dgrad(x, w, conv):
+    """A transposed convolution (lhs dilation s, unit strides) as the dgrad of the strided one it
+    transposes: y[o] = sum over taps t of x~[o + t * dilation - pad] w[t], x~ being x with s - 1 zeros
+    between its pixels, is dgrad(x, w') of the convolution of stride s, the same dilation and low
+    padding (T - 1) * dilation - pad from a y-sized input to an x-sized output, with w' the filter
+    flipped on every window axis, its channels and filters swapped. The dgrad's kernels (the
+    space-to-depth form on the tensor cores where the window spans the stride) then run it, not the
+    baseline forward over the zero-dilated input; its VJP is that convolution's forward and wgrad."""
+    pads = tuple((t - 1) * d - lo for t, d, lo in zip(conv.window, conv.rhs_dilation, conv.pads))
+    strided = dataclasses.replace(conv, in_spatial=conv.out_spatial, out_spatial=conv.in_spatial, pads=pads,
+                                  strides=conv.lhs_dilation, lhs_dilation=(1, 1, 1))
+    return _dgrad(x, jnp.flip(w, (0, 1, 2)).swapaxes(3, 4), strided)
+
+
 def _strided_taps_are_single(conv):
     """Every strided axis has a 1-wide window and no low padding (a strided 1x1 convolution)."""
     return all(s == 1 or (t == 1 and lo == 0) for s, t, lo in zip(conv.strides, conv.window, conv.pads))

@@ -35,7 +35,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxdnn import _conv_few_channels as few_channels
-from jaxdnn._conv_kernels import Conv, Epilogue, fprop, fused, stack_features
+from jaxdnn._conv_kernels import Conv, Epilogue, fprop, fused, runs_as_dgrad, stack_features, transposed_by_dgrad
 from jaxdnn._precision import allows_tf32
 from jaxdnn._primitive import explicit_row_sharding, match_varying, per_row_shard
 from jaxdnn.activation import epilogue
@@ -252,7 +252,10 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
 def _forward(x, w, geometry, bias=None, residual=None, activation=None):
     """act(conv(x, w) + bias + residual) on the canonical layout, on the convolution kernels (with
     an epilogue, in the fused kernel's). Few-channel convolutions are rewritten first
-    (jaxdnn/_conv_few_channels.py): strided ones by space-to-depth, the others as an explicit GEMM."""
+    (jaxdnn/_conv_few_channels.py): strided ones by space-to-depth, the others as an explicit GEMM;
+    transposed ones (lhs dilation) run as the dgrad of the strided convolution they transpose."""
+    if bias is None and residual is None and activation is None and runs_as_dgrad(geometry):
+        return transposed_by_dgrad(x, *match_varying(x, w), geometry)
     if few_channels.takes_space_to_depth(x.shape, w.shape, geometry):
         x, w, geometry = few_channels.space_to_depth(x, w, geometry)
     elif residual is None and few_channels.takes_gemm(x.shape, w.shape, geometry):

@@ -539,7 +539,33 @@ def test_conv_transpose(dtype, lhs_shape, rhs_shape, kwargs, rng):
     got, want = _vjp(op, lhs, rhs, cotangent), pullback(f64(cotangent))
     assert_close(got[0], want[0], tolerance(dtype, grad=True), "grad lhs")
     assert_close(got[1], want[1], tolerance(dtype, grad=True), "grad rhs")
-    assert "jaxdnn_conv_fprop_v4" in jax.jit(op).lower(lhs, rhs).as_text()
+    # It runs as the dgrad of the strided convolution it transposes (no zero-dilated input).
+    hlo = jax.jit(op).lower(lhs, rhs).as_text()
+    assert "jaxdnn_conv_dgrad_v4" in hlo and "jaxdnn_conv_fprop" not in hlo and "convolution" not in hlo
+
+
+@pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", [
+    ((2, 5, 6, 8), (4, 4, 8, 16), dict(strides=(2, 2), padding="SAME")),  # DCGAN's upsampling
+    ((2, 5, 6, 16), (2, 2, 16, 8), dict(strides=(2, 2), padding="VALID")),  # U-Net's
+    ((2, 7, 8), (3, 8, 16), dict(strides=(3,), padding="SAME")),
+], ids=str)
+def test_conv_transpose_tf32(lhs_shape, rhs_shape, kwargs, rng):
+    """float32 at DEFAULT: the dgrad it runs as goes through space-to-depth to a TF32 forward (no
+    dgrad target left), and its VJP's forward and wgrad are TF32 too."""
+    kwargs = dict(kwargs, precision=lax.Precision.DEFAULT)
+    op, oracle = _op(jaxdnn.conv_transpose, kwargs), _op(lax.conv_transpose, dict(kwargs, precision="highest"))
+    lhs, rhs = normal(rng, lhs_shape), normal(rng, rhs_shape, scale=0.5)
+    y = jax.jit(op)(lhs, rhs)
+    want_y, pullback = jax.vjp(oracle, f64(lhs), f64(rhs))
+    tol = tolerance(jnp.float16 if on_gpu() else jnp.float32)
+    assert_close(y, want_y, tol, "forward")
+    cotangent = normal(rng, y.shape)
+    got, want = _vjp(op, lhs, rhs, cotangent), pullback(f64(cotangent))
+    assert_close(got[0], want[0], 10 * tol, "grad lhs")
+    assert_close(got[1], want[1], 10 * tol, "grad rhs")
+    hlo = jax.jit(lambda x, w, ct: jax.vjp(op, x, w)[1](ct)).lower(lhs, rhs, cotangent).as_text()
+    assert "jaxdnn_conv_dgrad" not in hlo and "jaxdnn_conv_wgrad" not in hlo and "convolution" not in hlo
+    assert re.search(r"jaxdnn_conv_fprop_v4.*tf32 = 1 ", jax.jit(op).lower(lhs, rhs).as_text())
 
 
 # (x shape, w shape, kwargs of conv), channels last; bias and residual are added by the test.
