@@ -341,9 +341,9 @@ def _dgrad_by_blocks(dtype, channels, conv):
     axes = zip(conv.window[1:], conv.strides[1:], conv.rhs_dilation[1:])
     strided = [(k, s, d) for k, s, d in axes if s > 1]
     tf32 = jnp.dtype(dtype) == jnp.float32 and conv.tf32
-    return ((jnp.dtype(dtype).itemsize == 2 or tf32) and conv.groups == 1 and channels % 8 == 0 and bool(strided)
-            and conv.lhs_dilation == (1, 1, 1) and conv.window[0] == 1 and conv.strides[0] == 1
-            and all(k >= s and d == 1 for k, s, d in strided))
+    return ((jnp.dtype(dtype).itemsize == 2 or tf32) and conv.groups == 1 and channels % 8 == 0
+            and bool(strided) and conv.lhs_dilation == (1, 1, 1) and conv.window[0] == 1
+            and conv.strides[0] == 1 and all(k >= s and d == 1 for k, s, d in strided))
 
 
 def _tf32_rewrites(dtype, channels, conv, operands):
@@ -354,14 +354,26 @@ def _tf32_rewrites(dtype, channels, conv, operands):
             and conv.lhs_dilation == (1, 1, 1) and all(math.prod(a.shape) > 0 for a in operands))
 
 
+def _flipped_filter(w):
+    """w [T, U, V, C, K] flipped on every window axis (tap t becomes T - 1 - t), its channels and
+    filters swapped: [T, U, V, K, C], the filter that runs a convolution from its output side."""
+    return jnp.flip(w, (0, 1, 2)).swapaxes(3, 4)
+
+
+def _flipped_pads(conv):
+    """The low padding of a convolution from conv's output side with the flipped filter:
+    (T - 1) * dilation - pad on each axis."""
+    return tuple((t - 1) * d - lo for t, d, lo in zip(conv.window, conv.rhs_dilation, conv.pads))
+
+
 def _dgrad_as_fprop(dy, w, conv):
     """dgrad with unit strides as a forward: dx[i] = sum over taps t of dy[i + pad - t * dilation]
-    w[t], which is dy convolved with the filter flipped on every window axis (taps T - 1 - t), its
-    channels and filters swapped, and low padding (T - 1) * dilation - pad; its output is x's extent.
-    A padding outside what the tensor-core kernels take sends it to the baseline forward (exact)."""
-    pads = tuple((t - 1) * d - lo for t, d, lo in zip(conv.window, conv.rhs_dilation, conv.pads))
-    flipped = dataclasses.replace(conv, in_spatial=conv.out_spatial, out_spatial=conv.in_spatial, pads=pads)
-    return fprop(dy, jnp.flip(w, (0, 1, 2)).swapaxes(3, 4), flipped)
+    w[t], which is dy convolved with the flipped filter under the flipped padding; its output is x's
+    extent. A padding outside what the tensor-core kernels take sends it to the baseline forward
+    (exact)."""
+    flipped = dataclasses.replace(conv, in_spatial=conv.out_spatial, out_spatial=conv.in_spatial,
+                                  pads=_flipped_pads(conv))
+    return fprop(dy, _flipped_filter(w), flipped)
 
 
 def runs_as_dgrad(conv):
@@ -373,15 +385,14 @@ def runs_as_dgrad(conv):
 def transposed_by_dgrad(x, w, conv):
     """A transposed convolution (lhs dilation s, unit strides) as the dgrad of the strided one it
     transposes: y[o] = sum over taps t of x~[o + t * dilation - pad] w[t], x~ being x with s - 1 zeros
-    between its pixels, is dgrad(x, w') of the convolution of stride s, the same dilation and low
-    padding (T - 1) * dilation - pad from a y-sized input to an x-sized output, with w' the filter
-    flipped on every window axis, its channels and filters swapped. The dgrad's kernels (the
-    space-to-depth form on the tensor cores where the window spans the stride) then run it, not the
-    baseline forward over the zero-dilated input; its VJP is that convolution's forward and wgrad."""
-    pads = tuple((t - 1) * d - lo for t, d, lo in zip(conv.window, conv.rhs_dilation, conv.pads))
-    strided = dataclasses.replace(conv, in_spatial=conv.out_spatial, out_spatial=conv.in_spatial, pads=pads,
-                                  strides=conv.lhs_dilation, lhs_dilation=(1, 1, 1))
-    return _dgrad(x, jnp.flip(w, (0, 1, 2)).swapaxes(3, 4), strided)
+    between its pixels, is the dgrad with the flipped filter (`_flipped_filter`) of the convolution
+    of stride s, the same dilation and the flipped padding from a y-sized input to an x-sized output.
+    The dgrad's kernels (the space-to-depth form on the tensor cores where the window spans the
+    stride) then run it, not the baseline forward over the zero-dilated input; its VJP is that
+    convolution's forward and wgrad."""
+    strided = dataclasses.replace(conv, in_spatial=conv.out_spatial, out_spatial=conv.in_spatial,
+                                  pads=_flipped_pads(conv), strides=conv.lhs_dilation, lhs_dilation=(1, 1, 1))
+    return _dgrad(x, _flipped_filter(w), strided)
 
 
 def _strided_taps_are_single(conv):
@@ -396,7 +407,8 @@ def _dgrad_on_subgrid(dy, w, conv):
     sub_spatial = tuple(-(-i // s) for i, s in zip(conv.in_spatial, conv.strides))
     sub = dataclasses.replace(conv, in_spatial=sub_spatial, strides=(1, 1, 1))
     dx = _dgrad(dy, w, sub)
-    spread = [(0, i - ((n - 1) * s + 1), s - 1) for i, n, s in zip(conv.in_spatial, sub_spatial, conv.strides)]
+    spread = [(0, i - ((n - 1) * s + 1), s - 1)
+              for i, n, s in zip(conv.in_spatial, sub_spatial, conv.strides)]
     return jax.lax.pad(dx, jnp.zeros((), dx.dtype), [(0, 0, 0)] + spread + [(0, 0, 0)])
 
 

@@ -35,7 +35,8 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxdnn import _conv_few_channels as few_channels
-from jaxdnn._conv_kernels import Conv, Epilogue, fprop, fused, runs_as_dgrad, stack_features, transposed_by_dgrad
+from jaxdnn._conv_kernels import (Conv, Epilogue, fprop, fused, runs_as_dgrad, stack_features,
+                                  transposed_by_dgrad)
 from jaxdnn._precision import allows_tf32
 from jaxdnn._primitive import explicit_row_sharding, match_varying, per_row_shard
 from jaxdnn.activation import epilogue

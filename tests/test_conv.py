@@ -15,8 +15,8 @@ from jax import export, lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
-from helpers import (DTYPES, assert_close, batch_mesh, check_fused_conv, dtype_id, f64, normal, on_gpu, rel_err,
-                     tolerance)
+from helpers import (DTYPES, assert_close, batch_mesh, check_fused_conv, dtype_id, f64, normal, on_gpu,
+                     rel_err, tolerance)
 
 TARGETS = ("jaxdnn_conv_fprop_v4", "jaxdnn_conv_dgrad_v4", "jaxdnn_conv_wgrad_v4")
 
@@ -170,7 +170,8 @@ def test_strided_dgrad_runs_on_space_to_depth(window, strides, dgrad_strides, rn
 # tolerance. `dgrad_stage`: whether the dgrad target remains (the cases no rewrite serves).
 TF32_CASES = [
     ((2, 9, 10, 16), (3, 3, 16, 24), dict(window_strides=(1, 1), padding="SAME"), False),
-    ((1, 10, 9, 32), (5, 3, 32, 16), dict(window_strides=(1, 1), padding="VALID", rhs_dilation=(2, 1)), False),
+    ((1, 10, 9, 32), (5, 3, 32, 16), dict(window_strides=(1, 1), padding="VALID", rhs_dilation=(2, 1)),
+     False),
     ((2, 8, 8, 8), (3, 3, 8, 16), dict(window_strides=(1, 1), padding=((2, -1), (0, 3))), False),
     ((2, 12, 11, 8), (3, 3, 8, 24), dict(window_strides=(2, 2), padding="SAME"), False),  # space-to-depth
     ((2, 9, 10, 16), (1, 1, 16, 24), dict(window_strides=(2, 3), padding="VALID"), False),  # the subgrid
@@ -204,8 +205,9 @@ def test_tf32_forward_and_grad(lhs_shape, rhs_shape, kwargs, dgrad_stage, rng):
     assert re.search(r"@jaxdnn_(conv_fprop_v4|gemm_v3).*tf32 = 1 ", jax.jit(op).lower(lhs, rhs).as_text())
 
 
-@pytest.mark.parametrize("precision,tf32", [(None, 0), ("highest", 0), ("default", 1), (lax.Precision.HIGH, 1),
-                                            ("F32_F32_F32", 0), ("BF16_BF16_F32", 1)], ids=str)
+@pytest.mark.parametrize("precision,tf32", [
+    (None, 0), ("highest", 0), ("default", 1), (lax.Precision.HIGH, 1), ("F32_F32_F32", 0),
+    ("BF16_BF16_F32", 1)], ids=str)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
 def test_precision_picks_the_kernels(precision, tf32, dtype, rng):
     """float32 at a precision that allows TF32 gets tf32 = 1 and the rewritten backward; HIGHEST
@@ -553,7 +555,8 @@ def test_conv_transpose_tf32(lhs_shape, rhs_shape, kwargs, rng):
     """float32 at DEFAULT: the dgrad it runs as goes through space-to-depth to a TF32 forward (no
     dgrad target left), and its VJP's forward and wgrad are TF32 too."""
     kwargs = dict(kwargs, precision=lax.Precision.DEFAULT)
-    op, oracle = _op(jaxdnn.conv_transpose, kwargs), _op(lax.conv_transpose, dict(kwargs, precision="highest"))
+    op = _op(jaxdnn.conv_transpose, kwargs)
+    oracle = _op(lax.conv_transpose, dict(kwargs, precision="highest"))
     lhs, rhs = normal(rng, lhs_shape), normal(rng, rhs_shape, scale=0.5)
     y = jax.jit(op)(lhs, rhs)
     want_y, pullback = jax.vjp(oracle, f64(lhs), f64(rhs))

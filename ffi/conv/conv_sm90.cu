@@ -172,8 +172,8 @@ ffi::Error FilterToKrsc(cudaStream_t stream, const ConvGeometry& g, ffi::DataTyp
 // CUTLASS's 2-D problem for g (its channels padded), when its kernels take g (see conv_sm90.h):
 // 16-bit operands, or float32 ones where `tf32` allows TF32 (the forward's callers only).
 bool MakeProblem(const ConvGeometry& g, ffi::DataType dtype, bool tf32, int64_t algorithm, ConvSm90Problem* p) {
-  const bool takes = dtype == ffi::DataType::BF16 || dtype == ffi::DataType::F16 || (tf32 && dtype == ffi::DataType::F32);
-  if (!takes) return false;
+  const bool sixteen_bit = dtype == ffi::DataType::BF16 || dtype == ffi::DataType::F16;
+  if (!sixteen_bit && !(tf32 && dtype == ffi::DataType::F32)) return false;
   if (g.groups != 1 || g.filters % 8 != 0) return false;
   if (g.window[0] != 1 || g.stride[0] != 1 || g.pad[0] != 0 || g.in[0] != g.out[0]) return false;
   constexpr int64_t kMaxInt = INT32_MAX;

@@ -100,7 +100,8 @@ def check_kernel(module: str, inputs, groups: int, kernel_shape, mask) -> None:
                          f"{mask.shape}")
 
 
-def conv_with_bias(inputs, kernel, bias, strides, padding, input_dilation, kernel_dilation, groups, precision):
+def conv_with_bias(inputs, kernel, bias, strides, padding, input_dilation, kernel_dilation, groups,
+                   precision):
     """jaxdnn.conv_general_dilated on inputs (N, *spatial, C) and kernel (*window, C/G, K), + bias (K,)."""
     y = jaxdnn.conv_general_dilated(inputs, kernel, strides, padding, lhs_dilation=input_dilation,
                                     rhs_dilation=kernel_dilation, dimension_numbers=_LAYOUTS[kernel.ndim - 2],
