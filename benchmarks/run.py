@@ -461,7 +461,8 @@ def conv_cases(quick: bool) -> list[Case]:
     FLOPs: fwd = 2 * N * P * Q * K * C * R * S (groups = 1), fwd+bwd = 3 x fwd.
     """
     return (_resnet_conv_cases(quick, jnp.bfloat16, 8) + _resnet_conv_cases(quick, jnp.float32, 4)
-            + _fused_conv_cases(quick) + _depthwise_conv_cases(quick) + _transpose_conv_cases(quick))
+            + _fused_conv_cases(quick) + _depthwise_conv_cases(quick) + _transpose_conv_cases(quick)
+            + _grouped_conv_cases(quick) + _conv3d_cases(quick))
 
 
 def _resnet_conv_cases(quick: bool, dtype, sets: int) -> list[Case]:
@@ -590,6 +591,86 @@ def _transpose_conv_cases(quick: bool) -> list[Case]:
             cases.append(Case("conv", f"{name} fwd", fn, "xla", peer_fn, primal_sets, flops, "TFLOP/s"))
             cases.append(Case("conv", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn),
                               [(x, w, dy) for (x, w), dy in zip(primal_sets, dys)], 3 * flops, "TFLOP/s"))
+    return cases
+
+
+def _general_conv_cases(label, x_shape, w_shape, kwargs, dtype, quick, key, sets=4):
+    """fwd and fwd+bwd cases of conv_general_dilated against lax's for one channels-last problem
+    (kwargs without dimension_numbers), in TFLOP/s of the products the convolution needs: fwd =
+    2 * N * (output pixels) * K * (C / groups) * (window taps), fwd+bwd = 3 x fwd."""
+    spatial = len(x_shape) - 2
+    letters = "DHW"[3 - spatial:]
+    conv = dict(kwargs, dimension_numbers=(f"N{letters}C", f"{letters}IO", f"N{letters}C"))
+    fn = functools.partial(jaxdnn.conv_general_dilated, **conv)
+    peer_fn = functools.partial(jax.lax.conv_general_dilated, **conv)
+    primal_sets, dys = [], []
+    for _ in range(2 if quick else sets):
+        key, kx, kw, kdy = jax.random.split(key, 4)
+        x, w = _normal(kx, x_shape, dtype), _normal(kw, w_shape, dtype, std=0.1)
+        primal_sets.append((x, w))
+        dys.append(_normal(kdy, jax.eval_shape(fn, x, w).shape, dtype))
+    y_shape = dys[0].shape
+    flops = 2 * math.prod(y_shape) * math.prod(w_shape[:-1])
+    size = "x".join(str(n) for n in x_shape[1:-1])
+    window = "x".join(str(n) for n in w_shape[:-2])
+    stride = max(kwargs["window_strides"])
+    name = (f"{label} N{x_shape[0]} {size} C{x_shape[-1]} K{w_shape[-1]} {window}/{stride}"
+            + (f" G{kwargs['feature_group_count']}" if kwargs.get("feature_group_count", 1) > 1 else "")
+            + (" float32" if dtype == jnp.float32 else ""))
+    return [Case("conv", f"{name} fwd", fn, "xla", peer_fn, primal_sets, flops, "TFLOP/s"),
+            Case("conv", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn),
+                 [(x, w, dy) for (x, w), dy in zip(primal_sets, dys)], 3 * flops, "TFLOP/s")]
+
+
+# Grouped convolutions (label, batch, H = W, C, K, groups, window, stride): ResNeXt-50 32x4d's 3x3
+# layers (stages 1, 2's strided first block, 3 and 4) and a RegNet-like layer of 64-channel groups.
+_GROUPED_CONVS = [
+    ("ResNeXt-50 grouped", 128, 56, 128, 128, 32, 3, 1),
+    ("ResNeXt-50 grouped", 128, 56, 256, 256, 32, 3, 2),
+    ("ResNeXt-50 grouped", 128, 14, 512, 512, 32, 3, 1),
+    ("ResNeXt-50 grouped", 128, 7, 1024, 1024, 32, 3, 1),
+    ("RegNet grouped", 128, 28, 256, 256, 4, 3, 1),
+]
+
+
+def _grouped_conv_cases(quick: bool) -> list[Case]:
+    """Grouped 3x3 convolutions (feature_group_count > 1, not depthwise; SAME padding, NHWC / HWIO)
+    against lax.conv_general_dilated (cuDNN's grouped kernels through XLA): bf16, and the first in
+    float32 at JAX's default precision (TF32 on both sides)."""
+    key = jax.random.key(5)
+    cases = []
+    for i, (label, batch, size, channels, filters, groups, window, stride) in enumerate(_GROUPED_CONVS):
+        batch = 2 if quick else batch
+        kwargs = dict(window_strides=(stride, stride), padding="SAME", feature_group_count=groups)
+        for dtype in (jnp.bfloat16,) + ((jnp.float32,) if i == 0 else ()):
+            key, sub = jax.random.split(key)
+            cases += _general_conv_cases(label, (batch, size, size, channels),
+                                         (window, window, channels // groups, filters), kwargs, dtype, quick, sub)
+    return cases
+
+
+# 3-D convolutions (label, batch, D, H = W, C, K, window (T, U, V), stride): video (C3D/I3D-like
+# 3x3x3 at 16 frames, with stride 2, and R(2+1)D's temporal 3x1x1) and a 3-D U-Net's 64^3 level.
+_CONVS_3D = [
+    ("video 3-D", 8, 16, 56, 64, 64, (3, 3, 3), 1),
+    ("video 3-D", 8, 16, 56, 64, 128, (3, 3, 3), 2),
+    ("video (2+1)-D temporal", 8, 16, 56, 64, 64, (3, 1, 1), 1),
+    ("3-D U-Net", 2, 64, 64, 32, 32, (3, 3, 3), 1),
+]
+
+
+def _conv3d_cases(quick: bool) -> list[Case]:
+    """3-D convolutions (NDHWC / DHWIO, SAME padding) against lax.conv_general_dilated (cuDNN through
+    XLA), bf16 and float32 at JAX's default precision (TF32 on both sides)."""
+    key = jax.random.key(6)
+    cases = []
+    for label, batch, depth, size, channels, filters, window, stride in _CONVS_3D:
+        batch = 1 if quick else batch
+        kwargs = dict(window_strides=(stride,) * 3, padding="SAME")
+        for dtype in (jnp.bfloat16, jnp.float32):
+            key, sub = jax.random.split(key)
+            cases += _general_conv_cases(label, (batch, depth, size, size, channels),
+                                         window + (channels, filters), kwargs, dtype, quick, sub)
     return cases
 
 

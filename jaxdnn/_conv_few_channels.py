@@ -50,7 +50,7 @@ def takes_gemm(x_shape, w_shape, geometry) -> bool:
     return _few_channels(x_shape, w_shape, geometry) and math.prod(geometry.window) > 1
 
 
-def _pad_channels(a, axis):
+def pad_channels(a, axis):
     """Zeros appended on `axis` up to a multiple of 8."""
     extra = -a.shape[axis] % 8
     if not extra:
@@ -91,7 +91,7 @@ def input_blocks(x, geometry):
     n, channels = x.shape[0], x.shape[-1]
     blocks = [(e, s) for e, s in zip(unit.in_spatial, geometry.strides)]
     x = x.reshape((n,) + sum(blocks, ()) + (channels,)).transpose(0, 1, 3, 5, 2, 4, 6, 7)
-    return _pad_channels(x.reshape((n,) + unit.in_spatial + (-1,)), -1)
+    return pad_channels(x.reshape((n,) + unit.in_spatial + (-1,)), -1)
 
 
 def filter_blocks(w, geometry):
@@ -101,7 +101,7 @@ def filter_blocks(w, geometry):
     channels, filters = w.shape[-2:]
     taps = [(t, s) for t, s in zip(unit.window, geometry.strides)]
     w = w.reshape(sum(taps, ()) + (channels, filters)).transpose(0, 2, 4, 1, 3, 5, 6, 7)
-    return _pad_channels(w.reshape(unit.window + (-1, filters)), -2), unit
+    return pad_channels(w.reshape(unit.window + (-1, filters)), -2), unit
 
 
 def space_to_depth(x, w, geometry):
@@ -129,7 +129,7 @@ def patches(x, geometry):
         limit = tuple(b + (o - 1) * s + 1 for b, o, s in zip(start, g.out_spatial, g.strides))
         columns.append(lax.slice(xp, (0,) + start + (0,), (x.shape[0],) + limit + (x.shape[-1],),
                                  (1,) + g.strides + (1,)))
-    return _pad_channels(jnp.concatenate(columns, axis=-1), -1)
+    return pad_channels(jnp.concatenate(columns, axis=-1), -1)
 
 
 def gemm_convolve(x, w, geometry, bias=None, activation=None):
@@ -137,6 +137,6 @@ def gemm_convolve(x, w, geometry, bias=None, activation=None):
     in x's dtype (float32 accumulation), differentiable to any order (XLA's gather and transpose
     around dense's). float32 products are exact unless geometry.tf32 allows TF32 (as the other
     convolution kernels)."""
-    filters = _pad_channels(w.reshape(-1, w.shape[-1]), 0)  # rows as the patches' columns
+    filters = pad_channels(w.reshape(-1, w.shape[-1]), 0)  # rows as the patches' columns
     precision = "default" if geometry.tf32 else "highest"
     return dense(patches(x, geometry), filters, bias, activation=activation, precision=precision)

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxdnn import _autotune, _ffi  # noqa: F401  (_ffi registers the FFI targets)
 from jaxdnn import _conv_few_channels as few_channels
+from jaxdnn import _conv_regroup as regroup
 from jaxdnn._primitive import ffi_primitive, move_to_front
 from jaxdnn.activation import _activation, epilogue_attrs
 from jaxdnn.dense import weight_gradient
@@ -311,15 +312,21 @@ _fused_stage = {
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def fprop(x, w, conv):
+    if rewrite := _rewrite(x.dtype, conv, x.shape, w.shape):
+        return rewrite.join_outputs([fprop(*ops) for ops in zip(rewrite.inputs(x), rewrite.filters(w),
+                                                                 rewrite.convs)])
     return _bind_tuned(_fprop_stage, "fprop", (x, w), x.shape[-1], w.shape[-1], conv.attrs())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _dgrad(dy, w, conv):
     channels = w.shape[3] * conv.groups
+    x_shape = (dy.shape[0],) + conv.in_spatial + (channels,)
+    if rewrite := _rewrite(dy.dtype, conv, x_shape, w.shape):
+        return rewrite.join_inputs([_dgrad(*ops) for ops in zip(rewrite.outputs(dy), rewrite.filters(w),
+                                                                 rewrite.convs)])
     if _dgrad_by_blocks(dy.dtype, channels, conv):
         ws, unit = few_channels.filter_blocks(w, conv)
-        x_shape = (dy.shape[0],) + conv.in_spatial + (channels,)
         from_blocks = jax.linear_transpose(functools.partial(few_channels.input_blocks, geometry=conv),
                                            jax.ShapeDtypeStruct(x_shape, dy.dtype))
         return from_blocks(_dgrad(dy, ws, unit))[0]
@@ -331,6 +338,17 @@ def _dgrad(dy, w, conv):
     return _bind_tuned(_dgrad_stage, "dgrad", (dy, w), channels, w.shape[-1], conv.attrs())
 
 
+def _multiplies_on_tensor_cores(dtype, conv):
+    """16-bit operands, or float32 ones that TF32 may multiply."""
+    return jnp.dtype(dtype).itemsize == 2 or (jnp.dtype(dtype) == jnp.float32 and conv.tf32)
+
+
+def _rewrite(dtype, conv, x_shape, w_shape):
+    """The rewrite (jaxdnn/_conv_regroup.py) that runs a grouped convolution, or one with a depth
+    window, as convolutions the tensor cores take, where its products may run there; else None."""
+    return regroup.rewrite(x_shape, w_shape, conv) if _multiplies_on_tensor_cores(dtype, conv) else None
+
+
 def _dgrad_by_blocks(dtype, channels, conv):
     """Whether dgrad runs as the unit-stride dgrad of the space-to-depth form of the convolution
     (_conv_few_channels.space_to_depth), then that form's transpose back to x (one copy of dx in
@@ -340,8 +358,7 @@ def _dgrad_by_blocks(dtype, channels, conv):
     ceil(k / s)^2 s^2 / k^2 the work (1.78x)."""
     axes = zip(conv.window[1:], conv.strides[1:], conv.rhs_dilation[1:])
     strided = [(k, s, d) for k, s, d in axes if s > 1]
-    tf32 = jnp.dtype(dtype) == jnp.float32 and conv.tf32
-    return ((jnp.dtype(dtype).itemsize == 2 or tf32) and conv.groups == 1 and channels % 8 == 0
+    return (_multiplies_on_tensor_cores(dtype, conv) and conv.groups == 1 and channels % 8 == 0
             and bool(strided) and conv.lhs_dilation == (1, 1, 1) and conv.window[0] == 1
             and conv.strides[0] == 1 and all(k >= s and d == 1 for k, s, d in strided))
 
@@ -414,6 +431,10 @@ def _dgrad_on_subgrid(dy, w, conv):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _wgrad(x, dy, conv):
+    w_shape = conv.window + (x.shape[-1] // conv.groups, dy.shape[-1])
+    if rewrite := _rewrite(x.dtype, conv, x.shape, w_shape):
+        return rewrite.join_filters([_wgrad(*ops) for ops in zip(rewrite.inputs(x), rewrite.outputs(dy),
+                                                                  rewrite.convs)])
     if _tf32_rewrites(x.dtype, x.shape[-1], conv, (x, dy)):
         return _wgrad_by_gemm(x, dy, conv)
     return _bind_tuned(_wgrad_stage, "wgrad", (x, dy), x.shape[-1], dy.shape[-1], conv.attrs())
@@ -476,6 +497,10 @@ def fused(x, w, bias, residual, conv, epilogue):
     the backward: dz = act'(z) dy, dx = dgrad(dz, w), dw = wgrad(x, dz), dbias = sum of dz (XLA's
     reduction), dresidual = dz. (So under differentiation y is act of z rounded to x's dtype, where
     the fused kernel applies act to the float32 sum: the two differ by that rounding.)"""
+    if rewrite := _rewrite(x.dtype, conv, x.shape, w.shape):
+        residuals = [None] * len(rewrite.convs) if residual is None else rewrite.outputs(residual)
+        return rewrite.join_outputs([fused(*ops, epilogue) for ops in zip(
+            rewrite.inputs(x), rewrite.filters(w), rewrite.biases(bias), residuals, rewrite.convs)])
     return _fused_call(x, w, bias, residual, conv, epilogue.kind, epilogue.param)
 
 

@@ -15,6 +15,7 @@ from jax import export, lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
+from jaxdnn import _conv_regroup as regroup
 from helpers import (DTYPES, GRAD_FACTOR, assert_close, batch_mesh, check_fused_conv, dtype_id, f64, normal,
                      on_gpu, rel_err, tolerance)
 
@@ -203,6 +204,73 @@ def test_tf32_forward_and_grad(lhs_shape, rhs_shape, kwargs, dgrad_stage, rng):
     assert ("jaxdnn_conv_dgrad_v4" in hlo) == dgrad_stage
     # The forward: the conv target, or (few channels) the GEMM of the explicit-GEMM form, as TF32.
     assert re.search(r"@jaxdnn_(conv_fprop_v4|gemm_v3).*tf32 = 1 ", jax.jit(op).lower(lhs, rhs).as_text())
+
+
+# Grouped convolutions (not depthwise) and 3-D windows, which run as convolutions of one group and a
+# 2-D window (jaxdnn/_conv_regroup.py) wherever the tensor cores may multiply them (16-bit; float32 at
+# a TF32 precision): blocks of several groups (block-diagonal filters), one convolution a group, all
+# groups in one block, depth windows with strides, dilation and uneven or negative padding, both
+# rewrites at once with a depth-only window (a pointwise 2-D convolution), and a 1-D grouped one.
+REGROUP_CASES = [
+    ((2, 9, 8, 64), (3, 3, 4, 64), dict(window_strides=(1, 1), padding="SAME", feature_group_count=16)),
+    ((2, 9, 8, 128), (3, 3, 4, 128), dict(window_strides=(2, 1), padding="SAME", feature_group_count=32)),
+    ((2, 7, 6, 128), (3, 3, 64, 192), dict(window_strides=(1, 1), padding="VALID", feature_group_count=2)),
+    ((2, 9, 8, 24), (3, 3, 8, 12), dict(window_strides=(1, 1), padding=((1, 0), (2, -1)), rhs_dilation=(1, 2),
+                                       feature_group_count=3)),
+    ((2, 5, 9, 8, 16), (3, 3, 3, 16, 8), dict(window_strides=(2, 1, 1), padding=((1, 0), (1, 1), (0, 2)),
+                                             rhs_dilation=(2, 1, 1))),
+    ((1, 6, 7, 5, 8), (2, 3, 3, 8, 16), dict(window_strides=(1, 2, 2), padding=((-1, 2), (1, 1), (1, 1)))),
+    ((2, 5, 9, 8, 12), (3, 1, 1, 4, 6), dict(window_strides=(1, 1, 1), padding="SAME", feature_group_count=3)),
+    ((2, 20, 12), (5, 3, 24), dict(window_strides=(2,), padding="SAME", feature_group_count=4)),
+]
+
+
+def _conv_calls(hlo):
+    """The attributes of every convolution target in `hlo` (one string each)."""
+    return re.findall(r"@jaxdnn_conv_\w+\(.*", hlo)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=dtype_id)
+@pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", REGROUP_CASES, ids=str)
+def test_regrouped(dtype, lhs_shape, rhs_shape, kwargs, rng):
+    """The forward and its VJP against lax; every stage they bind has one group and a 2-D window."""
+    precision = lax.Precision.DEFAULT if dtype == jnp.float32 else None
+    kwargs = dict(kwargs, dimension_numbers=_CHANNELS_LAST[len(lhs_shape)], precision=precision)
+    op = _op(jaxdnn.conv_general_dilated, kwargs)
+    lhs, rhs = normal(rng, lhs_shape, dtype), normal(rng, rhs_shape, dtype, scale=0.5)
+    tol = tolerance(jnp.float16 if dtype == jnp.float32 and on_gpu() else dtype)
+    ct = _check_against(op, _op(lax.conv_general_dilated, kwargs), lhs, rhs, tol, rng)
+    hlo = jax.jit(lambda x, w, ct: (op(x, w), jax.vjp(op, x, w)[1](ct))).lower(lhs, rhs, ct).as_text()
+    calls = _conv_calls(hlo)
+    assert calls and all("groups = 1 :" in c and "window_d = 1 :" in c for c in calls)
+
+
+def test_regrouped_second_order(rng):
+    """A gradient penalty through both rewrites (grouped, 3-D; float32 as TF32) against lax: the
+    stages' VJPs are the rewritten stages too."""
+    kwargs = dict(window_strides=(1, 2, 1), padding="SAME", feature_group_count=2,
+                  dimension_numbers=_CHANNELS_LAST[5], precision=lax.Precision.DEFAULT)
+    op, oracle = _op(jaxdnn.conv_general_dilated, kwargs), _op(lax.conv_general_dilated, kwargs)
+    lhs, rhs = normal(rng, (2, 4, 6, 5, 16)), normal(rng, (2, 3, 3, 8, 8), scale=0.5)
+
+    def penalty(fn, lhs, rhs):
+        dlhs, drhs = jax.grad(lambda x, w: jnp.sum(jnp.sin(fn(x, w))), argnums=(0, 1))(lhs, rhs)
+        return jnp.sum(dlhs ** 2) + jnp.sum(jnp.cos(drhs))
+    got = jax.jit(jax.grad(functools.partial(penalty, op), argnums=(0, 1)))(lhs, rhs)
+    want = jax.grad(functools.partial(penalty, oracle), argnums=(0, 1))(f64(lhs), f64(rhs))
+    tol = tolerance(jnp.float16 if on_gpu() else jnp.float32, grad=True)
+    assert_close(got[0], want[0], tol, "grad of grad lhs")
+    assert_close(got[1], want[1], tol, "grad of grad rhs")
+    hlo = jax.jit(jax.grad(functools.partial(penalty, op), argnums=(0, 1))).lower(lhs, rhs).as_text()
+    calls = _conv_calls(hlo)
+    assert calls and all("groups = 1 :" in c and "window_d = 1 :" in c for c in calls)
+
+
+@pytest.mark.parametrize("groups,channels,filters,per_block", [
+    (32, 4, 4, 16), (32, 32, 32, 2), (2, 64, 96, 1), (3, 8, 4, 3), (6, 16, 16, 6), (8, 16, 8, 8)], ids=str)
+def test_groups_per_block(groups, channels, filters, per_block):
+    """The fewest groups (a divisor) with 64 channels and filters; all of them if none reach it."""
+    assert regroup.groups_per_block(groups, channels, filters) == per_block
 
 
 @pytest.mark.parametrize("precision,tf32", [

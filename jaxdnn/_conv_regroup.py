@@ -1,0 +1,142 @@
+"""Grouped convolutions and 3-D windows, rewritten as convolutions the tensor-core kernels take.
+
+The GPU's tensor-core kernels run one group and 2-D windows (a 3-D one only with a depth window of
+1); everything else would run on the CUDA-core baseline, one to two orders of magnitude slower. Two
+rewrites, each a set of convolutions of one group on linear maps of the operands:
+- `GroupBlocks` (1 < G < C): the groups in blocks of m, each block one convolution of its m * Cg
+  channels with a block-diagonal filter (zeros off its m diagonal blocks): m times the products of
+  its groups, so m is the fewest groups that give the block at least 64 channels and filters, the
+  kernels' reduction tile (ResNeXt's 32 groups of 4: 2 blocks of 64 channels; 64 or more channels a
+  group: a convolution a group on a slice of the channels). Non-finite values differ from lax's: a
+  zero of the filter times another group's inf or NaN in the same block is NaN.
+- `DepthFold` (one group, depth window T > 1): each output depth's T input planes side by side as
+  T * C channels (XLA's gather; T times x), the depth folded into the batch, so that the
+  convolution is a 2-D one of N * P images with the filter [1, U, V, T * C, K].
+Each rewrite maps x, w and y-shaped operands (`inputs`, `filters`, `outputs`, `biases`) to its
+convolutions' and joins their results back (`join_*`: the transposes of those maps for dx and dw, the
+inverse for y), so that each stage of the original convolution is the same stage of the rewritten
+ones (jaxdnn/_conv_kernels.py), and so is every derivative.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxdnn import _conv_few_channels as few_channels
+
+# The channels and filters a block of groups needs: the tensor-core kernels' reduction tile (64
+# 16-bit channels of a tap) and their narrowest output tile.
+_BLOCK_WIDTH = 64
+
+
+def groups_per_block(groups, group_channels, group_filters):
+    """m, the fewest groups (a divisor of `groups`) whose channels and filters both reach _BLOCK_WIDTH;
+    all of them if none do."""
+    narrow = min(group_channels, group_filters)
+    return next((m for m in range(1, groups + 1) if groups % m == 0 and m * narrow >= _BLOCK_WIDTH), groups)
+
+
+class GroupBlocks:
+    """Feature groups in blocks of `groups_per_block`, a convolution of one group per block."""
+
+    def __init__(self, x_shape, w_shape, conv):
+        self.group_channels, self.group_filters = w_shape[3], w_shape[4] // conv.groups
+        self.per_block = groups_per_block(conv.groups, self.group_channels, self.group_filters)
+        self.blocks = conv.groups // self.per_block
+        self.convs = [dataclasses.replace(conv, groups=1)] * self.blocks
+
+    def inputs(self, x):
+        return jnp.split(x, self.blocks, axis=-1)
+
+    outputs = inputs  # y-shaped operands: their features split the same way
+
+    def biases(self, bias):
+        return jnp.split(bias, self.blocks)
+
+    def filters(self, w):
+        """w [T, U, V, Cg, G * Kg] -> one [T, U, V, m * Cg, m * Kg] a block, block-diagonal: group i of
+        the block maps its channels i * Cg.. to its filters i * Kg.., zeros elsewhere (selected, so a
+        non-finite w stays in its group)."""
+        m, window = self.per_block, w.shape[:3]
+        w = jnp.moveaxis(w.reshape(window + (self.group_channels, self.blocks, m, self.group_filters)), 4, 0)
+        diagonal = jnp.eye(m, dtype=bool)[:, None, :, None]  # [i, Cg, j, Kg]: i == j
+        dense = jnp.where(diagonal, w[:, :, :, :, None], jnp.zeros((), w.dtype))
+        return list(dense.reshape((self.blocks,) + window + (m * self.group_channels, m * self.group_filters)))
+
+    def join_outputs(self, ys):
+        return jnp.concatenate(ys, axis=-1)
+
+    join_inputs = join_outputs
+
+    def join_filters(self, dws):
+        """The transpose of `filters`: each block's diagonal blocks, back in w's layout."""
+        m, window = self.per_block, dws[0].shape[:3]
+        dense = jnp.stack(dws).reshape((self.blocks,) + window + (m, self.group_channels, m, self.group_filters))
+        diagonal = jnp.diagonal(dense, axis1=4, axis2=6)  # [blocks, T, U, V, Cg, Kg, m]
+        return jnp.moveaxis(diagonal, (0, 6), (4, 5)).reshape(window + (self.group_channels, -1))
+
+
+class DepthFold:
+    """A depth window folded into the channels and the output depths into the batch."""
+
+    def __init__(self, x_shape, w_shape, conv):
+        self.x_shape = x_shape
+        (depth, height, width), (out_depth, *out_plane) = conv.in_spatial, conv.out_spatial
+        # The gather of each output depth's window of input planes (patches over the depth alone).
+        self.planes = dataclasses.replace(
+            conv, out_spatial=(out_depth, height, width), window=(conv.window[0], 1, 1),
+            strides=(conv.strides[0], 1, 1), pads=(conv.pads[0], 0, 0), rhs_dilation=(conv.rhs_dilation[0], 1, 1))
+        self.convs = [dataclasses.replace(
+            conv, in_spatial=(1, height, width), out_spatial=(1, *out_plane), window=(1,) + conv.window[1:],
+            strides=(1,) + conv.strides[1:], pads=(0,) + conv.pads[1:], rhs_dilation=(1,) + conv.rhs_dilation[1:])]
+
+    def inputs(self, x):
+        """x [N, D, H, W, C] -> [N * P, 1, H, W, T * C] (padded to a multiple of 8), tap-major channels."""
+        planes = few_channels.patches(x, self.planes)
+        return [planes.reshape((-1, 1) + planes.shape[2:])]
+
+    def outputs(self, y):
+        return [y.reshape((-1, 1) + y.shape[2:])]
+
+    def biases(self, bias):
+        return [bias]
+
+    def filters(self, w):
+        """w [T, U, V, C, K] -> [1, U, V, T * C, K] (padded as `inputs`' channels)."""
+        window, channels, filters = w.shape[:3], w.shape[3], w.shape[4]
+        folded = jnp.moveaxis(w, 0, 2).reshape((1,) + window[1:] + (window[0] * channels, filters))
+        return [few_channels.pad_channels(folded, -2)]
+
+    def join_outputs(self, ys):
+        return ys[0].reshape((self.x_shape[0], -1) + ys[0].shape[2:])
+
+    def join_inputs(self, dxs):
+        """The transpose of `inputs` (XLA's transpose of the gather: the planes' sums back into x)."""
+        gather = jax.linear_transpose(lambda x: self.inputs(x)[0], jax.ShapeDtypeStruct(self.x_shape, dxs[0].dtype))
+        return gather(dxs[0])[0]
+
+    def join_filters(self, dws):
+        """The transpose of `filters`."""
+        _, height, width, _, filters = dws[0].shape
+        taps, channels = self.planes.window[0], self.x_shape[-1]
+        dw = dws[0][0, :, :, :taps * channels].reshape((height, width, taps, channels, filters))
+        return jnp.moveaxis(dw, 2, 0)
+
+
+def rewrite(x_shape, w_shape, conv):
+    """The rewrite that takes the convolution `conv` of x [N, D, H, W, C] with w [T, U, V, Cg, K] to the
+    tensor-core kernels (its dtype and operands checked by the caller), or None: groups but not
+    depthwise, or one group and a depth window; no lhs dilation (a transposed convolution with groups
+    stays on the baseline)."""
+    empty = min(math.prod(x_shape), math.prod(w_shape), math.prod(conv.out_spatial)) == 0
+    if conv.lhs_dilation != (1, 1, 1) or empty:
+        return None
+    if 1 < conv.groups < x_shape[-1]:
+        return GroupBlocks(x_shape, w_shape, conv)
+    if conv.groups == 1 and conv.window[0] > 1:
+        return DepthFold(x_shape, w_shape, conv)
+    return None
