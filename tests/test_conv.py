@@ -212,9 +212,9 @@ def test_tf32_forward_and_grad(lhs_shape, rhs_shape, kwargs, dgrad_stage, rng):
 # groups in one block, depth windows with strides, dilation and uneven or negative padding, both
 # rewrites at once with a depth-only window (a pointwise 2-D convolution), and a 1-D grouped one.
 REGROUP_CASES = [
-    ((2, 9, 8, 64), (3, 3, 4, 64), dict(window_strides=(1, 1), padding="SAME", feature_group_count=16)),
+    ((2, 9, 8, 256), (3, 3, 8, 256), dict(window_strides=(1, 1), padding="SAME", feature_group_count=32)),
     ((2, 9, 8, 128), (3, 3, 4, 128), dict(window_strides=(2, 1), padding="SAME", feature_group_count=32)),
-    ((2, 7, 6, 128), (3, 3, 64, 192), dict(window_strides=(1, 1), padding="VALID", feature_group_count=2)),
+    ((2, 7, 6, 256), (3, 3, 128, 256), dict(window_strides=(1, 1), padding="VALID", feature_group_count=2)),
     ((2, 9, 8, 24), (3, 3, 8, 12), dict(window_strides=(1, 1), padding=((1, 0), (2, -1)), rhs_dilation=(1, 2),
                                        feature_group_count=3)),
     ((2, 5, 9, 8, 16), (3, 3, 3, 16, 8), dict(window_strides=(2, 1, 1), padding=((1, 0), (1, 1), (0, 2)),
@@ -267,9 +267,10 @@ def test_regrouped_second_order(rng):
 
 
 @pytest.mark.parametrize("groups,channels,filters,per_block", [
-    (32, 4, 4, 16), (32, 32, 32, 2), (2, 64, 96, 1), (3, 8, 4, 3), (6, 16, 16, 6), (8, 16, 8, 8)], ids=str)
+    (32, 4, 4, 32), (32, 32, 32, 4), (32, 16, 32, 8), (2, 128, 192, 1), (2, 64, 96, 2), (6, 24, 24, 6),
+    (12, 16, 16, 12)], ids=str)
 def test_groups_per_block(groups, channels, filters, per_block):
-    """The fewest groups (a divisor) with 64 channels and filters; all of them if none reach it."""
+    """The fewest groups (a divisor) with 128 channels and filters; all of them if none reach it."""
     assert regroup.groups_per_block(groups, channels, filters) == per_block
 
 
