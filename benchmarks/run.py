@@ -644,8 +644,8 @@ def _grouped_conv_cases(quick: bool) -> list[Case]:
         kwargs = dict(window_strides=(stride, stride), padding="SAME", feature_group_count=groups)
         for dtype in (jnp.bfloat16,) + ((jnp.float32,) if i == 0 else ()):
             key, sub = jax.random.split(key)
-            cases += _general_conv_cases(label, (batch, size, size, channels),
-                                         (window, window, channels // groups, filters), kwargs, dtype, quick, sub)
+            x_shape, w_shape = (batch, size, size, channels), (window, window, channels // groups, filters)
+            cases += _general_conv_cases(label, x_shape, w_shape, kwargs, dtype, quick, sub)
     return cases
 
 

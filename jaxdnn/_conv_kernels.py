@@ -14,6 +14,10 @@ the flipped filter, its channels and filters swapped (`_dgrad_as_fprop`; strided
 through the space-to-depth form as the 16-bit dgrad, 1-wide strided windows on the input's strided
 subgrid), wgrad as dense's GEMM of XLA's im2col patches of x with dy (`_wgrad_by_gemm`; the patches,
 taps times x, live only during the call).
+
+Grouped convolutions (not depthwise) and 3-D windows whose products may run on the tensor cores run
+each stage as the same stage of convolutions of one group and a 2-D window (`_rewrite`,
+jaxdnn/_conv_regroup.py).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import numpy as np
 from jaxdnn import _autotune, _ffi  # noqa: F401  (_ffi registers the FFI targets)
 from jaxdnn import _conv_few_channels as few_channels
 from jaxdnn import _conv_regroup as regroup
-from jaxdnn._primitive import ffi_primitive, move_to_front
+from jaxdnn._primitive import ffi_primitive, move_to_front, transpose_linear
 from jaxdnn.activation import _activation, epilogue_attrs
 from jaxdnn.dense import weight_gradient
 
@@ -327,9 +331,8 @@ def _dgrad(dy, w, conv):
                                                                  rewrite.convs)])
     if _dgrad_by_blocks(dy.dtype, channels, conv):
         ws, unit = few_channels.filter_blocks(w, conv)
-        from_blocks = jax.linear_transpose(functools.partial(few_channels.input_blocks, geometry=conv),
-                                           jax.ShapeDtypeStruct(x_shape, dy.dtype))
-        return from_blocks(_dgrad(dy, ws, unit))[0]
+        to_blocks = functools.partial(few_channels.input_blocks, geometry=conv)
+        return transpose_linear(to_blocks, x_shape, _dgrad(dy, ws, unit))
     if _tf32_rewrites(dy.dtype, channels, conv, (dy, w)):
         if conv.strides == (1, 1, 1):
             return _dgrad_as_fprop(dy, w, conv)

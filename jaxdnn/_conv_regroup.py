@@ -7,9 +7,9 @@ rewrites, each a set of convolutions of one group on linear maps of the operands
   channels with a block-diagonal filter (zeros off its m diagonal blocks): m times the products of
   its groups, but fewer, larger convolutions, each on a slice of x's channels (an XLA copy) and
   their results joined (another). m is the fewest groups that give a block 128 channels and
-  filters: on an H200 (2026-11-28) blocks of at least 128 ran ResNeXt-50's grouped layers 1.1-2x
-  faster than blocks of 64 where they differ (14^2 512 channels in 32 groups: 4 blocks of 128, 0.32
-  ms fwd+bwd, against 8 of 64, 0.62, and 2 of 256, 0.43). ResNeXt's 32 groups of 4 channels are then
+  filters: on an H200 (2026-11-28) blocks of at least 128 ran ResNeXt-50's grouped layers 1.03-1.95x
+  faster than blocks of 64 (14^2 512 channels in 32 groups: 4 blocks of 128, 0.32 ms fwd+bwd, against
+  8 of 64, 0.62, and 2 of 256, 0.43). ResNeXt's 32 groups of 4 channels are then
   one dense convolution. Non-finite values differ from lax's: a zero of the filter times another
   group's inf or NaN in the same block is NaN.
 - `DepthFold` (one group, depth window T > 1): each output depth's T input planes side by side as
@@ -26,10 +26,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 
 from jaxdnn import _conv_few_channels as few_channels
+from jaxdnn._primitive import transpose_linear
 
 # The channels and filters a block of groups needs (see the module docstring).
 _BLOCK_WIDTH = 128
@@ -67,7 +67,8 @@ class GroupBlocks:
         w = jnp.moveaxis(w.reshape(window + (self.group_channels, self.blocks, m, self.group_filters)), 4, 0)
         diagonal = jnp.eye(m, dtype=bool)[:, None, :, None]  # [i, Cg, j, Kg]: i == j
         dense = jnp.where(diagonal, w[:, :, :, :, None], jnp.zeros((), w.dtype))
-        return list(dense.reshape((self.blocks,) + window + (m * self.group_channels, m * self.group_filters)))
+        block_shape = (m * self.group_channels, m * self.group_filters)
+        return list(dense.reshape((self.blocks,) + window + block_shape))
 
     def join_outputs(self, ys):
         return jnp.concatenate(ys, axis=-1)
@@ -77,9 +78,15 @@ class GroupBlocks:
     def join_filters(self, dws):
         """The transpose of `filters`: each block's diagonal blocks, back in w's layout."""
         m, window = self.per_block, dws[0].shape[:3]
-        dense = jnp.stack(dws).reshape((self.blocks,) + window + (m, self.group_channels, m, self.group_filters))
+        blocks = (m, self.group_channels, m, self.group_filters)
+        dense = jnp.stack(dws).reshape((self.blocks,) + window + blocks)
         diagonal = jnp.diagonal(dense, axis1=4, axis2=6)  # [blocks, T, U, V, Cg, Kg, m]
         return jnp.moveaxis(diagonal, (0, 6), (4, 5)).reshape(window + (self.group_channels, -1))
+
+
+# The window attributes of an axis that does nothing: the depth's in the 2-D convolution, the
+# plane's in the gather of the depth's windows.
+_NEUTRAL = {"window": 1, "strides": 1, "pads": 0, "rhs_dilation": 1}
 
 
 class DepthFold:
@@ -87,14 +94,14 @@ class DepthFold:
 
     def __init__(self, x_shape, w_shape, conv):
         self.x_shape = x_shape
-        (depth, height, width), (out_depth, *out_plane) = conv.in_spatial, conv.out_spatial
+        plane, out_depth = conv.in_spatial[1:], conv.out_spatial[0]
+        depth_only = {name: (getattr(conv, name)[0], n, n) for name, n in _NEUTRAL.items()}
+        plane_only = {name: (n, *getattr(conv, name)[1:]) for name, n in _NEUTRAL.items()}
         # The gather of each output depth's window of input planes (patches over the depth alone).
-        self.planes = dataclasses.replace(
-            conv, out_spatial=(out_depth, height, width), window=(conv.window[0], 1, 1),
-            strides=(conv.strides[0], 1, 1), pads=(conv.pads[0], 0, 0), rhs_dilation=(conv.rhs_dilation[0], 1, 1))
-        self.convs = [dataclasses.replace(
-            conv, in_spatial=(1, height, width), out_spatial=(1, *out_plane), window=(1,) + conv.window[1:],
-            strides=(1,) + conv.strides[1:], pads=(0,) + conv.pads[1:], rhs_dilation=(1,) + conv.rhs_dilation[1:])]
+        self.planes = dataclasses.replace(conv, out_spatial=(out_depth, *plane), **depth_only)
+        flat = dataclasses.replace(conv, in_spatial=(1, *plane), out_spatial=(1, *conv.out_spatial[1:]),
+                                   **plane_only)
+        self.convs = [flat]
 
     def inputs(self, x):
         """x [N, D, H, W, C] -> [N * P, 1, H, W, T * C] (padded to a multiple of 8), tap-major channels."""
@@ -118,8 +125,7 @@ class DepthFold:
 
     def join_inputs(self, dxs):
         """The transpose of `inputs` (XLA's transpose of the gather: the planes' sums back into x)."""
-        gather = jax.linear_transpose(lambda x: self.inputs(x)[0], jax.ShapeDtypeStruct(self.x_shape, dxs[0].dtype))
-        return gather(dxs[0])[0]
+        return transpose_linear(lambda x: self.inputs(x)[0], self.x_shape, dxs[0])
 
     def join_filters(self, dws):
         """The transpose of `filters`."""

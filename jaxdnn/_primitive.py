@@ -122,6 +122,14 @@ def match_varying(x, *params):
     return out
 
 
+def transpose_linear(fn, shape, ct):
+    """The transpose of the linear `fn` (of one array of `shape`, in ct's dtype) applied to ct. Its
+    primal varies over the mesh axes ct varies over (inside `shard_map`, e.g. under an Explicit batch
+    sharding), which `jax.linear_transpose`'s shape-and-dtype primal would not."""
+    primal = match_varying(ct, jax.numpy.zeros(shape, ct.dtype))[0]
+    return jax.vjp(fn, primal)[1](ct)[0]
+
+
 def explicit_row_sharding(x, whole_axes: int = 1):
     """(mesh, x's partition spec, the mesh axes) when x's row axes (all but its last `whole_axes`)
     are sharded over Explicit mesh axes; None otherwise. The spec leaves the last axes whole."""

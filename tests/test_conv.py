@@ -220,7 +220,8 @@ REGROUP_CASES = [
     ((2, 5, 9, 8, 16), (3, 3, 3, 16, 8), dict(window_strides=(2, 1, 1), padding=((1, 0), (1, 1), (0, 2)),
                                              rhs_dilation=(2, 1, 1))),
     ((1, 6, 7, 5, 8), (2, 3, 3, 8, 16), dict(window_strides=(1, 2, 2), padding=((-1, 2), (1, 1), (1, 1)))),
-    ((2, 5, 9, 8, 12), (3, 1, 1, 4, 6), dict(window_strides=(1, 1, 1), padding="SAME", feature_group_count=3)),
+    ((2, 5, 9, 8, 12), (3, 1, 1, 4, 6), dict(window_strides=(1, 1, 1), padding="SAME",
+                                            feature_group_count=3)),
     ((2, 20, 12), (5, 3, 24), dict(window_strides=(2,), padding="SAME", feature_group_count=4)),
 ]
 
@@ -464,6 +465,32 @@ def test_batch_sharded_runs_per_shard(mesh_kind, channels, devices, rng):
     assert_close(dlhs, want_dlhs, 1e-5, "sharded grad lhs")
     assert_close(drhs, want_drhs, 1e-5, "sharded grad rhs")
     assert y.sharding.spec[0] == "b" and dlhs.sharding.spec[0] == "b"
+
+
+@pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", [
+    ((8, 9, 10, 16), (3, 3, 16, 8), dict(window_strides=(2, 2), dimension_numbers=NHWC)),
+    ((8, 4, 6, 5, 8), (3, 3, 3, 8, 8), dict(window_strides=(1, 1, 1), dimension_numbers=_CHANNELS_LAST[5])),
+    ((8, 6, 5, 32), (3, 3, 8, 32), dict(window_strides=(1, 1), dimension_numbers=NHWC,
+                                        feature_group_count=4)),
+], ids=["strided", "3-D", "grouped"])
+@pytest.mark.parametrize("mesh_kind", ["mesh", "auto", "explicit"])
+def test_rewrites_batch_sharded(mesh_kind, lhs_shape, rhs_shape, kwargs, devices, rng):
+    """The 16-bit rewrites whose dgrad transposes XLA's gathers (space-to-depth, the depth fold) or
+    slices the groups, with the batch sharded: per shard, no all-gather, against lax."""
+    kwargs = dict(kwargs, padding="SAME")
+    op = _op(jaxdnn.conv_general_dilated, kwargs)
+    mesh = batch_mesh(mesh_kind, devices)
+    lhs = jax.device_put(normal(rng, lhs_shape, jnp.bfloat16), NamedSharding(mesh, P("b")))
+    rhs = jax.device_put(normal(rng, rhs_shape, jnp.bfloat16, scale=0.5), NamedSharding(mesh, P()))
+    ct_shape = jax.eval_shape(op, lhs, rhs).shape
+    ct = jax.device_put(normal(rng, ct_shape, jnp.bfloat16), NamedSharding(mesh, P("b")))
+    step = jax.jit(lambda x, w, ct: (lambda y, pullback: (y, *pullback(ct)))(*jax.vjp(op, x, w)))
+    with jax.set_mesh(mesh) if mesh_kind == "explicit" else contextlib.nullcontext():
+        assert "all-gather" not in step.lower(lhs, rhs, ct).compile().as_text()
+        got = step(lhs, rhs, ct)
+    y, (dlhs, drhs) = _oracle(kwargs, np.asarray(lhs), np.asarray(rhs), np.asarray(ct))
+    for name, g, want in zip(("forward", "grad lhs", "grad rhs"), got, (y, dlhs, drhs)):
+        assert_close(g, want, tolerance(jnp.bfloat16, grad=name != "forward"), f"sharded {name}")
 
 
 @pytest.mark.parametrize("mesh_kind", ["mesh", "auto", "explicit"])
