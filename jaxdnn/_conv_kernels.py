@@ -316,19 +316,28 @@ _fused_stage = {
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def fprop(x, w, conv):
+    def direct(x, w):
+        return _bind_tuned(_fprop_stage, "fprop", (x, w), x.shape[-1], w.shape[-1], conv.attrs())
     if rewrite := _rewrite(x.dtype, conv, x.shape, w.shape):
-        return rewrite.join_outputs([fprop(*ops) for ops in zip(rewrite.inputs(x), rewrite.filters(w),
-                                                                 rewrite.convs)])
-    return _bind_tuned(_fprop_stage, "fprop", (x, w), x.shape[-1], w.shape[-1], conv.attrs())
+        def run(x, w):
+            return rewrite.join_outputs([fprop(*ops) for ops in zip(rewrite.inputs(x), rewrite.filters(w),
+                                                                     rewrite.convs)])
+        return _through(rewrite, run, direct, x, w)
+    return direct(x, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _dgrad(dy, w, conv):
     channels = w.shape[3] * conv.groups
     x_shape = (dy.shape[0],) + conv.in_spatial + (channels,)
+
+    def direct(dy, w):
+        return _bind_tuned(_dgrad_stage, "dgrad", (dy, w), channels, w.shape[-1], conv.attrs())
     if rewrite := _rewrite(dy.dtype, conv, x_shape, w.shape):
-        return rewrite.join_inputs([_dgrad(*ops) for ops in zip(rewrite.outputs(dy), rewrite.filters(w),
-                                                                 rewrite.convs)])
+        def run(dy, w):
+            return rewrite.join_inputs([_dgrad(*ops) for ops in zip(rewrite.outputs(dy), rewrite.filters(w),
+                                                                     rewrite.convs)])
+        return _through(rewrite, run, direct, dy, w)
     if _dgrad_by_blocks(dy.dtype, channels, conv):
         ws, unit = few_channels.filter_blocks(w, conv)
         to_blocks = functools.partial(few_channels.input_blocks, geometry=conv)
@@ -338,7 +347,7 @@ def _dgrad(dy, w, conv):
             return _dgrad_as_fprop(dy, w, conv)
         if _strided_taps_are_single(conv):
             return _dgrad_on_subgrid(dy, w, conv)
-    return _bind_tuned(_dgrad_stage, "dgrad", (dy, w), channels, w.shape[-1], conv.attrs())
+    return direct(dy, w)
 
 
 def _multiplies_on_tensor_cores(dtype, conv):
@@ -350,6 +359,16 @@ def _rewrite(dtype, conv, x_shape, w_shape):
     """The rewrite (jaxdnn/_conv_regroup.py) that runs a grouped convolution, or one with a depth
     window, as convolutions the tensor cores take, where its products may run there; else None."""
     return regroup.rewrite(x_shape, w_shape, conv) if _multiplies_on_tensor_cores(dtype, conv) else None
+
+
+def _through(rewrite, run, direct, *operands):
+    """run(*operands), a stage through `rewrite`, where its kernels need it: a CPU's kernels take
+    groups as they are, and blocks of m groups would only multiply m times their products there, so
+    on the CPU a `GroupBlocks` stage runs direct(*operands), the stage's own kernel, unless
+    regroup.BLOCKS_ON_CPU (which the tests set to check the blocks' algebra on the CPU)."""
+    if isinstance(rewrite, regroup.GroupBlocks) and not regroup.BLOCKS_ON_CPU:
+        return jax.lax.platform_dependent(*operands, cpu=direct, default=run)
+    return run(*operands)
 
 
 def _dgrad_by_blocks(dtype, channels, conv):
@@ -435,12 +454,16 @@ def _dgrad_on_subgrid(dy, w, conv):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _wgrad(x, dy, conv):
     w_shape = conv.window + (x.shape[-1] // conv.groups, dy.shape[-1])
+    def direct(x, dy):
+        return _bind_tuned(_wgrad_stage, "wgrad", (x, dy), x.shape[-1], dy.shape[-1], conv.attrs())
     if rewrite := _rewrite(x.dtype, conv, x.shape, w_shape):
-        return rewrite.join_filters([_wgrad(*ops) for ops in zip(rewrite.inputs(x), rewrite.outputs(dy),
-                                                                  rewrite.convs)])
+        def run(x, dy):
+            return rewrite.join_filters([_wgrad(*ops) for ops in zip(rewrite.inputs(x), rewrite.outputs(dy),
+                                                                      rewrite.convs)])
+        return _through(rewrite, run, direct, x, dy)
     if _tf32_rewrites(x.dtype, x.shape[-1], conv, (x, dy)):
         return _wgrad_by_gemm(x, dy, conv)
-    return _bind_tuned(_wgrad_stage, "wgrad", (x, dy), x.shape[-1], dy.shape[-1], conv.attrs())
+    return direct(x, dy)
 
 
 def _wgrad_by_gemm(x, dy, conv):
@@ -500,11 +523,16 @@ def fused(x, w, bias, residual, conv, epilogue):
     the backward: dz = act'(z) dy, dx = dgrad(dz, w), dw = wgrad(x, dz), dbias = sum of dz (XLA's
     reduction), dresidual = dz. (So under differentiation y is act of z rounded to x's dtype, where
     the fused kernel applies act to the float32 sum: the two differ by that rounding.)"""
+    def direct(x, w, bias, *residual):
+        return _fused_call(x, w, bias, *(residual or (None,)), conv, epilogue.kind, epilogue.param)
+    operands = (x, w, bias) + (() if residual is None else (residual,))
     if rewrite := _rewrite(x.dtype, conv, x.shape, w.shape):
-        residuals = [None] * len(rewrite.convs) if residual is None else rewrite.outputs(residual)
-        return rewrite.join_outputs([fused(*ops, epilogue) for ops in zip(
-            rewrite.inputs(x), rewrite.filters(w), rewrite.biases(bias), residuals, rewrite.convs)])
-    return _fused_call(x, w, bias, residual, conv, epilogue.kind, epilogue.param)
+        def run(x, w, bias, *residual):
+            residuals = rewrite.outputs(*residual) if residual else [None] * len(rewrite.convs)
+            return rewrite.join_outputs([fused(*ops, epilogue) for ops in zip(
+                rewrite.inputs(x), rewrite.filters(w), rewrite.biases(bias), residuals, rewrite.convs)])
+        return _through(rewrite, run, direct, *operands)
+    return direct(*operands)
 
 
 def _fused_fwd(x, w, bias, residual, conv, epilogue):

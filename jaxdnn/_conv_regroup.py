@@ -11,7 +11,7 @@ rewrites, each a set of convolutions of one group on linear maps of the operands
   faster than blocks of 64 (14^2 512 channels in 32 groups: 4 blocks of 128, 0.32 ms fwd+bwd, against
   8 of 64, 0.62, and 2 of 256, 0.43). ResNeXt's 32 groups of 4 channels are then
   one dense convolution. Non-finite values differ from lax's: a zero of the filter times another
-  group's inf or NaN in the same block is NaN.
+  group's inf or NaN in the same block is NaN. On a GPU only: the CPU's kernels take the groups.
 - `DepthFold` (one group, depth window T > 1): each output depth's T input planes side by side as
   T * C channels (XLA's gather; T times x), the depth folded into the batch, so that the
   convolution is a 2-D one of N * P images with the filter [1, U, V, T * C, K].
@@ -33,6 +33,9 @@ from jaxdnn._primitive import transpose_linear
 
 # The channels and filters a block of groups needs (see the module docstring).
 _BLOCK_WIDTH = 128
+# Whether grouped stages run as blocks on the CPU too (jaxdnn/_conv_kernels.py's `_through`): off,
+# the CPU's kernels take the groups as they are; the tests turn it on to check the blocks there.
+BLOCKS_ON_CPU = False
 
 
 def groups_per_block(groups, group_channels, group_filters):

@@ -231,9 +231,15 @@ def _conv_calls(hlo):
     return re.findall(r"@jaxdnn_conv_\w+\(.*", hlo)
 
 
+@pytest.fixture
+def blocks_on_cpu(monkeypatch):
+    """Grouped stages as blocks of one group on the CPU too (a GPU's form), to check them there."""
+    monkeypatch.setattr(regroup, "BLOCKS_ON_CPU", True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=dtype_id)
 @pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", REGROUP_CASES, ids=str)
-def test_regrouped(dtype, lhs_shape, rhs_shape, kwargs, rng):
+def test_regrouped(dtype, lhs_shape, rhs_shape, kwargs, rng, blocks_on_cpu):
     """The forward and its VJP against lax; every stage they bind has one group and a 2-D window."""
     precision = lax.Precision.DEFAULT if dtype == jnp.float32 else None
     kwargs = dict(kwargs, dimension_numbers=_CHANNELS_LAST[len(lhs_shape)], precision=precision)
@@ -246,7 +252,7 @@ def test_regrouped(dtype, lhs_shape, rhs_shape, kwargs, rng):
     assert calls and all("groups = 1 :" in c and "window_d = 1 :" in c for c in calls)
 
 
-def test_regrouped_second_order(rng):
+def test_regrouped_second_order(rng, blocks_on_cpu):
     """A gradient penalty through both rewrites (grouped, 3-D; float32 as TF32) against lax: the
     stages' VJPs are the rewritten stages too."""
     kwargs = dict(window_strides=(1, 2, 1), padding="SAME", feature_group_count=2,
@@ -265,6 +271,18 @@ def test_regrouped_second_order(rng):
     hlo = jax.jit(jax.grad(functools.partial(penalty, op), argnums=(0, 1))).lower(lhs, rhs).as_text()
     calls = _conv_calls(hlo)
     assert calls and all("groups = 1 :" in c and "window_d = 1 :" in c for c in calls)
+
+
+def test_grouped_blocks_only_on_a_gpu(rng):
+    """By default a grouped stage binds its own kernel (G groups) on the CPU, whose kernels take the
+    groups as they are, and blocks of one group on a GPU; the results agree with lax either way."""
+    kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC, feature_group_count=4)
+    op = _op(jaxdnn.conv_general_dilated, kwargs)
+    lhs, rhs = normal(rng, (2, 6, 5, 32), jnp.bfloat16), normal(rng, (3, 3, 8, 32), jnp.bfloat16, scale=0.5)
+    ct = _check_against(op, _op(lax.conv_general_dilated, kwargs), lhs, rhs, tolerance(jnp.bfloat16), rng)
+    hlo = jax.jit(lambda x, w, ct: (op(x, w), jax.vjp(op, x, w)[1](ct))).lower(lhs, rhs, ct).as_text()
+    groups = {int(g) for g in re.findall(r"groups = (\d+) :", "\n".join(_conv_calls(hlo)))}
+    assert groups == ({1} if on_gpu() else {4})
 
 
 @pytest.mark.parametrize("groups,channels,filters,per_block", [
@@ -474,7 +492,7 @@ def test_batch_sharded_runs_per_shard(mesh_kind, channels, devices, rng):
                                         feature_group_count=4)),
 ], ids=["strided", "3-D", "grouped"])
 @pytest.mark.parametrize("mesh_kind", ["mesh", "auto", "explicit"])
-def test_rewrites_batch_sharded(mesh_kind, lhs_shape, rhs_shape, kwargs, devices, rng):
+def test_rewrites_batch_sharded(mesh_kind, lhs_shape, rhs_shape, kwargs, devices, rng, blocks_on_cpu):
     """The 16-bit rewrites whose dgrad transposes XLA's gathers (space-to-depth, the depth fold) or
     slices the groups, with the batch sharded: per shard, no all-gather, against lax."""
     kwargs = dict(kwargs, padding="SAME")
