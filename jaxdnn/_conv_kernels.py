@@ -362,11 +362,10 @@ def _rewrite(dtype, conv, x_shape, w_shape):
 
 
 def _through(rewrite, run, direct, *operands):
-    """run(*operands), a stage through `rewrite`, where its kernels need it: a CPU's kernels take
-    groups as they are, and blocks of m groups would only multiply m times their products there, so
-    on the CPU a `GroupBlocks` stage runs direct(*operands), the stage's own kernel, unless
-    regroup.BLOCKS_ON_CPU (which the tests set to check the blocks' algebra on the CPU)."""
-    if isinstance(rewrite, regroup.GroupBlocks) and not regroup.BLOCKS_ON_CPU:
+    """run(*operands), a stage through `rewrite`, where its kernels need it: a rewrite that is
+    `gpu_only` runs direct(*operands), the stage's own kernel, on the CPU, unless regroup.BLOCKS_ON_CPU
+    (which the tests set to check its algebra on the CPU)."""
+    if rewrite.gpu_only and not regroup.BLOCKS_ON_CPU:
         return jax.lax.platform_dependent(*operands, cpu=direct, default=run)
     return run(*operands)
 
@@ -399,10 +398,12 @@ def _flipped_filter(w):
     return jnp.flip(w, (0, 1, 2)).swapaxes(3, 4)
 
 
-def _flipped_pads(conv):
-    """The low padding of a convolution from conv's output side with the flipped filter:
-    (T - 1) * dilation - pad on each axis."""
-    return tuple((t - 1) * d - lo for t, d, lo in zip(conv.window, conv.rhs_dilation, conv.pads))
+def _from_output_side(conv, **changes):
+    """conv run from its output side with the flipped filter: input and output extents swapped, low
+    padding (T - 1) * dilation - pad on each axis (and `changes`)."""
+    pads = tuple((t - 1) * d - lo for t, d, lo in zip(conv.window, conv.rhs_dilation, conv.pads))
+    return dataclasses.replace(conv, in_spatial=conv.out_spatial, out_spatial=conv.in_spatial, pads=pads,
+                               **changes)
 
 
 def _dgrad_as_fprop(dy, w, conv):
@@ -410,9 +411,7 @@ def _dgrad_as_fprop(dy, w, conv):
     w[t], which is dy convolved with the flipped filter under the flipped padding; its output is x's
     extent. A padding outside what the tensor-core kernels take sends it to the baseline forward
     (exact)."""
-    flipped = dataclasses.replace(conv, in_spatial=conv.out_spatial, out_spatial=conv.in_spatial,
-                                  pads=_flipped_pads(conv))
-    return fprop(dy, _flipped_filter(w), flipped)
+    return fprop(dy, _flipped_filter(w), _from_output_side(conv))
 
 
 def runs_as_dgrad(conv):
@@ -429,8 +428,7 @@ def transposed_by_dgrad(x, w, conv):
     The dgrad's kernels (the space-to-depth form on the tensor cores where the window spans the
     stride) then run it, not the baseline forward over the zero-dilated input; its VJP is that
     convolution's forward and wgrad."""
-    strided = dataclasses.replace(conv, in_spatial=conv.out_spatial, out_spatial=conv.in_spatial,
-                                  pads=_flipped_pads(conv), strides=conv.lhs_dilation, lhs_dilation=(1, 1, 1))
+    strided = _from_output_side(conv, strides=conv.lhs_dilation, lhs_dilation=(1, 1, 1))
     return _dgrad(x, _flipped_filter(w), strided)
 
 

@@ -33,8 +33,8 @@ from jaxdnn._primitive import transpose_linear
 
 # The channels and filters a block of groups needs (see the module docstring).
 _BLOCK_WIDTH = 128
-# Whether grouped stages run as blocks on the CPU too (jaxdnn/_conv_kernels.py's `_through`): off,
-# the CPU's kernels take the groups as they are; the tests turn it on to check the blocks there.
+# Whether the `gpu_only` rewrites (the blocks of groups) run on the CPU too (jaxdnn/_conv_kernels.py's
+# `_through`): off; the tests turn it on to check them there.
 BLOCKS_ON_CPU = False
 
 
@@ -47,6 +47,8 @@ def groups_per_block(groups, group_channels, group_filters):
 
 class GroupBlocks:
     """Feature groups in blocks of `groups_per_block`, a convolution of one group per block."""
+
+    gpu_only = True  # the CPU's kernels take the groups as they are, without the blocks' extra products
 
     def __init__(self, x_shape, w_shape, conv):
         self.group_channels, self.group_filters = w_shape[3], w_shape[4] // conv.groups
@@ -94,6 +96,8 @@ _NEUTRAL = {"window": 1, "strides": 1, "pads": 0, "rhs_dilation": 1}
 
 class DepthFold:
     """A depth window folded into the channels and the output depths into the batch."""
+
+    gpu_only = False  # about as fast as the CPU kernel's own 3-D windows
 
     def __init__(self, x_shape, w_shape, conv):
         self.x_shape = x_shape
