@@ -3,6 +3,7 @@ fused activations, numerics, transforms, sharding, export, errors, and the custo
 
 import contextlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -147,15 +148,29 @@ def test_groups_with_large_offsets(dtype, rng):
 
 
 @dtype_param
-def test_backward_is_deterministic(dtype, rng):
+def test_results_are_deterministic(dtype, rng):
     shape = (4, 16, 16, 64)
     x = normal(rng, shape, dtype, loc=1.0, scale=2.0)
     scale, bias = _params(rng, 64)
     ct = normal(rng, shape, dtype)
-    grads = jax.jit(lambda x, s, b, ct: jax.vjp(lambda *a: jaxdnn.group_norm(a[0], 16, *a[1:]),
-                                                 x, s, b)[1](ct))
-    for name, a, b in zip(("dx", "dscale", "dbias"), grads(x, scale, bias, ct), grads(x, scale, bias, ct)):
+
+    def results(x, s, b, ct):
+        y, vjp = jax.vjp(lambda *a: jaxdnn.group_norm(a[0], 16, *a[1:]), x, s, b)
+        return (y, *vjp(ct))
+
+    results = jax.jit(results)
+    first, second = results(x, scale, bias, ct), results(x, scale, bias, ct)
+    for name, a, b in zip(("y", "dx", "dscale", "dbias"), first, second):
         assert bit_equal(a, b), f"{name} differs between two identical runs"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+def test_small_workspace(dtype, rng, monkeypatch):
+    """A workspace of one chunk a sample: the kernels run one block a sample (of every position)."""
+    monkeypatch.setattr(sys.modules["jaxdnn.group_norm"], "_num_chunks", lambda *_: 1)
+    x = normal(rng, (3, 2500, 64), dtype, loc=1.0, scale=2.0)
+    scale, bias = _params(rng, 64)
+    _check(x, 8, scale, bias, normal(rng, x.shape, dtype), dtype)
 
 
 # --- transforms -------------------------------------------------------------------------------
