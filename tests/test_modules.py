@@ -159,12 +159,33 @@ def test_params_load_either_way(rng):
     assert rel_err(nn.LayerNorm().apply(v_ours, x), jflax.LayerNorm().apply(v_ours, x)) < 1e-5
 
 
+# (reduction_axes, feature_axes) of a rank-4 input [N, H, W, C] that Flax allows and the kernels
+# serve: trailing axes (a free reshape), axes that are not trailing (a transpose each way), every
+# axis, and params over some of the reduced axes only (broadcast over the others).
+OTHER_AXES = [((-2, -1), -1), ((1, 2, 3), (1, 2, 3)), ((1,), (1,)), ((0, 1, 2, 3), -1), ((1, 3), (3,)),
+              ((2, 1), 2)]
+
+
+@pytest.mark.parametrize("x_dtype", X_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("axes", OTHER_AXES, ids=str)
+@pytest.mark.parametrize("ours_cls,stock_cls", LINEN_PAIRS, ids=lambda c: c.__name__)
+def test_linen_other_axes(rng, ours_cls, stock_cls, axes, x_dtype):
+    reduction, features = axes
+    ours, stock = (cls(reduction_axes=reduction, feature_axes=features) for cls in (ours_cls, stock_cls))
+    x = normal(rng, (3, 4, 5, 6), x_dtype, 0.5, 2.0)
+    v_stock = stock.init(jax.random.key(0), x)
+    assert_same_structure(ours.init(jax.random.key(0), x), v_stock)
+    check_fn_pair(rng, ours.apply, stock.apply, randomize(rng, v_stock), x)
+
+
 @pytest.mark.parametrize("kwargs,call_kwargs", [
-    ({"reduction_axes": (1, 2)}, {}),
-    ({"reduction_axes": 1}, {}),
+    ({"reduction_axes": 1}, {}),        # feature_axes -1 is not reduced: params would vary by row
     ({"reduction_axes": -2}, {}),
     ({"feature_axes": 0}, {}),
     ({"feature_axes": (1, 2)}, {}),
+    ({"reduction_axes": 3}, {}),        # past the input's rank
+    ({"reduction_axes": ()}, {}),
+    ({"feature_axes": "c"}, {}),
     ({"axis_name": "batch"}, {}),
     ({"axis_index_groups": [[0, 1]]}, {}),
     ({"force_float32_reductions": False}, {}),
@@ -278,15 +299,28 @@ def test_nnx_layer_norm_without_bias_or_scale(rng):
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"reduction_axes": (0, 1)},
-    {"reduction_axes": -2},
-    {"feature_axes": (-2, -1)},
+    {"reduction_axes": ()},
+    {"reduction_axes": 1.5},
+    {"feature_axes": None},
     {"axis_name": "batch"},
 ], ids=str)
 @pytest.mark.parametrize("cls", [jnnx.LayerNorm, jnnx.RMSNorm], ids=lambda c: c.__name__)
 def test_nnx_unsupported_options_raise(cls, kwargs):
     with pytest.raises(ValueError, match="jaxdnn"):
         cls(8, rngs=nnx.Rngs(0), **kwargs)
+
+
+@pytest.mark.parametrize("axes", [((-2, -1), -1), ((1, 2), 2), ((0, 1, 2), -1)], ids=str)
+@pytest.mark.parametrize("ours_cls,stock_cls", NNX_PAIRS, ids=lambda c: c.__name__)
+def test_nnx_other_axes(rng, ours_cls, stock_cls, axes):
+    reduction, features = axes
+    x = normal(rng, (3, 5, 8), F32, 0.5, 2.0)
+    stock, ours = (cls(8, rngs=nnx.Rngs(0), reduction_axes=reduction, feature_axes=features)
+                   for cls in (stock_cls, ours_cls))
+    nnx.update(stock, randomize(rng, nnx.state(stock, nnx.Param)))
+    nnx.update(ours, nnx.state(stock, nnx.Param))
+    (stock_fn, params), (ours_fn, _) = _nnx_fn(stock), _nnx_fn(ours)
+    check_fn_pair(rng, ours_fn, stock_fn, params, x)
 
 
 @pytest.mark.parametrize("cls", [jnnx.LayerNorm, jnnx.RMSNorm], ids=lambda c: c.__name__)

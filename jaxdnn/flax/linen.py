@@ -7,11 +7,14 @@ same attributes, same parameter names (``scale``, ``bias``), shapes ``(D,)`` and
 dtypes, and the same output dtype for every ``dtype`` / ``param_dtype`` setting,
 so a params tree made with stock Flax loads unchanged and vice versa.
 
-Shapes: ``x`` is ``(..., D)``; statistics are taken over the last axis ``D``.
+Shapes: ``x`` is ``(..., D)``; LayerNorm and RMSNorm take statistics over the last
+axis ``D`` by default, and over any ``reduction_axes``: trailing ones are flattened
+into one (a free reshape), others are first moved last (a transpose of x, and one of
+y back, in XLA).
 
 What differs from stock Flax is only what jaxdnn's kernels cannot serve, and each
 of those raises a ``ValueError`` rather than quietly computing something else:
-normalizing over axes other than the last one (``reduction_axes``/``feature_axes``),
+``feature_axes`` that are not all reduction axes (params that vary across the rows),
 cross-device statistics (``axis_name``/``axis_index_groups``), ``mask``, and
 ``force_float32_reductions=False`` (the kernels always reduce in float32).
 ``use_fast_variance`` is accepted with either value: it is a speed hint, and the
@@ -29,6 +32,8 @@ autodiff (``grad``, ``vjp``) but not forward-mode ``jvp``.
 
 from __future__ import annotations
 
+import functools
+import math
 import operator
 from typing import Any
 
@@ -68,18 +73,55 @@ def _as_axis_tuple(axes: Axes) -> tuple[Any, ...] | None:
         return None
 
 
-def _is_last_axis(axes: Axes, ndim: int | None) -> bool:
-    """Whether ``axes`` names only the last axis (``-1``, ``(-1,)``, ``ndim - 1``)."""
-    axes = _as_axis_tuple(axes)
-    if axes is None or len(axes) != 1:
-        return False
-    try:
-        axis = operator.index(axes[0])
-    except TypeError:
-        return False
-    if isinstance(axes[0], bool):
-        return False
-    return axis == -1 or (ndim is not None and axis == ndim - 1)
+def norm_axes(module: str, reduction_axes: Axes, feature_axes: Axes,
+              ndim: int | None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Flax's ``reduction_axes`` and ``feature_axes`` of an input of rank ``ndim``, as Flax
+    canonicalizes them (non-negative, sorted, without repeats), or a ValueError naming the one the
+    kernels cannot serve: each must be one axis or several, and every feature axis must be reduced
+    (params that varied between the kernel's rows could not be a vector of D). With ``ndim=None``
+    (the rank not known yet, e.g. at NNX construction) only their form is checked; returns None."""
+    canonical = []
+    for name, axes in (("reduction_axes", reduction_axes), ("feature_axes", feature_axes)):
+        t = _as_axis_tuple(axes)
+        ok = t is not None and len(t) > 0 and all(
+            isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in t)
+        if ok and ndim is not None:
+            ok = all(-ndim <= a < ndim for a in t)
+        if not ok:
+            where = "" if ndim is None else f" for an input of rank {ndim}"
+            raise ValueError(f"jaxdnn {module}: {name} must be an axis or a sequence of axes of the "
+                             f"input, got {axes!r}{where}.")
+        if ndim is not None:
+            canonical.append(tuple(sorted({int(a) % ndim for a in t})))
+    if ndim is None:
+        return None
+    reduction, features = canonical
+    if not set(features) <= set(reduction):
+        raise ValueError(
+            f"jaxdnn {module}: every feature axis must be a reduction axis, got feature_axes="
+            f"{feature_axes!r} and reduction_axes={reduction_axes!r} (input rank {ndim}). jaxdnn's "
+            f"kernels take one scale and bias for all rows; use flax's own "
+            f"{module.split('.')[-1]} for params that vary across the normalized rows.")
+    return reduction, features
+
+
+def over_axes(kernel, x, *params, reduction: tuple[int, ...], features: tuple[int, ...], **kw):
+    """``kernel`` (a norm over the last axis, params of shape (D,)) run over the axes ``reduction``
+    of ``x``, with params shaped as ``x`` along ``features`` (those of them reduced; Flax's layout).
+
+    The reduced axes go last, a transpose in XLA unless they already are, and are flattened into
+    one axis of D elements (a free reshape); each param is broadcast over the reduced axes that are
+    not features and flattened to (D,); the result goes back to x's layout."""
+    perm = (*(a for a in range(x.ndim) if a not in reduction), *reduction)
+    moved = perm != tuple(range(x.ndim))
+    xt = jnp.transpose(x, perm) if moved else x
+    reduced = xt.shape[x.ndim - len(reduction):]
+    d = math.prod(reduced)
+    param_shape = tuple(n if a in features else 1 for a, n in zip(reduction, reduced))
+    flat = [None if p is None else jnp.broadcast_to(jnp.reshape(p, param_shape), reduced).reshape(d)
+            for p in params]
+    y = kernel(xt.reshape(*xt.shape[:x.ndim - len(reduction)], d), *flat, **kw).reshape(xt.shape)
+    return jnp.transpose(y, np.argsort(perm)) if moved else y
 
 
 def _check_options(
@@ -92,27 +134,9 @@ def _check_options(
     axis_index_groups: Any = None,
     force_float32_reductions: bool = True,
 ) -> None:
-    """Raises a ValueError naming each option jaxdnn's kernels cannot serve.
-
-    With ``ndim=None`` (rank not known yet, e.g. at NNX construction) ``-1`` and
-    single non-negative axes pass, as they may be the last axis; callers check
-    again once the input's rank is known.
-    """
-    for name, axes in (("reduction_axes", reduction_axes),
-                       ("feature_axes", feature_axes)):
-        ok = _is_last_axis(axes, ndim)
-        if not ok and ndim is None:
-            # A non-negative axis may still turn out to be the last one.
-            t = _as_axis_tuple(axes)
-            ok = (t is not None and len(t) == 1
-                  and isinstance(t[0], (int, np.integer)) and not isinstance(t[0], bool)
-                  and int(t[0]) >= 0)
-        if not ok:
-            where = "" if ndim is None else f" (input rank {ndim})"
-            raise ValueError(
-                f"jaxdnn {module}: {name} must be the last axis (-1), got "
-                f"{axes!r}{where}. jaxdnn's kernels normalize over the last axis "
-                f"only; use flax's own {module.split('.')[-1]} for other axes.")
+    """Raises a ValueError naming each option jaxdnn's kernels cannot serve (the axes: see
+    ``norm_axes``; with ``ndim=None`` only their form, the rest once the input's rank is known)."""
+    norm_axes(module, reduction_axes, feature_axes, ndim)
     if axis_name is not None or axis_index_groups is not None:
         raise ValueError(
             f"jaxdnn {module}: axis_name/axis_index_groups (statistics pooled across "
@@ -219,11 +243,12 @@ def _check_group_axes(module: str, reduction_axes: Axes, ndim: int) -> None:
 
 
 class LayerNorm(nn.Module):
-    """Layer normalization over the last axis, on jaxdnn's fused kernel.
+    """Layer normalization over the last axis (or ``reduction_axes``), on jaxdnn's fused kernel.
 
     Mirrors ``flax.linen.LayerNorm``: ``y = (x - mean) / sqrt(var + epsilon) * scale
     + bias`` per row of ``x`` with shape ``(..., D)``; ``scale`` and ``bias`` are
-    params of shape ``(D,)``. Statistics are computed in float32.
+    params of shape ``(D,)`` (by default; x's extents along ``feature_axes``).
+    Statistics are computed in float32.
 
     Attributes:
       epsilon: added to the variance to avoid dividing by zero.
@@ -233,8 +258,9 @@ class LayerNorm(nn.Module):
       use_scale: if True, the output is multiplied by ``scale``.
       bias_init: initializer for ``bias`` (default: zeros).
       scale_init: initializer for ``scale`` (default: ones).
-      reduction_axes: must be the last axis (``-1``).
-      feature_axes: must be the last axis (``-1``).
+      reduction_axes: the axes of the statistics (default: the last); axes that are
+        not trailing cost a transpose of x and of y (see the module docstring).
+      feature_axes: the params' axes (default: the last); each must be a reduction axis.
       axis_name: must be None (no cross-device statistics).
       axis_index_groups: must be None.
       use_fast_variance: accepted, either value (see the module docstring).
@@ -268,22 +294,24 @@ class LayerNorm(nn.Module):
         if x.ndim == 0:
             raise ValueError("jaxdnn flax.linen.LayerNorm: x must have at least one "
                              "axis (the feature axis D), got a scalar.")
-        features = (x.shape[-1],)
+        reduction, feature_axes = norm_axes("flax.linen.LayerNorm", self.reduction_axes, self.feature_axes,
+                                            x.ndim)
+        features = tuple(x.shape[a] for a in feature_axes)
         scale = (self.param("scale", self.scale_init, features, self.param_dtype)
                  if self.use_scale else None)
         bias = (self.param("bias", self.bias_init, features, self.param_dtype)
                 if self.use_bias else None)
         out_dtype = _output_dtype(x, scale, bias, dtype=self.dtype)
-        return _norm_in_float32_then_cast(
-            jaxdnn.layer_norm, x, (scale, bias), out_dtype, epsilon=self.epsilon)
+        kernel = functools.partial(over_axes, jaxdnn.layer_norm, reduction=reduction, features=feature_axes)
+        return _norm_in_float32_then_cast(kernel, x, (scale, bias), out_dtype, epsilon=self.epsilon)
 
 
 class RMSNorm(nn.Module):
-    """RMS normalization over the last axis, on jaxdnn's fused kernel.
+    """RMS normalization over the last axis (or ``reduction_axes``), on jaxdnn's fused kernel.
 
     Mirrors ``flax.linen.RMSNorm``: ``y = x / sqrt(mean(x**2) + epsilon) * scale``
-    per row of ``x`` with shape ``(..., D)``; ``scale`` is a param of shape ``(D,)``.
-    Statistics are computed in float32.
+    per row of ``x`` with shape ``(..., D)``; ``scale`` is a param of shape ``(D,)``
+    (by default; x's extents along ``feature_axes``). Statistics are computed in float32.
 
     Attributes:
       epsilon: added to the mean square to avoid dividing by zero.
@@ -291,8 +319,9 @@ class RMSNorm(nn.Module):
       param_dtype: the dtype passed to parameter initializers (default: float32).
       use_scale: if True, the output is multiplied by ``scale``.
       scale_init: initializer for ``scale`` (default: ones).
-      reduction_axes: must be the last axis (``-1``).
-      feature_axes: must be the last axis (``-1``).
+      reduction_axes: the axes of the statistics (default: the last); axes that are
+        not trailing cost a transpose of x and of y (see the module docstring).
+      feature_axes: the params' axes (default: the last); each must be a reduction axis.
       axis_name: must be None (no cross-device statistics).
       axis_index_groups: must be None.
       use_fast_variance: accepted, either value (RMSNorm takes no mean anyway).
@@ -324,12 +353,14 @@ class RMSNorm(nn.Module):
         if x.ndim == 0:
             raise ValueError("jaxdnn flax.linen.RMSNorm: x must have at least one "
                              "axis (the feature axis D), got a scalar.")
-        features = (x.shape[-1],)
+        reduction, feature_axes = norm_axes("flax.linen.RMSNorm", self.reduction_axes, self.feature_axes,
+                                            x.ndim)
+        features = tuple(x.shape[a] for a in feature_axes)
         scale = (self.param("scale", self.scale_init, features, self.param_dtype)
                  if self.use_scale else None)
         out_dtype = _output_dtype(x, scale, dtype=self.dtype)
-        return _norm_in_float32_then_cast(
-            jaxdnn.rms_norm, x, (scale,), out_dtype, epsilon=self.epsilon)
+        kernel = functools.partial(over_axes, jaxdnn.rms_norm, reduction=reduction, features=feature_axes)
+        return _norm_in_float32_then_cast(kernel, x, (scale,), out_dtype, epsilon=self.epsilon)
 
 
 def _channel_axis(module: str, axis: Axes, ndim: int) -> int:

@@ -9,10 +9,11 @@ with ``promote_dtype`` (to ``dtype`` when given), statistics are taken in float3
 and the result has the promoted dtype. ``nnx.update(jaxdnn_module,
 nnx.state(stock_module))`` therefore loads stock weights unchanged.
 
-Shapes: ``x`` is ``(..., D)`` with ``D = num_features``.
+Shapes: ``x`` is ``(..., D)`` with ``D = num_features``; LayerNorm and RMSNorm also take
+other ``reduction_axes`` (as ``jaxdnn.flax.linen``'s do).
 
 Options the kernels cannot serve raise a ``ValueError`` (at construction where
-possible): axes other than the last, ``axis_name``/``axis_index_groups``, and
+possible): feature axes that are not reduction axes, ``axis_name``/``axis_index_groups``, and
 ``mask``. ``use_fast_variance`` is accepted with either value (see
 ``jaxdnn.flax.linen``). Reverse-mode autodiff works; forward-mode ``jvp`` does not.
 """
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 
 import jaxdnn
 from jaxdnn.flax.linen import (_channel_axis, _check_batch_norm_options, _check_group_axes, _check_mask,
-                               _check_options, _fit_param, _group_count)
+                               _check_options, _fit_param, _group_count, norm_axes, over_axes)
 from jaxdnn.flax.nnx_conv import Conv
 from jaxdnn.flax.nnx_dense import Linear
 
@@ -57,22 +58,22 @@ def _normalize(fn, module: str, x, params, *, reduction_axes, feature_axes,
     """Runs kernel ``fn`` on ``x`` and ``params``, already promoted by promote_dtype."""
     x = jnp.asarray(x)
     _check_mask(module, mask)
-    # Non-negative axes can only be checked against the rank now.
-    _check_options(module, ndim=x.ndim, reduction_axes=reduction_axes,
-                   feature_axes=feature_axes)
     if x.ndim == 0:
         raise ValueError(f"jaxdnn {module}: x must have at least one axis (the "
                          "feature axis D), got a scalar.")
+    # The axes can only be checked against the rank now.
+    reduction, features = norm_axes(module, reduction_axes, feature_axes, x.ndim)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"jaxdnn {module}: the input promotes to {x.dtype}; a real "
                          "floating dtype is needed.")
     # After Flax's promotion every param has x's dtype, which the kernel takes as
     # is; _fit_param only matters for a custom promote_dtype that leaves them apart.
-    return fn(x, *(_fit_param(p, x.dtype) for p in params), epsilon=epsilon)
+    return over_axes(fn, x, *(_fit_param(p, x.dtype) for p in params), reduction=reduction, features=features,
+                     epsilon=epsilon)
 
 
 class LayerNorm(nnx.Module):
-    """Layer normalization over the last axis, on jaxdnn's fused kernel.
+    """Layer normalization over the last axis (or ``reduction_axes``), on jaxdnn's fused kernel.
 
     Mirrors ``flax.nnx.LayerNorm``: ``y = (x - mean) / sqrt(var + epsilon) * scale
     + bias`` per row of ``x`` with shape ``(..., D)``, ``D = num_features``.
@@ -87,8 +88,9 @@ class LayerNorm(nnx.Module):
       use_scale: if True, the output is multiplied by ``scale``.
       bias_init: initializer for ``bias`` (default: zeros).
       scale_init: initializer for ``scale`` (default: ones).
-      reduction_axes: must be the last axis (``-1``).
-      feature_axes: must be the last axis (``-1``).
+      reduction_axes: the axes of the statistics (default: the last); axes that are
+        not trailing cost a transpose of x and of y.
+      feature_axes: the params' axes (default: the last); each must be a reduction axis.
       axis_name: must be None (no cross-device statistics).
       axis_index_groups: must be None.
       use_fast_variance: accepted, either value.
@@ -151,7 +153,7 @@ class LayerNorm(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMS normalization over the last axis, on jaxdnn's fused kernel.
+    """RMS normalization over the last axis (or ``reduction_axes``), on jaxdnn's fused kernel.
 
     Mirrors ``flax.nnx.RMSNorm``: ``y = x / sqrt(mean(x**2) + epsilon) * scale`` per
     row of ``x`` with shape ``(..., D)``, ``D = num_features``.
@@ -164,8 +166,9 @@ class RMSNorm(nnx.Module):
       param_dtype: the dtype passed to parameter initializers (default: float32).
       use_scale: if True, the output is multiplied by ``scale``.
       scale_init: initializer for ``scale`` (default: ones).
-      reduction_axes: must be the last axis (``-1``).
-      feature_axes: must be the last axis (``-1``).
+      reduction_axes: the axes of the statistics (default: the last); axes that are
+        not trailing cost a transpose of x and of y.
+      feature_axes: the params' axes (default: the last); each must be a reduction axis.
       axis_name: must be None (no cross-device statistics).
       axis_index_groups: must be None.
       use_fast_variance: accepted, either value.
