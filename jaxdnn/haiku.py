@@ -1,20 +1,20 @@
 """Haiku modules over jaxdnn's fused normalization kernels.
 
-Drop-in replacements for ``hk.LayerNorm`` and ``hk.RMSNorm`` normalizing over the
-last axis, ``hk.GroupNorm`` (channels last, statistics over every non-batch axis)
-and ``hk.BatchNorm`` (see its docstring): same constructor arguments, same module
-names (``layer_norm``, ``group_norm``, ``rms_norm``, ``batch_norm``) and parameter
-names (``scale``, ``offset``, created in the input's dtype), so a params dict made
-with stock Haiku loads unchanged.
+Drop-in replacements for ``hk.LayerNorm``, ``hk.RMSNorm``, ``hk.GroupNorm`` (channels
+last, statistics over every non-batch axis) and ``hk.BatchNorm`` (see its docstring):
+same constructor arguments, same module names (``layer_norm``, ``group_norm``,
+``rms_norm``, ``batch_norm``) and parameter names (``scale``, ``offset``, created in
+the input's dtype), so a params dict made with stock Haiku loads unchanged.
 As the Haiku style has it, each module is partial application of the functional
 op (``jaxdnn.layer_norm`` / ``jaxdnn.rms_norm``) to its parameters.
 
-Shapes: ``x`` is ``(..., D)``; statistics are taken over ``D`` in float32 (stock
-Haiku computes them in the input's dtype, so half-precision results agree to
-half-precision rounding, and are the more accurate of the two).
-
-Only ``axis=-1`` (or ``ndim - 1``, or ``slice(-1, None)``) and
-``param_axis=None``/``-1`` are supported; anything else raises ``ValueError``.
+Shapes: ``x`` is ``(..., D)``; LayerNorm and RMSNorm take statistics over ``axis``
+(the last by default; trailing axes are flattened into one, a free reshape, others are
+first moved last, a transpose of x and one of y back in XLA) in float32 (stock Haiku
+computes them in the input's dtype, so half-precision results agree to half-precision
+rounding, and are the more accurate of the two). Their params (``param_axis``) and
+call-time ``scale``/``offset`` must not vary along axes that are not normalized (the
+kernels take one scale and offset for all rows): those raise ``ValueError``.
 ``use_fast_variance`` is accepted with either value: the kernels compute the
 variance from centred values in float32. Reverse-mode autodiff works; forward-mode
 ``jvp`` does not.
@@ -24,6 +24,7 @@ Haiku is an optional dependency: only ``import jaxdnn.haiku`` imports it.
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Callable
 
@@ -38,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxdnn
+from jaxdnn.norm import over_axes
 from jaxdnn.haiku_conv import Conv1D, Conv2D, Conv3D, ConvND
 from jaxdnn.haiku_dense import Linear
 from jaxdnn.haiku_rnn import lstm_weights_from_haiku
@@ -48,36 +50,57 @@ __all__ = ["BatchNorm", "Conv1D", "Conv2D", "Conv3D", "ConvND", "GroupNorm", "La
 Initializer = Callable[..., Any]
 
 
-def _last_axis_only(module: str, arg: str, axis: Any, ndim: int | None) -> None:
-    """Raises ValueError unless ``axis`` names only the last axis.
-
-    ``axis`` may be an int, a sequence of ints or a slice, as in Haiku. With
-    ``ndim=None`` (at construction) only what is wrong for every rank is rejected;
-    the rest is checked again at call time.
-    """
+def _abs_axes(module: str, arg: str, axis: Any, ndim: int | None) -> tuple[int, ...] | None:
+    """``axis`` (an int, a sequence of ints or a slice, as in Haiku) as sorted non-negative axes of
+    an input of rank ``ndim``, or a ValueError naming ``arg``. With ``ndim=None`` (at construction)
+    only its form is checked; returns None."""
     if isinstance(axis, slice):
-        if ndim is None:
-            ok = axis.step in (None, 1)
-        else:
-            ok = tuple(range(ndim)[axis]) == (ndim - 1,)
+        ok = all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in
+                 (axis.start, axis.stop, axis.step))
+        axes = tuple(range(ndim)[axis]) if ok and ndim is not None else None
+        ok = ok and (ndim is None or len(axes) > 0)
     else:
-        axes = None
-        if not isinstance(axis, bool):
+        try:
+            axes = (operator.index(axis),) if not isinstance(axis, bool) else None
+        except TypeError:
             try:
-                axes = (operator.index(axis),)
+                axes = tuple(operator.index(a) for a in axis if not isinstance(a, bool))
+                axes = axes if len(axes) == len(tuple(axis)) else None
             except TypeError:
-                try:
-                    axes = tuple(operator.index(a) for a in axis)
-                except TypeError:
-                    pass
-        ok = (axes is not None and len(axes) == 1 and
-              (axes[0] == -1 or (axes[0] >= 0 if ndim is None else axes[0] == ndim - 1)))
+                axes = None
+        ok = axes is not None and len(axes) > 0 and (ndim is None or all(-ndim <= a < ndim for a in axes))
+        if ok and ndim is not None:
+            axes = tuple(sorted({a % ndim for a in axes}))
     if not ok:
         where = "" if ndim is None else f" for an input of rank {ndim}"
+        raise ValueError(f"jaxdnn {module}: {arg} must be an axis, a sequence of axes or a slice of the "
+                         f"input's, got {axis!r}{where}.")
+    return None if ndim is None else axes
+
+
+def _param_shape(shape: tuple[int, ...], param_axes: tuple[int, ...]) -> tuple[int, ...]:
+    """Haiku's shape of a norm's params: (D,) for the last axis, else x's rank with 1s elsewhere."""
+    if param_axes == (len(shape) - 1,):
+        return shape[-1:]
+    return tuple(n if i in param_axes else 1 for i, n in enumerate(shape))
+
+
+def _over_reduced(module: str, name: str, p: Any, shape: tuple[int, ...],
+                  reduction: tuple[int, ...]) -> jax.Array | None:
+    """A scale/offset (a param, or a call-time value broadcastable to x's ``shape``) as an array over
+    the normalized axes ``reduction`` only; one that varies along another axis raises."""
+    if p is None:
+        return None
+    p = jnp.asarray(p)
+    rowless = tuple(n if i in reduction else 1 for i, n in enumerate(shape))
+    try:
+        p = jnp.broadcast_to(p, rowless)
+    except ValueError:
         raise ValueError(
-            f"jaxdnn {module}: {arg} must be the last axis (-1), got {axis!r}{where}. "
-            f"jaxdnn's kernels normalize over the last axis only; use Haiku's own "
-            f"{module.split('.')[-1]} for other axes.")
+            f"jaxdnn {module}: `{name}` (shape {p.shape}) must not vary along axes that are not "
+            f"normalized (input shape {shape}, normalized axes {reduction}): jaxdnn's kernels take one "
+            f"{name} for all rows; use Haiku's own {module.split('.')[-1]} for such params.") from None
+    return p.reshape(tuple(shape[i] for i in reduction))
 
 
 def _as_feature_vector(module: str, name: str, p: Any, d: int) -> jax.Array:
@@ -129,7 +152,7 @@ def _run(fn, x, params, **kw):
 
 
 class LayerNorm(hk.Module):
-    """Layer normalization over the last axis, on jaxdnn's fused kernel.
+    """Layer normalization over the last axis (or ``axis``), on jaxdnn's fused kernel.
 
     Mirrors ``hk.LayerNorm``: ``y = (x - mean) / sqrt(var + eps) * scale + offset``
     per row of ``x`` with shape ``(..., D)``.
@@ -151,24 +174,24 @@ class LayerNorm(hk.Module):
         """Constructs a LayerNorm module.
 
         Args:
-          axis: the axis to normalize over; must be the last one (``-1``).
-          create_scale: whether to create a trainable ``scale`` of shape (D,).
-          create_offset: whether to create a trainable ``offset`` of shape (D,).
+          axis: the axes to normalize over (an int, a sequence or a slice; default: the last).
+          create_scale: whether to create a trainable ``scale`` (shape (D,) by default).
+          create_offset: whether to create a trainable ``offset`` (shape (D,) by default).
           eps: added to the variance to avoid dividing by zero.
           scale_init: initializer for ``scale`` (default: ones).
           offset_init: initializer for ``offset`` (default: zeros).
           use_fast_variance: accepted for compatibility, either value.
           name: the module name.
-          param_axis: the parameters' axis; must be None or the last axis.
+          param_axis: the parameters' axes (default: the last); each must be normalized.
         """
         super().__init__(name=name)
         if not create_scale and scale_init is not None:
             raise ValueError("Cannot set `scale_init` if `create_scale=False`.")
         if not create_offset and offset_init is not None:
             raise ValueError("Cannot set `offset_init` if `create_offset=False`.")
-        _last_axis_only("hk.LayerNorm", "axis", axis, None)
+        _abs_axes("hk.LayerNorm", "axis", axis, None)
         if param_axis is not None:
-            _last_axis_only("hk.LayerNorm", "param_axis", param_axis, None)
+            _abs_axes("hk.LayerNorm", "param_axis", param_axis, None)
         self.axis = axis
         self.param_axis = -1 if param_axis is None else param_axis
         self.create_scale = create_scale
@@ -198,22 +221,20 @@ class LayerNorm(hk.Module):
         if x.ndim == 0:
             raise ValueError("jaxdnn hk.LayerNorm: inputs must have at least one axis "
                              "(the feature axis D), got a scalar.")
-        _last_axis_only("hk.LayerNorm", "axis", self.axis, x.ndim)
-        _last_axis_only("hk.LayerNorm", "param_axis", self.param_axis, x.ndim)
-        d = x.shape[-1]
+        reduction = _abs_axes("hk.LayerNorm", "axis", self.axis, x.ndim)
+        param_shape = _param_shape(x.shape, _abs_axes("hk.LayerNorm", "param_axis", self.param_axis, x.ndim))
         if self.create_scale:
-            scale = hk.get_parameter("scale", (d,), x.dtype, init=self.scale_init)
-        elif scale is not None:
-            scale = _as_feature_vector("hk.LayerNorm", "scale", scale, d)
+            scale = hk.get_parameter("scale", param_shape, x.dtype, init=self.scale_init)
         if self.create_offset:
-            offset = hk.get_parameter("offset", (d,), x.dtype, init=self.offset_init)
-        elif offset is not None:
-            offset = _as_feature_vector("hk.LayerNorm", "offset", offset, d)
-        return _run(jaxdnn.layer_norm, x, (scale, offset), epsilon=self.eps)
+            offset = hk.get_parameter("offset", param_shape, x.dtype, init=self.offset_init)
+        params = [_over_reduced("hk.LayerNorm", name, p, x.shape, reduction)
+                  for name, p in (("scale", scale), ("offset", offset))]
+        kernel = functools.partial(over_axes, jaxdnn.layer_norm, reduction=reduction, features=reduction)
+        return _run(kernel, x, params, epsilon=self.eps)
 
 
 class RMSNorm(hk.Module):
-    """RMS normalization over the last axis, on jaxdnn's fused kernel.
+    """RMS normalization over the last axis (or ``axis``), on jaxdnn's fused kernel.
 
     Mirrors ``hk.RMSNorm``: ``y = x / sqrt(mean(x**2) + eps) * scale`` per row of
     ``x`` with shape ``(..., D)``.
@@ -232,19 +253,19 @@ class RMSNorm(hk.Module):
         """Constructs an RMSNorm module.
 
         Args:
-          axis: the axis to normalize over; must be the last one (``-1``).
+          axis: the axes to normalize over (an int, a sequence or a slice; default: the last).
           eps: added to the mean square to avoid dividing by zero.
           scale_init: initializer for ``scale`` (default: ones).
           name: the module name.
-          create_scale: whether to create a trainable ``scale`` of shape (D,).
-          param_axis: the parameter's axis; must be None or the last axis.
+          create_scale: whether to create a trainable ``scale`` (shape (D,) by default).
+          param_axis: the parameter's axes (default: the last); each must be normalized.
         """
         super().__init__(name=name)
         if not create_scale and scale_init is not None:
             raise ValueError("Cannot set `scale_init` if `create_scale=False`.")
-        _last_axis_only("hk.RMSNorm", "axis", axis, None)
+        _abs_axes("hk.RMSNorm", "axis", axis, None)
         if param_axis is not None:
-            _last_axis_only("hk.RMSNorm", "param_axis", param_axis, None)
+            _abs_axes("hk.RMSNorm", "param_axis", param_axis, None)
         self.axis = axis
         self.param_axis = -1 if param_axis is None else param_axis
         self.eps = eps
@@ -257,12 +278,15 @@ class RMSNorm(hk.Module):
         if x.ndim == 0:
             raise ValueError("jaxdnn hk.RMSNorm: inputs must have at least one axis "
                              "(the feature axis D), got a scalar.")
-        _last_axis_only("hk.RMSNorm", "axis", self.axis, x.ndim)
-        _last_axis_only("hk.RMSNorm", "param_axis", self.param_axis, x.ndim)
+        reduction = _abs_axes("hk.RMSNorm", "axis", self.axis, x.ndim)
         scale = None
         if self.create_scale:
-            scale = hk.get_parameter("scale", (x.shape[-1],), x.dtype, init=self.scale_init)
-        return _run(jaxdnn.rms_norm, x, (scale,), epsilon=self.eps)
+            param_axes = _abs_axes("hk.RMSNorm", "param_axis", self.param_axis, x.ndim)
+            scale = hk.get_parameter("scale", _param_shape(x.shape, param_axes), x.dtype,
+                                     init=self.scale_init)
+            scale = _over_reduced("hk.RMSNorm", "scale", scale, x.shape, reduction)
+        kernel = functools.partial(over_axes, jaxdnn.rms_norm, reduction=reduction, features=reduction)
+        return _run(kernel, x, (scale,), epsilon=self.eps)
 
 
 class BatchNorm(hk.Module):

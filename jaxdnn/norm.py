@@ -233,6 +233,26 @@ def _check_epsilon(fn, epsilon):
     return np.float32(epsilon)
 
 
+def over_axes(kernel, x, *params, reduction: tuple[int, ...], features: tuple[int, ...], **kw):
+    """``kernel`` (`layer_norm` or `rms_norm`, params of shape (D,)) run over the axes ``reduction``
+    of ``x`` (sorted, non-negative), with params shaped as ``x`` along ``features`` (some of those
+    axes, sorted: Flax's layout); the Flax and Haiku modules' normalization over other axes.
+
+    The reduced axes go last, a transpose in XLA unless they already are, and are flattened into
+    one axis of D elements (a free reshape); each param is broadcast over the reduced axes that are
+    not features and flattened to (D,); the result goes back to x's layout."""
+    perm = (*(a for a in range(x.ndim) if a not in reduction), *reduction)
+    moved = perm != tuple(range(x.ndim))
+    xt = jnp.transpose(x, perm) if moved else x
+    reduced = xt.shape[x.ndim - len(reduction):]
+    d = math.prod(reduced)
+    param_shape = tuple(n if a in features else 1 for a, n in zip(reduction, reduced))
+    flat = [None if p is None else jnp.broadcast_to(jnp.reshape(p, param_shape), reduced).reshape(d)
+            for p in params]
+    y = kernel(xt.reshape(*xt.shape[:x.ndim - len(reduction)], d), *flat, **kw).reshape(xt.shape)
+    return jnp.transpose(y, np.argsort(perm)) if moved else y
+
+
 def layer_norm(x, scale=None, bias=None, *, epsilon=1e-6, activation=None):
     """Layer normalization over the last axis: `act((x - mean) / sqrt(var + epsilon) * scale + bias)`.
 

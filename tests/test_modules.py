@@ -457,15 +457,50 @@ def test_haiku_positional_and_default_axis(rng, hk, jhk):
                           hk.transform(lambda x: hk.RMSNorm(-1)(x)).init(jax.random.key(0), x))
 
 
+# (module, kwargs) over other axes of a rank-4 input [N, H, W, C]: trailing axes (a free reshape),
+# params over all of them or some, axes that are not trailing (a transpose each way), every axis.
+HAIKU_OTHER_AXES = [
+    ("LayerNorm", {"axis": (1, 2, 3)}),
+    ("LayerNorm", {"axis": slice(1, None), "param_axis": (1, 2, 3)}),
+    ("LayerNorm", {"axis": (-2, -1), "param_axis": (2, 3)}),
+    ("LayerNorm", {"axis": 1, "param_axis": 1}),
+    ("RMSNorm", {"axis": (-2, -1)}),
+    ("RMSNorm", {"axis": (0, 1, 2, 3)}),
+    ("RMSNorm", {"axis": 2, "param_axis": 2}),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", HAIKU_OTHER_AXES, ids=str)
+def test_haiku_other_axes(rng, hk, jhk, name, kwargs):
+    if name == "LayerNorm":
+        kwargs = {"create_scale": True, "create_offset": True, **kwargs}
+    ours, stock = _hk_pair(hk, lambda: getattr(jhk, name)(**kwargs), lambda: getattr(hk, name)(**kwargs))
+    x = normal(rng, (3, 4, 5, 6), F32, 0.5, 2.0)
+    p_stock = stock.init(jax.random.key(0), x)
+    assert_same_structure(ours.init(jax.random.key(0), x), p_stock)
+    check_fn_pair(rng, ours.apply, stock.apply, randomize(rng, p_stock), x)
+
+
+def test_haiku_call_time_params_over_other_axes(rng, hk, jhk):
+    """Call-time scale and offset that vary along some normalized axes (not along the others)."""
+    x = normal(rng, (3, 4, 5, 6), F32)
+    scale, offset = normal(rng, (5, 6), F32, 1.0, 0.5), normal(rng, (4, 1, 1), F32)
+    make = lambda mod: hk.without_apply_rng(hk.transform(
+        lambda x, s, o: mod.LayerNorm((1, 2, 3), False, False)(x, s, o)))
+    ours, stock = make(jhk), make(hk)
+    check_fn_pair(rng, lambda p, x: ours.apply(p, x, scale, offset),
+                  lambda p, x: stock.apply(p, x, scale, offset), {}, x)
+
+
 @pytest.mark.parametrize("make", [
-    lambda jhk: jhk.LayerNorm(axis=0, create_scale=True, create_offset=True),
+    lambda jhk: jhk.LayerNorm(axis=0, create_scale=True, create_offset=True),  # params vary by row
     lambda jhk: jhk.LayerNorm(axis=-2, create_scale=True, create_offset=True),
-    lambda jhk: jhk.LayerNorm(axis=(1, 2), create_scale=True, create_offset=True),
-    lambda jhk: jhk.LayerNorm(axis=slice(1, None), create_scale=True, create_offset=True),
+    lambda jhk: jhk.LayerNorm(axis=3, create_scale=True, create_offset=True),  # past the rank
+    lambda jhk: jhk.LayerNorm(axis=(), create_scale=True, create_offset=True),
     lambda jhk: jhk.LayerNorm(-1, True, True, param_axis=0),
     lambda jhk: jhk.LayerNorm(-1, False, True, scale_init=jnp.ones),
     lambda jhk: jhk.RMSNorm(axis=1),
-    lambda jhk: jhk.RMSNorm(axis=(-2, -1)),
+    lambda jhk: jhk.RMSNorm(axis="c"),
     lambda jhk: jhk.RMSNorm(-1, param_axis=(0,)),
     lambda jhk: jhk.RMSNorm(-1, create_scale=False, scale_init=jnp.ones),
 ], ids=range(10))

@@ -33,7 +33,6 @@ autodiff (``grad``, ``vjp``) but not forward-mode ``jvp``.
 from __future__ import annotations
 
 import functools
-import math
 import operator
 from typing import Any
 
@@ -52,6 +51,7 @@ import numpy as np
 import jaxdnn
 from jaxdnn.flax.conv import Conv, ConvTranspose
 from jaxdnn.flax.dense import Dense
+from jaxdnn.norm import over_axes
 
 __all__ = ["BatchNorm", "Conv", "ConvTranspose", "Dense", "GroupNorm", "LayerNorm", "RMSNorm"]
 
@@ -103,25 +103,6 @@ def norm_axes(module: str, reduction_axes: Axes, feature_axes: Axes,
             f"kernels take one scale and bias for all rows; use flax's own "
             f"{module.split('.')[-1]} for params that vary across the normalized rows.")
     return reduction, features
-
-
-def over_axes(kernel, x, *params, reduction: tuple[int, ...], features: tuple[int, ...], **kw):
-    """``kernel`` (a norm over the last axis, params of shape (D,)) run over the axes ``reduction``
-    of ``x``, with params shaped as ``x`` along ``features`` (those of them reduced; Flax's layout).
-
-    The reduced axes go last, a transpose in XLA unless they already are, and are flattened into
-    one axis of D elements (a free reshape); each param is broadcast over the reduced axes that are
-    not features and flattened to (D,); the result goes back to x's layout."""
-    perm = (*(a for a in range(x.ndim) if a not in reduction), *reduction)
-    moved = perm != tuple(range(x.ndim))
-    xt = jnp.transpose(x, perm) if moved else x
-    reduced = xt.shape[x.ndim - len(reduction):]
-    d = math.prod(reduced)
-    param_shape = tuple(n if a in features else 1 for a, n in zip(reduction, reduced))
-    flat = [None if p is None else jnp.broadcast_to(jnp.reshape(p, param_shape), reduced).reshape(d)
-            for p in params]
-    y = kernel(xt.reshape(*xt.shape[:x.ndim - len(reduction)], d), *flat, **kw).reshape(xt.shape)
-    return jnp.transpose(y, np.argsort(perm)) if moved else y
 
 
 def _check_options(

@@ -36,9 +36,10 @@ import jax.numpy as jnp
 
 import jaxdnn
 from jaxdnn.flax.linen import (_channel_axis, _check_batch_norm_options, _check_group_axes, _check_mask,
-                               _check_options, _fit_param, _group_count, norm_axes, over_axes)
+                               _check_options, _fit_param, _group_count, norm_axes)
 from jaxdnn.flax.nnx_conv import Conv
 from jaxdnn.flax.nnx_dense import Linear
+from jaxdnn.norm import over_axes
 
 __all__ = ["BatchNorm", "Conv", "GroupNorm", "LayerNorm", "Linear", "RMSNorm"]
 
