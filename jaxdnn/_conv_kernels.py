@@ -34,7 +34,7 @@ from jaxdnn import _autotune, _ffi  # noqa: F401  (_ffi registers the FFI target
 from jaxdnn import _conv_few_channels as few_channels
 from jaxdnn import _conv_regroup as regroup
 from jaxdnn._primitive import ffi_primitive, move_to_front, transpose_linear
-from jaxdnn.activation import _activation, epilogue_attrs
+from jaxdnn.activation import KINDS, _activation, epilogue_attrs
 from jaxdnn.dense import weight_gradient
 
 
@@ -65,6 +65,15 @@ class Conv:
 
 def _spatial(attrs, prefix):
     return tuple(int(attrs[f"{prefix}_{axis}"]) for axis in "dhw")
+
+
+def _conv_of(attrs) -> Conv:
+    """The Conv whose attrs() a stage's attributes hold."""
+    return Conv(in_spatial=_spatial(attrs, "in"), out_spatial=_spatial(attrs, "out"),
+                window=_spatial(attrs, "window"), strides=_spatial(attrs, "stride"),
+                pads=_spatial(attrs, "pad"), lhs_dilation=_spatial(attrs, "lhs_dilation"),
+                rhs_dilation=_spatial(attrs, "rhs_dilation"), groups=int(attrs["groups"]),
+                tf32=bool(int(attrs["tf32"])))
 
 
 # --- the kernel stages ----------------------------------------------------------------------------
@@ -276,7 +285,9 @@ def _batch_rule(prim, args, dims, *, batch_major, **attrs):
     """Batching of a stage. When only its batch-major operands (indices `batch_major`: x, dy, the
     residual) are vmapped, the vmapped axis joins N. Otherwise each vmapped copy becomes its own set of
     feature groups: the channels, filters, biases and outputs of the B copies side by side, B * G
-    groups (unbatched operands are broadcast first). wgrad (no N in its result) always stacks."""
+    groups (unbatched operands are broadcast first), run by the stage's function (_GROUPED_STAGES), so
+    that on a GPU the grouped rewrite takes them to the tensor cores. wgrad (no N in its result)
+    always stacks."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     shared = all(d is None for i, d in enumerate(dims) if i not in batch_major)
     if batch_major and shared:
@@ -288,8 +299,8 @@ def _batch_rule(prim, args, dims, *, batch_major, **attrs):
         out = prim.bind(*ops, **attrs)[0]
         return [out.reshape((size, -1) + out.shape[1:])], [0]
     ops = [stack_features(move_to_front(a, d, size), size) for a, d in zip(args, dims)]
-    out = prim.bind(*ops, **dict(attrs, groups=np.int64(size * int(attrs["groups"]))))[0]
-    return [_unstack_features(out, size)], [0]
+    conv = dataclasses.replace(_conv_of(attrs), groups=size * int(attrs["groups"]))
+    return [_unstack_features(_GROUPED_STAGES[prim.name](conv, attrs, *ops), size)], [0]
 
 
 def _stage(name, result_avals, rule, batch_major, target=None, **kwargs):
@@ -550,3 +561,19 @@ def _fused_bwd(conv, epilogue, residuals, dy):
 
 
 fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _fused_of(conv, attrs, x, w, bias, residual=None):
+    """fused(...) with the epilogue a fused stage's attributes hold."""
+    kind = next(name for name, value in KINDS.items() if value == int(attrs["activation"]))
+    epilogue = Epilogue(kind, float(attrs["activation_param"]), residual is not None)
+    return fused(x, w, bias, residual, conv, epilogue)
+
+
+# Each stage primitive's function of (conv, attrs, *operands), for _batch_rule.
+_GROUPED_STAGES = {
+    _fprop_stage.name: lambda conv, attrs, x, w: fprop(x, w, conv),
+    _dgrad_stage.name: lambda conv, attrs, dy, w: _dgrad(dy, w, conv),
+    _wgrad_stage.name: lambda conv, attrs, x, dy: _wgrad(x, dy, conv),
+    **{stage.name: _fused_of for stage in _fused_stage.values()},
+}

@@ -377,6 +377,29 @@ def test_vmap(lhs_axis, rhs_axis, rng):
     assert_close(got[1], want[1], 1e-5, "vmap(grad) rhs")
 
 
+@pytest.mark.parametrize("lhs_axis", [None, 0], ids=str)
+def test_vmap_over_filters_takes_the_grouped_rewrite(lhs_axis, rng, blocks_on_cpu):
+    """Per-copy filters become feature groups (one per copy), which on a GPU (and here, the blocks
+    on) run as convolutions of one group, the stages of vmap(grad) and the fused forward's too."""
+    kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)
+    in_axes = (lhs_axis, 0)
+    op = jax.vmap(_op(jaxdnn.conv_general_dilated, kwargs), in_axes)
+    oracle = jax.vmap(_op(lax.conv_general_dilated, kwargs), in_axes)
+    lhs = normal(rng, (2, 6, 5, 16) if lhs_axis is None else (3, 2, 6, 5, 16), jnp.bfloat16)
+    rhs = normal(rng, (3, 3, 3, 16, 8), jnp.bfloat16, scale=0.3)
+    ct = _check_against(op, oracle, lhs, rhs, tolerance(jnp.bfloat16), rng)
+    hlo = jax.jit(lambda x, w, ct: (op(x, w), jax.vjp(op, x, w)[1](ct))).lower(lhs, rhs, ct).as_text()
+    calls = _conv_calls(hlo)
+    assert calls and all("groups = 1 :" in c for c in calls)
+
+    bias = normal(rng, (3, 8), jnp.bfloat16)
+    fused = jax.vmap(lambda x, w, b: jaxdnn.conv(x, w, b, activation="relu"), (lhs_axis, 0, 0))
+    want = jax.nn.relu(oracle(f64(lhs), f64(rhs)) + f64(bias)[:, None, None, None, :])
+    assert_close(jax.jit(fused)(lhs, rhs, bias), want, tolerance(jnp.bfloat16), "fused")
+    calls = _conv_calls(jax.jit(fused).lower(lhs, rhs, bias).as_text())
+    assert calls and all("fprop_fused" in c and "groups = 1 :" in c for c in calls)
+
+
 def test_second_order_runs_on_the_kernels(rng):
     """A gradient penalty (grad of a function of grad) and the third order, against lax."""
     op, oracle = _op(jaxdnn.conv_general_dilated, GROUPED), _op(lax.conv_general_dilated, GROUPED)
