@@ -462,7 +462,7 @@ def conv_cases(quick: bool) -> list[Case]:
     """
     return (_resnet_conv_cases(quick, jnp.bfloat16, 8) + _resnet_conv_cases(quick, jnp.float32, 4)
             + _fused_conv_cases(quick) + _depthwise_conv_cases(quick) + _transpose_conv_cases(quick)
-            + _grouped_conv_cases(quick) + _conv3d_cases(quick))
+            + _grouped_conv_cases(quick) + _vmapped_filter_cases(quick) + _conv3d_cases(quick))
 
 
 def _resnet_conv_cases(quick: bool, dtype, sets: int) -> list[Case]:
@@ -647,6 +647,28 @@ def _grouped_conv_cases(quick: bool) -> list[Case]:
             x_shape, w_shape = (batch, size, size, channels), (window, window, channels // groups, filters)
             cases += _general_conv_cases(label, x_shape, w_shape, kwargs, dtype, quick, sub)
     return cases
+
+
+def _vmapped_filter_cases(quick: bool) -> list[Case]:
+    """An ensemble: 8 copies of a 3x3 layer's filter, `jax.vmap` over them on one shared input (56^2,
+    64 -> 64, N 32, bf16), against the same vmap of lax.conv_general_dilated (a grouped convolution
+    through XLA). Both stack the copies as feature groups; FLOPs as for 8 separate layers."""
+    copies, batch, size, channels = 8, (2 if quick else 32), 56, 64
+    numbers = ("NHWC", "HWIO", "NHWC")
+    one = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=numbers)
+    fn = jax.vmap(functools.partial(jaxdnn.conv_general_dilated, **one), (None, 0))
+    peer_fn = jax.vmap(functools.partial(jax.lax.conv_general_dilated, **one), (None, 0))
+    key, primal_sets, dys = jax.random.key(7), [], []
+    for _ in range(2 if quick else 4):
+        key, kx, kw, kdy = jax.random.split(key, 4)
+        primal_sets.append((_normal(kx, (batch, size, size, channels), jnp.bfloat16),
+                            _normal(kw, (copies, 3, 3, channels, channels), jnp.bfloat16, std=0.1)))
+        dys.append(_normal(kdy, (copies, batch, size, size, channels), jnp.bfloat16))
+    flops = 2 * copies * batch * size * size * channels * channels * 9
+    name = f"vmap over {copies} filters N{batch} {size}x{size} C{channels} K{channels} 3x3/1"
+    return [Case("conv", f"{name} fwd", fn, "xla", peer_fn, primal_sets, flops, "TFLOP/s"),
+            Case("conv", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn),
+                 [(x, w, dy) for (x, w), dy in zip(primal_sets, dys)], 3 * flops, "TFLOP/s")]
 
 
 # 3-D convolutions (label, batch, D, H = W, C, K, window (T, U, V), stride): video (C3D/I3D-like
