@@ -1,4 +1,5 @@
-// CPU convolution: im2col per row of pixels, then a matmul with float32 accumulation.
+// CPU convolution: im2col per row of pixels, then a matmul with float32 accumulation, in tiles of
+// kTileRows x kTileCols held in registers (an AVX2/FMA build of them where the CPU has it).
 //   fprop: for each output row (n, p, q) and group, A [R, taps * Cg] gathers the input pixels the
 //          row reads; y_row [R, Kg] = A @ W_g [taps * Cg, Kg] over the taps that read data (padding
 //          and dilation holes are skipped).
@@ -22,11 +23,11 @@
 namespace jaxdnn {
 namespace {
 
-// The im2col matrix of one row of pixels: `block` values per window tap and pixel, and which taps of
-// each pixel read data. The others (padding, dilation holes, strides that skip a pixel) are left
-// unwritten and skipped by the matmuls, as the CUDA kernels skip them.
+// The im2col matrix of a block of pixels (whole rows): `block` values per window tap and pixel, and
+// which taps of each pixel read data. The others (padding, dilation holes, strides that skip a pixel)
+// hold zeros: a tile of pixels skips a tap only when none of its pixels reads data through it.
 struct TapRows {
-  int64_t rows = 0, taps = 0, block = 0;
+  int64_t rows = 0, taps = 0, block = 0;  // rows: the block's pixels (the gathers set it; storage for the largest)
   std::vector<float> values;   // [rows, taps * block]
   std::vector<uint8_t> valid;  // [rows, taps]
 
@@ -36,40 +37,110 @@ struct TapRows {
   const float* At(int64_t row, int64_t tap) const { return values.data() + (row * taps + tap) * block; }
 };
 
-// out[rows, cols] = A @ b[taps * block, cols] over each row's valid taps; the inner loop runs over
-// contiguous columns of b and out (vectorized), one row of out stays in cache.
-void MatMul(const TapRows& a, const float* b, float* out, int64_t cols) {
-  for (int64_t r = 0; r < a.rows; ++r) {
-    float* out_row = out + r * cols;
-    std::fill(out_row, out_row + cols, 0.0f);
-    for (int64_t tap = 0; tap < a.taps; ++tap) {
-      if (!a.valid[r * a.taps + tap]) continue;
-      const float* a_block = a.At(r, tap);
-      const float* b_block = b + tap * a.block * cols;
-      for (int64_t j = 0; j < a.block; ++j) {
-        const float scale = a_block[j];
-        const float* b_row = b_block + j * cols;
-        for (int64_t c = 0; c < cols; ++c) out_row[c] += scale * b_row[c];
+// The matmuls' tiles: kTileRows rows of the result by kTileCols columns, held in registers (8 AVX2
+// registers) while the reduction runs; every matrix's columns are padded to a multiple of kTileCols.
+constexpr int kTileRows = 4, kTileCols = 16;
+
+int64_t PaddedCols(int64_t cols) { return (cols + kTileCols - 1) / kTileCols * kTileCols; }
+
+// out[rows, cols] = A @ b[taps * block, cols] (cols a multiple of kTileCols), skipping the taps no
+// pixel of a tile reads through. The reduction runs in chunks of taps of about kChunkValues values,
+// so that a chunk of a strip of b's columns stays in L1 across the row tiles (a tile's partial sums
+// go through `out` between chunks). A tile past the last row repeats it (its results are not stored).
+constexpr int64_t kChunkValues = 256;
+
+inline __attribute__((always_inline)) void MatMulTiles(const TapRows& a, const float* b, float* out,
+                                                       int64_t cols) {
+  const int64_t chunk_taps = std::max<int64_t>(1, kChunkValues / std::max<int64_t>(1, a.block));
+  for (int64_t c0 = 0; c0 < cols; c0 += kTileCols) {
+    for (int64_t t0 = 0; t0 == 0 || t0 < a.taps; t0 += chunk_taps) {  // once with no taps: zeros
+      const int64_t t1 = std::min(a.taps, t0 + chunk_taps);
+      for (int64_t r0 = 0; r0 < a.rows; r0 += kTileRows) {
+        const int64_t tile_rows = std::min<int64_t>(kTileRows, a.rows - r0);
+        float acc[kTileRows][kTileCols] = {};
+        if (t0 > 0) {
+          for (int64_t i = 0; i < tile_rows; ++i) std::copy_n(out + (r0 + i) * cols + c0, kTileCols, acc[i]);
+        }
+        for (int64_t tap = t0; tap < t1; ++tap) {
+          bool read = false;
+          const float* rows[kTileRows];
+          for (int i = 0; i < kTileRows; ++i) {
+            const int64_t r = r0 + std::min<int64_t>(i, tile_rows - 1);
+            read = read || a.valid[r * a.taps + tap];
+            rows[i] = a.At(r, tap);
+          }
+          if (!read) continue;
+          const float* b_block = b + tap * a.block * cols + c0;
+          for (int64_t j = 0; j < a.block; ++j) {
+            const float* b_row = b_block + j * cols;
+            for (int i = 0; i < kTileRows; ++i) {
+              const float scale = rows[i][j];
+              for (int c = 0; c < kTileCols; ++c) acc[i][c] += scale * b_row[c];
+            }
+          }
+        }
+        for (int64_t i = 0; i < tile_rows; ++i) std::copy_n(acc[i], kTileCols, out + (r0 + i) * cols + c0);
       }
     }
   }
 }
 
-// acc[taps * block, cols] += A^T @ b[rows, cols] over each row's valid taps.
-void MatMulTransposedAccumulate(const TapRows& a, const float* b, float* acc, int64_t cols) {
-  for (int64_t r = 0; r < a.rows; ++r) {
-    const float* b_row = b + r * cols;
-    for (int64_t tap = 0; tap < a.taps; ++tap) {
-      if (!a.valid[r * a.taps + tap]) continue;
-      const float* a_block = a.At(r, tap);
-      float* acc_block = acc + tap * a.block * cols;
-      for (int64_t j = 0; j < a.block; ++j) {
-        const float scale = a_block[j];
-        float* acc_row = acc_block + j * cols;
-        for (int64_t c = 0; c < cols; ++c) acc_row[c] += scale * b_row[c];
+// acc[taps * block, cols] += A^T @ b[rows, cols] (cols a multiple of kTileCols) over each row's valid
+// taps, a tile of kTileRows values of a tap's block by kTileCols columns at a time (a tile past the
+// block's end repeats its last value; those sums are not stored).
+inline __attribute__((always_inline)) void MatMulTransposedAccumulateTiles(const TapRows& a, const float* b,
+                                                                           float* acc, int64_t cols) {
+  for (int64_t tap = 0; tap < a.taps; ++tap) {
+    for (int64_t j0 = 0; j0 < a.block; j0 += kTileRows) {
+      const int64_t tile_rows = std::min<int64_t>(kTileRows, a.block - j0);
+      for (int64_t c0 = 0; c0 < cols; c0 += kTileCols) {
+        float tile[kTileRows][kTileCols] = {};
+        for (int64_t r = 0; r < a.rows; ++r) {
+          if (!a.valid[r * a.taps + tap]) continue;
+          const float* a_values = a.At(r, tap) + j0;
+          const float* b_row = b + r * cols + c0;
+          for (int i = 0; i < kTileRows; ++i) {
+            const float scale = a_values[std::min<int64_t>(i, tile_rows - 1)];
+            for (int c = 0; c < kTileCols; ++c) tile[i][c] += scale * b_row[c];
+          }
+        }
+        for (int64_t i = 0; i < tile_rows; ++i) {
+          float* acc_row = acc + (tap * a.block + j0 + i) * cols + c0;
+          for (int c = 0; c < kTileCols; ++c) acc_row[c] += tile[i][c];
+        }
       }
     }
   }
+}
+
+// The matmuls for the CPU at hand: built for AVX2 and FMA too on x86-64 (the package's baseline is
+// SSE2), chosen once at run time.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("avx2,fma"))) void MatMulAvx2(const TapRows& a, const float* b, float* out, int64_t cols) {
+  MatMulTiles(a, b, out, cols);
+}
+__attribute__((target("avx2,fma"))) void MatMulTransposedAccumulateAvx2(const TapRows& a, const float* b,
+                                                                         float* acc, int64_t cols) {
+  MatMulTransposedAccumulateTiles(a, b, acc, cols);
+}
+bool HasAvx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+#endif
+
+void MatMul(const TapRows& a, const float* b, float* out, int64_t cols) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (HasAvx2()) return MatMulAvx2(a, b, out, cols);
+#endif
+  MatMulTiles(a, b, out, cols);
+}
+
+void MatMulTransposedAccumulate(const TapRows& a, const float* b, float* acc, int64_t cols) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (HasAvx2()) return MatMulTransposedAccumulateAvx2(a, b, acc, cols);
+#endif
+  MatMulTransposedAccumulateTiles(a, b, acc, cols);
 }
 
 // Calls fn(tap index, tap coordinates) for every window tap in row-major order.
@@ -82,80 +153,120 @@ void ForEachTap(const ConvGeometry& g, Fn&& fn) {
       for (t[2] = 0; t[2] < g.window[2]; ++t[2]) fn(tap++, t);
 }
 
-// Calls fn(n, row coordinates [a0, a1, 0], row offset in pixels) for every row of an
-// [N, sizes[0], sizes[1], sizes[2]] pixel grid.
+// A row of pixels of an [N, sizes[0], sizes[1], sizes[2]] grid: its sample and first two coordinates.
+struct PixelRow {
+  int64_t n, at[3];
+};
+
+// The matmuls take blocks of about kBlockPixels pixels (whole rows), so that each pass over a large
+// filter serves many pixels.
+constexpr int64_t kBlockPixels = 64;
+
+int64_t RowsPerBlock(int64_t width) { return std::max<int64_t>(1, kBlockPixels / std::max<int64_t>(1, width)); }
+
+// Calls fn(rows, first pixel) for blocks of RowsPerBlock consecutive rows of an [N, sizes[0],
+// sizes[1], sizes[2]] pixel grid (their pixels are consecutive too; the last block may have fewer).
 template <typename Fn>
-void ForEachRow(int64_t batch, const int64_t sizes[3], Fn&& fn) {
-  int64_t at[3] = {0, 0, 0};
+void ForEachRowBlock(int64_t batch, const int64_t sizes[3], Fn&& fn) {
+  const int64_t per_block = RowsPerBlock(sizes[2]);
+  std::vector<PixelRow> rows;
+  int64_t first = 0;
   for (int64_t n = 0; n < batch; ++n)
-    for (at[0] = 0; at[0] < sizes[0]; ++at[0])
-      for (at[1] = 0; at[1] < sizes[1]; ++at[1]) fn(n, at, ((n * sizes[0] + at[0]) * sizes[1] + at[1]) * sizes[2]);
+    for (int64_t a0 = 0; a0 < sizes[0]; ++a0)
+      for (int64_t a1 = 0; a1 < sizes[1]; ++a1) {
+        if (rows.empty()) first = ((n * sizes[0] + a0) * sizes[1] + a1) * sizes[2];
+        rows.push_back({n, {a0, a1, 0}});
+        if (int64_t(rows.size()) == per_block) {
+          fn(rows, first);
+          rows.clear();
+        }
+      }
+  if (!rows.empty()) fn(rows, first);
 }
 
-// A [R, taps * Cg]: the input channels of `group` that each pixel of output row (n, o) reads.
+// A [rows * W, taps * Cg]: the input channels of `group` that each pixel of the output rows reads.
 template <typename T>
-void GatherInputRow(const ConvGeometry& g, const T* x, int64_t n, const int64_t row[3], int64_t group, TapRows* a) {
-  const int64_t cg = g.GroupChannels();
-  int64_t o[3] = {row[0], row[1], 0};
-  for (o[2] = 0; o[2] < g.out[2]; ++o[2]) {
-    ForEachTap(g, [&](int64_t tap, const int64_t* t) {
-      const int64_t offset = g.InputOffset(n, o, t);
-      a->valid[o[2] * a->taps + tap] = offset >= 0;
-      if (offset < 0) return;
-      const T* src = x + offset + group * cg;
-      float* dst = a->At(o[2], tap);
-      for (int64_t c = 0; c < cg; ++c) dst[c] = ToFloat(src[c]);
-    });
+void GatherInputRows(const ConvGeometry& g, const T* x, const std::vector<PixelRow>& rows, int64_t group,
+                     TapRows* a) {
+  const int64_t cg = g.GroupChannels(), width = g.out[2];
+  a->rows = int64_t(rows.size()) * width;
+  for (size_t row = 0; row < rows.size(); ++row) {
+    const int64_t n = rows[row].n;
+    int64_t o[3] = {rows[row].at[0], rows[row].at[1], 0};
+    for (o[2] = 0; o[2] < width; ++o[2]) {
+      const int64_t pixel = int64_t(row) * width + o[2];
+      ForEachTap(g, [&](int64_t tap, const int64_t* t) {
+        const int64_t offset = g.InputOffset(n, o, t);
+        a->valid[pixel * a->taps + tap] = offset >= 0;
+        float* dst = a->At(pixel, tap);
+        if (offset < 0) {
+          std::fill_n(dst, cg, 0.0f);
+          return;
+        }
+        const T* src = x + offset + group * cg;
+        for (int64_t c = 0; c < cg; ++c) dst[c] = ToFloat(src[c]);
+      });
+    }
   }
 }
 
-// A [W, taps * Kg]: the dy features of `group` of the output pixel that reads each pixel of input
-// row (n, i) through each tap.
+// A [rows * W, taps * Kg]: the dy features of `group` of the output pixel that reads each pixel of
+// the input rows through each tap.
 template <typename T>
-void GatherGradRow(const ConvGeometry& g, const T* dy, int64_t n, const int64_t row[3], int64_t group, TapRows* a) {
-  const int64_t kg = g.GroupFilters();
-  int64_t i[3] = {row[0], row[1], 0};
-  for (i[2] = 0; i[2] < g.in[2]; ++i[2]) {
-    ForEachTap(g, [&](int64_t tap, const int64_t* t) {
-      const int64_t offset = g.OutputOffset(n, i, t);
-      a->valid[i[2] * a->taps + tap] = offset >= 0;
-      if (offset < 0) return;
-      const T* src = dy + offset + group * kg;
-      float* dst = a->At(i[2], tap);
-      for (int64_t k = 0; k < kg; ++k) dst[k] = ToFloat(src[k]);
-    });
+void GatherGradRows(const ConvGeometry& g, const T* dy, const std::vector<PixelRow>& rows, int64_t group,
+                    TapRows* a) {
+  const int64_t kg = g.GroupFilters(), width = g.in[2];
+  a->rows = int64_t(rows.size()) * width;
+  for (size_t row = 0; row < rows.size(); ++row) {
+    const int64_t n = rows[row].n;
+    int64_t i[3] = {rows[row].at[0], rows[row].at[1], 0};
+    for (i[2] = 0; i[2] < width; ++i[2]) {
+      const int64_t pixel = int64_t(row) * width + i[2];
+      ForEachTap(g, [&](int64_t tap, const int64_t* t) {
+        const int64_t offset = g.OutputOffset(n, i, t);
+        a->valid[pixel * a->taps + tap] = offset >= 0;
+        float* dst = a->At(pixel, tap);
+        if (offset < 0) {
+          std::fill_n(dst, kg, 0.0f);
+          return;
+        }
+        const T* src = dy + offset + group * kg;
+        for (int64_t k = 0; k < kg; ++k) dst[k] = ToFloat(src[k]);
+      });
+    }
   }
 }
 
-// The filter of one group as float: [taps * Cg, Kg] (for fprop and wgrad) or, transposed per tap,
-// [taps * Kg, Cg] (for dgrad).
+// The filter of one group as float: [taps * Cg, Kg] (for fprop) or, transposed per tap, [taps * Kg,
+// Cg] (for dgrad), its columns padded with zeros to PaddedCols.
 template <typename T>
 std::vector<float> GroupFilter(const ConvGeometry& g, const T* w, int64_t group, bool transposed) {
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), taps = g.Taps();
-  std::vector<float> out(taps * cg * kg);
+  const int64_t cols = PaddedCols(transposed ? cg : kg);
+  std::vector<float> out(taps * (transposed ? kg : cg) * cols, 0.0f);
   for (int64_t tap = 0; tap < taps; ++tap)
     for (int64_t c = 0; c < cg; ++c)
       for (int64_t k = 0; k < kg; ++k) {
         const float v = ToFloat(w[(tap * cg + c) * g.filters + group * kg + k]);
-        out[transposed ? (tap * kg + k) * cg + c : (tap * cg + c) * kg + k] = v;
+        out[transposed ? (tap * kg + k) * cols + c : (tap * cg + c) * cols + k] = v;
       }
   return out;
 }
 
 template <typename T>
 void Fprop(const ConvGeometry& g, const T* x, const T* w, const ConvEpilogue<T>& epilogue, T* y) {
-  const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), width = g.out[2];
-  TapRows a(width, g.Taps(), cg);
-  std::vector<float> y_row(width * kg);
+  const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), cols = PaddedCols(kg);
+  TapRows a(RowsPerBlock(g.out[2]) * g.out[2], g.Taps(), cg);
+  std::vector<float> y_rows(a.rows * cols);
   for (int64_t group = 0; group < g.groups; ++group) {
     const std::vector<float> filter = GroupFilter(g, w, group, false);
-    ForEachRow(g.batch, g.out, [&](int64_t n, const int64_t* row, int64_t pixel) {
-      GatherInputRow(g, x, n, row, group, &a);
-      MatMul(a, filter.data(), y_row.data(), kg);
-      for (int64_t r = 0; r < width; ++r) {
+    ForEachRowBlock(g.batch, g.out, [&](const std::vector<PixelRow>& rows, int64_t pixel) {
+      GatherInputRows(g, x, rows, group, &a);
+      MatMul(a, filter.data(), y_rows.data(), cols);
+      for (int64_t r = 0; r < a.rows; ++r) {
         for (int64_t k = group * kg; k < (group + 1) * kg; ++k) {
           const int64_t index = (pixel + r) * g.filters + k;
-          y[index] = FromFloat<T>(epilogue.Apply(y_row[r * kg + k - group * kg], index, k));
+          y[index] = FromFloat<T>(epilogue.Apply(y_rows[r * cols + k - group * kg], index, k));
         }
       }
     });
@@ -164,35 +275,37 @@ void Fprop(const ConvGeometry& g, const T* x, const T* w, const ConvEpilogue<T>&
 
 template <typename T>
 void Dgrad(const ConvGeometry& g, const T* dy, const T* w, T* dx) {
-  const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), width = g.in[2];
-  TapRows a(width, g.Taps(), kg);
-  std::vector<float> dx_row(width * cg);
+  const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), cols = PaddedCols(cg);
+  TapRows a(RowsPerBlock(g.in[2]) * g.in[2], g.Taps(), kg);
+  std::vector<float> dx_rows(a.rows * cols);
   for (int64_t group = 0; group < g.groups; ++group) {
     const std::vector<float> filter = GroupFilter(g, w, group, true);
-    ForEachRow(g.batch, g.in, [&](int64_t n, const int64_t* row, int64_t pixel) {
-      GatherGradRow(g, dy, n, row, group, &a);
-      MatMul(a, filter.data(), dx_row.data(), cg);
-      for (int64_t i = 0; i < width; ++i)
-        for (int64_t c = 0; c < cg; ++c) dx[(pixel + i) * g.channels + group * cg + c] = FromFloat<T>(dx_row[i * cg + c]);
+    ForEachRowBlock(g.batch, g.in, [&](const std::vector<PixelRow>& rows, int64_t pixel) {
+      GatherGradRows(g, dy, rows, group, &a);
+      MatMul(a, filter.data(), dx_rows.data(), cols);
+      for (int64_t i = 0; i < a.rows; ++i)
+        for (int64_t c = 0; c < cg; ++c) {
+          dx[(pixel + i) * g.channels + group * cg + c] = FromFloat<T>(dx_rows[i * cols + c]);
+        }
     });
   }
 }
 
 template <typename T>
 void Wgrad(const ConvGeometry& g, const T* x, const T* dy, T* dw) {
-  const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), width = g.out[2], taps = g.Taps();
-  TapRows a(width, taps, cg);
-  std::vector<float> dy_row(width * kg), acc(taps * cg * kg);
+  const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), taps = g.Taps(), cols = PaddedCols(kg);
+  TapRows a(RowsPerBlock(g.out[2]) * g.out[2], taps, cg);
+  std::vector<float> dy_rows(a.rows * cols, 0.0f), acc(taps * cg * cols);
   for (int64_t group = 0; group < g.groups; ++group) {
     std::fill(acc.begin(), acc.end(), 0.0f);
-    ForEachRow(g.batch, g.out, [&](int64_t n, const int64_t* row, int64_t pixel) {
-      GatherInputRow(g, x, n, row, group, &a);
-      for (int64_t r = 0; r < width; ++r)
-        for (int64_t k = 0; k < kg; ++k) dy_row[r * kg + k] = ToFloat(dy[(pixel + r) * g.filters + group * kg + k]);
-      MatMulTransposedAccumulate(a, dy_row.data(), acc.data(), kg);
+    ForEachRowBlock(g.batch, g.out, [&](const std::vector<PixelRow>& rows, int64_t pixel) {
+      GatherInputRows(g, x, rows, group, &a);
+      for (int64_t r = 0; r < a.rows; ++r)
+        for (int64_t k = 0; k < kg; ++k) dy_rows[r * cols + k] = ToFloat(dy[(pixel + r) * g.filters + group * kg + k]);
+      MatMulTransposedAccumulate(a, dy_rows.data(), acc.data(), cols);
     });
     for (int64_t j = 0; j < taps * cg; ++j)
-      for (int64_t k = 0; k < kg; ++k) dw[j * g.filters + group * kg + k] = FromFloat<T>(acc[j * kg + k]);
+      for (int64_t k = 0; k < kg; ++k) dw[j * g.filters + group * kg + k] = FromFloat<T>(acc[j * cols + k]);
   }
 }
 
