@@ -184,30 +184,36 @@ void ForEachRowBlock(int64_t batch, const int64_t sizes[3], Fn&& fn) {
   if (!rows.empty()) fn(rows, first);
 }
 
+// A [rows * W, taps * block] for rows of W pixels: for each pixel p and tap t, the `block` values of
+// `src` from offset_of(n, p, t) + `first` (zeros where offset_of is negative: no data).
+template <typename T, typename OffsetOf>
+void GatherRows(const ConvGeometry& g, const T* src, const std::vector<PixelRow>& rows, int64_t width,
+                int64_t first, OffsetOf offset_of, TapRows* a) {
+  a->rows = int64_t(rows.size()) * width;
+  for (size_t row = 0; row < rows.size(); ++row) {
+    int64_t p[3] = {rows[row].at[0], rows[row].at[1], 0};
+    for (p[2] = 0; p[2] < width; ++p[2]) {
+      const int64_t pixel = int64_t(row) * width + p[2];
+      ForEachTap(g, [&](int64_t tap, const int64_t* t) {
+        const int64_t offset = offset_of(rows[row].n, p, t);
+        a->valid[pixel * a->taps + tap] = offset >= 0;
+        float* dst = a->At(pixel, tap);
+        if (offset < 0) {
+          std::fill_n(dst, a->block, 0.0f);
+          return;
+        }
+        for (int64_t c = 0; c < a->block; ++c) dst[c] = ToFloat(src[offset + first + c]);
+      });
+    }
+  }
+}
+
 // A [rows * W, taps * Cg]: the input channels of `group` that each pixel of the output rows reads.
 template <typename T>
 void GatherInputRows(const ConvGeometry& g, const T* x, const std::vector<PixelRow>& rows, int64_t group,
                      TapRows* a) {
-  const int64_t cg = g.GroupChannels(), width = g.out[2];
-  a->rows = int64_t(rows.size()) * width;
-  for (size_t row = 0; row < rows.size(); ++row) {
-    const int64_t n = rows[row].n;
-    int64_t o[3] = {rows[row].at[0], rows[row].at[1], 0};
-    for (o[2] = 0; o[2] < width; ++o[2]) {
-      const int64_t pixel = int64_t(row) * width + o[2];
-      ForEachTap(g, [&](int64_t tap, const int64_t* t) {
-        const int64_t offset = g.InputOffset(n, o, t);
-        a->valid[pixel * a->taps + tap] = offset >= 0;
-        float* dst = a->At(pixel, tap);
-        if (offset < 0) {
-          std::fill_n(dst, cg, 0.0f);
-          return;
-        }
-        const T* src = x + offset + group * cg;
-        for (int64_t c = 0; c < cg; ++c) dst[c] = ToFloat(src[c]);
-      });
-    }
-  }
+  GatherRows(g, x, rows, g.out[2], group * g.GroupChannels(),
+             [&](int64_t n, const int64_t* o, const int64_t* t) { return g.InputOffset(n, o, t); }, a);
 }
 
 // A [rows * W, taps * Kg]: the dy features of `group` of the output pixel that reads each pixel of
@@ -215,26 +221,8 @@ void GatherInputRows(const ConvGeometry& g, const T* x, const std::vector<PixelR
 template <typename T>
 void GatherGradRows(const ConvGeometry& g, const T* dy, const std::vector<PixelRow>& rows, int64_t group,
                     TapRows* a) {
-  const int64_t kg = g.GroupFilters(), width = g.in[2];
-  a->rows = int64_t(rows.size()) * width;
-  for (size_t row = 0; row < rows.size(); ++row) {
-    const int64_t n = rows[row].n;
-    int64_t i[3] = {rows[row].at[0], rows[row].at[1], 0};
-    for (i[2] = 0; i[2] < width; ++i[2]) {
-      const int64_t pixel = int64_t(row) * width + i[2];
-      ForEachTap(g, [&](int64_t tap, const int64_t* t) {
-        const int64_t offset = g.OutputOffset(n, i, t);
-        a->valid[pixel * a->taps + tap] = offset >= 0;
-        float* dst = a->At(pixel, tap);
-        if (offset < 0) {
-          std::fill_n(dst, kg, 0.0f);
-          return;
-        }
-        const T* src = dy + offset + group * kg;
-        for (int64_t k = 0; k < kg; ++k) dst[k] = ToFloat(src[k]);
-      });
-    }
-  }
+  GatherRows(g, dy, rows, g.in[2], group * g.GroupFilters(),
+             [&](int64_t n, const int64_t* i, const int64_t* t) { return g.OutputOffset(n, i, t); }, a);
 }
 
 // The filter of one group as float: [taps * Cg, Kg] (for fprop) or, transposed per tap, [taps * Kg,
