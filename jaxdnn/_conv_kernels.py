@@ -34,7 +34,7 @@ from jaxdnn import _autotune, _ffi  # noqa: F401  (_ffi registers the FFI target
 from jaxdnn import _conv_few_channels as few_channels
 from jaxdnn import _conv_regroup as regroup
 from jaxdnn._primitive import ffi_primitive, move_to_front, transpose_linear
-from jaxdnn.activation import KINDS, _activation, epilogue_attrs
+from jaxdnn.activation import KIND_NAMES, _activation, epilogue_attrs
 from jaxdnn.dense import weight_gradient
 
 
@@ -565,8 +565,8 @@ fused.defvjp(_fused_fwd, _fused_bwd)
 
 def _fused_of(conv, attrs, x, w, bias, residual=None):
     """fused(...) with the epilogue a fused stage's attributes hold."""
-    kind = next(name for name, value in KINDS.items() if value == int(attrs["activation"]))
-    epilogue = Epilogue(kind, float(attrs["activation_param"]), residual is not None)
+    epilogue = Epilogue(KIND_NAMES[int(attrs["activation"])], float(attrs["activation_param"]),
+                        residual is not None)
     return fused(x, w, bias, residual, conv, epilogue)
 
 

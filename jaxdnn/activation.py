@@ -27,6 +27,7 @@ _FLOAT_TYPES = [jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
 # name -> the `kind` attribute of the targets (the Activation enum of ffi/common/activation.h).
 KINDS = {"identity": 0, "relu": 1, "relu6": 2, "leaky_relu": 3, "elu": 4, "sigmoid": 5, "tanh": 6,
          "gelu_tanh": 7, "gelu_erf": 8, "silu": 9, "softplus": 10, "hard_tanh": 11}
+KIND_NAMES = {value: name for name, value in KINDS.items()}  # the `kind` attribute -> its name
 
 
 def _like_last_operand(*operands, kind, param):

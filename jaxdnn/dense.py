@@ -27,12 +27,11 @@ import numpy as np
 from jaxdnn import _autotune, _ffi  # noqa: F401  (_ffi registers the FFI targets)
 from jaxdnn._precision import allows_tf32
 from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front, per_row_shard
-from jaxdnn.activation import KINDS, _activation, epilogue, epilogue_attrs
+from jaxdnn.activation import KIND_NAMES, _activation, epilogue, epilogue_attrs
 from jaxdnn.reference.activation import FUNCTIONS
 
 _FLOAT_TYPES = [jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
 _F32 = jnp.float32
-_KIND_NAMES = {value: name for name, value in KINDS.items()}  # the activation attribute -> its kind
 
 
 # --- the kernel as primitives ---------------------------------------------------------------------
@@ -60,7 +59,7 @@ def _batch_rule(prim, args, dims, **attrs):
             z = move_to_front(outs[0], out_dims[0], size)
         # z was rounded to a's dtype by the kernel: the sum and activation round once more.
         z = z.astype(_F32) + move_to_front(bias, bias_dim, size)[:, None, None, :]
-        kind = _KIND_NAMES[int(attrs["activation"])]
+        kind = KIND_NAMES[int(attrs["activation"])]
         return [FUNCTIONS[kind](z, attrs["activation_param"]).astype(a.dtype)], [0]
     if b_dim is None and not int(attrs["trans_a"]):
         a = jnp.moveaxis(a, a_dim, 1)  # [L, B, M, K]

@@ -23,12 +23,11 @@ import numpy as np
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
 from jaxdnn import reference
 from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front, per_row_shard
-from jaxdnn.activation import KINDS, epilogue, epilogue_attrs
+from jaxdnn.activation import KIND_NAMES, epilogue, epilogue_attrs
 from jaxdnn.reference.activation import FUNCTIONS as _ACTIVATIONS
 
 _FLOAT_TYPES = [jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
 _F32 = jnp.float32
-_KINDS = {value: name for name, value in KINDS.items()}  # the kernels' `activation` -> its name
 
 
 def _num_chunks(batch, spatial, channels) -> int:
@@ -86,7 +85,7 @@ def _fwd_batch_rule(prim, args, dims, **attrs):
         g, c = attrs["num_groups"], x.shape[-1]
         mean, rstd = (a.reshape(size, -1, g) for a in (mean, rstd))
         pre = (x.astype(_F32) - _per_channel(mean, g, c)) * _per_channel(rstd, g, c) * scale + bias
-        y = _ACTIVATIONS[_KINDS[int(attrs["activation"])]](pre, attrs["activation_param"])
+        y = _ACTIVATIONS[KIND_NAMES[int(attrs["activation"])]](pre, attrs["activation_param"])
         return [y.astype(x.dtype), mean, rstd], [0, 0, 0]
     return [y.reshape(x.shape), mean.reshape(size, -1, mean.shape[-1]),
             rstd.reshape(size, -1, rstd.shape[-1])], [0, 0, 0]
@@ -98,7 +97,7 @@ def _bwd_batch_rule(prim, args, dims, *, num_groups, activation, activation_para
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     dy, x, mean, rstd = (move_to_front(args[i], dims[i], size) for i in (0, 1, 4, 5))
     scale, bias = args[2], args[3]
-    kind = _KINDS[int(activation)]
+    kind = KIND_NAMES[int(activation)]
     if dims[2] is not None or dims[3] is not None:
         bwd = functools.partial(reference.group_norm_bwd, num_groups=num_groups, activation=kind,
                                 activation_param=float(activation_param))

@@ -22,12 +22,11 @@ import numpy as np
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
 from jaxdnn import reference
 from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front, per_row_shard
-from jaxdnn.activation import KINDS, epilogue, epilogue_attrs
+from jaxdnn.activation import KIND_NAMES, epilogue, epilogue_attrs
 from jaxdnn.reference.activation import FUNCTIONS
 
 _FLOAT_TYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _F32 = jnp.float32
-_KIND_NAMES = {value: name for name, value in KINDS.items()}  # the activation attribute -> its kind
 
 
 def _num_partials(rows, features: int, sums: int) -> int:
@@ -76,7 +75,7 @@ def _fwd_batch_rule(prim, args, dims, *, rms, **attrs):
     if bias is not None:
         y = y + bias
     if not rms:
-        y = FUNCTIONS[_KIND_NAMES[int(attrs["activation"])]](y, attrs["activation_param"])
+        y = FUNCTIONS[KIND_NAMES[int(attrs["activation"])]](y, attrs["activation_param"])
     return [y.astype(x.dtype), *stats[1:]], [0] * len(stats)
 
 
@@ -89,7 +88,7 @@ def _bwd_batch_rule(prim, args, dims, *, rms, **attrs):
                      if not 2 <= i < 2 + params]
     scale, bias = args[2], (None if rms else args[3])
     mean, rstd = (None, stats[0]) if rms else stats
-    kind = "identity" if rms else _KIND_NAMES[int(attrs["activation"])]
+    kind = "identity" if rms else KIND_NAMES[int(attrs["activation"])]
     param = 0.0 if rms else float(attrs["activation_param"])
     if any(d is not None for d in dims[2:2 + params]):
         scale = move_to_front(scale, dims[2], size)

@@ -1,12 +1,12 @@
-// CPU convolution: im2col per row of pixels, then a matmul with float32 accumulation, in tiles of
-// kTileRows x kTileCols held in registers (an AVX2/FMA build of them where the CPU has it).
-//   fprop: for each output row (n, p, q) and group, A [R, taps * Cg] gathers the input pixels the
-//          row reads; y_row [R, Kg] = A @ W_g [taps * Cg, Kg] over the taps that read data (padding
-//          and dilation holes are skipped).
-//   dgrad: for each input row (n, d, h) and group, A [W, taps * Kg] gathers the dy pixels that read
-//          each input pixel (none for most taps of a strided convolution: skipped);
-//          dx_row [W, Cg] = A @ W_g^T [taps * Kg, Cg].
-//   wgrad: dW_g [taps * Cg, Kg] = sum over output rows of A^T @ dy_row, A as in fprop.
+// CPU convolution: im2col per block of pixel rows, then a matmul with float32 accumulation, in tiles
+// of kTileRows x kTileCols held in registers (an AVX2/FMA build of them where the CPU has it).
+//   fprop: for each block of output rows and group, A [pixels, taps * Cg] gathers the input pixels
+//          they read; y [pixels, Kg] = A @ W_g [taps * Cg, Kg] over the taps that read data (padding
+//          and dilation holes are zeros, skipped where a whole tile has them).
+//   dgrad: for each block of input rows and group, A [pixels, taps * Kg] gathers the dy pixels that
+//          read each input pixel (none for most taps of a strided convolution);
+//          dx [pixels, Cg] = A @ W_g^T [taps * Kg, Cg].
+//   wgrad: dW_g [taps * Cg, Kg] = sum over blocks of output rows of A^T @ dy, A as in fprop.
 // The gathers use conv_geometry.h's index maps and the forward conv_epilogue.h's epilogue, the CUDA
 // kernels' own.
 #include <algorithm>
@@ -27,7 +27,8 @@ namespace {
 // which taps of each pixel read data. The others (padding, dilation holes, strides that skip a pixel)
 // hold zeros: a tile of pixels skips a tap only when none of its pixels reads data through it.
 struct TapRows {
-  int64_t rows = 0, taps = 0, block = 0;  // rows: the block's pixels (the gathers set it; storage for the largest)
+  // rows: the block's pixels (the gathers set it; the storage holds the largest block)
+  int64_t rows = 0, taps = 0, block = 0;
   std::vector<float> values;   // [rows, taps * block]
   std::vector<uint8_t> valid;  // [rows, taps]
 

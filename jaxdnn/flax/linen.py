@@ -116,8 +116,9 @@ def _check_options(
     force_float32_reductions: bool = True,
 ) -> None:
     """Raises a ValueError naming each option jaxdnn's kernels cannot serve (the axes: see
-    ``norm_axes``; with ``ndim=None`` only their form, the rest once the input's rank is known)."""
-    norm_axes(module, reduction_axes, feature_axes, ndim)
+    ``norm_axes``; with ``ndim=None`` only their form, the rest once the input's rank is known).
+    Returns ``norm_axes``'s canonical axes (None with ``ndim=None``)."""
+    axes = norm_axes(module, reduction_axes, feature_axes, ndim)
     if axis_name is not None or axis_index_groups is not None:
         raise ValueError(
             f"jaxdnn {module}: axis_name/axis_index_groups (statistics pooled across "
@@ -128,6 +129,7 @@ def _check_options(
         raise ValueError(
             f"jaxdnn {module}: force_float32_reductions=False is not supported: "
             "jaxdnn's kernels always compute statistics in float32.")
+    return axes
 
 
 def _check_mask(module: str, mask: Any) -> None:
@@ -267,7 +269,7 @@ class LayerNorm(nn.Module):
         """Normalizes ``x`` of shape ``(..., D)`` over ``D``; returns the same shape."""
         x = jnp.asarray(x)
         _check_mask("flax.linen.LayerNorm", mask)
-        _check_options(
+        axes = _check_options(
             "flax.linen.LayerNorm", ndim=x.ndim,
             reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
             axis_name=self.axis_name, axis_index_groups=self.axis_index_groups,
@@ -275,8 +277,7 @@ class LayerNorm(nn.Module):
         if x.ndim == 0:
             raise ValueError("jaxdnn flax.linen.LayerNorm: x must have at least one "
                              "axis (the feature axis D), got a scalar.")
-        reduction, feature_axes = norm_axes("flax.linen.LayerNorm", self.reduction_axes, self.feature_axes,
-                                            x.ndim)
+        reduction, feature_axes = axes
         features = tuple(x.shape[a] for a in feature_axes)
         scale = (self.param("scale", self.scale_init, features, self.param_dtype)
                  if self.use_scale else None)
@@ -326,7 +327,7 @@ class RMSNorm(nn.Module):
         """Normalizes ``x`` of shape ``(..., D)`` over ``D``; returns the same shape."""
         x = jnp.asarray(x)
         _check_mask("flax.linen.RMSNorm", mask)
-        _check_options(
+        axes = _check_options(
             "flax.linen.RMSNorm", ndim=x.ndim,
             reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
             axis_name=self.axis_name, axis_index_groups=self.axis_index_groups,
@@ -334,8 +335,7 @@ class RMSNorm(nn.Module):
         if x.ndim == 0:
             raise ValueError("jaxdnn flax.linen.RMSNorm: x must have at least one "
                              "axis (the feature axis D), got a scalar.")
-        reduction, feature_axes = norm_axes("flax.linen.RMSNorm", self.reduction_axes, self.feature_axes,
-                                            x.ndim)
+        reduction, feature_axes = axes
         features = tuple(x.shape[a] for a in feature_axes)
         scale = (self.param("scale", self.scale_init, features, self.param_dtype)
                  if self.use_scale else None)
