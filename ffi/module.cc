@@ -4,6 +4,7 @@
 #include "activation/activation.h"
 #include "attention/attention.h"
 #include "batch_norm/batch_norm.h"
+#include "common/cpu_isa.h"
 #include "conv/conv.h"
 #include "dense/dense.h"
 #include "group_norm/group_norm.h"
@@ -89,4 +90,6 @@ NB_MODULE(_jaxdnn, m) {
     return false;
 #endif
   }, "Whether the CUDA kernels were compiled into this build.");
+  m.def("cpu_isa", []() { return jaxdnn::CpuIsaName(jaxdnn::ActiveCpuIsa()); },
+        "The vector instructions of the CPU kernels' matmuls in this process: avx512, avx2 or baseline.");
 }

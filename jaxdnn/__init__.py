@@ -1,7 +1,7 @@
 """jaxdnn: fast fused deep-learning primitives for JAX (CUDA kernels through the XLA FFI)."""
 
 from jaxdnn import config
-from jaxdnn._ffi import has_cuda_kernels, target_names
+from jaxdnn._ffi import cpu_isa, has_cuda_kernels, target_names
 from jaxdnn._export import export_safety_checks
 from jaxdnn.activation import (elu, gelu, hard_tanh, leaky_relu, relu, relu6, sigmoid, silu, softplus,
                                tanh)
@@ -23,6 +23,7 @@ __all__ = [
     "config",
     "conv",
     "conv_general_dilated",
+    "cpu_isa",
     "conv_transpose",
     "dense",
     "dot_product_attention",

@@ -20,6 +20,13 @@ def has_cuda_kernels() -> bool:
     return _jaxdnn.has_cuda_kernels()
 
 
+def cpu_isa() -> str:
+    """The vector instructions of the CPU convolution's matmuls in this process: "avx512", "avx2" or
+    "baseline" (SSE2 on x86-64), the widest the CPU has, capped by the environment variable
+    JAXDNN_CPU_ISA (one of those names), read once."""
+    return _jaxdnn.cpu_isa()
+
+
 def target_names() -> tuple[str, ...]:
     """The versioned names of every FFI target jaxdnn registers (the ABI of exported programs)."""
     return tuple(sorted(_TARGETS))

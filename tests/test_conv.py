@@ -5,7 +5,11 @@ transforms, second order, sharding, export, errors, and the custom calls in the 
 
 import contextlib
 import functools
+import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -813,3 +817,56 @@ X4, W4 = jnp.ones((2, 6, 6, 4), jnp.float32), jnp.ones((3, 3, 4, 8), jnp.float32
 def test_conv_bad_input(args, kwargs, error, message):
     with pytest.raises(error, match=message):
         jaxdnn.conv(*args, **kwargs)
+
+
+# The CPU kernel's matmuls in each build the CPU can run (JAXDNN_CPU_ISA caps the choice, which is made
+# once per process): a child process per cap, on the CPU, computes the forward and both gradients of
+# convolutions whose tiles have partial rows and padded columns, taps in several chunks, invalid
+# taps, strides, dilation, groups and more than one wgrad slice, and reports the relative errors
+# against lax in float64.
+_ISA_CHILD = """
+import json, jax, jax.numpy as jnp, numpy as np
+from jax import lax
+import jaxdnn
+jax.config.update("jax_enable_x64", True)
+DIMS = ("NHWC", "HWIO", "NHWC")
+cases = [  # x shape, w shape, strides, padding, dilation, groups
+    ((2, 9, 11, 24), (3, 3, 24, 20), (1, 1), "SAME", (1, 1), 1),
+    ((2, 9, 11, 24), (3, 3, 12, 20), (2, 2), "SAME", (1, 1), 2),
+    ((1, 10, 7, 8), (3, 2, 8, 36), (1, 1), ((2, 1), (0, 3)), (2, 3), 1),
+    ((1, 5, 5, 300), (3, 3, 300, 8), (1, 1), "VALID", (1, 1), 1),
+]
+errors = []
+for i, (xs, ws, strides, padding, dilation, groups) in enumerate(cases):
+    kx, kw, kc = jax.random.split(jax.random.key(i), 3)
+    x = jax.random.normal(kx, xs, jnp.float32)
+    w = jax.random.normal(kw, ws, jnp.float32)
+    def conv(lib, x, w):
+        return lib.conv_general_dilated(x, w, strides, padding, rhs_dilation=dilation,
+                                        feature_group_count=groups, dimension_numbers=DIMS)
+    y, pullback = jax.vjp(jax.jit(lambda x, w: conv(jaxdnn, x, w)), x, w)
+    ct = jax.random.normal(kc, y.shape, jnp.float32)
+    want, want_pullback = jax.vjp(lambda x, w: conv(lax, x, w), x.astype(jnp.float64), w.astype(jnp.float64))
+    for got, ref in zip((y, *pullback(ct)), (want, *want_pullback(ct.astype(jnp.float64)))):
+        got, ref = np.asarray(got, np.float64), np.asarray(ref)
+        errors.append(float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
+print(json.dumps({"isa": jaxdnn.cpu_isa(), "errors": errors}))
+"""
+_ISA_ORDER = ("baseline", "avx2", "avx512")
+
+
+@pytest.mark.parametrize("cap", _ISA_ORDER)
+def test_cpu_kernel_builds(cap):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXDNN_CPU_ISA=cap)
+    # -P: the installed jaxdnn, not the sources in the working directory
+    child = subprocess.run([sys.executable, "-P", "-c", _ISA_CHILD], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    this_process = os.environ.get("JAXDNN_CPU_ISA") is None and jaxdnn.cpu_isa()
+    if this_process:  # the child takes the cap, or the widest this CPU has when that is narrower
+        assert report["isa"] == min(cap, this_process, key=_ISA_ORDER.index)
+    assert len(report["errors"]) == 12
+    forward, grads = report["errors"][0::3], report["errors"][1::3] + report["errors"][2::3]
+    assert max(forward) < tolerance(jnp.float32), report
+    assert max(grads) < tolerance(jnp.float32, grad=True), report

@@ -1,5 +1,5 @@
 // CPU convolution: im2col per block of pixel rows, then a matmul with float32 accumulation, in tiles
-// of kTileRows x kTileCols held in registers (an AVX2/FMA build of them where the CPU has it).
+// of kRows x kTileCols held in registers (an AVX2/FMA build of them where the CPU has it).
 //   fprop: for each block of output rows and group, A [pixels, taps * Cg] gathers the input pixels
 //          they read; y [pixels, Kg] = A @ W_g [taps * Cg, Kg] over the taps that read data (padding
 //          and dilation holes are zeros, skipped where a whole tile has them).
@@ -11,10 +11,13 @@
 // kernels' own.
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
+#include "common/cpu_isa.h"
 #include "common/half_cpu.h"
+#include "common/parallel_cpu.h"
 #include "conv/conv.h"
 #include "conv/conv_common.h"
 #include "conv/conv_epilogue.h"
@@ -38,11 +41,23 @@ struct TapRows {
   const float* At(int64_t row, int64_t tap) const { return values.data() + (row * taps + tap) * block; }
 };
 
-// The matmuls' tiles: kTileRows rows of the result by kTileCols columns, held in registers (8 AVX2
-// registers) while the reduction runs; every matrix's columns are padded to a multiple of kTileCols.
-constexpr int kTileRows = 4, kTileCols = 16;
+// The matmuls' tiles: kRows rows of the result by kTileCols columns, held in registers while the
+// reduction runs (4 rows in 8 AVX2 registers, or 8 rows in 8 AVX-512 ones: 8 independent sums hide
+// the FMA's latency); every matrix's columns are padded to a multiple of kTileCols. A tile row is a
+// vector of the GCC/Clang extension, which the compiler keeps in registers (as plain float arrays,
+// the AVX-512 build kept the sums in memory) and splits into what the target has.
+constexpr int kTileCols = 16;
+using TileRow = float __attribute__((vector_size(kTileCols * sizeof(float))));
 
 int64_t PaddedCols(int64_t cols) { return (cols + kTileCols - 1) / kTileCols * kTileCols; }
+
+// Unaligned loads and stores of a tile row (the buffers are std::vector's, 16-byte aligned).
+inline __attribute__((always_inline)) void LoadRow(const float* src, TileRow* row) {
+  __builtin_memcpy(row, src, sizeof(TileRow));
+}
+inline __attribute__((always_inline)) void StoreRow(const TileRow& row, float* dst) {
+  __builtin_memcpy(dst, &row, sizeof(TileRow));
+}
 
 // out[rows, cols] = A @ b[taps * block, cols] (cols a multiple of kTileCols), skipping the taps no
 // pixel of a tile reads through. The reduction runs in chunks of taps of about kChunkValues values,
@@ -50,22 +65,23 @@ int64_t PaddedCols(int64_t cols) { return (cols + kTileCols - 1) / kTileCols * k
 // go through `out` between chunks). A tile past the last row repeats it (its results are not stored).
 constexpr int64_t kChunkValues = 256;
 
+template <int kRows>
 inline __attribute__((always_inline)) void MatMulTiles(const TapRows& a, const float* b, float* out,
                                                        int64_t cols) {
   const int64_t chunk_taps = std::max<int64_t>(1, kChunkValues / std::max<int64_t>(1, a.block));
   for (int64_t c0 = 0; c0 < cols; c0 += kTileCols) {
     for (int64_t t0 = 0; t0 == 0 || t0 < a.taps; t0 += chunk_taps) {  // once with no taps: zeros
       const int64_t t1 = std::min(a.taps, t0 + chunk_taps);
-      for (int64_t r0 = 0; r0 < a.rows; r0 += kTileRows) {
-        const int64_t tile_rows = std::min<int64_t>(kTileRows, a.rows - r0);
-        float acc[kTileRows][kTileCols] = {};
+      for (int64_t r0 = 0; r0 < a.rows; r0 += kRows) {
+        const int64_t tile_rows = std::min<int64_t>(kRows, a.rows - r0);
+        TileRow acc[kRows] = {};
         if (t0 > 0) {
-          for (int64_t i = 0; i < tile_rows; ++i) std::copy_n(out + (r0 + i) * cols + c0, kTileCols, acc[i]);
+          for (int64_t i = 0; i < tile_rows; ++i) LoadRow(out + (r0 + i) * cols + c0, &acc[i]);
         }
         for (int64_t tap = t0; tap < t1; ++tap) {
           bool read = false;
-          const float* rows[kTileRows];
-          for (int i = 0; i < kTileRows; ++i) {
+          const float* rows[kRows];
+          for (int i = 0; i < kRows; ++i) {
             const int64_t r = r0 + std::min<int64_t>(i, tile_rows - 1);
             read = read || a.valid[r * a.taps + tap];
             rows[i] = a.At(r, tap);
@@ -73,75 +89,81 @@ inline __attribute__((always_inline)) void MatMulTiles(const TapRows& a, const f
           if (!read) continue;
           const float* b_block = b + tap * a.block * cols + c0;
           for (int64_t j = 0; j < a.block; ++j) {
-            const float* b_row = b_block + j * cols;
-            for (int i = 0; i < kTileRows; ++i) {
-              const float scale = rows[i][j];
-              for (int c = 0; c < kTileCols; ++c) acc[i][c] += scale * b_row[c];
-            }
+            TileRow b_row;
+            LoadRow(b_block + j * cols, &b_row);
+#pragma GCC unroll 8
+            for (int i = 0; i < kRows; ++i) acc[i] += rows[i][j] * b_row;
           }
         }
-        for (int64_t i = 0; i < tile_rows; ++i) std::copy_n(acc[i], kTileCols, out + (r0 + i) * cols + c0);
+        for (int64_t i = 0; i < tile_rows; ++i) StoreRow(acc[i], out + (r0 + i) * cols + c0);
       }
     }
   }
 }
 
 // acc[taps * block, cols] += A^T @ b[rows, cols] (cols a multiple of kTileCols) over each row's valid
-// taps, a tile of kTileRows values of a tap's block by kTileCols columns at a time (a tile past the
+// taps, a tile of kRows values of a tap's block by kTileCols columns at a time (a tile past the
 // block's end repeats its last value; those sums are not stored).
+template <int kRows>
 inline __attribute__((always_inline)) void MatMulTransposedAccumulateTiles(const TapRows& a, const float* b,
                                                                            float* acc, int64_t cols) {
   for (int64_t tap = 0; tap < a.taps; ++tap) {
-    for (int64_t j0 = 0; j0 < a.block; j0 += kTileRows) {
-      const int64_t tile_rows = std::min<int64_t>(kTileRows, a.block - j0);
+    for (int64_t j0 = 0; j0 < a.block; j0 += kRows) {
+      const int64_t tile_rows = std::min<int64_t>(kRows, a.block - j0);
       for (int64_t c0 = 0; c0 < cols; c0 += kTileCols) {
-        float tile[kTileRows][kTileCols] = {};
+        TileRow tile[kRows] = {};
         for (int64_t r = 0; r < a.rows; ++r) {
           if (!a.valid[r * a.taps + tap]) continue;
           const float* a_values = a.At(r, tap) + j0;
-          const float* b_row = b + r * cols + c0;
-          for (int i = 0; i < kTileRows; ++i) {
-            const float scale = a_values[std::min<int64_t>(i, tile_rows - 1)];
-            for (int c = 0; c < kTileCols; ++c) tile[i][c] += scale * b_row[c];
-          }
+          TileRow b_row;
+          LoadRow(b + r * cols + c0, &b_row);
+#pragma GCC unroll 8
+          for (int i = 0; i < kRows; ++i) tile[i] += a_values[std::min<int64_t>(i, tile_rows - 1)] * b_row;
         }
         for (int64_t i = 0; i < tile_rows; ++i) {
           float* acc_row = acc + (tap * a.block + j0 + i) * cols + c0;
-          for (int c = 0; c < kTileCols; ++c) acc_row[c] += tile[i][c];
+          TileRow sum;
+          LoadRow(acc_row, &sum);
+          StoreRow(sum + tile[i], acc_row);
         }
       }
     }
   }
 }
 
-// The matmuls for the CPU at hand: built for AVX2 and FMA too on x86-64 (the package's baseline is
-// SSE2), chosen once at run time.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The matmuls for the CPU at hand (cpu_isa.h): built for AVX-512 and for AVX2 with FMA too on
+// x86-64 (the package's baseline is SSE2).
+#ifdef JAXDNN_CPU_ISA_VARIANTS
+__attribute__((target("avx512f"))) void MatMulAvx512(const TapRows& a, const float* b, float* out, int64_t cols) {
+  MatMulTiles<8>(a, b, out, cols);
+}
+__attribute__((target("avx512f"))) void MatMulTransposedAccumulateAvx512(const TapRows& a, const float* b,
+                                                                          float* acc, int64_t cols) {
+  MatMulTransposedAccumulateTiles<8>(a, b, acc, cols);
+}
 __attribute__((target("avx2,fma"))) void MatMulAvx2(const TapRows& a, const float* b, float* out, int64_t cols) {
-  MatMulTiles(a, b, out, cols);
+  MatMulTiles<4>(a, b, out, cols);
 }
 __attribute__((target("avx2,fma"))) void MatMulTransposedAccumulateAvx2(const TapRows& a, const float* b,
                                                                          float* acc, int64_t cols) {
-  MatMulTransposedAccumulateTiles(a, b, acc, cols);
-}
-bool HasAvx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
+  MatMulTransposedAccumulateTiles<4>(a, b, acc, cols);
 }
 #endif
 
 void MatMul(const TapRows& a, const float* b, float* out, int64_t cols) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (HasAvx2()) return MatMulAvx2(a, b, out, cols);
+#ifdef JAXDNN_CPU_ISA_VARIANTS
+  if (ActiveCpuIsa() == CpuIsa::kAvx512) return MatMulAvx512(a, b, out, cols);
+  if (ActiveCpuIsa() == CpuIsa::kAvx2) return MatMulAvx2(a, b, out, cols);
 #endif
-  MatMulTiles(a, b, out, cols);
+  MatMulTiles<4>(a, b, out, cols);
 }
 
 void MatMulTransposedAccumulate(const TapRows& a, const float* b, float* acc, int64_t cols) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (HasAvx2()) return MatMulTransposedAccumulateAvx2(a, b, acc, cols);
+#ifdef JAXDNN_CPU_ISA_VARIANTS
+  if (ActiveCpuIsa() == CpuIsa::kAvx512) return MatMulTransposedAccumulateAvx512(a, b, acc, cols);
+  if (ActiveCpuIsa() == CpuIsa::kAvx2) return MatMulTransposedAccumulateAvx2(a, b, acc, cols);
 #endif
-  MatMulTransposedAccumulateTiles(a, b, acc, cols);
+  MatMulTransposedAccumulateTiles<4>(a, b, acc, cols);
 }
 
 // Calls fn(tap index, tap coordinates) for every window tap in row-major order.
@@ -163,26 +185,42 @@ struct PixelRow {
 // filter serves many pixels.
 constexpr int64_t kBlockPixels = 64;
 
-int64_t RowsPerBlock(int64_t width) { return std::max<int64_t>(1, kBlockPixels / std::max<int64_t>(1, width)); }
+// An [N, sizes[0], sizes[1], sizes[2]] pixel grid in blocks of `per_block` consecutive rows of
+// `width` pixels (the pixels of a block are consecutive too; the last block may have fewer rows).
+struct RowBlocks {
+  int64_t sizes[2], width, per_block, rows, count;
 
-// Calls fn(rows, first pixel) for blocks of RowsPerBlock consecutive rows of an [N, sizes[0],
-// sizes[1], sizes[2]] pixel grid (their pixels are consecutive too; the last block may have fewer).
+  RowBlocks(int64_t batch, const int64_t grid[3])
+      : sizes{grid[0], grid[1]},
+        width(grid[2]),
+        per_block(std::max<int64_t>(1, kBlockPixels / std::max<int64_t>(1, grid[2]))),
+        rows(batch * grid[0] * grid[1]),
+        count((rows + per_block - 1) / per_block) {}
+  int64_t MaxPixels() const { return per_block * width; }
+  // Block b's rows into *out; returns its first pixel.
+  int64_t Get(int64_t b, std::vector<PixelRow>* out) const {
+    out->clear();
+    for (int64_t r = b * per_block; r < std::min(rows, (b + 1) * per_block); ++r) {
+      out->push_back({r / (sizes[0] * sizes[1]), {r / sizes[1] % sizes[0], r % sizes[1], 0}});
+    }
+    return b * per_block * width;
+  }
+};
+
+// Runs fn(group, first block, end block) over spans of `blocks` blocks of every group on XLA's
+// intra-op threads: about four spans a thread, for balance, of at most kSpanBlocks blocks (each
+// span sets up its own buffers). A span writes only its own pixels, so the split changes no result.
+constexpr int64_t kSpanBlocks = 8;
+
 template <typename Fn>
-void ForEachRowBlock(int64_t batch, const int64_t sizes[3], Fn&& fn) {
-  const int64_t per_block = RowsPerBlock(sizes[2]);
-  std::vector<PixelRow> rows;
-  int64_t first = 0;
-  for (int64_t n = 0; n < batch; ++n)
-    for (int64_t a0 = 0; a0 < sizes[0]; ++a0)
-      for (int64_t a1 = 0; a1 < sizes[1]; ++a1) {
-        if (rows.empty()) first = ((n * sizes[0] + a0) * sizes[1] + a1) * sizes[2];
-        rows.push_back({n, {a0, a1, 0}});
-        if (int64_t(rows.size()) == per_block) {
-          fn(rows, first);
-          rows.clear();
-        }
-      }
-  if (!rows.empty()) fn(rows, first);
+void ForEachSpan(ffi::ThreadPool& pool, int64_t groups, int64_t blocks, const Fn& fn) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_span = std::clamp<int64_t>(groups * blocks / (4 * threads), 1, kSpanBlocks);
+  const int64_t spans = (blocks + per_span - 1) / per_span;
+  ParallelFor(pool, groups * spans, [&](int64_t i) {
+    const int64_t group = i / spans, first = i % spans * per_span;
+    fn(group, first, std::min(blocks, first + per_span));
+  });
 }
 
 // A [rows * W, taps * block] for rows of W pixels: for each pixel p and tap t, the `block` values of
@@ -226,79 +264,115 @@ void GatherGradRows(const ConvGeometry& g, const T* dy, const std::vector<PixelR
              [&](int64_t n, const int64_t* i, const int64_t* t) { return g.OutputOffset(n, i, t); }, a);
 }
 
-// The filter of one group as float: [taps * Cg, Kg] (for fprop) or, transposed per tap, [taps * Kg,
-// Cg] (for dgrad), its columns padded with zeros to PaddedCols.
+// Every group's filter as float: [taps * Cg, Kg] (for fprop) or, transposed per tap, [taps * Kg, Cg]
+// (for dgrad), its columns padded with zeros to PaddedCols; a tap of a group an item on XLA's
+// intra-op threads. The transpose goes kTileCols channels at a time, so that both sides stream.
 template <typename T>
-std::vector<float> GroupFilter(const ConvGeometry& g, const T* w, int64_t group, bool transposed) {
+std::vector<std::vector<float>> GroupFilters(ffi::ThreadPool& pool, const ConvGeometry& g, const T* w,
+                                             bool transposed) {
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), taps = g.Taps();
-  const int64_t cols = PaddedCols(transposed ? cg : kg);
-  std::vector<float> out(taps * (transposed ? kg : cg) * cols, 0.0f);
-  for (int64_t tap = 0; tap < taps; ++tap)
-    for (int64_t c = 0; c < cg; ++c)
-      for (int64_t k = 0; k < kg; ++k) {
-        const float v = ToFloat(w[(tap * cg + c) * g.filters + group * kg + k]);
-        out[transposed ? (tap * kg + k) * cols + c : (tap * cg + c) * cols + k] = v;
-      }
-  return out;
+  const int64_t cols = PaddedCols(transposed ? cg : kg), rows = transposed ? kg : cg;
+  std::vector<std::vector<float>> filters(g.groups, std::vector<float>(taps * rows * cols, 0.0f));
+  ParallelFor(pool, g.groups * taps, [&](int64_t item) {
+    const int64_t group = item / taps, tap = item % taps;
+    const T* src = w + tap * cg * g.filters + group * kg;  // [Cg, K] with stride K, this group's Kg columns
+    float* dst = filters[group].data() + tap * rows * cols;
+    if (!transposed) {
+      for (int64_t c = 0; c < cg; ++c)
+        for (int64_t k = 0; k < kg; ++k) dst[c * cols + k] = ToFloat(src[c * g.filters + k]);
+      return;
+    }
+    for (int64_t c0 = 0; c0 < cg; c0 += kTileCols)
+      for (int64_t k = 0; k < kg; ++k)
+        for (int64_t c = c0; c < std::min(cg, c0 + kTileCols); ++c) dst[k * cols + c] = ToFloat(src[c * g.filters + k]);
+  });
+  return filters;
 }
 
 template <typename T>
-void Fprop(const ConvGeometry& g, const T* x, const T* w, const ConvEpilogue<T>& epilogue, T* y) {
+void Fprop(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* w, const ConvEpilogue<T>& epilogue,
+           T* y) {
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), cols = PaddedCols(kg);
-  TapRows a(RowsPerBlock(g.out[2]) * g.out[2], g.Taps(), cg);
-  std::vector<float> y_rows(a.rows * cols);
-  for (int64_t group = 0; group < g.groups; ++group) {
-    const std::vector<float> filter = GroupFilter(g, w, group, false);
-    ForEachRowBlock(g.batch, g.out, [&](const std::vector<PixelRow>& rows, int64_t pixel) {
+  const RowBlocks blocks(g.batch, g.out);
+  const std::vector<std::vector<float>> filters = GroupFilters(pool, g, w, false);
+  ForEachSpan(pool, g.groups, blocks.count, [&](int64_t group, int64_t first, int64_t end) {
+    TapRows a(blocks.MaxPixels(), g.Taps(), cg);
+    std::vector<float> y_rows(a.rows * cols);
+    std::vector<PixelRow> rows;
+    for (int64_t b = first; b < end; ++b) {
+      const int64_t pixel = blocks.Get(b, &rows);
       GatherInputRows(g, x, rows, group, &a);
-      MatMul(a, filter.data(), y_rows.data(), cols);
+      MatMul(a, filters[group].data(), y_rows.data(), cols);
       for (int64_t r = 0; r < a.rows; ++r) {
         for (int64_t k = group * kg; k < (group + 1) * kg; ++k) {
           const int64_t index = (pixel + r) * g.filters + k;
           y[index] = FromFloat<T>(epilogue.Apply(y_rows[r * cols + k - group * kg], index, k));
         }
       }
-    });
-  }
+    }
+  });
 }
 
 template <typename T>
-void Dgrad(const ConvGeometry& g, const T* dy, const T* w, T* dx) {
+void Dgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* dy, const T* w, T* dx) {
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), cols = PaddedCols(cg);
-  TapRows a(RowsPerBlock(g.in[2]) * g.in[2], g.Taps(), kg);
-  std::vector<float> dx_rows(a.rows * cols);
-  for (int64_t group = 0; group < g.groups; ++group) {
-    const std::vector<float> filter = GroupFilter(g, w, group, true);
-    ForEachRowBlock(g.batch, g.in, [&](const std::vector<PixelRow>& rows, int64_t pixel) {
+  const RowBlocks blocks(g.batch, g.in);
+  const std::vector<std::vector<float>> filters = GroupFilters(pool, g, w, true);
+  ForEachSpan(pool, g.groups, blocks.count, [&](int64_t group, int64_t first, int64_t end) {
+    TapRows a(blocks.MaxPixels(), g.Taps(), kg);
+    std::vector<float> dx_rows(a.rows * cols);
+    std::vector<PixelRow> rows;
+    for (int64_t b = first; b < end; ++b) {
+      const int64_t pixel = blocks.Get(b, &rows);
       GatherGradRows(g, dy, rows, group, &a);
-      MatMul(a, filter.data(), dx_rows.data(), cols);
+      MatMul(a, filters[group].data(), dx_rows.data(), cols);
       for (int64_t i = 0; i < a.rows; ++i)
         for (int64_t c = 0; c < cg; ++c) {
           dx[(pixel + i) * g.channels + group * cg + c] = FromFloat<T>(dx_rows[i * cols + c]);
         }
-    });
-  }
+    }
+  });
 }
 
+// wgrad sums over every block, in slices of the blocks summed into dW's of their own on XLA's
+// intra-op threads, then added in order. How many slices depends on the problem alone (at most
+// kMaxSlices, and partial sums of at most kSliceFloats floats in all), not on the threads, so that
+// the result does not either.
+constexpr int64_t kMaxSlices = 16, kSliceFloats = int64_t(1) << 24;
+
 template <typename T>
-void Wgrad(const ConvGeometry& g, const T* x, const T* dy, T* dw) {
+void Wgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* dy, T* dw) {
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), taps = g.Taps(), cols = PaddedCols(kg);
-  TapRows a(RowsPerBlock(g.out[2]) * g.out[2], taps, cg);
-  std::vector<float> dy_rows(a.rows * cols, 0.0f), acc(taps * cg * cols);
-  for (int64_t group = 0; group < g.groups; ++group) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    ForEachRowBlock(g.batch, g.out, [&](const std::vector<PixelRow>& rows, int64_t pixel) {
+  const RowBlocks blocks(g.batch, g.out);
+  const int64_t part = taps * cg * cols;  // one slice's dW of one group
+  const int64_t slices = std::max<int64_t>(1, std::min({blocks.count, kMaxSlices, kSliceFloats / (g.groups * part)}));
+  // [groups, slices, taps * Cg, cols], each item zeroing its own (on its thread: its pages, its caches)
+  const std::unique_ptr<float[]> parts(new float[g.groups * slices * part]);
+  ParallelFor(pool, g.groups * slices, [&](int64_t item) {
+    const int64_t group = item / slices, slice = item % slices;
+    std::fill_n(parts.get() + item * part, part, 0.0f);
+    TapRows a(blocks.MaxPixels(), taps, cg);
+    std::vector<float> dy_rows(a.rows * cols, 0.0f);
+    std::vector<PixelRow> rows;
+    for (int64_t b = blocks.count * slice / slices; b < blocks.count * (slice + 1) / slices; ++b) {
+      const int64_t pixel = blocks.Get(b, &rows);
       GatherInputRows(g, x, rows, group, &a);
       for (int64_t r = 0; r < a.rows; ++r)
         for (int64_t k = 0; k < kg; ++k) dy_rows[r * cols + k] = ToFloat(dy[(pixel + r) * g.filters + group * kg + k]);
-      MatMulTransposedAccumulate(a, dy_rows.data(), acc.data(), cols);
-    });
-    for (int64_t j = 0; j < taps * cg; ++j)
-      for (int64_t k = 0; k < kg; ++k) dw[j * g.filters + group * kg + k] = FromFloat<T>(acc[j * cols + k]);
-  }
+      MatMulTransposedAccumulate(a, dy_rows.data(), parts.get() + item * part, cols);
+    }
+  });
+  ParallelFor(pool, g.groups * taps * cg, [&](int64_t row) {  // row: a group's [tap, channel]
+    const int64_t group = row / (taps * cg), j = row % (taps * cg);
+    for (int64_t k = 0; k < kg; ++k) {
+      float sum = 0.0f;
+      for (int64_t slice = 0; slice < slices; ++slice) sum += parts[(group * slices + slice) * part + j * cols + k];
+      dw[j * g.filters + group * kg + k] = FromFloat<T>(sum);
+    }
+  });
 }
 
-ffi::Error ConvFpropImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error ConvFpropImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::AnyBuffer> /*workspace: the GPU's*/, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), w.dimensions(), y->dimensions(), &g));
@@ -306,13 +380,13 @@ ffi::Error ConvFpropImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::An
   if (g.OutPixels() * g.filters == 0) return ffi::Error::Success();
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto type_tag) {
     using T = decltype(type_tag);
-    Fprop(g, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(w.untyped_data()), ConvEpilogue<T>{},
+    Fprop(pool, g, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(w.untyped_data()), ConvEpilogue<T>{},
           static_cast<T*>(y->untyped_data()));
     return ffi::Error::Success();
   });
 }
 
-ffi::Error ConvFpropFusedImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
+ffi::Error ConvFpropFusedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
                               std::optional<ffi::AnyBuffer> residual, ffi::Result<ffi::AnyBuffer> y,
                               ffi::Result<ffi::AnyBuffer> /*workspace: the GPU's*/, ConvFusedAttrs attrs) {
   ConvGeometry g;
@@ -327,13 +401,13 @@ ffi::Error ConvFpropFusedImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer
     epilogue.residual = residual.has_value() ? static_cast<const T*>(residual->untyped_data()) : nullptr;
     epilogue.activation = attrs.activation;
     epilogue.activation_param = attrs.activation_param;
-    Fprop(g, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(w.untyped_data()), epilogue,
+    Fprop(pool, g, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(w.untyped_data()), epilogue,
           static_cast<T*>(y->untyped_data()));
     return ffi::Error::Success();
   });
 }
 
-ffi::Error ConvDgradImpl(ffi::AnyBuffer dy, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
+ffi::Error ConvDgradImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
                          ffi::Result<ffi::AnyBuffer> /*workspace: the GPU's*/, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, dx->dimensions(), w.dimensions(), dy.dimensions(), &g));
@@ -341,13 +415,13 @@ ffi::Error ConvDgradImpl(ffi::AnyBuffer dy, ffi::AnyBuffer w, ffi::Result<ffi::A
   if (g.InPixels() * g.channels == 0) return ffi::Error::Success();
   return DispatchFloat<float, Bf16, Half>(dy.element_type(), "dy", [&](auto type_tag) {
     using T = decltype(type_tag);
-    Dgrad(g, static_cast<const T*>(dy.untyped_data()), static_cast<const T*>(w.untyped_data()),
+    Dgrad(pool, g, static_cast<const T*>(dy.untyped_data()), static_cast<const T*>(w.untyped_data()),
           static_cast<T*>(dx->untyped_data()));
     return ffi::Error::Success();
   });
 }
 
-ffi::Error ConvWgradImpl(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dw,
+ffi::Error ConvWgradImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dw,
                          ffi::Result<ffi::AnyBuffer> /*workspace: the GPU's*/, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), dw->dimensions(), dy.dimensions(), &g));
@@ -356,7 +430,7 @@ ffi::Error ConvWgradImpl(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Result<ffi::A
   // An empty batch still writes dw (zeros): the loops over N simply run no rows.
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto type_tag) {
     using T = decltype(type_tag);
-    Wgrad(g, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(dy.untyped_data()),
+    Wgrad(pool, g, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(dy.untyped_data()),
           static_cast<T*>(dw->untyped_data()));
     return ffi::Error::Success();
   });
@@ -367,8 +441,8 @@ ffi::Error ConvWgradImpl(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Result<ffi::A
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropCpu, jaxdnn::ConvFpropImpl, jaxdnn::BindConvFprop(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropCpu, jaxdnn::ConvFpropImpl, jaxdnn::BindConvFprop(jaxdnn::BindWithThreadPool()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvFpropFusedCpu, jaxdnn::ConvFpropFusedImpl,
-                              jaxdnn::BindConvFpropFused(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvDgradCpu, jaxdnn::ConvDgradImpl, jaxdnn::BindConvDgrad(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvWgradCpu, jaxdnn::ConvWgradImpl, jaxdnn::BindConvWgrad(ffi::Ffi::Bind()));
+                              jaxdnn::BindConvFpropFused(jaxdnn::BindWithThreadPool()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvDgradCpu, jaxdnn::ConvDgradImpl, jaxdnn::BindConvDgrad(jaxdnn::BindWithThreadPool()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConvWgradCpu, jaxdnn::ConvWgradImpl, jaxdnn::BindConvWgrad(jaxdnn::BindWithThreadPool()));

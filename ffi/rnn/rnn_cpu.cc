@@ -5,13 +5,11 @@
 // each direction's W_hh is converted to float32 and packed once per call (PackWeights), so that the
 // products keep tiles of 4 rows x 8 columns of sums in vector registers over the whole reduction.
 #include <algorithm>
-#include <atomic>
-#include <memory>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include "common/half_cpu.h"
+#include "common/parallel_cpu.h"
 #include "rnn/rnn.h"
 #include "rnn/rnn_cell.h"
 #include "rnn/rnn_common.h"
@@ -97,27 +95,6 @@ void GatherRows(const float* src, const RowChunk& chunk, int64_t width, float* d
 // dst[chunk.Pair(r)] = src[r], for the chunk's rows.
 void ScatterRows(const float* src, const RowChunk& chunk, int64_t width, float* dst) {
   for (size_t r = 0; r < chunk.lens.size(); ++r) std::copy_n(src + r * width, width, dst + chunk.Pair(r) * width);
-}
-
-// Runs fn(i) for i in [0, n) on the calling thread and on up to n - 1 tasks of XLA's intra-op
-// thread pool. Each takes items from a shared counter, so the caller waits only for items already
-// taken, never for a task that has not started: a busy pool, or none, cannot deadlock it (a task
-// that starts late finds no items left and touches nothing of the caller's).
-template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
-  struct Progress {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto progress = std::make_shared<Progress>();
-  auto run = [progress, n, &fn] {
-    for (int64_t i; (i = progress->next.fetch_add(1)) < n;) {
-      fn(i);
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 1; t < std::min<int64_t>(pool.num_threads(), n); ++t) pool.Schedule([run] { run(); });
-  run();
-  while (progress->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
 // Runs fn(chunk, w) over the chunks of batch rows of every direction, in parallel (they are
@@ -456,14 +433,9 @@ ffi::Error RnnBwdImpl(ffi::ThreadPool pool,
 
 namespace ffi = xla::ffi;
 
-namespace {
-// The CPU handlers' binding: XLA's intra-op thread pool first (ForEachChunk runs the chunks on it).
-auto BindWithThreadPool() { return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>(); }
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCpu, jaxdnn::LstmFwdImpl, jaxdnn::BindLstmFwd(BindWithThreadPool()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCpu, jaxdnn::LstmBwdImpl, jaxdnn::BindLstmBwd(BindWithThreadPool()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCpu, jaxdnn::GruFwdImpl, jaxdnn::BindGruFwd(BindWithThreadPool()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCpu, jaxdnn::GruBwdImpl, jaxdnn::BindGruBwd(BindWithThreadPool()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnFwdCpu, jaxdnn::RnnFwdImpl, jaxdnn::BindRnnFwd(BindWithThreadPool()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnBwdCpu, jaxdnn::RnnBwdImpl, jaxdnn::BindRnnBwd(BindWithThreadPool()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCpu, jaxdnn::LstmFwdImpl, jaxdnn::BindLstmFwd(jaxdnn::BindWithThreadPool()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCpu, jaxdnn::LstmBwdImpl, jaxdnn::BindLstmBwd(jaxdnn::BindWithThreadPool()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCpu, jaxdnn::GruFwdImpl, jaxdnn::BindGruFwd(jaxdnn::BindWithThreadPool()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCpu, jaxdnn::GruBwdImpl, jaxdnn::BindGruBwd(jaxdnn::BindWithThreadPool()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnFwdCpu, jaxdnn::RnnFwdImpl, jaxdnn::BindRnnFwd(jaxdnn::BindWithThreadPool()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnBwdCpu, jaxdnn::RnnBwdImpl, jaxdnn::BindRnnBwd(jaxdnn::BindWithThreadPool()));

@@ -1,0 +1,49 @@
+// Which vector instructions the CPU kernels' hot loops run with: the widest that the CPU has among
+// the builds made of them, capped by the environment variable JAXDNN_CPU_ISA ("avx512", "avx2" or
+// "baseline", as oneDNN's ONEDNN_MAX_CPU_ISA; other values are ignored) to compare or test the
+// builds. Chosen once per process, at the first call.
+#pragma once
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+namespace jaxdnn {
+
+enum class CpuIsa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };  // in order of width
+
+// The builds exist for x86-64 with GCC or Clang (function multiversioning by target attributes).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define JAXDNN_CPU_ISA_VARIANTS 1
+#endif
+
+inline CpuIsa ActiveCpuIsa() {
+  static const CpuIsa isa = [] {
+    CpuIsa has = CpuIsa::kBaseline;
+#ifdef JAXDNN_CPU_ISA_VARIANTS
+    if (__builtin_cpu_supports("avx512f")) {
+      has = CpuIsa::kAvx512;
+    } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      has = CpuIsa::kAvx2;
+    }
+#endif
+    const char* cap = std::getenv("JAXDNN_CPU_ISA");
+    if (cap != nullptr && std::strcmp(cap, "avx2") == 0) return std::min(has, CpuIsa::kAvx2);
+    if (cap != nullptr && std::strcmp(cap, "baseline") == 0) return CpuIsa::kBaseline;
+    return has;
+  }();
+  return isa;
+}
+
+inline const char* CpuIsaName(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx512:
+      return "avx512";
+    case CpuIsa::kAvx2:
+      return "avx2";
+    default:
+      return "baseline";
+  }
+}
+
+}  // namespace jaxdnn
