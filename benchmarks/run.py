@@ -651,8 +651,11 @@ def _grouped_conv_cases(quick: bool) -> list[Case]:
 
 def _vmapped_filter_cases(quick: bool) -> list[Case]:
     """An ensemble: 8 copies of a 3x3 layer's filter, `jax.vmap` over them on one shared input (56^2,
-    64 -> 64, N 32, bf16), against the same vmap of lax.conv_general_dilated (a grouped convolution
-    through XLA). Both stack the copies as feature groups; FLOPs as for 8 separate layers."""
+    64 -> 64, N 32, bf16), against the same vmap of lax.conv_general_dilated. Both widen the forward
+    and wgrad into one convolution of 8 x 64 filters on the shared input; the backward's per-copy dx
+    is a grouped convolution for jaxdnn (its VJP is batched, so the sum over copies comes after) and
+    one 512 -> 64 dgrad for XLA (it differentiates the widened convolution). FLOPs as for 8 separate
+    layers."""
     copies, batch, size, channels = 8, (2 if quick else 32), 56, 64
     numbers = ("NHWC", "HWIO", "NHWC")
     one = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=numbers)

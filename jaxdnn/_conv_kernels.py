@@ -283,11 +283,14 @@ def _unstack_features(a, size):
 
 def _batch_rule(prim, args, dims, *, batch_major, **attrs):
     """Batching of a stage. When only its batch-major operands (indices `batch_major`: x, dy, the
-    residual) are vmapped, the vmapped axis joins N. Otherwise each vmapped copy becomes its own set of
-    feature groups: the channels, filters, biases and outputs of the B copies side by side, B * G
-    groups (unbatched operands are broadcast first), run by the stage's function (_GROUPED_STAGES), so
-    that on a GPU the grouped rewrite takes them to the tensor cores. wgrad (no N in its result)
-    always stacks."""
+    residual) are vmapped, the vmapped axis joins N. When x is shared and the convolution has one
+    group (an ensemble of filters on one input), the copies' filters (wgrad: dy's features), biases
+    and residuals side by side make one convolution with B times the filters, as lax's own batching
+    does. Otherwise each vmapped copy becomes its own set of feature groups: the channels, filters,
+    biases and outputs of the B copies side by side, B * G groups (unbatched operands are broadcast
+    first). Both run through the stage's function (_STAGE_FUNCTIONS), so that the heuristics and the
+    grouped rewrite (which takes groups to the tensor cores on a GPU) see the new problem. wgrad (no N
+    in its result) never joins N."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     shared = all(d is None for i, d in enumerate(dims) if i not in batch_major)
     if batch_major and shared:
@@ -298,9 +301,13 @@ def _batch_rule(prim, args, dims, *, batch_major, **attrs):
                 ops[i] = a.reshape((-1,) + a.shape[2:])
         out = prim.bind(*ops, **attrs)[0]
         return [out.reshape((size, -1) + out.shape[1:])], [0]
-    ops = [stack_features(move_to_front(a, d, size), size) for a, d in zip(args, dims)]
-    conv = dataclasses.replace(_conv_of(attrs), groups=size * int(attrs["groups"]))
-    return [_unstack_features(_GROUPED_STAGES[prim.name](conv, attrs, *ops), size)], [0]
+    conv = _conv_of(attrs)
+    if dims[0] is None and conv.groups == 1 and prim.name in _WIDENED_STAGES:
+        ops = [args[0]] + [stack_features(move_to_front(a, d, size), size) for a, d in zip(args[1:], dims[1:])]
+    else:
+        ops = [stack_features(move_to_front(a, d, size), size) for a, d in zip(args, dims)]
+        conv = dataclasses.replace(conv, groups=size * conv.groups)
+    return [_unstack_features(_STAGE_FUNCTIONS[prim.name](conv, attrs, *ops), size)], [0]
 
 
 def _stage(name, result_avals, rule, batch_major, target=None, **kwargs):
@@ -571,9 +578,11 @@ def _fused_of(conv, attrs, x, w, bias, residual=None):
 
 
 # Each stage primitive's function of (conv, attrs, *operands), for _batch_rule.
-_GROUPED_STAGES = {
+_STAGE_FUNCTIONS = {
     _fprop_stage.name: lambda conv, attrs, x, w: fprop(x, w, conv),
     _dgrad_stage.name: lambda conv, attrs, dy, w: _dgrad(dy, w, conv),
     _wgrad_stage.name: lambda conv, attrs, x, dy: _wgrad(x, dy, conv),
     **{stage.name: _fused_of for stage in _fused_stage.values()},
 }
+# The stages whose only operand on the input side is x (operand 0): copies on a shared x can widen them.
+_WIDENED_STAGES = {_fprop_stage.name, _wgrad_stage.name, *(stage.name for stage in _fused_stage.values())}

@@ -382,9 +382,11 @@ def test_vmap(lhs_axis, rhs_axis, rng):
 
 
 @pytest.mark.parametrize("lhs_axis", [None, 0], ids=str)
-def test_vmap_over_filters_takes_the_grouped_rewrite(lhs_axis, rng, blocks_on_cpu):
-    """Per-copy filters become feature groups (one per copy), which on a GPU (and here, the blocks
-    on) run as convolutions of one group, the stages of vmap(grad) and the fused forward's too."""
+def test_vmap_over_filters(lhs_axis, rng, blocks_on_cpu):
+    """Per-copy filters on a shared input widen one convolution (the forward and wgrad, as lax's
+    batching does); otherwise (dgrad, or per-copy inputs) they become feature groups, one per copy,
+    which on a GPU (and here, the blocks on) run as convolutions of one group: the stages of
+    vmap(grad) and the fused forward's too."""
     kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)
     in_axes = (lhs_axis, 0)
     op = jax.vmap(_op(jaxdnn.conv_general_dilated, kwargs), in_axes)
@@ -395,6 +397,10 @@ def test_vmap_over_filters_takes_the_grouped_rewrite(lhs_axis, rng, blocks_on_cp
     hlo = jax.jit(lambda x, w, ct: (op(x, w), jax.vjp(op, x, w)[1](ct))).lower(lhs, rhs, ct).as_text()
     calls = _conv_calls(hlo)
     assert calls and all("groups = 1 :" in c for c in calls)
+    # fprop (x, the 3 copies' 8 filters side by side) and wgrad (x, dy of 3 x 8 features)
+    widened = [c for c in calls if "(tensor<2x1x6x5x16xbf16>, tensor<1x3x3x16x24xbf16>)" in c
+               or "(tensor<2x1x6x5x16xbf16>, tensor<2x1x6x5x24xbf16>)" in c]
+    assert len(widened) == (2 if lhs_axis is None else 0), calls
 
     bias = normal(rng, (3, 8), jnp.bfloat16)
     fused = jax.vmap(lambda x, w, b: jaxdnn.conv(x, w, b, activation="relu"), (lhs_axis, 0, 0))
