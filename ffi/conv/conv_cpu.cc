@@ -1,5 +1,6 @@
 // CPU convolution: im2col per block of pixel rows, then a matmul with float32 accumulation, in tiles
-// of kRows x kTileCols held in registers (an AVX2/FMA build of them where the CPU has it).
+// of kRows x kTileCols held in registers (AVX-512 and AVX2/FMA builds of them, chosen at run time:
+// cpu_isa.h), the blocks shared out over XLA's intra-op threads.
 //   fprop: for each block of output rows and group, A [pixels, taps * Cg] gathers the input pixels
 //          they read; y [pixels, Kg] = A @ W_g [taps * Cg, Kg] over the taps that read data (padding
 //          and dilation holes are zeros, skipped where a whole tile has them).
