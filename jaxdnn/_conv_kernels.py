@@ -303,7 +303,8 @@ def _batch_rule(prim, args, dims, *, batch_major, **attrs):
         return [out.reshape((size, -1) + out.shape[1:])], [0]
     conv = _conv_of(attrs)
     if dims[0] is None and conv.groups == 1 and prim.name in _WIDENED_STAGES:
-        ops = [args[0]] + [stack_features(move_to_front(a, d, size), size) for a, d in zip(args[1:], dims[1:])]
+        stacked = zip(args[1:], dims[1:])
+        ops = [args[0], *(stack_features(move_to_front(a, d, size), size) for a, d in stacked)]
     else:
         ops = [stack_features(move_to_front(a, d, size), size) for a, d in zip(args, dims)]
         conv = dataclasses.replace(conv, groups=size * conv.groups)

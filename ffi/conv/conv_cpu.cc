@@ -208,19 +208,31 @@ struct RowBlocks {
   }
 };
 
-// Runs fn(group, first block, end block) over spans of `blocks` blocks of every group on XLA's
-// intra-op threads: about four spans a thread, for balance, of at most kSpanBlocks blocks (each
+// The products of fprop and dgrad: for every block of `blocks` and group, gather(rows, group, &a)
+// fills the block's im2col matrix A (`values` a tap), A @ filters[group] goes into a [pixels, cols]
+// result, and store(group, first pixel, pixels, result) writes it out. The blocks run in spans on
+// XLA's intra-op threads: about four spans a thread, for balance, of at most kSpanBlocks blocks (each
 // span sets up its own buffers). A span writes only its own pixels, so the split changes no result.
 constexpr int64_t kSpanBlocks = 8;
 
-template <typename Fn>
-void ForEachSpan(ffi::ThreadPool& pool, int64_t groups, int64_t blocks, const Fn& fn) {
+template <typename Gather, typename Store>
+void BlockProducts(ffi::ThreadPool& pool, const ConvGeometry& g, const RowBlocks& blocks, int64_t values,
+                   const std::vector<std::vector<float>>& filters, int64_t cols, const Gather& gather,
+                   const Store& store) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_span = std::clamp<int64_t>(groups * blocks / (4 * threads), 1, kSpanBlocks);
-  const int64_t spans = (blocks + per_span - 1) / per_span;
-  ParallelFor(pool, groups * spans, [&](int64_t i) {
+  const int64_t per_span = std::clamp<int64_t>(g.groups * blocks.count / (4 * threads), 1, kSpanBlocks);
+  const int64_t spans = (blocks.count + per_span - 1) / per_span;
+  ParallelFor(pool, g.groups * spans, [&](int64_t i) {
     const int64_t group = i / spans, first = i % spans * per_span;
-    fn(group, first, std::min(blocks, first + per_span));
+    TapRows a(blocks.MaxPixels(), g.Taps(), values);
+    std::vector<float> result(a.rows * cols);
+    std::vector<PixelRow> rows;
+    for (int64_t b = first; b < std::min(blocks.count, first + per_span); ++b) {
+      const int64_t pixel = blocks.Get(b, &rows);
+      gather(rows, group, &a);
+      MatMul(a, filters[group].data(), result.data(), cols);
+      store(group, pixel, a.rows, result.data());
+    }
   });
 }
 
@@ -294,45 +306,28 @@ template <typename T>
 void Fprop(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* w, const ConvEpilogue<T>& epilogue,
            T* y) {
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), cols = PaddedCols(kg);
-  const RowBlocks blocks(g.batch, g.out);
-  const std::vector<std::vector<float>> filters = GroupFilters(pool, g, w, false);
-  ForEachSpan(pool, g.groups, blocks.count, [&](int64_t group, int64_t first, int64_t end) {
-    TapRows a(blocks.MaxPixels(), g.Taps(), cg);
-    std::vector<float> y_rows(a.rows * cols);
-    std::vector<PixelRow> rows;
-    for (int64_t b = first; b < end; ++b) {
-      const int64_t pixel = blocks.Get(b, &rows);
-      GatherInputRows(g, x, rows, group, &a);
-      MatMul(a, filters[group].data(), y_rows.data(), cols);
-      for (int64_t r = 0; r < a.rows; ++r) {
-        for (int64_t k = group * kg; k < (group + 1) * kg; ++k) {
-          const int64_t index = (pixel + r) * g.filters + k;
-          y[index] = FromFloat<T>(epilogue.Apply(y_rows[r * cols + k - group * kg], index, k));
-        }
-      }
-    }
-  });
+  BlockProducts(
+      pool, g, RowBlocks(g.batch, g.out), cg, GroupFilters(pool, g, w, false), cols,
+      [&](const std::vector<PixelRow>& rows, int64_t group, TapRows* a) { GatherInputRows(g, x, rows, group, a); },
+      [&](int64_t group, int64_t pixel, int64_t pixels, const float* y_rows) {
+        for (int64_t r = 0; r < pixels; ++r)
+          for (int64_t k = group * kg; k < (group + 1) * kg; ++k) {
+            const int64_t index = (pixel + r) * g.filters + k;
+            y[index] = FromFloat<T>(epilogue.Apply(y_rows[r * cols + k - group * kg], index, k));
+          }
+      });
 }
 
 template <typename T>
 void Dgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* dy, const T* w, T* dx) {
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), cols = PaddedCols(cg);
-  const RowBlocks blocks(g.batch, g.in);
-  const std::vector<std::vector<float>> filters = GroupFilters(pool, g, w, true);
-  ForEachSpan(pool, g.groups, blocks.count, [&](int64_t group, int64_t first, int64_t end) {
-    TapRows a(blocks.MaxPixels(), g.Taps(), kg);
-    std::vector<float> dx_rows(a.rows * cols);
-    std::vector<PixelRow> rows;
-    for (int64_t b = first; b < end; ++b) {
-      const int64_t pixel = blocks.Get(b, &rows);
-      GatherGradRows(g, dy, rows, group, &a);
-      MatMul(a, filters[group].data(), dx_rows.data(), cols);
-      for (int64_t i = 0; i < a.rows; ++i)
-        for (int64_t c = 0; c < cg; ++c) {
-          dx[(pixel + i) * g.channels + group * cg + c] = FromFloat<T>(dx_rows[i * cols + c]);
-        }
-    }
-  });
+  BlockProducts(
+      pool, g, RowBlocks(g.batch, g.in), kg, GroupFilters(pool, g, w, true), cols,
+      [&](const std::vector<PixelRow>& rows, int64_t group, TapRows* a) { GatherGradRows(g, dy, rows, group, a); },
+      [&](int64_t group, int64_t pixel, int64_t pixels, const float* dx_rows) {
+        for (int64_t i = 0; i < pixels; ++i)
+          for (int64_t c = 0; c < cg; ++c) dx[(pixel + i) * g.channels + group * cg + c] = FromFloat<T>(dx_rows[i * cols + c]);
+      });
 }
 
 // wgrad sums over every block, in slices of the blocks summed into dW's of their own on XLA's
