@@ -19,7 +19,8 @@ from jax import export, lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
-from jaxdnn import _conv_regroup as regroup
+from jaxdnn import _conv_kernels as conv_kernels, _conv_regroup as regroup
+from jaxdnn.conv import _prepare
 from helpers import (DTYPES, GRAD_FACTOR, assert_close, batch_mesh, check_fused_conv, dtype_id, f64, normal,
                      on_gpu, rel_err, tolerance)
 
@@ -176,38 +177,92 @@ def test_strided_dgrad_runs_on_space_to_depth(window, strides, dgrad_strides, rn
 
 
 # float32 with TF32 allowed (precision DEFAULT): on a GPU the forward multiplies on the tensor cores
-# as TF32, and the backward runs as other products (dgrad as a forward of dy with the flipped
-# filter, wgrad as dense's GEMM of im2col patches). The CPU's products are exact, so there the float32
+# as TF32, and the backward runs as other products: dgrad as a forward of dy with the flipped filter;
+# wgrad of a window of several taps on at least 32 channels ("parts") as 16-bit wgrads of x's and
+# dy's bfloat16 parts with float32 results (the CPU runs the exact float32 stage there), of others
+# ("gemm") as dense's GEMM of im2col patches. The CPU's products are exact, so there the float32
 # tolerance checks the rewrites; on a GPU TF32's 10-bit mantissas (float16's) get float16's
 # tolerance. `dgrad_stage`: whether the dgrad target remains (the cases no rewrite serves).
+SAME, VALID = dict(padding="SAME"), dict(padding="VALID")
 TF32_CASES = [
-    ((2, 9, 10, 16), (3, 3, 16, 24), dict(window_strides=(1, 1), padding="SAME"), False),
-    ((1, 10, 9, 32), (5, 3, 32, 16), dict(window_strides=(1, 1), padding="VALID", rhs_dilation=(2, 1)),
-     False),
-    ((2, 8, 8, 8), (3, 3, 8, 16), dict(window_strides=(1, 1), padding=((2, -1), (0, 3))), False),
-    ((2, 12, 11, 8), (3, 3, 8, 24), dict(window_strides=(2, 2), padding="SAME"), False),  # space-to-depth
-    ((2, 9, 10, 16), (1, 1, 16, 24), dict(window_strides=(2, 3), padding="VALID"), False),  # the subgrid
-    ((2, 9, 10, 16), (1, 1, 16, 24), dict(window_strides=(1, 1), padding="VALID"), False),  # pointwise
-    ((3, 8, 8, 16), (2, 2, 16, 8), dict(window_strides=(3, 3), padding="SAME"), True),  # window < stride
-    ((2, 11, 10, 5), (3, 3, 5, 8), dict(window_strides=(1, 1), padding="SAME"), False),  # few channels
-    ((2, 20, 16), (3, 16, 8), dict(window_strides=(2,), padding="SAME"), False),  # 1-D, strided
-    ((2, 3, 6, 7, 8), (3, 3, 3, 8, 16), dict(window_strides=(1, 1, 1), padding="SAME"), False),  # 3-D
+    ((2, 9, 10, 32), (3, 3, 32, 24), dict(SAME, window_strides=(1, 1)), False, "parts"),
+    ((1, 10, 9, 32), (5, 3, 32, 16), dict(VALID, window_strides=(1, 1), rhs_dilation=(2, 1)), False, "parts"),
+    ((2, 8, 8, 32), (3, 3, 32, 16), dict(window_strides=(1, 1), padding=((2, -1), (0, 3))), False, "parts"),
+    ((2, 12, 11, 32), (3, 3, 32, 24), dict(SAME, window_strides=(2, 2)), False, "parts"),  # space-to-depth
+    ((2, 9, 10, 16), (1, 1, 16, 24), dict(VALID, window_strides=(2, 3)), False, "gemm"),  # the subgrid
+    ((2, 9, 10, 16), (1, 1, 16, 24), dict(VALID, window_strides=(1, 1)), False, "gemm"),  # pointwise
+    ((3, 8, 8, 16), (2, 2, 16, 8), dict(SAME, window_strides=(3, 3)), True, "gemm"),  # window < stride
+    ((2, 11, 10, 5), (3, 3, 5, 8), dict(SAME, window_strides=(1, 1)), False, "gemm"),  # few channels
+    ((2, 20, 32), (3, 32, 8), dict(SAME, window_strides=(2,)), False, "parts"),  # 1-D, strided
+    ((2, 3, 6, 7, 16), (3, 3, 3, 16, 16), dict(SAME, window_strides=(1, 1, 1)), False, "parts"),  # 3-D
 ]
 _CHANNELS_LAST = {3: ("NWC", "WIO", "NWC"), 4: NHWC, 5: ("NDHWC", "DHWIO", "NDHWC")}
 
 
-@pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs,dgrad_stage", TF32_CASES, ids=str)
-def test_tf32_forward_and_grad(lhs_shape, rhs_shape, kwargs, dgrad_stage, rng):
+_MLIR_TYPES = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16"}
+
+
+def _wgrad_calls(hlo):
+    """The wgrad target's calls in lowered StableHLO: (x's, dy's, dw's element type) of each."""
+    tensor = r"tensor<(?:\d+x)*([a-z]\w*)>"
+    return re.findall(rf"@jaxdnn_conv_wgrad_v4\(.*: \({tensor}, {tensor}\) -> \({tensor}", hlo)
+
+
+def _assert_wgrad_in_parts(hlo):
+    """float32 wgrad in bfloat16 parts: on a GPU 16-bit wgrad calls with float32 results (three a
+    convolution of one group and 64 filters or more, two below); the CPU's exact float32 stage."""
+    calls = _wgrad_calls(hlo)
+    want = ("bf16", "bf16", "f32") if on_gpu() else ("f32", "f32", "f32")
+    assert calls and all(call == want for call in calls), calls
+
+
+@pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs,dgrad_stage,wgrad", TF32_CASES, ids=str)
+def test_tf32_forward_and_grad(lhs_shape, rhs_shape, kwargs, dgrad_stage, wgrad, rng):
     kwargs = dict(kwargs, dimension_numbers=_CHANNELS_LAST[len(lhs_shape)], precision=lax.Precision.DEFAULT)
     op = _op(jaxdnn.conv_general_dilated, kwargs)
     lhs, rhs = normal(rng, lhs_shape), normal(rng, rhs_shape, scale=0.5)
     tol = tolerance(jnp.float16 if on_gpu() else jnp.float32)
     cotangent = _check_against(op, _op(lax.conv_general_dilated, kwargs), lhs, rhs, tol, rng)
     hlo = jax.jit(lambda x, w, ct: jax.vjp(op, x, w)[1](ct)).lower(lhs, rhs, cotangent).as_text()
-    assert "jaxdnn_conv_wgrad" not in hlo and "jaxdnn_gemm_v3" in hlo and "convolution" not in hlo
+    assert "convolution" not in hlo
+    if wgrad == "parts":
+        _assert_wgrad_in_parts(hlo)
+    else:
+        assert not _wgrad_calls(hlo) and "jaxdnn_gemm_v3" in hlo
     assert ("jaxdnn_conv_dgrad_v4" in hlo) == dgrad_stage
     # The forward: the conv target, or (few channels) the GEMM of the explicit-GEMM form, as TF32.
     assert re.search(r"@jaxdnn_(conv_fprop_v4|gemm_v3).*tf32 = 1 ", jax.jit(op).lower(lhs, rhs).as_text())
+
+
+@pytest.mark.parametrize("x_shape,w_shape,strides,padding", [
+    ((4, 16, 16, 32), (3, 3, 32, 64), (1, 1), "SAME"),
+    ((3, 11, 9, 16), (5, 3, 16, 8), (2, 1), ((2, 1), (0, 3))),
+], ids=str)
+def test_wgrad_in_bfloat16_parts(x_shape, w_shape, strides, padding, rng):
+    """The TF32 wgrad's rewrite on any platform: three products of bfloat16 parts, each within about
+    2^-16 of float32's (TF32 operands: about 3e-4 here, bfloat16 ones 2e-3); and the float32-sums stage
+    it runs on, vmapped over dy alone (wider filters) and over both (groups)."""
+    kwargs = dict(window_strides=strides, padding=padding, dimension_numbers=NHWC)
+    x, w = normal(rng, x_shape), normal(rng, w_shape)
+    dy = normal(rng, jax.eval_shape(lambda x, w: lax.conv_general_dilated(x, w, **kwargs), x, w).shape)
+    _, _, conv, _ = _prepare("test", x, w, strides, padding, None, None, NHWC, 1, 1, None, "default")
+    parts = jax.jit(conv_kernels._wgrad_in_bfloat16_parts, static_argnums=2)(x[:, None], dy[:, None], conv)
+    assert parts.dtype == jnp.float32 and rel_err(parts[0], _oracle(kwargs, x, w, dy)[1][1]) < 2e-5
+    calls = _wgrad_calls(jax.jit(conv_kernels._wgrad_in_bfloat16_parts, static_argnums=2).lower(
+        x[:, None], dy[:, None], conv).as_text())
+    assert len(calls) == (3 if w_shape[-1] >= 64 else 2)  # dy's parts side by side below 64 filters
+    xb, dyb = x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16)
+    want = _oracle(kwargs, xb.astype(jnp.float32), w, dyb.astype(jnp.float32))[1][1]
+    want = np.stack([want, -want])
+    sums = jax.jit(conv_kernels._wgrad_value, static_argnums=(2, 3))
+
+    def on_parts(x, dy):
+        return sums(x[:, None], dy[:, None], conv, True)[0]
+    got = jax.vmap(on_parts, in_axes=(None, 0))(xb, jnp.stack([dyb, -dyb]))
+    assert got.dtype == jnp.float32
+    assert_close(got, want, tolerance(jnp.float32), "float32 sums, vmapped over dy")
+    got = jax.vmap(on_parts)(jnp.stack([xb, -xb]), jnp.stack([dyb, dyb]))
+    assert_close(got, want, tolerance(jnp.float32), "float32 sums, vmapped over x and dy")
 
 
 # Grouped convolutions (not depthwise) and 3-D windows, which run as convolutions of one group and a
@@ -308,10 +363,14 @@ def test_precision_picks_the_kernels(precision, tf32, dtype, rng):
     tf32 = int(tf32 and dtype == jnp.float32)
     op = _op(jaxdnn.conv_general_dilated, dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC,
                                                precision=precision))
-    lhs, rhs = normal(rng, (2, 6, 5, 8), dtype), normal(rng, (3, 3, 8, 8), dtype)
+    lhs, rhs = normal(rng, (2, 6, 5, 32), dtype), normal(rng, (3, 3, 32, 8), dtype)
     hlo = jax.jit(jax.grad(lambda x, w: jnp.sum(op(x, w) ** 2), argnums=(0, 1))).lower(lhs, rhs).as_text()
     assert re.search(rf"jaxdnn_conv_fprop_v4.*tf32 = {tf32} ", hlo)
-    assert all((target in hlo) != tf32 for target in TARGETS[1:])
+    assert ("jaxdnn_conv_dgrad_v4" in hlo) != tf32  # as a forward under TF32
+    if tf32:
+        _assert_wgrad_in_parts(hlo)
+    else:
+        assert _wgrad_calls(hlo) == [(*[_MLIR_TYPES[jnp.dtype(dtype)]] * 3,)]
 
 
 @pytest.mark.gpu
@@ -323,10 +382,12 @@ def test_tf32_runs_on_the_tensor_cores(rng):
     kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)
     want = _oracle(kwargs, lhs, rhs, ct)
     want = (want[0],) + want[1]
-    for precision, low, high in ((lax.Precision.DEFAULT, 2e-5, tolerance(jnp.float16)), ("highest", 0, 1e-5)):
+    # (low, high) of y, dx and dw. dw's parts: errors of about 2^-16 (4.5e-6 in float64 on a CPU).
+    default = [(2e-5, tolerance(jnp.float16))] * 2 + [(1e-6, 2e-5)]
+    for precision, bounds in ((lax.Precision.DEFAULT, default), ("highest", [(0, 1e-5)] * 3)):
         op = _op(jaxdnn.conv_general_dilated, dict(kwargs, precision=precision))
         got = jax.jit(lambda x, w, ct: (lambda y, f: (y, *f(ct)))(*jax.vjp(op, x, w)))(lhs, rhs, ct)
-        for name, g, w in zip(("y", "dx", "dw"), got, want):
+        for name, g, w, (low, high) in zip(("y", "dx", "dw"), got, want, bounds):
             assert low <= rel_err(g, w) <= high, (precision, name, rel_err(g, w))
 
 
@@ -546,19 +607,19 @@ def test_rewrites_batch_sharded(mesh_kind, lhs_shape, rhs_shape, kwargs, devices
 
 @pytest.mark.parametrize("mesh_kind", ["mesh", "auto", "explicit"])
 def test_tf32_batch_sharded(mesh_kind, devices, rng):
-    """The TF32 backward's rewrites (a forward for dgrad, the GEMM for wgrad) keep a batch-sharded
-    step per shard: no all-gather, dw summed over the shards."""
+    """The TF32 backward's rewrites (a forward for dgrad, bfloat16 parts for wgrad) keep a
+    batch-sharded step per shard: no all-gather, dw summed over the shards."""
     kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC, precision="default")
     op = _op(jaxdnn.conv_general_dilated, kwargs)
     mesh = batch_mesh(mesh_kind, devices)
-    lhs = jax.device_put(normal(rng, (8, 9, 10, 8)), NamedSharding(mesh, P("b")))
-    rhs = jax.device_put(normal(rng, (3, 3, 8, 16)), NamedSharding(mesh, P()))
+    lhs = jax.device_put(normal(rng, (8, 9, 10, 32)), NamedSharding(mesh, P("b")))
+    rhs = jax.device_put(normal(rng, (3, 3, 32, 16)), NamedSharding(mesh, P()))
     ct = jax.device_put(normal(rng, (8, 9, 10, 16)), NamedSharding(mesh, P("b")))
     step = jax.jit(lambda x, w, ct: (lambda y, pullback: (y, *pullback(ct)))(*jax.vjp(op, x, w)))
     with jax.set_mesh(mesh) if mesh_kind == "explicit" else contextlib.nullcontext():
         hlo = step.lower(lhs, rhs, ct).compile().as_text()
         got = step(lhs, rhs, ct)
-    assert "all-gather" not in hlo and 'custom_call_target="jaxdnn_gemm_v3"' in hlo
+    assert "all-gather" not in hlo and 'custom_call_target="jaxdnn_conv_wgrad_v4"' in hlo
     want_y, want_grads = _oracle(kwargs, np.asarray(lhs), np.asarray(rhs), np.asarray(ct))
     tol = tolerance(jnp.float16 if on_gpu() else jnp.float32)
     for name, g, w in zip(("y", "dx", "dw"), got, (want_y, *want_grads)):
@@ -687,13 +748,13 @@ def test_conv_transpose(dtype, lhs_shape, rhs_shape, kwargs, rng):
 
 
 @pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", [
-    ((2, 5, 6, 8), (4, 4, 8, 16), dict(strides=(2, 2), padding="SAME")),  # DCGAN's upsampling
-    ((2, 5, 6, 16), (2, 2, 16, 8), dict(strides=(2, 2), padding="VALID")),  # U-Net's
-    ((2, 7, 8), (3, 8, 16), dict(strides=(3,), padding="SAME")),
+    ((2, 5, 6, 8), (4, 4, 8, 32), dict(strides=(2, 2), padding="SAME")),  # DCGAN's upsampling
+    ((2, 5, 6, 16), (2, 2, 16, 32), dict(strides=(2, 2), padding="VALID")),  # U-Net's
+    ((2, 7, 8), (3, 8, 32), dict(strides=(3,), padding="SAME")),
 ], ids=str)
 def test_conv_transpose_tf32(lhs_shape, rhs_shape, kwargs, rng):
     """float32 at DEFAULT: the dgrad it runs as goes through space-to-depth to a TF32 forward (no
-    dgrad target left), and its VJP's forward and wgrad are TF32 too."""
+    dgrad target left), its VJP's forward is TF32 too and its wgrad runs in bfloat16 parts."""
     kwargs = dict(kwargs, precision=lax.Precision.DEFAULT)
     op = _op(jaxdnn.conv_transpose, kwargs)
     oracle = _op(lax.conv_transpose, dict(kwargs, precision="highest"))
@@ -701,7 +762,8 @@ def test_conv_transpose_tf32(lhs_shape, rhs_shape, kwargs, rng):
     tol = tolerance(jnp.float16 if on_gpu() else jnp.float32)
     cotangent = _check_against(op, oracle, lhs, rhs, tol, rng)
     hlo = jax.jit(lambda x, w, ct: jax.vjp(op, x, w)[1](ct)).lower(lhs, rhs, cotangent).as_text()
-    assert "jaxdnn_conv_dgrad" not in hlo and "jaxdnn_conv_wgrad" not in hlo and "convolution" not in hlo
+    assert "jaxdnn_conv_dgrad" not in hlo and "convolution" not in hlo
+    _assert_wgrad_in_parts(hlo)
     assert re.search(r"jaxdnn_conv_fprop_v4.*tf32 = 1 ", jax.jit(op).lower(lhs, rhs).as_text())
 
 

@@ -105,9 +105,9 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-template <typename T>
+template <typename T, typename D>
 __global__ void __launch_bounds__(kBlock)
-    ConvWgradKernel(const ConvGeometry g, const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dw) {
+    ConvWgradKernel(const ConvGeometry g, const T* __restrict__ x, const T* __restrict__ dy, D* __restrict__ dw) {
   __shared__ float partial[kWgradSlices][kWgradLanes];
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters();
   const int64_t k_tiles = (g.filters + kWgradLanes - 1) / kWgradLanes;
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kBlock)
     if (slice == 0 && k < g.filters) {
       float sum = 0.0f;
       for (int s = 0; s < kWgradSlices; ++s) sum += partial[s][lane];
-      dw[row * g.filters + k] = FromFloat<T>(sum);
+      dw[row * g.filters + k] = FromFloat<D>(sum);
     }
     __syncthreads();  // partial is rewritten by the next item
   }
@@ -284,7 +284,9 @@ ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
                          ffi::Result<ffi::AnyBuffer> workspace, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), dw->dimensions(), dy.dimensions(), &g));
-  JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, dy, *dw));
+  JAXDNN_RETURN_IF_ERROR(CheckWgradDtypes(x, dy, *dw));
+  const ffi::DataType dw_dtype = dw->element_type();
+  const bool float_sums = dw_dtype != x.element_type();  // float32 dw of 16-bit operands
   const int64_t rows = g.Taps() * g.GroupChannels();
   if (rows * g.filters == 0) return ffi::Error::Success();
   // An empty x or dy (an empty batch, or no pixels on one side) leaves every sum empty: dw = 0, as on
@@ -293,19 +295,21 @@ ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
     return CudaError(cudaMemsetAsync(dw->untyped_data(), 0, dw->size_bytes(), stream), "conv wgrad: memset");
   }
   if (IsDepthwise(g)) {
+    if (float_sums) return InvalidArgument("conv wgrad: a depthwise dw has its operands' dtype");
     return DepthwiseWgrad(stream, g, x.element_type(), x.untyped_data(), dy.untyped_data(),
                           workspace->untyped_data(), workspace->size_bytes(), dw->untyped_data());
   }
   // Pointwise stages too go to the conv kernel first unless asked otherwise: it splits the pixels
-  // (the GEMM's K) over slices.
-  auto gemm = [&] {
+  // (the GEMM's K) over slices. The GEMM writes the operands' dtype only.
+  auto gemm = [&]() -> std::optional<ffi::Error> {
+    if (float_sums) return std::nullopt;
     return PointwiseGemm(stream, g, x.untyped_data(), dy.untyped_data(), dw->untyped_data(), g.channels,
                          g.filters, g.InPixels(), true, false, x.element_type());
   };
   if (attrs.algorithm == kConvGemm) {
     if (auto status = gemm()) return std::move(*status);
   }
-  if (auto status = TensorCoreWgrad(stream, g, x.element_type(), x.untyped_data(), dy.untyped_data(),
+  if (auto status = TensorCoreWgrad(stream, g, x.element_type(), x.untyped_data(), dy.untyped_data(), dw_dtype,
                                     dw->untyped_data(), workspace->untyped_data(), workspace->size_bytes(),
                                     attrs.algorithm)) {
     return std::move(*status);
@@ -314,9 +318,13 @@ ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
   const int64_t blocks = std::min(kMaxBlocks, rows * ((g.filters + kWgradLanes - 1) / kWgradLanes));
   return DispatchFloat<float, __nv_bfloat16, __half>(x.element_type(), "x", [&](auto type_tag) {
     using T = decltype(type_tag);
-    ConvWgradKernel<T><<<int(blocks), kBlock, 0, stream>>>(g, static_cast<const T*>(x.untyped_data()),
-                                                           static_cast<const T*>(dy.untyped_data()),
-                                                           static_cast<T*>(dw->untyped_data()));
+    const T* x_data = static_cast<const T*>(x.untyped_data());
+    const T* dy_data = static_cast<const T*>(dy.untyped_data());
+    if (float_sums) {
+      ConvWgradKernel<<<int(blocks), kBlock, 0, stream>>>(g, x_data, dy_data, static_cast<float*>(dw->untyped_data()));
+    } else {
+      ConvWgradKernel<<<int(blocks), kBlock, 0, stream>>>(g, x_data, dy_data, static_cast<T*>(dw->untyped_data()));
+    }
     return LaunchError("conv wgrad");
   });
 }

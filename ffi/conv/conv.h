@@ -20,7 +20,9 @@
 //                                         y's shape, both x's dtype; attributes activation (int64, the
 //                                         Activation enum of common/activation.h), activation_param (f32)
 //   jaxdnn_conv_dgrad_v4  (dy, w) -> (dx)   the gradient w.r.t. x (the transpose of fprop in x)
-//   jaxdnn_conv_wgrad_v4  (x, dy) -> (dw)   the gradient w.r.t. w (summed over N and the output pixels)
+//   jaxdnn_conv_wgrad_v4  (x, dy) -> (dw)   the gradient w.r.t. w (summed over N and the output pixels);
+//                                         dw in x's dtype, or float32 for 16-bit x and dy (the sums
+//                                         unrounded; not for depthwise ones)
 // Attributes (int64, per spatial axis d h w): in_* (D H W), out_* (P Q R), window_* (T U V), stride_*,
 // pad_*, lhs_dilation_*, rhs_dilation_*, groups, algorithm (a ConvAlgorithm) and tf32 (1: the GPU's
 // forward may multiply float32 operands as TF32 on the tensor cores, as cuDNN's float32 convolutions
@@ -112,7 +114,7 @@ auto BindConvWgrad(Binding binding) {
   return std::move(binding)
       .template Arg<xla::ffi::AnyBuffer>()  // x [N, D, H, W, C]
       .template Arg<xla::ffi::AnyBuffer>()  // dy [N, P, Q, R, K], x's dtype
-      .template Ret<xla::ffi::AnyBuffer>()  // dw [T, U, V, Cg, K], x's dtype
+      .template Ret<xla::ffi::AnyBuffer>()  // dw [T, U, V, Cg, K], x's dtype or float32
       .template Ret<xla::ffi::AnyBuffer>()  // workspace
       .template Attrs<ConvAttrs>();
 }

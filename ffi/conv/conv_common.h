@@ -86,6 +86,18 @@ inline ffi::Error CheckSameDtype(const ffi::AnyBuffer& a, const ffi::AnyBuffer& 
   return ffi::Error::Success();
 }
 
+// wgrad's operands share one dtype; dw has it too, or is float32 when the operands are 16-bit (the
+// sums before their rounding: jaxdnn/_conv_kernels.py's float32 wgrad as products of bfloat16 parts).
+inline ffi::Error CheckWgradDtypes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy, const ffi::AnyBuffer& dw) {
+  const bool sums = dw.element_type() == ffi::DataType::F32 &&
+                    (x.element_type() == ffi::DataType::BF16 || x.element_type() == ffi::DataType::F16);
+  if (x.element_type() != dy.element_type() || (dw.element_type() != x.element_type() && !sums)) {
+    return InvalidArgument("conv wgrad: x and dy must share one dtype, dw must have it too or be float32 "
+                           "for 16-bit operands");
+  }
+  return ffi::Error::Success();
+}
+
 // The fused forward's epilogue operands: bias [K] and an optional residual of y's shape, both in x's
 // dtype, and a known activation.
 inline ffi::Error CheckEpilogue(const ConvGeometry& g, const ffi::AnyBuffer& x, const ffi::AnyBuffer& bias,

@@ -336,8 +336,8 @@ void Dgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* dy, const T* w
 // the result does not either.
 constexpr int64_t kMaxSlices = 16, kSliceFloats = int64_t(1) << 24;
 
-template <typename T>
-void Wgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* dy, T* dw) {
+template <typename T, typename D>
+void Wgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* dy, D* dw) {
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), taps = g.Taps(), cols = PaddedCols(kg);
   const RowBlocks blocks(g.batch, g.out);
   const int64_t part = taps * cg * cols;  // one slice's dW of one group
@@ -363,7 +363,7 @@ void Wgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* dy
     for (int64_t k = 0; k < kg; ++k) {
       float sum = 0.0f;
       for (int64_t slice = 0; slice < slices; ++slice) sum += parts[(group * slices + slice) * part + j * cols + k];
-      dw[j * g.filters + group * kg + k] = FromFloat<T>(sum);
+      dw[j * g.filters + group * kg + k] = FromFloat<D>(sum);
     }
   });
 }
@@ -421,13 +421,18 @@ ffi::Error ConvWgradImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
                          ffi::Result<ffi::AnyBuffer> /*workspace: the GPU's*/, ConvAttrs attrs) {
   ConvGeometry g;
   JAXDNN_RETURN_IF_ERROR(MakeConvGeometry(attrs, x.dimensions(), dw->dimensions(), dy.dimensions(), &g));
-  JAXDNN_RETURN_IF_ERROR(CheckSameDtype(x, dy, *dw));
+  JAXDNN_RETURN_IF_ERROR(CheckWgradDtypes(x, dy, *dw));
   if (g.Taps() * g.GroupChannels() * g.filters == 0) return ffi::Error::Success();
   // An empty batch still writes dw (zeros): the loops over N simply run no rows.
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto type_tag) {
     using T = decltype(type_tag);
-    Wgrad(pool, g, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(dy.untyped_data()),
-          static_cast<T*>(dw->untyped_data()));
+    const T* x_data = static_cast<const T*>(x.untyped_data());
+    const T* dy_data = static_cast<const T*>(dy.untyped_data());
+    if (dw->element_type() == x.element_type()) {
+      Wgrad(pool, g, x_data, dy_data, static_cast<T*>(dw->untyped_data()));
+    } else {  // float32 sums of 16-bit operands
+      Wgrad(pool, g, x_data, dy_data, static_cast<float*>(dw->untyped_data()));
+    }
     return ffi::Error::Success();
   });
 }

@@ -303,8 +303,8 @@ std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometr
 }
 
 std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
-                                          const void* x, const void* dy, void* dw, void* workspace,
-                                          size_t workspace_bytes, int64_t algorithm) {
+                                          const void* x, const void* dy, ffi::DataType dw_dtype, void* dw,
+                                          void* workspace, size_t workspace_bytes, int64_t algorithm) {
   ConvSm90Problem p;
   const size_t slice_bytes = size_t(FilterElements(g)) * sizeof(float);
   const size_t padded_bytes = size_t(PaddedInputElements(g)) * 2;
@@ -316,9 +316,9 @@ std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometr
   float* partial = static_cast<float*>(workspace);
   const size_t halo_bytes = size_t(kHaloWgradSlices + kHaloWgradGroups) * slice_bytes;
   if (workspace_bytes >= halo_bytes) {  // as the Python side sized it
-    if (UsesHalo(g, dtype, algorithm)) return HaloWgrad(stream, g, dtype, x, dy, partial, dw);
+    if (UsesHalo(g, dtype, algorithm)) return HaloWgrad(stream, g, dtype, x, dy, partial, dw_dtype, dw);
     if (AllowsHalo(algorithm) && PointwiseWgradApplies(g, dtype)) {
-      return PointwiseWgrad(stream, g, dtype, x, dy, partial, dw);
+      return PointwiseWgrad(stream, g, dtype, x, dy, partial, dw_dtype, dw);
     }
   }
   // As many slices as the workspace holds partial sums (the Python side sizes it), at most one per image.
@@ -333,14 +333,12 @@ std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometr
   if (!status.has_value() || status->failure()) return status;
   const dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned((rows + kTile - 1) / kTile));
   const dim3 block(kTile, kTileRows);
-  if (dtype == ffi::DataType::BF16) {
+  return DispatchFloat<float, __nv_bfloat16, __half>(dw_dtype, "dw", [&](auto type_tag) {
+    using D = decltype(type_tag);
     SumTransposeKernel<<<grid, block, 0, stream>>>(partial, slices, rows, cols, g.channels, PaddedChannels(g),
-                                                   static_cast<__nv_bfloat16*>(dw));
-  } else {
-    SumTransposeKernel<<<grid, block, 0, stream>>>(partial, slices, rows, cols, g.channels, PaddedChannels(g),
-                                                   static_cast<__half*>(dw));
-  }
-  return LaunchError("conv wgrad slice sum");
+                                                   static_cast<D*>(dw));
+    return LaunchError("conv wgrad slice sum");
+  });
 }
 
 }  // namespace jaxdnn

@@ -57,8 +57,9 @@ std::optional<ffi::Error> TensorCoreFprop(cudaStream_t stream, const ConvGeometr
 std::optional<ffi::Error> TensorCoreDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
                                           const void* dy, const void* w, void* dx, void* workspace,
                                           size_t workspace_bytes, int64_t algorithm);
+// wgrad's dw is `dw_dtype`: the operands' dtype, or float32 (the sums unrounded).
 std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
-                                          const void* x, const void* dy, void* dw, void* workspace,
-                                          size_t workspace_bytes, int64_t algorithm);
+                                          const void* x, const void* dy, ffi::DataType dw_dtype, void* dw,
+                                          void* workspace, size_t workspace_bytes, int64_t algorithm);
 
 }  // namespace jaxdnn

@@ -545,15 +545,19 @@ __global__ void __launch_bounds__(256)
   dw[i] = FromFloat<T>(sum);
 }
 
-// The partial sums of `workspace` (kHaloWgradSlices of `count` floats) added into dw [taps, C, K].
-template <typename T>
-ffi::Error SumPartials(cudaStream_t stream, float* workspace, int taps, int channels, int filters, void* dw) {
+// The partial sums of `workspace` (kHaloWgradSlices of `count` floats) added into dw [taps, C, K] of
+// `dw_dtype`.
+ffi::Error SumPartials(cudaStream_t stream, float* workspace, int taps, int channels, int filters,
+                       ffi::DataType dw_dtype, void* dw) {
   const int count = taps * channels * filters;
   float* sums = workspace + int64_t(kHaloWgradSlices) * count;
   SumGroupsKernel<<<dim3((count / 4 + 255) / 256, kHaloWgradGroups), 256, 0, stream>>>(
       reinterpret_cast<const float4*>(workspace), count / 4, reinterpret_cast<float4*>(sums));
-  SumToFilterKernel<T><<<(count + 255) / 256, 256, 0, stream>>>(sums, taps, channels, filters, static_cast<T*>(dw));
-  return LaunchError("conv wgrad (halo) slice sums");
+  return DispatchFloat<float, __nv_bfloat16, __half>(dw_dtype, "dw", [&](auto type_tag) {
+    using D = decltype(type_tag);
+    SumToFilterKernel<<<(count + 255) / 256, 256, 0, stream>>>(sums, taps, channels, filters, static_cast<D*>(dw));
+    return LaunchError("conv wgrad (halo) slice sums");
+  });
 }
 
 // --- launchers -----------------------------------------------------------------------------------
@@ -646,7 +650,7 @@ ffi::Error HaloDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType d
 }
 
 ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x, const void* dy,
-                     float* workspace, void* dw) {
+                     float* workspace, ffi::DataType dw_dtype, void* dw) {
   const Rows rows = RowsOf(g);
   const int width = int(g.in[2]);
   CUtensorMap x_map, dy_map;
@@ -661,7 +665,7 @@ ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType d
         "conv wgrad (halo)"));
     HaloWgradKernel<T><<<kHaloWgradSlices, kWgradThreads, kWgradShared, stream>>>(x_map, dy_map, rows, workspace);
     JAXDNN_RETURN_IF_ERROR(LaunchError("conv wgrad (halo)"));
-    return SumPartials<T>(stream, workspace, 9, kChannels, kChannels, dw);
+    return SumPartials(stream, workspace, 9, kChannels, kChannels, dw_dtype, dw);
   };
   return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}) : launch(__half{});
 }
@@ -671,7 +675,7 @@ bool PointwiseWgradApplies(const ConvGeometry& g, ffi::DataType dtype) {
 }
 
 ffi::Error PointwiseWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x,
-                          const void* dy, float* workspace, void* dw) {
+                          const void* dy, float* workspace, ffi::DataType dw_dtype, void* dw) {
   const int pixels = int(g.InPixels()), channels = int(g.channels), filters = int(g.filters);
   const bool narrow_is_x = channels == kChannels;
   const int wide = (narrow_is_x ? filters : channels) / kChannels;
@@ -690,7 +694,7 @@ ffi::Error PointwiseWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataT
                                      "conv wgrad (pointwise)"));
     kernel<<<kHaloWgradSlices, kPointwiseThreads, kShared, stream>>>(narrow_map, wide_map, p, workspace);
     JAXDNN_RETURN_IF_ERROR(LaunchError("conv wgrad (pointwise)"));
-    return SumPartials<T>(stream, workspace, 1, channels, filters, dw);
+    return SumPartials(stream, workspace, 1, channels, filters, dw_dtype, dw);
   };
   auto by_width = [&](auto tag) { return WithWidth(wide, [&](auto wide_tag) { return launch(tag, wide_tag); }); };
   return dtype == ffi::DataType::BF16 ? by_width(__nv_bfloat16{}) : by_width(__half{});

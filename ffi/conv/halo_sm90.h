@@ -34,17 +34,17 @@ constexpr int kHaloWgradSlices = 132;
 constexpr int kHaloWgradGroups = 11;
 
 // dw [R, S, C, K] = the gradient of conv(x, w) w.r.t. w, from x [N, D, H, W, C] and dy
-// [N, D, H, W, K]. The workspace holds kHaloWgradSlices + kHaloWgradGroups filter gradients in
-// float32 (jaxdnn/_conv_kernels.py's _HALO_WGRAD_PARTIALS).
+// [N, D, H, W, K], dw in `dw_dtype` (the operands' or float32). The workspace holds kHaloWgradSlices
+// + kHaloWgradGroups filter gradients in float32 (jaxdnn/_conv_kernels.py's _HALO_WGRAD_PARTIALS).
 ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x, const void* dy,
-                     float* workspace, void* dw);
+                     float* workspace, ffi::DataType dw_dtype, void* dw);
 
 // The same for a 1x1 window (a zero-width halo): dw [1, 1, C, K] of a pointwise convolution (unit
 // strides, no padding) with 64 channels on one side (C or K) and 64, 128 or 256 on the other, from
 // chunks of 64 pixels of x and dy staged once. Same workspace (filter gradients of C K floats).
 bool PointwiseWgradApplies(const ConvGeometry& g, ffi::DataType dtype);
 ffi::Error PointwiseWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x,
-                          const void* dy, float* workspace, void* dw);
+                          const void* dy, float* workspace, ffi::DataType dw_dtype, void* dw);
 
 // A pointwise convolution's plain fprop with C = 64 (out = y, in = x) or dgrad with K = 64 (out = dx,
 // in = dy), the other side 64, 128 or 256 channels: chunks of 64 pixels streamed through with w [1, 1,
