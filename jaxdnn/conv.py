@@ -20,9 +20,10 @@ provided (custom_vjp).
 float32 at a `precision` that allows TF32 (None unless `jax_default_matmul_precision` says
 otherwise, DEFAULT, HIGH: where XLA's float32 convolutions use TF32 too) multiplies on a GPU's
 tensor cores as TF32; HIGHEST keeps exact float32 products. The backward then runs as a forward
-(dgrad) and, for windows of several taps on 32 or more channels, three 16-bit wgrads of x's and
-dy's bfloat16 parts with float32 sums (within about 2^-16 of exact products, where TF32 is 2^-10),
-else dense's GEMM over XLA's im2col patches of x: see jaxdnn/_conv_kernels.py.
+(dgrad) and, on a GPU, for windows of several taps on 32 or more channels, three 16-bit wgrads of
+x's and dy's bfloat16 parts with float32 sums (within about 2^-16 of exact products, where TF32 is
+2^-10), else dense's GEMM over XLA's im2col patches of x (the CPU runs its own exact wgrad): see
+jaxdnn/_conv_kernels.py.
 """
 
 from __future__ import annotations

@@ -177,12 +177,13 @@ def test_strided_dgrad_runs_on_space_to_depth(window, strides, dgrad_strides, rn
 
 
 # float32 with TF32 allowed (precision DEFAULT): on a GPU the forward multiplies on the tensor cores
-# as TF32, and the backward runs as other products: dgrad as a forward of dy with the flipped filter;
-# wgrad of a window of several taps on at least 32 channels ("parts") as 16-bit wgrads of x's and
-# dy's bfloat16 parts with float32 results (the CPU runs the exact float32 stage there), of others
-# ("gemm") as dense's GEMM of im2col patches. The CPU's products are exact, so there the float32
-# tolerance checks the rewrites; on a GPU TF32's 10-bit mantissas (float16's) get float16's
-# tolerance. `dgrad_stage`: whether the dgrad target remains (the cases no rewrite serves).
+# as TF32, and the backward runs as other products: dgrad as a forward of dy with the flipped filter
+# (the CPU's products are exact, so there the float32 tolerance checks these rewrites; on a GPU TF32's
+# 10-bit mantissas (float16's) get float16's tolerance); wgrad, on a GPU only, of a window of several
+# taps on at least 32 channels ("parts") as 16-bit wgrads of x's and dy's bfloat16 parts with float32
+# results, of others ("gemm") as dense's GEMM of im2col patches (test_tf32_wgrad_rewrites checks
+# both on any platform); "dense": the few-channel layer runs as `dense`, its explicit-GEMM form.
+# `dgrad_stage`: whether the dgrad target remains (the cases no rewrite serves).
 SAME, VALID = dict(padding="SAME"), dict(padding="VALID")
 TF32_CASES = [
     ((2, 9, 10, 32), (3, 3, 32, 24), dict(SAME, window_strides=(1, 1)), False, "parts"),
@@ -192,7 +193,7 @@ TF32_CASES = [
     ((2, 9, 10, 16), (1, 1, 16, 24), dict(VALID, window_strides=(2, 3)), False, "gemm"),  # the subgrid
     ((2, 9, 10, 16), (1, 1, 16, 24), dict(VALID, window_strides=(1, 1)), False, "gemm"),  # pointwise
     ((3, 8, 8, 16), (2, 2, 16, 8), dict(SAME, window_strides=(3, 3)), True, "gemm"),  # window < stride
-    ((2, 11, 10, 5), (3, 3, 5, 8), dict(SAME, window_strides=(1, 1)), False, "gemm"),  # few channels
+    ((2, 11, 10, 5), (3, 3, 5, 8), dict(SAME, window_strides=(1, 1)), False, "dense"),  # few channels
     ((2, 20, 32), (3, 32, 8), dict(SAME, window_strides=(2,)), False, "parts"),  # 1-D, strided
     ((2, 3, 6, 7, 16), (3, 3, 3, 16, 16), dict(SAME, window_strides=(1, 1, 1)), False, "parts"),  # 3-D
 ]
@@ -208,12 +209,19 @@ def _wgrad_calls(hlo):
     return re.findall(rf"@jaxdnn_conv_wgrad_v4\(.*: \({tensor}, {tensor}\) -> \({tensor}", hlo)
 
 
-def _assert_wgrad_in_parts(hlo):
-    """float32 wgrad in bfloat16 parts: on a GPU 16-bit wgrad calls with float32 results (three a
-    convolution of one group and 64 filters or more, two below); the CPU's exact float32 stage."""
+def _assert_tf32_wgrad(hlo, rewrite="parts"):
+    """A float32 wgrad at TF32: on a GPU 16-bit wgrad calls of bfloat16 parts with float32 results
+    ("parts"; three a convolution of one group and 64 filters or more, two below) or dense's GEMM
+    ("gemm"); on the CPU the exact float32 stage; "dense": none (the explicit-GEMM form's own VJP)."""
     calls = _wgrad_calls(hlo)
-    want = ("bf16", "bf16", "f32") if on_gpu() else ("f32", "f32", "f32")
-    assert calls and all(call == want for call in calls), calls
+    if rewrite == "dense":
+        assert not calls and "jaxdnn_gemm_v3" in hlo, calls
+    elif not on_gpu():
+        assert calls and all(call == ("f32", "f32", "f32") for call in calls), calls
+    elif rewrite == "parts":
+        assert calls and all(call == ("bf16", "bf16", "f32") for call in calls), calls
+    else:
+        assert not calls and "jaxdnn_gemm_v3" in hlo, calls
 
 
 @pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs,dgrad_stage,wgrad", TF32_CASES, ids=str)
@@ -225,10 +233,7 @@ def test_tf32_forward_and_grad(lhs_shape, rhs_shape, kwargs, dgrad_stage, wgrad,
     cotangent = _check_against(op, _op(lax.conv_general_dilated, kwargs), lhs, rhs, tol, rng)
     hlo = jax.jit(lambda x, w, ct: jax.vjp(op, x, w)[1](ct)).lower(lhs, rhs, cotangent).as_text()
     assert "convolution" not in hlo
-    if wgrad == "parts":
-        _assert_wgrad_in_parts(hlo)
-    else:
-        assert not _wgrad_calls(hlo) and "jaxdnn_gemm_v3" in hlo
+    _assert_tf32_wgrad(hlo, wgrad)
     assert ("jaxdnn_conv_dgrad_v4" in hlo) == dgrad_stage
     # The forward: the conv target, or (few channels) the GEMM of the explicit-GEMM form, as TF32.
     assert re.search(r"@jaxdnn_(conv_fprop_v4|gemm_v3).*tf32 = 1 ", jax.jit(op).lower(lhs, rhs).as_text())
@@ -237,17 +242,22 @@ def test_tf32_forward_and_grad(lhs_shape, rhs_shape, kwargs, dgrad_stage, wgrad,
 @pytest.mark.parametrize("x_shape,w_shape,strides,padding", [
     ((4, 16, 16, 32), (3, 3, 32, 64), (1, 1), "SAME"),
     ((3, 11, 9, 16), (5, 3, 16, 8), (2, 1), ((2, 1), (0, 3))),
+    ((2, 7, 6, 24), (1, 1, 24, 16), (2, 2), "VALID"),
 ], ids=str)
-def test_wgrad_in_bfloat16_parts(x_shape, w_shape, strides, padding, rng):
-    """The TF32 wgrad's rewrite on any platform: three products of bfloat16 parts, each within about
-    2^-16 of float32's (TF32 operands: about 3e-4 here, bfloat16 ones 2e-3); and the float32-sums stage
-    it runs on, vmapped over dy alone (wider filters) and over both (groups)."""
+def test_tf32_wgrad_rewrites(x_shape, w_shape, strides, padding, rng):
+    """The TF32 wgrad's two rewrites on any platform (the CPU runs its own stage in their place): the
+    products of bfloat16 parts, each within about 2^-16 of float32's (TF32 operands: about 3e-4 here,
+    bfloat16 ones 2e-3); the GEMM of patches (exact on the CPU, TF32 on a GPU); and the float32-sums
+    stage the parts run on, vmapped over dy alone (wider filters) and over both (groups)."""
     kwargs = dict(window_strides=strides, padding=padding, dimension_numbers=NHWC)
     x, w = normal(rng, x_shape), normal(rng, w_shape)
     dy = normal(rng, jax.eval_shape(lambda x, w: lax.conv_general_dilated(x, w, **kwargs), x, w).shape)
     _, _, conv, _ = _prepare("test", x, w, strides, padding, None, None, NHWC, 1, 1, None, "default")
+    want = _oracle(kwargs, x, w, dy)[1][1]
     parts = jax.jit(conv_kernels._wgrad_in_bfloat16_parts, static_argnums=2)(x[:, None], dy[:, None], conv)
-    assert parts.dtype == jnp.float32 and rel_err(parts[0], _oracle(kwargs, x, w, dy)[1][1]) < 2e-5
+    assert parts.dtype == jnp.float32 and rel_err(parts[0], want) < 2e-5
+    gemm = jax.jit(conv_kernels._wgrad_by_gemm, static_argnums=2)(x[:, None], dy[:, None], conv)
+    assert_close(gemm[0], want, tolerance(jnp.float16 if on_gpu() else jnp.float32, grad=True), "GEMM")
     calls = _wgrad_calls(jax.jit(conv_kernels._wgrad_in_bfloat16_parts, static_argnums=2).lower(
         x[:, None], dy[:, None], conv).as_text())
     assert len(calls) == (3 if w_shape[-1] >= 64 else 2)  # dy's parts side by side below 64 filters
@@ -368,7 +378,7 @@ def test_precision_picks_the_kernels(precision, tf32, dtype, rng):
     assert re.search(rf"jaxdnn_conv_fprop_v4.*tf32 = {tf32} ", hlo)
     assert ("jaxdnn_conv_dgrad_v4" in hlo) != tf32  # as a forward under TF32
     if tf32:
-        _assert_wgrad_in_parts(hlo)
+        _assert_tf32_wgrad(hlo)
     else:
         assert _wgrad_calls(hlo) == [(*[_MLIR_TYPES[jnp.dtype(dtype)]] * 3,)]
 
@@ -607,7 +617,7 @@ def test_rewrites_batch_sharded(mesh_kind, lhs_shape, rhs_shape, kwargs, devices
 
 @pytest.mark.parametrize("mesh_kind", ["mesh", "auto", "explicit"])
 def test_tf32_batch_sharded(mesh_kind, devices, rng):
-    """The TF32 backward's rewrites (a forward for dgrad, bfloat16 parts for wgrad) keep a
+    """The TF32 backward's rewrites (a forward for dgrad; on a GPU, bfloat16 parts for wgrad) keep a
     batch-sharded step per shard: no all-gather, dw summed over the shards."""
     kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC, precision="default")
     op = _op(jaxdnn.conv_general_dilated, kwargs)
@@ -763,7 +773,7 @@ def test_conv_transpose_tf32(lhs_shape, rhs_shape, kwargs, rng):
     cotangent = _check_against(op, oracle, lhs, rhs, tol, rng)
     hlo = jax.jit(lambda x, w, ct: jax.vjp(op, x, w)[1](ct)).lower(lhs, rhs, cotangent).as_text()
     assert "jaxdnn_conv_dgrad" not in hlo and "convolution" not in hlo
-    _assert_wgrad_in_parts(hlo)
+    _assert_tf32_wgrad(hlo)
     assert re.search(r"jaxdnn_conv_fprop_v4.*tf32 = 1 ", jax.jit(op).lower(lhs, rhs).as_text())
 
 
