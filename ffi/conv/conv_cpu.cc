@@ -1,6 +1,6 @@
 // CPU convolution: im2col per block of pixel rows, then a matmul with float32 accumulation, in tiles
-// of kRows x kTileCols held in registers (AVX-512 and AVX2/FMA builds of them, chosen at run time:
-// cpu_isa.h), the blocks shared out over XLA's intra-op threads.
+// held in registers (AVX-512 and AVX2/FMA builds of them, chosen at run time: cpu_isa.h), the blocks
+// shared out over XLA's intra-op threads.
 //   fprop: for each block of output rows and group, A [pixels, taps * Cg] gathers the input pixels
 //          they read; y [pixels, Kg] = A @ W_g [taps * Cg, Kg] over the taps that read data (padding
 //          and dilation holes are zeros, skipped where a whole tile has them).
@@ -42,11 +42,11 @@ struct TapRows {
   const float* At(int64_t row, int64_t tap) const { return values.data() + (row * taps + tap) * block; }
 };
 
-// The matmuls' tiles: kRows rows of the result by kTileCols columns, held in registers while the
-// reduction runs (4 rows in 8 AVX2 registers, or 8 rows in 8 AVX-512 ones: 8 independent sums hide
-// the FMA's latency); every matrix's columns are padded to a multiple of kTileCols. A tile row is a
-// vector of the GCC/Clang extension, which the compiler keeps in registers (as plain float arrays,
-// the AVX-512 build kept the sums in memory) and splits into what the target has.
+// The matmuls' tiles: kRows rows of the result by strips of kTileCols columns, held in registers
+// while the reduction runs (independent sums hide the FMA's latency; each value of A loaded feeds a
+// whole tile row); every matrix's columns are padded to a multiple of kTileCols. A strip of a tile
+// row is a vector of the GCC/Clang extension, which the compiler keeps in registers (as plain float
+// arrays, the AVX-512 build kept the sums in memory) and splits into what the target has.
 constexpr int kTileCols = 16;
 using TileRow = float __attribute__((vector_size(kTileCols * sizeof(float))));
 
@@ -61,93 +61,120 @@ inline __attribute__((always_inline)) void StoreRow(const TileRow& row, float* d
 }
 
 // out[rows, cols] = A @ b[taps * block, cols] (cols a multiple of kTileCols), skipping the taps no
-// pixel of a tile reads through. The reduction runs in chunks of taps of about kChunkValues values,
-// so that a chunk of a strip of b's columns stays in L1 across the row tiles (a tile's partial sums
-// go through `out` between chunks). A tile past the last row repeats it (its results are not stored).
+// pixel of a tile reads through, in tiles of kRows rows by kStrips strips of kTileCols columns (the
+// columns a whole tile does not fill, in tiles of one strip). The reduction runs in chunks of taps of
+// about kChunkValues values a strip, so that a chunk of b's columns stays in L1 across the row tiles (a
+// tile's partial sums go through `out` between chunks). A tile past the last row repeats it (its
+// results are not stored).
 constexpr int64_t kChunkValues = 256;
 
-template <int kRows>
-inline __attribute__((always_inline)) void MatMulTiles(const TapRows& a, const float* b, float* out,
-                                                       int64_t cols) {
-  const int64_t chunk_taps = std::max<int64_t>(1, kChunkValues / std::max<int64_t>(1, a.block));
-  for (int64_t c0 = 0; c0 < cols; c0 += kTileCols) {
-    for (int64_t t0 = 0; t0 == 0 || t0 < a.taps; t0 += chunk_taps) {  // once with no taps: zeros
-      const int64_t t1 = std::min(a.taps, t0 + chunk_taps);
-      for (int64_t r0 = 0; r0 < a.rows; r0 += kRows) {
-        const int64_t tile_rows = std::min<int64_t>(kRows, a.rows - r0);
-        TileRow acc[kRows] = {};
-        if (t0 > 0) {
-          for (int64_t i = 0; i < tile_rows; ++i) LoadRow(out + (r0 + i) * cols + c0, &acc[i]);
-        }
-        for (int64_t tap = t0; tap < t1; ++tap) {
-          bool read = false;
-          const float* rows[kRows];
-          for (int i = 0; i < kRows; ++i) {
-            const int64_t r = r0 + std::min<int64_t>(i, tile_rows - 1);
-            read = read || a.valid[r * a.taps + tap];
-            rows[i] = a.At(r, tap);
-          }
-          if (!read) continue;
-          const float* b_block = b + tap * a.block * cols + c0;
-          for (int64_t j = 0; j < a.block; ++j) {
-            TileRow b_row;
-            LoadRow(b_block + j * cols, &b_row);
-#pragma GCC unroll 8
-            for (int i = 0; i < kRows; ++i) acc[i] += rows[i][j] * b_row;
-          }
-        }
-        for (int64_t i = 0; i < tile_rows; ++i) StoreRow(acc[i], out + (r0 + i) * cols + c0);
+template <int kRows, int kStrips>
+inline __attribute__((always_inline)) void MatMulColumns(const TapRows& a, const float* b, float* out,
+                                                         int64_t cols, int64_t c0) {
+  const int64_t chunk_taps = std::max<int64_t>(1, kChunkValues / kStrips / std::max<int64_t>(1, a.block));
+  for (int64_t t0 = 0; t0 == 0 || t0 < a.taps; t0 += chunk_taps) {  // once with no taps: zeros
+    const int64_t t1 = std::min(a.taps, t0 + chunk_taps);
+    for (int64_t r0 = 0; r0 < a.rows; r0 += kRows) {
+      const int64_t tile_rows = std::min<int64_t>(kRows, a.rows - r0);
+      TileRow acc[kRows][kStrips] = {};
+      if (t0 > 0) {
+        for (int64_t i = 0; i < tile_rows; ++i)
+          for (int s = 0; s < kStrips; ++s) LoadRow(out + (r0 + i) * cols + c0 + s * kTileCols, &acc[i][s]);
       }
+      for (int64_t tap = t0; tap < t1; ++tap) {
+        bool read = false;
+        const float* rows[kRows];
+        for (int i = 0; i < kRows; ++i) {
+          const int64_t r = r0 + std::min<int64_t>(i, tile_rows - 1);
+          read = read || a.valid[r * a.taps + tap];
+          rows[i] = a.At(r, tap);
+        }
+        if (!read) continue;
+        const float* b_block = b + tap * a.block * cols + c0;
+        for (int64_t j = 0; j < a.block; ++j) {
+          TileRow b_row[kStrips];
+          for (int s = 0; s < kStrips; ++s) LoadRow(b_block + j * cols + s * kTileCols, &b_row[s]);
+#pragma GCC unroll 16
+          for (int i = 0; i < kRows; ++i) {
+            const float value = rows[i][j];
+            for (int s = 0; s < kStrips; ++s) acc[i][s] += value * b_row[s];
+          }
+        }
+      }
+      for (int64_t i = 0; i < tile_rows; ++i)
+        for (int s = 0; s < kStrips; ++s) StoreRow(acc[i][s], out + (r0 + i) * cols + c0 + s * kTileCols);
     }
   }
+}
+
+template <int kRows, int kStrips>
+inline __attribute__((always_inline)) void MatMulTiles(const TapRows& a, const float* b, float* out,
+                                                       int64_t cols) {
+  int64_t c0 = 0;
+  for (; c0 + kStrips * kTileCols <= cols; c0 += kStrips * kTileCols) MatMulColumns<kRows, kStrips>(a, b, out, cols, c0);
+  for (; c0 < cols; c0 += kTileCols) MatMulColumns<kRows, 1>(a, b, out, cols, c0);
 }
 
 // acc[taps * block, cols] += A^T @ b[rows, cols] (cols a multiple of kTileCols) over each row's valid
-// taps, a tile of kRows values of a tap's block by kTileCols columns at a time (a tile past the
-// block's end repeats its last value; those sums are not stored).
-template <int kRows>
-inline __attribute__((always_inline)) void MatMulTransposedAccumulateTiles(const TapRows& a, const float* b,
-                                                                           float* acc, int64_t cols) {
+// taps, a tile of kRows values of a tap's block by kStrips strips of kTileCols columns at a time (as
+// MatMulTiles; a tile past the block's end repeats its last value; those sums are not stored).
+template <int kRows, int kStrips>
+inline __attribute__((always_inline)) void MatMulTransposedColumns(const TapRows& a, const float* b, float* acc,
+                                                                   int64_t cols, int64_t c0) {
   for (int64_t tap = 0; tap < a.taps; ++tap) {
     for (int64_t j0 = 0; j0 < a.block; j0 += kRows) {
       const int64_t tile_rows = std::min<int64_t>(kRows, a.block - j0);
-      for (int64_t c0 = 0; c0 < cols; c0 += kTileCols) {
-        TileRow tile[kRows] = {};
-        for (int64_t r = 0; r < a.rows; ++r) {
-          if (!a.valid[r * a.taps + tap]) continue;
-          const float* a_values = a.At(r, tap) + j0;
-          TileRow b_row;
-          LoadRow(b + r * cols + c0, &b_row);
-#pragma GCC unroll 8
-          for (int i = 0; i < kRows; ++i) tile[i] += a_values[std::min<int64_t>(i, tile_rows - 1)] * b_row;
+      TileRow tile[kRows][kStrips] = {};
+      for (int64_t r = 0; r < a.rows; ++r) {
+        if (!a.valid[r * a.taps + tap]) continue;
+        const float* a_values = a.At(r, tap) + j0;
+        TileRow b_row[kStrips];
+        for (int s = 0; s < kStrips; ++s) LoadRow(b + r * cols + c0 + s * kTileCols, &b_row[s]);
+#pragma GCC unroll 16
+        for (int i = 0; i < kRows; ++i) {
+          const float value = a_values[std::min<int64_t>(i, tile_rows - 1)];
+          for (int s = 0; s < kStrips; ++s) tile[i][s] += value * b_row[s];
         }
-        for (int64_t i = 0; i < tile_rows; ++i) {
-          float* acc_row = acc + (tap * a.block + j0 + i) * cols + c0;
+      }
+      for (int64_t i = 0; i < tile_rows; ++i) {
+        for (int s = 0; s < kStrips; ++s) {
+          float* acc_row = acc + (tap * a.block + j0 + i) * cols + c0 + s * kTileCols;
           TileRow sum;
           LoadRow(acc_row, &sum);
-          StoreRow(sum + tile[i], acc_row);
+          StoreRow(sum + tile[i][s], acc_row);
         }
       }
     }
   }
 }
 
-// The matmuls for the CPU at hand (cpu_isa.h): built for AVX-512 and for AVX2 with FMA too on
-// x86-64 (the package's baseline is SSE2).
+template <int kRows, int kStrips>
+inline __attribute__((always_inline)) void MatMulTransposedAccumulateTiles(const TapRows& a, const float* b,
+                                                                           float* acc, int64_t cols) {
+  int64_t c0 = 0;
+  for (; c0 + kStrips * kTileCols <= cols; c0 += kStrips * kTileCols) {
+    MatMulTransposedColumns<kRows, kStrips>(a, b, acc, cols, c0);
+  }
+  for (; c0 < cols; c0 += kTileCols) MatMulTransposedColumns<kRows, 1>(a, b, acc, cols, c0);
+}
+
+// The matmuls for the CPU at hand (cpu_isa.h): built for AVX-512 (8 x 32 tiles: 16 of the 32
+// registers hold sums) and for AVX2 with FMA (4 x 16: 8 of 16) too on x86-64 (the package's baseline
+// is SSE2).
 #ifdef JAXDNN_CPU_ISA_VARIANTS
 __attribute__((target("avx512f"))) void MatMulAvx512(const TapRows& a, const float* b, float* out, int64_t cols) {
-  MatMulTiles<8>(a, b, out, cols);
+  MatMulTiles<8, 2>(a, b, out, cols);
 }
 __attribute__((target("avx512f"))) void MatMulTransposedAccumulateAvx512(const TapRows& a, const float* b,
                                                                           float* acc, int64_t cols) {
-  MatMulTransposedAccumulateTiles<8>(a, b, acc, cols);
+  MatMulTransposedAccumulateTiles<8, 2>(a, b, acc, cols);
 }
 __attribute__((target("avx2,fma"))) void MatMulAvx2(const TapRows& a, const float* b, float* out, int64_t cols) {
-  MatMulTiles<4>(a, b, out, cols);
+  MatMulTiles<4, 1>(a, b, out, cols);
 }
 __attribute__((target("avx2,fma"))) void MatMulTransposedAccumulateAvx2(const TapRows& a, const float* b,
                                                                          float* acc, int64_t cols) {
-  MatMulTransposedAccumulateTiles<4>(a, b, acc, cols);
+  MatMulTransposedAccumulateTiles<4, 1>(a, b, acc, cols);
 }
 #endif
 
@@ -156,7 +183,7 @@ void MatMul(const TapRows& a, const float* b, float* out, int64_t cols) {
   if (ActiveCpuIsa() == CpuIsa::kAvx512) return MatMulAvx512(a, b, out, cols);
   if (ActiveCpuIsa() == CpuIsa::kAvx2) return MatMulAvx2(a, b, out, cols);
 #endif
-  MatMulTiles<4>(a, b, out, cols);
+  MatMulTiles<4, 1>(a, b, out, cols);
 }
 
 void MatMulTransposedAccumulate(const TapRows& a, const float* b, float* acc, int64_t cols) {
@@ -164,7 +191,7 @@ void MatMulTransposedAccumulate(const TapRows& a, const float* b, float* acc, in
   if (ActiveCpuIsa() == CpuIsa::kAvx512) return MatMulTransposedAccumulateAvx512(a, b, acc, cols);
   if (ActiveCpuIsa() == CpuIsa::kAvx2) return MatMulTransposedAccumulateAvx2(a, b, acc, cols);
 #endif
-  MatMulTransposedAccumulateTiles<4>(a, b, acc, cols);
+  MatMulTransposedAccumulateTiles<4, 1>(a, b, acc, cols);
 }
 
 // Calls fn(tap index, tap coordinates) for every window tap in row-major order.
