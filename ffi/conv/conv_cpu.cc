@@ -7,7 +7,8 @@
 //   dgrad: for each block of input rows and group, A [pixels, taps * Kg] gathers the dy pixels that
 //          read each input pixel (none for most taps of a strided convolution);
 //          dx [pixels, Cg] = A @ W_g^T [taps * Kg, Cg].
-//   wgrad: dW_g [taps * Cg, Kg] = sum over blocks of output rows of A^T @ dy, A as in fprop.
+//   wgrad: dW_g [taps * Cg, Kg] = sum over blocks of output rows of A^T @ dy, A as in fprop (its
+//          columns copied into panels of kRows, each read by every strip of dy's columns).
 // The gathers use conv_geometry.h's index maps and the forward conv_epilogue.h's epilogue, the CUDA
 // kernels' own.
 #include <algorithm>
@@ -115,47 +116,66 @@ inline __attribute__((always_inline)) void MatMulTiles(const TapRows& a, const f
   for (; c0 < cols; c0 += kTileCols) MatMulColumns<kRows, 1>(a, b, out, cols, c0);
 }
 
-// acc[taps * block, cols] += A^T @ b[rows, cols] (cols a multiple of kTileCols) over each row's valid
-// taps, a tile of kRows values of a tap's block by kStrips strips of kTileCols columns at a time (as
-// MatMulTiles; a tile past the block's end repeats its last value; those sums are not stored).
+// acc[taps * block, cols] += A^T @ b[rows, cols] (or = when `first`: acc need not be zeroed first, and
+// is not read; cols a multiple of kTileCols) over each row's valid
+// taps, a tile of kRows values of a tap's block (a panel of A: the rows' kRows values side by side, a
+// tile past the block's end repeating its last value, whose sums are not stored) by kStrips strips of
+// kTileCols columns at a time (as MatMulTiles). Each panel is copied out of A once and serves every
+// strip of columns from L1: read in place, a row's values lay a tap's taps * block floats apart.
 template <int kRows, int kStrips>
-inline __attribute__((always_inline)) void MatMulTransposedColumns(const TapRows& a, const float* b, float* acc,
-                                                                   int64_t cols, int64_t c0) {
-  for (int64_t tap = 0; tap < a.taps; ++tap) {
-    for (int64_t j0 = 0; j0 < a.block; j0 += kRows) {
-      const int64_t tile_rows = std::min<int64_t>(kRows, a.block - j0);
-      TileRow tile[kRows][kStrips] = {};
-      for (int64_t r = 0; r < a.rows; ++r) {
-        if (!a.valid[r * a.taps + tap]) continue;
-        const float* a_values = a.At(r, tap) + j0;
-        TileRow b_row[kStrips];
-        for (int s = 0; s < kStrips; ++s) LoadRow(b + r * cols + c0 + s * kTileCols, &b_row[s]);
+inline __attribute__((always_inline)) void MatMulTransposedColumns(const TapRows& a, const float* panel,
+                                                                   int64_t tap, int64_t tile_rows, const float* b,
+                                                                   float* acc, int64_t cols, int64_t c0, bool first) {
+  TileRow tile[kRows][kStrips] = {};
+  for (int64_t r = 0; r < a.rows; ++r) {
+    if (!a.valid[r * a.taps + tap]) continue;
+    TileRow b_row[kStrips];
+    for (int s = 0; s < kStrips; ++s) LoadRow(b + r * cols + c0 + s * kTileCols, &b_row[s]);
 #pragma GCC unroll 16
-        for (int i = 0; i < kRows; ++i) {
-          const float value = a_values[std::min<int64_t>(i, tile_rows - 1)];
-          for (int s = 0; s < kStrips; ++s) tile[i][s] += value * b_row[s];
-        }
+    for (int i = 0; i < kRows; ++i) {
+      const float value = panel[r * kRows + i];
+      for (int s = 0; s < kStrips; ++s) tile[i][s] += value * b_row[s];
+    }
+  }
+  for (int64_t i = 0; i < tile_rows; ++i) {
+    for (int s = 0; s < kStrips; ++s) {
+      float* acc_row = acc + i * cols + c0 + s * kTileCols;
+      if (first) {
+        StoreRow(tile[i][s], acc_row);
+        continue;
       }
-      for (int64_t i = 0; i < tile_rows; ++i) {
-        for (int s = 0; s < kStrips; ++s) {
-          float* acc_row = acc + (tap * a.block + j0 + i) * cols + c0 + s * kTileCols;
-          TileRow sum;
-          LoadRow(acc_row, &sum);
-          StoreRow(sum + tile[i][s], acc_row);
-        }
-      }
+      TileRow sum;
+      LoadRow(acc_row, &sum);
+      StoreRow(sum + tile[i][s], acc_row);
     }
   }
 }
 
 template <int kRows, int kStrips>
 inline __attribute__((always_inline)) void MatMulTransposedAccumulateTiles(const TapRows& a, const float* b,
-                                                                           float* acc, int64_t cols) {
-  int64_t c0 = 0;
-  for (; c0 + kStrips * kTileCols <= cols; c0 += kStrips * kTileCols) {
-    MatMulTransposedColumns<kRows, kStrips>(a, b, acc, cols, c0);
+                                                                           float* acc, int64_t cols, bool first) {
+  std::vector<float> panel(a.rows * kRows);
+  for (int64_t tap = 0; tap < a.taps; ++tap) {
+    for (int64_t j0 = 0; j0 < a.block; j0 += kRows) {
+      const int64_t tile_rows = std::min<int64_t>(kRows, a.block - j0);
+      for (int64_t r = 0; r < a.rows; ++r) {
+        const float* values = a.At(r, tap) + j0;
+        if (tile_rows == kRows) {
+          __builtin_memcpy(panel.data() + r * kRows, values, sizeof(float) * kRows);
+        } else {
+          for (int i = 0; i < kRows; ++i) panel[r * kRows + i] = values[std::min<int64_t>(i, tile_rows - 1)];
+        }
+      }
+      float* acc_rows = acc + (tap * a.block + j0) * cols;
+      int64_t c0 = 0;
+      for (; c0 + kStrips * kTileCols <= cols; c0 += kStrips * kTileCols) {
+        MatMulTransposedColumns<kRows, kStrips>(a, panel.data(), tap, tile_rows, b, acc_rows, cols, c0, first);
+      }
+      for (; c0 < cols; c0 += kTileCols) {
+        MatMulTransposedColumns<kRows, 1>(a, panel.data(), tap, tile_rows, b, acc_rows, cols, c0, first);
+      }
+    }
   }
-  for (; c0 < cols; c0 += kTileCols) MatMulTransposedColumns<kRows, 1>(a, b, acc, cols, c0);
 }
 
 // The matmuls for the CPU at hand (cpu_isa.h): built for AVX-512 (8 x 32 tiles: 16 of the 32
@@ -166,15 +186,15 @@ __attribute__((target("avx512f"))) void MatMulAvx512(const TapRows& a, const flo
   MatMulTiles<8, 2>(a, b, out, cols);
 }
 __attribute__((target("avx512f"))) void MatMulTransposedAccumulateAvx512(const TapRows& a, const float* b,
-                                                                          float* acc, int64_t cols) {
-  MatMulTransposedAccumulateTiles<8, 2>(a, b, acc, cols);
+                                                                          float* acc, int64_t cols, bool first) {
+  MatMulTransposedAccumulateTiles<8, 2>(a, b, acc, cols, first);
 }
 __attribute__((target("avx2,fma"))) void MatMulAvx2(const TapRows& a, const float* b, float* out, int64_t cols) {
   MatMulTiles<4, 1>(a, b, out, cols);
 }
 __attribute__((target("avx2,fma"))) void MatMulTransposedAccumulateAvx2(const TapRows& a, const float* b,
-                                                                         float* acc, int64_t cols) {
-  MatMulTransposedAccumulateTiles<4, 1>(a, b, acc, cols);
+                                                                         float* acc, int64_t cols, bool first) {
+  MatMulTransposedAccumulateTiles<4, 1>(a, b, acc, cols, first);
 }
 #endif
 
@@ -186,12 +206,12 @@ void MatMul(const TapRows& a, const float* b, float* out, int64_t cols) {
   MatMulTiles<4, 1>(a, b, out, cols);
 }
 
-void MatMulTransposedAccumulate(const TapRows& a, const float* b, float* acc, int64_t cols) {
+void MatMulTransposedAccumulate(const TapRows& a, const float* b, float* acc, int64_t cols, bool first) {
 #ifdef JAXDNN_CPU_ISA_VARIANTS
-  if (ActiveCpuIsa() == CpuIsa::kAvx512) return MatMulTransposedAccumulateAvx512(a, b, acc, cols);
-  if (ActiveCpuIsa() == CpuIsa::kAvx2) return MatMulTransposedAccumulateAvx2(a, b, acc, cols);
+  if (ActiveCpuIsa() == CpuIsa::kAvx512) return MatMulTransposedAccumulateAvx512(a, b, acc, cols, first);
+  if (ActiveCpuIsa() == CpuIsa::kAvx2) return MatMulTransposedAccumulateAvx2(a, b, acc, cols, first);
 #endif
-  MatMulTransposedAccumulateTiles<4, 1>(a, b, acc, cols);
+  MatMulTransposedAccumulateTiles<4, 1>(a, b, acc, cols, first);
 }
 
 // Calls fn(tap index, tap coordinates) for every window tap in row-major order.
@@ -369,20 +389,23 @@ void Wgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* dy
   const RowBlocks blocks(g.batch, g.out);
   const int64_t part = taps * cg * cols;  // one slice's dW of one group
   const int64_t slices = std::max<int64_t>(1, std::min({blocks.count, kMaxSlices, kSliceFloats / (g.groups * part)}));
-  // [groups, slices, taps * Cg, cols], each item zeroing its own (on its thread: its pages, its caches)
+  // [groups, slices, taps * Cg, cols], each item's first block writing its own (on its thread: its
+  // pages, its caches; zeroing it first cost as much as the products on filters of a few MB, 7^2
+  // 512 -> 512, where a slice has one or two blocks)
   const std::unique_ptr<float[]> parts(new float[g.groups * slices * part]);
   ParallelFor(pool, g.groups * slices, [&](int64_t item) {
     const int64_t group = item / slices, slice = item % slices;
-    std::fill_n(parts.get() + item * part, part, 0.0f);
     TapRows a(blocks.MaxPixels(), taps, cg);
     std::vector<float> dy_rows(a.rows * cols, 0.0f);
     std::vector<PixelRow> rows;
-    for (int64_t b = blocks.count * slice / slices; b < blocks.count * (slice + 1) / slices; ++b) {
+    const int64_t first = blocks.count * slice / slices, end = blocks.count * (slice + 1) / slices;
+    if (first == end) std::fill_n(parts.get() + item * part, part, 0.0f);  // no blocks (an empty batch)
+    for (int64_t b = first; b < end; ++b) {
       const int64_t pixel = blocks.Get(b, &rows);
       GatherInputRows(g, x, rows, group, &a);
       for (int64_t r = 0; r < a.rows; ++r)
         for (int64_t k = 0; k < kg; ++k) dy_rows[r * cols + k] = ToFloat(dy[(pixel + r) * g.filters + group * kg + k]);
-      MatMulTransposedAccumulate(a, dy_rows.data(), parts.get() + item * part, cols);
+      MatMulTransposedAccumulate(a, dy_rows.data(), parts.get() + item * part, cols, b == first);
     }
   });
   ParallelFor(pool, g.groups * taps * cg, [&](int64_t row) {  // row: a group's [tap, channel]
