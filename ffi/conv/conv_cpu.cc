@@ -112,16 +112,18 @@ template <int kRows, int kStrips>
 inline __attribute__((always_inline)) void MatMulTiles(const TapRows& a, const float* b, float* out,
                                                        int64_t cols) {
   int64_t c0 = 0;
-  for (; c0 + kStrips * kTileCols <= cols; c0 += kStrips * kTileCols) MatMulColumns<kRows, kStrips>(a, b, out, cols, c0);
+  for (; c0 + kStrips * kTileCols <= cols; c0 += kStrips * kTileCols) {
+    MatMulColumns<kRows, kStrips>(a, b, out, cols, c0);
+  }
   for (; c0 < cols; c0 += kTileCols) MatMulColumns<kRows, 1>(a, b, out, cols, c0);
 }
 
-// acc[taps * block, cols] += A^T @ b[rows, cols] (or = when `first`: acc need not be zeroed first, and
-// is not read; cols a multiple of kTileCols) over each row's valid
-// taps, a tile of kRows values of a tap's block (a panel of A: the rows' kRows values side by side, a
-// tile past the block's end repeating its last value, whose sums are not stored) by kStrips strips of
-// kTileCols columns at a time (as MatMulTiles). Each panel is copied out of A once and serves every
-// strip of columns from L1: read in place, a row's values lay a tap's taps * block floats apart.
+// acc[taps * block, cols] += A^T @ b[rows, cols] over each row's valid taps (cols a multiple of
+// kTileCols; with `first`, acc = instead: it need not be zeroed and is not read), a tile of kRows
+// values of a tap's block by kStrips strips of kTileCols columns at a time (as MatMulTiles). The
+// tile's values come from a panel of A: the rows' kRows values side by side (past the block's end,
+// its last value repeated; those sums are not stored), copied out of A once and read from L1 by every
+// strip of columns. In place, consecutive rows' values lie taps * block floats apart.
 template <int kRows, int kStrips>
 inline __attribute__((always_inline)) void MatMulTransposedColumns(const TapRows& a, const float* panel,
                                                                    int64_t tap, int64_t tile_rows, const float* b,
