@@ -525,9 +525,18 @@ def _fused_conv_cases(quick: bool) -> list[Case]:
     ]
 
 
+# Depthwise convolutions (H = W, C, window), stride 1, SAME: the issue's 3x3 layers, ConvNeXt-T's
+# 7x7 stages and EfficientNet-B0's 5x5 ones.
+_DEPTHWISE_CONVS = [
+    (56, 256, 3), (14, 1024, 3),
+    (56, 96, 7), (28, 192, 7), (14, 384, 7), (7, 768, 7),
+    (28, 240, 5), (14, 672, 5),
+]
+
+
 def _depthwise_conv_cases(quick: bool) -> list[Case]:
-    """Depthwise 3x3 stride-1 SAME convolutions (feature_group_count = C, m = 1), NHWC / HWIO, bf16, on
-    [N, 56, 56, 256] and [N, 14, 14, 1024], N = 64 (2 with --quick), against lax.conv_general_dilated with
+    """Depthwise stride-1 SAME convolutions (feature_group_count = C, m = 1), NHWC / HWIO, bf16, on the
+    layers of _DEPTHWISE_CONVS, N = 64 (2 with --quick), against lax.conv_general_dilated with
     feature_group_count=C: fwd, and fwd+bwd (the gradients w.r.t. the input and the filter, passes
     separated as in a network).
 
@@ -540,8 +549,8 @@ def _depthwise_conv_cases(quick: bool) -> list[Case]:
     batch = 2 if quick else 64
     key = jax.random.key(3)
     cases = []
-    for size, channels in ((56, 256), (14, 1024)):
-        x_shape, w_shape = (batch, size, size, channels), (3, 3, 1, channels)
+    for size, channels, window in _DEPTHWISE_CONVS:
+        x_shape, w_shape = (batch, size, size, channels), (window, window, 1, channels)
         primal_sets, dys = [], []
         for _ in range(sets):
             key, kx, kw, kdy = jax.random.split(key, 4)
@@ -554,7 +563,7 @@ def _depthwise_conv_cases(quick: bool) -> list[Case]:
         x_bytes = math.prod(x_shape) * jnp.dtype(dtype).itemsize
         w_bytes = math.prod(w_shape) * jnp.dtype(dtype).itemsize
         fwd_bytes = 2 * x_bytes + w_bytes
-        name = f"depthwise N{batch} H{size} W{size} C{channels} 3x3/1"
+        name = f"depthwise N{batch} H{size} W{size} C{channels} {window}x{window}/1"
         cases.append(Case("conv", f"{name} fwd", fn, "xla", peer_fn, primal_sets, fwd_bytes, "GB/s"))
         cases.append(Case("conv", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer_fn),
                           [(x, w, dy) for (x, w), dy in zip(primal_sets, dys)],

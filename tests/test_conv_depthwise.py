@@ -3,8 +3,9 @@ for a channel multiplier m) against lax in float64: forward and VJP (lhs and rhs
 through conv_general_dilated, and conv(..., groups=C) with its fused bias, residual and activation.
 
 The cases aim at the GPU's depthwise kernels (ffi/conv/depthwise.cu and depthwise_sm90.cu): the 3x3
-window they specialize (strides 1 and 2, any padding, H dilation, several channel packs per block,
-several column tiles, rings of stages that wrap), their generic kernels (other windows, W dilation,
+window they specialize and the streaming kernels' 5x5 and 7x7 (strides 1 and 2, any padding, H
+dilation, several channel packs per block, several column tiles, rings of stages that wrap), their
+generic kernels (other windows, W dilation,
 multipliers, 1-D and 3-D), the scalar path (odd C), and batches large enough to split wgrad's
 reduction over blocks. On the CPU they check the same semantics on the CPU kernels."""
 
@@ -51,6 +52,15 @@ CASES = [
     ((2, 6, 100, 64), (3, 3), 1, dict(window_strides=(1, 1), padding=((1, 1), (2, 0)))),
     ((1, 13, 150, 48), (3, 3), 1, dict(window_strides=(2, 2), padding="SAME")),
     ((2, 6400, 4, 8), (3, 3), 1, dict(window_strides=(1, 1), padding="SAME")),
+    # their 5 x 5 and 7 x 7 windows (a thread: 2 channels of 3 columns): widths not a multiple of 3,
+    # several channel chunks and column tiles, strides 1 and 2, images smaller than the window
+    ((2, 9, 31, 24), (7, 7), 1, dict(window_strides=(1, 1), padding="SAME")),
+    ((1, 11, 100, 64), (5, 5), 1, dict(window_strides=(1, 1), padding=((1, 3), (2, 2)))),
+    ((2, 13, 80, 48), (7, 7), 1, dict(window_strides=(2, 2), padding="SAME")),
+    ((2, 15, 14, 136), (5, 5), 1, dict(window_strides=(2, 2), padding="VALID")),
+    ((3, 5, 4, 16), (7, 7), 1, dict(window_strides=(1, 1), padding="SAME")),
+    ((2, 14, 14, 384), (7, 7), 1, dict(window_strides=(1, 1), padding="SAME")),
+    ((8, 20, 20, 32), (5, 5), 1, dict(window_strides=(1, 1), padding="SAME")),
     # units of 7 output rows in the forward (heights 14 and 7: none computed past the image)
     ((3, 14, 14, 256), (3, 3), 1, dict(window_strides=(1, 1), padding="SAME")),
     ((2, 14, 13, 32), (3, 3), 1, dict(window_strides=(2, 2), padding="SAME")),
@@ -107,6 +117,23 @@ def test_non_finite_stays_in_its_channel(dtype, value, rng):
         finite = np.isfinite(np.asarray(want))
         assert finite.sum() < want.size and not finite[1, 3:6, 20:23, 5].any()
         assert_close(np.where(finite, got, 0), np.where(finite, want, 0), tolerance(dtype), "finite outputs")
+
+
+@pytest.mark.parametrize("window", [3, 7])
+def test_wgrad_skips_outputs_past_the_edge(window, rng):
+    """x's last columns, read by no output (negative high padding), hold inf: dw stays finite. The
+    streaming kernels compute whole blocks of columns (3 a thread for 7 x 7) and must not multiply
+    such x by the zero dy that TMA gives for the outputs past the edge."""
+    x, w = _operands(rng, (2, 9, 40, 32), (window, window), 1, jnp.bfloat16)
+    x = x.at[:, :, -2:, :].set(float("inf"))
+    pad = window // 2
+    kwargs = dict(window_strides=(1, 1), padding=((pad, pad), (pad, -2)))
+    op, oracle = _op(jaxdnn.conv_general_dilated, x, kwargs), _op(lax.conv_general_dilated, x, kwargs)
+    cotangent = normal(rng, jax.eval_shape(op, x, w).shape, jnp.bfloat16)
+    dw = jax.jit(lambda x, w, ct: jax.vjp(op, x, w)[1](ct)[1])(x, w, cotangent)
+    want_dw = jax.vjp(oracle, f64(x), f64(w))[1](f64(cotangent))[1]
+    assert np.isfinite(np.asarray(want_dw)).all()
+    assert_close(dw, want_dw, tolerance(jnp.bfloat16, grad=True), "grad w")
 
 
 def test_hlo_holds_the_custom_calls(rng):

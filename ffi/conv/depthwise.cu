@@ -11,8 +11,9 @@
 // strips side by side, so the input rows that 3 output rows share are fetched into L1 once.
 //
 // Kernels:
-// - depthwise_sm90.cu's streaming kernels take the common 3 x 3 window with 16-bit values (forward,
-//   unit-stride dgrad and wgrad) on GPUs with TMA; the kernels below serve the rest.
+// - depthwise_sm90.cu's streaming kernels take the common square windows (3 x 3, 5 x 5, 7 x 7) with
+//   16-bit values (forward, unit-stride dgrad and wgrad) on GPUs with TMA; the kernels below serve
+//   the rest.
 // - DepthwiseTile3x3Kernel: the same window and conditions on GPUs without TMA (forward and
 //   unit-stride dgrad): a block copies the input its tile of 8 output rows x up to 64 columns x up
 //   to 64 channels reads into shared memory with cp.async, then each thread computes 8 channels of
@@ -639,7 +640,7 @@ __global__ void __launch_bounds__(kTileThreads, 3)
   const int64_t c0 = c_base + vector * 8;
   const bool active = c0 < channels;
   float taps[9][8];
-  LoadTaps3x3(w, channels, c0, flip, active, taps);
+  LoadTaps<T, 3, 8>(w, channels, c0, flip, active, taps);
   CpAsyncWait<0>();
   __syncthreads();
   if (!active) return;
@@ -763,7 +764,7 @@ ffi::Error LaunchDgrad(cudaStream_t stream, const ConvGeometry& g, const T* dy, 
   const int64_t m = g.filters / g.channels;
   const bool vector = g.channels % kVec == 0 && Aligned16(dx) && (m > 1 || (Aligned16(dy) && Aligned16(w)));
   const bool unit_strides = g.stride[0] == 1 && g.stride[1] == 1 && g.stride[2] == 1;
-  if (vector && m == 1 && IsWindow3x3(g) && unit_strides) {
+  if (vector && m == 1 && unit_strides) {
     // dx[i] = sum over t of dy[i + pad - t * dilation] w[t]: the unit-stride conv of dy with the
     // window flipped and low padding (window - 1) * dilation - pad, from dy's grid to x's.
     ConvGeometry flipped = g;
@@ -776,8 +777,10 @@ ffi::Error LaunchDgrad(cudaStream_t stream, const ConvGeometry& g, const T* dy, 
       if (RowsTake(flipped, {dy, w, dx})) return RowsConv<T>(stream, flipped, dy, w, true, ConvEpilogue<T>{}, dx);
       if (TakesTile3x3(flipped, {dy, w, dx})) return LaunchTile3x3<T>(stream, flipped, dy, w, true, ConvEpilogue<T>{}, dx);
     }
-    return LaunchOneWave(stream, "dgrad", Depthwise3x3Kernel<T, 1>, flipped, MakePlan(g.channels / kVec, g.batch, g.in),
-                         dy, w, true, ConvEpilogue<T>{}, dx);
+    if (IsWindow3x3(g)) {
+      return LaunchOneWave(stream, "dgrad", Depthwise3x3Kernel<T, 1>, flipped,
+                           MakePlan(g.channels / kVec, g.batch, g.in), dy, w, true, ConvEpilogue<T>{}, dx);
+    }
   }
   if (vector) {
     return LaunchOneWave(stream, "dgrad", DepthwiseDgradKernel<T, kVec>, g, MakePlan(g.channels / kVec, g.batch, g.in),

@@ -1,5 +1,5 @@
 // Device helpers of the depthwise kernels (depthwise.cu, depthwise_sm90.cu): packs of channels
-// as floats, a 3 x 3 window's taps, and the fused epilogue's store of a pack.
+// as floats, a square window's taps, and the fused epilogue's store of a pack.
 #pragma once
 
 #include <cstdint>
@@ -29,17 +29,33 @@ __device__ __forceinline__ void Unpack<__nv_bfloat16>(const uint4& word, float (
   }
 }
 
-// taps[t] = w[t, c0 .. c0 + 8) of a 3 x 3 window w [9, channels] of 16-bit T as floats, or
-// w[8 - t] (the window reversed) when `flip`; zeros when not `active`.
+// The 2 values of a 4-byte word of 16-bit T as floats (the wide windows' threads take 2 channels).
 template <typename T>
-__device__ __forceinline__ void LoadTaps3x3(const T* w, int64_t channels, int64_t c0, bool flip, bool active,
-                                            float (&taps)[9][8]) {
+__device__ __forceinline__ void Unpack(uint32_t word, float (&out)[2]) {
+  const Pack<T, 2> pack = *reinterpret_cast<const Pack<T, 2>*>(&word);
+  out[0] = ToFloat(pack.v[0]);
+  out[1] = ToFloat(pack.v[1]);
+}
+template <>
+__device__ __forceinline__ void Unpack<__nv_bfloat16>(uint32_t word, float (&out)[2]) {
+  out[0] = __uint_as_float(word << 16);
+  out[1] = __uint_as_float(word & 0xFFFF0000u);
+}
+
+// taps[t] = w[t, c0 .. c0 + kLanes) of a kWindow x kWindow window w [kWindow^2, channels] of
+// 16-bit T as floats, or w[kWindow^2 - 1 - t] (the window reversed) when `flip`; zeros when not
+// `active`.
+template <typename T, int kWindow, int kLanes>
+__device__ __forceinline__ void LoadTaps(const T* w, int64_t channels, int64_t c0, bool flip, bool active,
+                                         float (&taps)[kWindow * kWindow][kLanes]) {
+  constexpr int kTaps = kWindow * kWindow;
 #pragma unroll
-  for (int t = 0; t < 9; ++t) {
-    const Pack<T, 8> pack = active ? *reinterpret_cast<const Pack<T, 8>*>(w + (flip ? 8 - t : t) * channels + c0)
-                                   : Pack<T, 8>{};
+  for (int t = 0; t < kTaps; ++t) {
+    const Pack<T, kLanes> pack =
+        active ? *reinterpret_cast<const Pack<T, kLanes>*>(w + (flip ? kTaps - 1 - t : t) * channels + c0)
+               : Pack<T, kLanes>{};
 #pragma unroll
-    for (int e = 0; e < 8; ++e) taps[t][e] = ToFloat(pack.v[e]);
+    for (int e = 0; e < kLanes; ++e) taps[t][e] = ToFloat(pack.v[e]);
   }
 }
 

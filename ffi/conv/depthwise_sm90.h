@@ -1,6 +1,6 @@
-// The 3 x 3 depthwise kernels of GPUs with TMA (compute capability 9 and later): input rows
-// streamed into shared memory by the TMA unit through a ring of stages (depthwise_sm90.cu). Called
-// by depthwise.cu's launchers for the problems RowsTake accepts; the other problems and GPUs keep
+// The square-window (3 x 3, 5 x 5, 7 x 7) depthwise kernels of GPUs with TMA (compute capability 9
+// and later): input rows streamed into shared memory by the TMA unit through a ring of stages
+// (depthwise_sm90.cu). Called by depthwise.cu's launchers for the problems RowsTake accepts; the other problems and GPUs keep
 // depthwise.cu's kernels.
 #pragma once
 
@@ -16,18 +16,18 @@
 namespace jaxdnn {
 
 // Whether the streaming kernels take g on the current device: 16-bit values (the caller's
-// check), a 1 x 3 x 3 window without dilation and with equal H and W strides of 1 or 2, a trivial
-// depth axis, m == 1, C a multiple of 8, 16-byte aligned operands (nullptr counts as aligned) and
+// check), a 1 x k x k window (k = 3, 5 or 7) without dilation and with equal H and W strides of 1
+// or 2, a trivial depth axis, m == 1, C a multiple of 8, 16-byte aligned operands (nullptr counts as aligned) and
 // a GPU of compute capability >= 9.
 bool RowsTake(const ConvGeometry& g, std::initializer_list<const void*> operands);
 
-// out = epilogue(the 3 x 3 conv of `in` with w), or with the window reversed when `flip` (the
+// out = epilogue(the k x k conv of `in` with w), or with the window reversed when `flip` (the
 // unit-stride dgrad as a conv of dy on the flipped geometry; see depthwise.cu).
 template <typename T>
 ffi::Error RowsConv(cudaStream_t stream, const ConvGeometry& g, const T* in, const T* w, bool flip,
                     const ConvEpilogue<T>& epilogue, T* out);
 
-// dw from x and dy: at most `max_slices` float32 partial gradients [slices, 9, C] in `partial`
+// dw from x and dy: at most `max_slices` float32 partial gradients [slices, k * k, C] in `partial`
 // (a function of g alone), or dw itself when one slice. Sets *slices to the count written; the
 // caller adds them (depthwise.cu's SumSlicesKernel) when more than one.
 template <typename T>
