@@ -913,6 +913,7 @@ cases = [  # x shape, w shape, strides, padding, dilation, groups
     ((2, 9, 11, 24), (3, 3, 12, 20), (2, 2), "SAME", (1, 1), 2),
     ((1, 10, 7, 8), (3, 2, 8, 36), (1, 1), ((2, 1), (0, 3)), (2, 3), 1),
     ((1, 5, 5, 300), (3, 3, 300, 8), (1, 1), "VALID", (1, 1), 1),
+    ((2, 9, 11, 40), (5, 5, 1, 40), (2, 1), "SAME", (1, 2), 40),  # depthwise: its own kernels
 ]
 errors = []
 for i, (xs, ws, strides, padding, dilation, groups) in enumerate(cases):
@@ -944,7 +945,7 @@ def test_cpu_kernel_builds(cap):
     this_process = os.environ.get("JAXDNN_CPU_ISA") is None and jaxdnn.cpu_isa()
     if this_process:  # the child takes the cap, or the widest this CPU has when that is narrower
         assert report["isa"] == min(cap, this_process, key=_ISA_ORDER.index)
-    assert len(report["errors"]) == 12
+    assert len(report["errors"]) == 15
     forward, grads = report["errors"][0::3], report["errors"][1::3] + report["errors"][2::3]
     assert max(forward) < tolerance(jnp.float32), report
     assert max(grads) < tolerance(jnp.float32, grad=True), report

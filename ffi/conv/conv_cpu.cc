@@ -10,7 +10,8 @@
 //   wgrad: dW_g [taps * Cg, Kg] = sum over blocks of output rows of A^T @ dy, A as in fprop (its
 //          columns copied into panels of kRows, each read by every strip of dy's columns).
 // The gathers use conv_geometry.h's index maps and the forward conv_epilogue.h's epilogue, the CUDA
-// kernels' own.
+// kernels' own. Depthwise convolutions (one channel a group, as many filters) take the direct
+// kernels of depthwise_cpu.cc instead.
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -24,6 +25,7 @@
 #include "conv/conv_common.h"
 #include "conv/conv_epilogue.h"
 #include "conv/conv_geometry.h"
+#include "conv/depthwise_cpu.h"
 
 namespace jaxdnn {
 namespace {
@@ -354,6 +356,7 @@ std::vector<std::vector<float>> GroupFilters(ffi::ThreadPool& pool, const ConvGe
 template <typename T>
 void Fprop(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* w, const ConvEpilogue<T>& epilogue,
            T* y) {
+  if (TakesDepthwiseCpu(g)) return DepthwiseFpropCpu(pool, g, x, w, epilogue, y);
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), cols = PaddedCols(kg);
   BlockProducts(
       pool, g, RowBlocks(g.batch, g.out), cg, GroupFilters(pool, g, w, false), cols,
@@ -369,6 +372,7 @@ void Fprop(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* w,
 
 template <typename T>
 void Dgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* dy, const T* w, T* dx) {
+  if (TakesDepthwiseCpu(g)) return DepthwiseDgradCpu(pool, g, dy, w, dx);
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), cols = PaddedCols(cg);
   BlockProducts(
       pool, g, RowBlocks(g.batch, g.in), kg, GroupFilters(pool, g, w, true), cols,
@@ -387,6 +391,7 @@ constexpr int64_t kMaxSlices = 16, kSliceFloats = int64_t(1) << 24;
 
 template <typename T, typename D>
 void Wgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* dy, D* dw) {
+  if (TakesDepthwiseCpu(g)) return DepthwiseWgradCpu(pool, g, x, dy, dw);
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), taps = g.Taps(), cols = PaddedCols(kg);
   const RowBlocks blocks(g.batch, g.out);
   const int64_t part = taps * cg * cols;  // one slice's dW of one group
