@@ -21,6 +21,7 @@
 #include "common/cpu_isa.h"
 #include "common/half_cpu.h"
 #include "common/parallel_cpu.h"
+#include "common/vector_cpu.h"
 #include "conv/conv.h"
 #include "conv/conv_common.h"
 #include "conv/conv_epilogue.h"
@@ -48,20 +49,10 @@ struct TapRows {
 // The matmuls' tiles: kRows rows of the result by strips of kTileCols columns, held in registers
 // while the reduction runs (independent sums hide the FMA's latency; each value of A loaded feeds a
 // whole tile row); every matrix's columns are padded to a multiple of kTileCols. A strip of a tile
-// row is a vector of the GCC/Clang extension, which the compiler keeps in registers (as plain float
-// arrays, the AVX-512 build kept the sums in memory) and splits into what the target has.
-constexpr int kTileCols = 16;
-using TileRow = float __attribute__((vector_size(kTileCols * sizeof(float))));
+// row is one FloatVector (common/vector_cpu.h).
+constexpr int kTileCols = kVectorFloats;
 
 int64_t PaddedCols(int64_t cols) { return (cols + kTileCols - 1) / kTileCols * kTileCols; }
-
-// Unaligned loads and stores of a tile row (the buffers are std::vector's, 16-byte aligned).
-inline __attribute__((always_inline)) void LoadRow(const float* src, TileRow* row) {
-  __builtin_memcpy(row, src, sizeof(TileRow));
-}
-inline __attribute__((always_inline)) void StoreRow(const TileRow& row, float* dst) {
-  __builtin_memcpy(dst, &row, sizeof(TileRow));
-}
 
 // out[rows, cols] = A @ b[taps * block, cols] (cols a multiple of kTileCols), skipping the taps no
 // pixel of a tile reads through, in tiles of kRows rows by kStrips strips of kTileCols columns (the
@@ -79,10 +70,10 @@ inline __attribute__((always_inline)) void MatMulColumns(const TapRows& a, const
     const int64_t t1 = std::min(a.taps, t0 + chunk_taps);
     for (int64_t r0 = 0; r0 < a.rows; r0 += kRows) {
       const int64_t tile_rows = std::min<int64_t>(kRows, a.rows - r0);
-      TileRow acc[kRows][kStrips] = {};
+      FloatVector acc[kRows][kStrips] = {};
       if (t0 > 0) {
         for (int64_t i = 0; i < tile_rows; ++i)
-          for (int s = 0; s < kStrips; ++s) LoadRow(out + (r0 + i) * cols + c0 + s * kTileCols, &acc[i][s]);
+          for (int s = 0; s < kStrips; ++s) acc[i][s] = LoadVector(out + (r0 + i) * cols + c0 + s * kTileCols);
       }
       for (int64_t tap = t0; tap < t1; ++tap) {
         bool read = false;
@@ -95,8 +86,8 @@ inline __attribute__((always_inline)) void MatMulColumns(const TapRows& a, const
         if (!read) continue;
         const float* b_block = b + tap * a.block * cols + c0;
         for (int64_t j = 0; j < a.block; ++j) {
-          TileRow b_row[kStrips];
-          for (int s = 0; s < kStrips; ++s) LoadRow(b_block + j * cols + s * kTileCols, &b_row[s]);
+          FloatVector b_row[kStrips];
+          for (int s = 0; s < kStrips; ++s) b_row[s] = LoadVector(b_block + j * cols + s * kTileCols);
 #pragma GCC unroll 16
           for (int i = 0; i < kRows; ++i) {
             const float value = rows[i][j];
@@ -105,7 +96,7 @@ inline __attribute__((always_inline)) void MatMulColumns(const TapRows& a, const
         }
       }
       for (int64_t i = 0; i < tile_rows; ++i)
-        for (int s = 0; s < kStrips; ++s) StoreRow(acc[i][s], out + (r0 + i) * cols + c0 + s * kTileCols);
+        for (int s = 0; s < kStrips; ++s) StoreVector(acc[i][s], out + (r0 + i) * cols + c0 + s * kTileCols);
     }
   }
 }
@@ -130,11 +121,11 @@ template <int kRows, int kStrips>
 inline __attribute__((always_inline)) void MatMulTransposedColumns(const TapRows& a, const float* panel,
                                                                    int64_t tap, int64_t tile_rows, const float* b,
                                                                    float* acc, int64_t cols, int64_t c0, bool first) {
-  TileRow tile[kRows][kStrips] = {};
+  FloatVector tile[kRows][kStrips] = {};
   for (int64_t r = 0; r < a.rows; ++r) {
     if (!a.valid[r * a.taps + tap]) continue;
-    TileRow b_row[kStrips];
-    for (int s = 0; s < kStrips; ++s) LoadRow(b + r * cols + c0 + s * kTileCols, &b_row[s]);
+    FloatVector b_row[kStrips];
+    for (int s = 0; s < kStrips; ++s) b_row[s] = LoadVector(b + r * cols + c0 + s * kTileCols);
 #pragma GCC unroll 16
     for (int i = 0; i < kRows; ++i) {
       const float value = panel[r * kRows + i];
@@ -145,12 +136,10 @@ inline __attribute__((always_inline)) void MatMulTransposedColumns(const TapRows
     for (int s = 0; s < kStrips; ++s) {
       float* acc_row = acc + i * cols + c0 + s * kTileCols;
       if (first) {
-        StoreRow(tile[i][s], acc_row);
+        StoreVector(tile[i][s], acc_row);
         continue;
       }
-      TileRow sum;
-      LoadRow(acc_row, &sum);
-      StoreRow(sum + tile[i][s], acc_row);
+      StoreVector(LoadVector(acc_row) + tile[i][s], acc_row);
     }
   }
 }

@@ -17,29 +17,22 @@
 
 #include "common/cpu_isa.h"
 #include "common/parallel_cpu.h"
+#include "common/vector_cpu.h"
 
 namespace jaxdnn {
 namespace {
 
-constexpr int64_t kLanes = 16;
-using Lanes = float __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline __attribute__((always_inline)) Lanes Load(const float* p) {
-  Lanes v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline __attribute__((always_inline)) void Store(const Lanes& v, float* p) { __builtin_memcpy(p, &v, sizeof(v)); }
+constexpr int64_t kLanes = kVectorFloats;  // channels a vector
 
 // dst[j * dst_step + c] += src[j * src_step + c] * w[c] for j < count, c < strips * kLanes.
 inline __attribute__((always_inline)) void AxpyPixels(float* dst, int64_t dst_step, const float* src,
                                                       int64_t src_step, const float* w, int64_t count,
                                                       int64_t strips) {
   for (int64_t s = 0; s < strips; ++s) {
-    const Lanes weight = Load(w + s * kLanes);
+    const FloatVector weight = LoadVector(w + s * kLanes);
     for (int64_t j = 0; j < count; ++j) {
       float* d = dst + j * dst_step + s * kLanes;
-      Store(Load(d) + Load(src + j * src_step + s * kLanes) * weight, d);
+      StoreVector(LoadVector(d) + LoadVector(src + j * src_step + s * kLanes) * weight, d);
     }
   }
 }
@@ -49,9 +42,11 @@ inline __attribute__((always_inline)) void AxpyPixels(float* dst, int64_t dst_st
 inline __attribute__((always_inline)) void DotPixels(const float* x, int64_t x_step, const float* dy, int64_t dy_step,
                                                      int64_t count, int64_t strips, float* out) {
   for (int64_t s = 0; s < strips; ++s) {
-    Lanes sum = {};
-    for (int64_t j = 0; j < count; ++j) sum += Load(x + j * x_step + s * kLanes) * Load(dy + j * dy_step + s * kLanes);
-    Store(Load(out + s * kLanes) + sum, out + s * kLanes);
+    FloatVector sum = {};
+    for (int64_t j = 0; j < count; ++j) {
+      sum += LoadVector(x + j * x_step + s * kLanes) * LoadVector(dy + j * dy_step + s * kLanes);
+    }
+    StoreVector(LoadVector(out + s * kLanes) + sum, out + s * kLanes);
   }
 }
 
@@ -269,7 +264,8 @@ void DepthwiseWgradCpu(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x,
       FillRow(dy + RowOffset(n, o0, o1, g.out, ch.count), width, ch.count, 0, width, ch.padded, dy_row.data());
       ForEachInputRow(g, ch, x, n, o0, o1, extent, x_row.data(), [&](int64_t tap, const float* row) {
         for (int64_t t2 = 0; t2 < g.window[2]; ++t2) {
-          ops.dot(row + t2 * tap_shift, step, dy_row.data(), ch.padded, width, ch.strips, sums + (tap + t2) * ch.padded);
+          ops.dot(row + t2 * tap_shift, step, dy_row.data(), ch.padded, width, ch.strips,
+                  sums + (tap + t2) * ch.padded);
         }
       });
     }

@@ -66,14 +66,14 @@ __host__ __device__ int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b)
 
 // What a thread of a kWindow x kWindow kernel takes: kLanes channels (a Word of a box pixel) of
 // kCols adjacent output columns (see the top of the file).
-template <int kWindow, bool kWgrad>
-struct ThreadShape {
-  static constexpr int kLanes = kWindow == 3 ? 8 : 2;
-  static constexpr int kCols = kWindow == 3 || kWgrad ? 1 : 3;
-  using Word = std::conditional_t<kLanes == 8, uint4, uint32_t>;
-};
 __host__ __device__ constexpr int LanesOf(int window) { return window == 3 ? 8 : 2; }
 __host__ __device__ constexpr int ThreadColsOf(int window, bool wgrad) { return window == 3 || wgrad ? 1 : 3; }
+template <int kWindow, bool kWgrad>
+struct ThreadShape {
+  static constexpr int kLanes = LanesOf(kWindow);
+  static constexpr int kCols = ThreadColsOf(kWindow, kWgrad);
+  using Word = std::conditional_t<kLanes == 8, uint4, uint32_t>;
+};
 
 struct RowsPlan {
   int window = 3;        // k, the window's height and width
