@@ -632,12 +632,14 @@ def _general_conv_cases(label, x_shape, w_shape, kwargs, dtype, quick, key, sets
 
 
 # Grouped convolutions (label, batch, H = W, C, K, groups, window, stride): ResNeXt-50 32x4d's 3x3
-# layers (stages 1, 2's strided first block, 3 and 4) and a RegNet-like layer of 64-channel groups.
+# layers (stages 1, 2's strided first block, 3 and 4), ResNeXt-101 32x8d's stage-2 layer (16 channels
+# a group at 28^2) and a RegNet-like layer of 64-channel groups.
 _GROUPED_CONVS = [
     ("ResNeXt-50 grouped", 128, 56, 128, 128, 32, 3, 1),
     ("ResNeXt-50 grouped", 128, 56, 256, 256, 32, 3, 2),
     ("ResNeXt-50 grouped", 128, 14, 512, 512, 32, 3, 1),
     ("ResNeXt-50 grouped", 128, 7, 1024, 1024, 32, 3, 1),
+    ("ResNeXt-101 grouped", 128, 28, 512, 512, 32, 3, 1),
     ("RegNet grouped", 128, 28, 256, 256, 4, 3, 1),
 ]
 

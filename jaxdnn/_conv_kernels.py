@@ -21,7 +21,8 @@ tests call the two rewrites directly).
 
 Grouped convolutions (not depthwise) and 3-D windows whose products may run on the tensor cores run
 each stage as the same stage of convolutions of one group and a 2-D window (`_rewrite`,
-jaxdnn/_conv_regroup.py).
+jaxdnn/_conv_regroup.py), except the 16-bit grouped ones that ffi/conv/grouped.cu's kernels take as
+they are (`_grouped_kernel_takes`: 16 or 32 channels and filters a group, unit strides).
 """
 
 from __future__ import annotations
@@ -185,6 +186,37 @@ def _depthwise_wgrad_slices(batch, out_spatial, filters):
     return max(1, min(3 * _SMS // -(-filters // 128), strips // 32))
 
 
+# grouped.cu's bounds: on the spatial sizes and pads its int coordinates take, on a window's reach
+# ((window - 1) * dilation, per axis: a tile's halo), and on taps * Cg (the forward's filter, kept in
+# shared memory).
+_GROUPED_SIZE_LIMIT = 1 << 24
+_GROUPED_MAX_REACH = 8
+_GROUPED_MAX_FILTER_ROWS = 640
+
+
+def _grouped_kernel_takes(dtype, conv, batch, channels, filters):
+    """grouped.cu's GroupedApplies: 16-bit operands, 1 < G < C groups of 16 or 32 channels and as many
+    filters, unit strides, no lhs dilation, no depth window or depth padding, windows reaching at
+    most 8 pixels, nothing empty. Such convolutions run as they are (the blocks of _conv_regroup.py
+    would multiply zeros)."""
+    if jnp.dtype(dtype).itemsize != 2 or not 1 < conv.groups < channels:
+        return False
+    width, taps = channels // conv.groups, math.prod(conv.window)
+    reach = max((k - 1) * d for k, d in zip(conv.window[1:], conv.rhs_dilation[1:]))
+    sizes = (*conv.in_spatial[1:], *conv.out_spatial[1:], *map(abs, conv.pads[1:]), channels)
+    return (width in (16, 32) and filters == channels and conv.strides == (1, 1, 1)
+            and conv.lhs_dilation == (1, 1, 1) and conv.window[0] == 1 and conv.pads[0] == 0
+            and reach <= _GROUPED_MAX_REACH and taps * width <= _GROUPED_MAX_FILTER_ROWS
+            and min(batch, *conv.in_spatial, *conv.out_spatial) > 0 and max(sizes) <= _GROUPED_SIZE_LIMIT)
+
+
+def _grouped_wgrad_slices(width, filters, taps, out_pixels):
+    """grouped.cu's GroupedWgradSlices: about one wave of blocks (each 64 features and up to 288 / width
+    taps; _SMS SMs, two blocks each), each slice at least 64 pixels, at most 256 slices."""
+    blocks = -(-filters // 64) * -(-taps // (288 // width))
+    return max(1, min(-(-2 * _SMS // blocks), -(-out_pixels // 64), 256))
+
+
 # The `algorithm` attribute's kernels (ffi/conv/conv.h's ConvAlgorithm) that autotuning times.
 _GEMM, _TILE_WIDE, _TILE_TALL, _TILE_SMALL, _HALO, _IM2COL, _IM2COL_WIDE = 1, 2, 3, 4, 5, 6, 7
 
@@ -240,7 +272,9 @@ def _fprop_avals(x, w, **attrs):
 def _dgrad_avals(dy, w, **attrs):
     dx_shape = (dy.shape[0],) + _spatial(attrs, "in") + (int(attrs["groups"]) * w.shape[3],)
     elements = 0
-    if _on_tensor_cores(dy.dtype, dx_shape[-1], attrs):
+    if _grouped_kernel_takes(dy.dtype, _conv_of(attrs), dy.shape[0], dx_shape[-1], dy.shape[-1]):
+        elements = math.prod(w.shape)  # the flipped filter
+    elif _on_tensor_cores(dy.dtype, dx_shape[-1], attrs):
         strides = _spatial(attrs, "stride")
         spread = 0
         if any(s > 1 for s in strides):
@@ -258,6 +292,10 @@ def _wgrad_avals(x, dy, *, float32_sums=0, **attrs):
     if _is_depthwise(x.shape[-1], attrs):
         slices = _depthwise_wgrad_slices(x.shape[0], dy.shape[1:4], dy.shape[-1])
         float32_bytes = 4 * slices * math.prod(dw_shape) if slices > 1 else 0
+    elif _grouped_kernel_takes(x.dtype, _conv_of(attrs), x.shape[0], x.shape[-1], dy.shape[-1]):
+        out_pixels = math.prod(dy.shape[:-1])
+        slices = _grouped_wgrad_slices(group_channels, dy.shape[-1], math.prod(dw_shape[:3]), out_pixels)
+        float32_bytes = 4 * slices * math.prod(dw_shape)
     elif _on_tensor_cores(x.dtype, x.shape[-1], attrs):
         padded_filter = _padded_filter(dw_shape)
         tile_rows = 128 if int(attrs.get("algorithm", 0)) == _TILE_WIDE else 64  # conv_sm90.cuh's Wgrad
@@ -383,8 +421,12 @@ def _multiplies_on_tensor_cores(dtype, conv):
 
 def _rewrite(dtype, conv, x_shape, w_shape):
     """The rewrite (jaxdnn/_conv_regroup.py) that runs a grouped convolution, or one with a depth
-    window, as convolutions the tensor cores take, where its products may run there; else None."""
-    return regroup.rewrite(x_shape, w_shape, conv) if _multiplies_on_tensor_cores(dtype, conv) else None
+    window, as convolutions the tensor cores take, where its products may run there; else None (also
+    for the grouped ones that ffi/conv/grouped.cu takes as they are)."""
+    if not _multiplies_on_tensor_cores(dtype, conv) or _grouped_kernel_takes(dtype, conv, x_shape[0],
+                                                                             x_shape[-1], w_shape[-1]):
+        return None
+    return regroup.rewrite(x_shape, w_shape, conv)
 
 
 def _through(rewrite, run, direct, *operands):

@@ -3,15 +3,16 @@
 The GPU's tensor-core kernels run one group and 2-D windows (a 3-D one only with a depth window of
 1); everything else would run on the CUDA-core baseline, one to two orders of magnitude slower. Two
 rewrites, each a set of convolutions of one group on linear maps of the operands:
-- `GroupBlocks` (1 < G < C): the groups in blocks of m, each block one convolution of its m * Cg
-  channels with a block-diagonal filter (zeros off its m diagonal blocks): m times the products of
-  its groups, but fewer, larger convolutions, each on a slice of x's channels (an XLA copy) and
-  their results joined (another). m is the fewest groups that give a block 128 channels and
+- `GroupBlocks` (1 < G < C; not the 16-bit groups of 16 or 32 channels that ffi/conv/grouped.cu takes as
+  they are, see _conv_kernels._grouped_kernel_takes): the groups in blocks of m, each block one
+  convolution of its m * Cg channels with a block-diagonal filter (zeros off its m diagonal blocks): m
+  times the products of its groups, but fewer, larger convolutions, each on a slice of x's channels (an
+  XLA copy) and their results joined (another). m is the fewest groups that give a block 128 channels and
   filters: on an H200 (2026-11-28) blocks of at least 128 ran ResNeXt-50's grouped layers 1.03-1.95x
-  faster than blocks of 64 (14^2 512 channels in 32 groups: 4 blocks of 128, 0.32 ms fwd+bwd, against
-  8 of 64, 0.62, and 2 of 256, 0.43). ResNeXt's 32 groups of 4 channels are then
-  one dense convolution. Non-finite values differ from lax's: a zero of the filter times another
-  group's inf or NaN in the same block is NaN. On a GPU only: the CPU's kernels take the groups.
+  faster than blocks of 64 (14^2 512 channels in 32 groups: 4 blocks of 128, 0.32 ms fwd+bwd, against 8
+  of 64, 0.62, and 2 of 256, 0.43). ResNeXt's 32 groups of 4 channels are then one dense convolution.
+  Non-finite values differ from lax's: a zero of the filter times another group's inf or NaN in the same
+  block is NaN. On a GPU only: the CPU's kernels take the groups.
 - `DepthFold` (one group, depth window T > 1): each output depth's T input planes side by side as
   T * C channels (XLA's gather; T times x), the depth folded into the batch, so that the
   convolution is a 2-D one of N * P images with the filter [1, U, V, T * C, K].

@@ -1,11 +1,12 @@
 // CUDA convolution. Depthwise stages (groups == C, no lhs dilation) run on the memory-bound kernels
-// of depthwise.cu. Stages with 16-bit operands, one group and K a multiple of 8 run on tensor cores,
-// and so do float32 forwards (plain and fused) whose tf32 attribute allows TF32 products:
-// pointwise forwards and dgrads (1x1 windows, unit strides, no padding, C a multiple of 8) on the GEMM
-// of ffi/dense (see PointwiseGemm), or on the pointwise product of conv/halo_sm90.h when their
-// reduction has 64 channels, the other 2-D stages on the implicit-GEMM kernels of conv_sm90.cuh
-// (through conv_sm90.cu's TensorCoreFprop and friends, with the targets' workspace), or on the halo
-// kernels of conv/halo_sm90.h where those take them.
+// of depthwise.cu; grouped 16-bit ones with 16 or 32 channels and filters a group and unit strides
+// on the tensor-core kernels of grouped.cu (grouped.h says which). Stages with 16-bit operands, one
+// group and K a multiple of 8 run on tensor cores, and so do float32 forwards (plain and fused)
+// whose tf32 attribute allows TF32 products: pointwise forwards and dgrads (1x1 windows, unit
+// strides, no padding, C a multiple of 8) on the GEMM of ffi/dense (see PointwiseGemm), or on the
+// pointwise product of conv/halo_sm90.h when their reduction has 64 channels, the other 2-D stages
+// on the implicit-GEMM kernels of conv_sm90.cuh (through conv_sm90.cu's TensorCoreFprop and friends,
+// with the targets' workspace), or on the halo kernels of conv/halo_sm90.h where those take them.
 // Everything else runs on a CORRECTNESS BASELINE without tensor cores. The baseline trades speed for
 // obviously safe code: scalar loads (no alignment requirement), int64 indexing, float32
 // accumulation, grid-stride loops over a 1-D grid (no gridDim.y/z limits), and the index maps of
@@ -36,6 +37,7 @@
 #include "conv/conv_geometry.h"
 #include "conv/conv_sm90.h"
 #include "conv/depthwise.h"
+#include "conv/grouped.h"
 #include "conv/halo_sm90.h"
 #include "dense/gemm_sm90.h"
 
@@ -184,17 +186,19 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, const ffi::An
   // empty: y is the epilogue of zeros, as on the CPU. The baseline kernel writes it without reading x
   // or w; the others would launch empty grids (an invalid launch) on the empty filter or input.
   if (g.InPixels() * g.channels == 0) return baseline();
+  const void* bias_data = bias != nullptr ? bias->untyped_data() : nullptr;
+  const void* residual_data = residual != nullptr ? residual->untyped_data() : nullptr;
   if (IsDepthwise(g)) {
-    return DepthwiseFprop(stream, g, x.element_type(), x.untyped_data(), w.untyped_data(),
-                          bias != nullptr ? bias->untyped_data() : nullptr,
-                          residual != nullptr ? residual->untyped_data() : nullptr, activation, activation_param,
-                          y.untyped_data());
+    return DepthwiseFprop(stream, g, x.element_type(), x.untyped_data(), w.untyped_data(), bias_data,
+                          residual_data, activation, activation_param, y.untyped_data());
   }
-  if (auto status = TensorCoreFprop(stream, g, x.element_type(), x.untyped_data(), w.untyped_data(),
-                                    bias != nullptr ? bias->untyped_data() : nullptr,
-                                    residual != nullptr ? residual->untyped_data() : nullptr, activation,
-                                    activation_param, y.untyped_data(), workspace.untyped_data(),
-                                    workspace.size_bytes(), algorithm, tf32)) {
+  if (GroupedApplies(g, x.element_type())) {
+    return GroupedFprop(stream, g, x.element_type(), x.untyped_data(), w.untyped_data(), bias_data, residual_data,
+                        activation, activation_param, y.untyped_data());
+  }
+  if (auto status = TensorCoreFprop(stream, g, x.element_type(), x.untyped_data(), w.untyped_data(), bias_data,
+                                    residual_data, activation, activation_param, y.untyped_data(),
+                                    workspace.untyped_data(), workspace.size_bytes(), algorithm, tf32)) {
     return std::move(*status);
   }
   return baseline();
@@ -252,6 +256,12 @@ ffi::Error ConvDgradImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
   if (IsDepthwise(g)) {
     return DepthwiseDgrad(stream, g, dy.element_type(), dy.untyped_data(), w.untyped_data(), dx->untyped_data());
   }
+  if (GroupedApplies(g, dy.element_type())) {
+    if (auto status = GroupedDgrad(stream, g, dy.element_type(), dy.untyped_data(), w.untyped_data(),
+                                   workspace->untyped_data(), workspace->size_bytes(), dx->untyped_data())) {
+      return std::move(*status);
+    }
+  }
   if (UsesPointwiseProduct(g, dy.element_type(), attrs.algorithm, true)) {
     return PointwiseProduct(stream, g, dy.element_type(), dy.untyped_data(), w.untyped_data(), true,
                             dx->untyped_data());
@@ -298,6 +308,12 @@ ffi::Error ConvWgradImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
     if (float_sums) return InvalidArgument("conv wgrad: a depthwise dw has its operands' dtype");
     return DepthwiseWgrad(stream, g, x.element_type(), x.untyped_data(), dy.untyped_data(),
                           workspace->untyped_data(), workspace->size_bytes(), dw->untyped_data());
+  }
+  if (GroupedApplies(g, x.element_type())) {
+    if (auto status = GroupedWgrad(stream, g, x.element_type(), x.untyped_data(), dy.untyped_data(), dw_dtype,
+                                   workspace->untyped_data(), workspace->size_bytes(), dw->untyped_data())) {
+      return std::move(*status);
+    }
   }
   // Pointwise stages too go to the conv kernel first unless asked otherwise: it splits the pixels
   // (the GEMM's K) over slices. The GEMM writes the operands' dtype only.
