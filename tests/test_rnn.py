@@ -7,6 +7,10 @@ A test's `mode` is cuDNN's name of the cell, as jaxdnn.reference.rnn's: "lstm", 
 "rnn_relu" (jaxdnn.rnn with that nonlinearity)."""
 
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -413,6 +417,65 @@ def test_deterministic(mode, rng):
     first, second = _vjp(_ours, mode, args, cts, sizes), _vjp(_ours, mode, args, cts, sizes)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
         np.testing.assert_array_equal(a, b)
+
+
+# The CPU kernel's per-step products in each build the CPU can run (JAXDNN_CPU_ISA caps the choice,
+# made once per process): a child process per cap, on the CPU, runs every mode's forward and VJP
+# with hidden size 20 (panels of 32, 16 or 8 columns, the last partial), 7 ragged rows in both
+# directions (tiles of 1 to 4 running rows) and two layers, and reports the relative errors against
+# the float64 reference.
+_ISA_CHILD = """
+import json, jax, jax.numpy as jnp, numpy as np
+import jaxdnn
+from jaxdnn.reference import rnn as ref
+jax.config.update("jax_enable_x64", True)
+errors = []
+for i, mode in enumerate(("lstm", "gru", "rnn_tanh")):
+    name, _, nonlinearity = mode.partition("_")
+    ours, oracle = getattr(jaxdnn, name), getattr(ref, name)
+    if nonlinearity:
+        ours, oracle = (lambda f: lambda *a: f(*a, nonlinearity=nonlinearity))(ours), \
+            (lambda f: lambda *a: f(*a, nonlinearity=nonlinearity))(oracle)
+    kx, kh, kc, kw, kt = jax.random.split(jax.random.key(i), 5)
+    batch, steps, inputs, hidden, layers = 7, 6, 5, 20, 2
+    x = jax.random.normal(kx, (batch, steps, inputs), jnp.float32)
+    states = [jax.random.normal(k, (2 * layers, batch, hidden), jnp.float32)
+              for k in ((kh, kc) if name == "lstm" else (kh,))]
+    count = ref.weight_count(mode, inputs, hidden, layers, True)
+    w = jax.random.uniform(kw, (count,), jnp.float32, -0.3, 0.3)
+    lengths = jnp.asarray([6, 1, 4, 6, 3, 0, 5], jnp.int32)
+    sizes = (inputs, hidden, layers, 0.0, True)
+    def run(fn, x, states, w):
+        return fn(x, *states, w, lengths, *sizes)
+    out, pullback = jax.vjp(jax.jit(lambda x, s, w: run(ours, x, s, w)), x, states, w)
+    cts = [jax.random.normal(jax.random.fold_in(kt, j), o.shape, jnp.float32) for j, o in enumerate(out)]
+    f64 = lambda a: a.astype(jnp.float64)
+    want, want_pullback = jax.vjp(lambda x, s, w: run(oracle, x, s, w), f64(x), [f64(a) for a in states],
+                                  f64(w))
+    got_all = jax.tree.leaves((out, pullback(tuple(cts))))
+    want_all = jax.tree.leaves((want, want_pullback(tuple(f64(c) for c in cts))))
+    for got, ref_value in zip(got_all, want_all):
+        got, ref_value = np.asarray(got, np.float64), np.asarray(ref_value)
+        errors.append(float(np.linalg.norm(got - ref_value) / np.linalg.norm(ref_value)))
+print(json.dumps({"isa": jaxdnn.cpu_isa(), "errors": errors}))
+"""
+_ISA_ORDER = ("baseline", "avx2", "avx512")
+
+
+@pytest.mark.parametrize("cap", _ISA_ORDER)
+def test_cpu_kernel_builds(cap):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXDNN_CPU_ISA=cap)
+    # -P: the installed jaxdnn, not the sources in the working directory
+    child = subprocess.run([sys.executable, "-P", "-c", _ISA_CHILD], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    this_process = os.environ.get("JAXDNN_CPU_ISA") is None and jaxdnn.cpu_isa()
+    if this_process:  # the child takes the cap, or the widest this CPU has when that is narrower
+        assert report["isa"] == min(cap, this_process, key=_ISA_ORDER.index)
+    # lstm: y, h_n, c_n, dx, dh_0, dc_0, dw; gru and rnn_tanh: y, h_n, dx, dh_0, dw
+    assert len(report["errors"]) == 17
+    assert max(report["errors"]) < tolerance(jnp.float32, grad=True), report
 
 
 def _sharded_inputs(rng, mode, mesh):

@@ -1,13 +1,15 @@
 // CPU LSTM, GRU and plain RNN recurrences: the CUDA kernels' decomposition, with a chunk of up to
 // kChunkRows batch rows (instead of one) stepping through time together. Per step: the recurrent
 // products of the chunk's running rows (rows past their length drop out), then the per-unit cell
-// math of rnn_cell.h. The chunks of every direction run in parallel on XLA's intra-op thread pool;
-// each direction's W_hh is converted to float32 and packed once per call (PackWeights), so that the
-// products keep tiles of 4 rows x 8 columns of sums in vector registers over the whole reduction.
+// math of rnn_cell.h. The chunks of every direction run in parallel on XLA's intra-op thread pool
+// (smaller chunks where that gives every thread one); each direction's W_hh is converted to float32
+// and packed once per call (PackWeights), so that the products keep tiles of 4 rows x 2 vectors of
+// sums in vector registers over the whole reduction (AVX-512, AVX2 or SSE2 vectors: cpu_isa.h).
 #include <algorithm>
 #include <string_view>
 #include <vector>
 
+#include "common/cpu_isa.h"
 #include "common/half_cpu.h"
 #include "common/parallel_cpu.h"
 #include "rnn/rnn.h"
@@ -22,26 +24,52 @@ using F32Result = ffi::Result<ffi::Buffer<ffi::F32>>;
 
 constexpr int64_t kChunkRows = 16;
 
-// The per-step products' register tile: kTileRows batch rows x kPanel columns of sums (8 vector
-// registers of 4 floats), kept across the whole reduction. Written with the GCC/Clang vector
-// extension: left to itself the compiler vectorized along the reduction, shuffling each step's
-// panel rows into place (slower than the plain axpy loops this replaced).
-constexpr int64_t kTileRows = 4, kPanel = 8;
-// A panel row's 8 floats are two of them: rows are 32 bytes, and std::vector's storage is 16-byte aligned.
-using Vec4 = float __attribute__((vector_size(16)));
+// The per-step products' register tile: up to kTileRows batch rows x one panel of columns, two
+// vectors of the widest the CPU has (cpu_isa.h: 16 floats with AVX-512, 8 with AVX2, 4 on the
+// baseline, SSE2), so 8 vector sums kept across the whole reduction. Written with the GCC/Clang
+// vector extension: left to itself the compiler vectorized along the reduction, shuffling each
+// step's panel rows into place (slower than the plain axpy loops this replaced).
+constexpr int64_t kTileRows = 4;
+
+// A vector of kWidth floats; aligned(4): loads need not be aligned (std::vector's storage is 16-byte
+// aligned, a panel row 32 to 128 bytes).
+template <int kWidth>
+struct VectorOf;
+template <>
+struct VectorOf<4> {
+  using type = float __attribute__((vector_size(16), aligned(4)));
+};
+template <>
+struct VectorOf<8> {
+  using type = float __attribute__((vector_size(32), aligned(4)));
+};
+template <>
+struct VectorOf<16> {
+  using type = float __attribute__((vector_size(64), aligned(4)));
+};
+
+// The vector width of the CPU's products (cpu_isa.h).
+int ActiveVectorWidth() {
+#ifdef JAXDNN_CPU_ISA_VARIANTS
+  if (ActiveCpuIsa() == CpuIsa::kAvx512) return 16;
+  if (ActiveCpuIsa() == CpuIsa::kAvx2) return 8;
+#endif
+  return 4;
+}
 
 // A direction's recurrent weights as the right operand B [K, N] of the per-step products (float32),
-// packed in panels of kPanel columns, each [K][kPanel] and zero past N: the tile reads a row of its
-// panel as one contiguous run, and a panel (8 KiB at K 256) stays in L1 while every row tile uses it.
+// packed in panels of `panel` columns (two vectors), each [K][panel] and zero past N: the tile reads
+// a row of its panel as one contiguous run, and a panel (32 KiB at K 256 and 32 columns) stays in L1
+// while every row tile uses it.
 struct PackedWeights {
-  int64_t k = 0, n = 0;
+  int64_t k = 0, n = 0, panel = 0;
   std::vector<float> panels;
-  int64_t PanelCount() const { return (n + kPanel - 1) / kPanel; }
-  const float* Panel(int64_t p) const { return panels.data() + p * k * kPanel; }
+  int64_t PanelCount() const { return (n + panel - 1) / panel; }
+  const float* Panel(int64_t p) const { return panels.data() + p * k * panel; }
 };
 
 // Direction d's W_hh [G, H] (of w_hh [D, G, H]) packed as B = W_hh (K = G, N = H), or as B = W_hh^T
-// (K = H, N = G) when `transpose`.
+// (K = H, N = G) when `transpose`, in panels of two vectors of the CPU's width.
 ffi::Error PackWeights(const ffi::AnyBuffer& w_hh, int64_t d, bool transpose, PackedWeights* out) {
   return DispatchFloat<float, Bf16, Half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
@@ -49,11 +77,12 @@ ffi::Error PackWeights(const ffi::AnyBuffer& w_hh, int64_t d, bool transpose, Pa
     const W* w = static_cast<const W*>(w_hh.untyped_data()) + d * gates * hidden;
     out->k = transpose ? hidden : gates;
     out->n = transpose ? gates : hidden;
-    out->panels.assign(out->PanelCount() * out->k * kPanel, 0.f);
+    out->panel = 2 * ActiveVectorWidth();
+    out->panels.assign(out->PanelCount() * out->k * out->panel, 0.f);
     for (int64_t g = 0; g < gates; ++g) {
       for (int64_t j = 0; j < hidden; ++j) {
         const int64_t k = transpose ? j : g, n = transpose ? g : j;
-        out->panels[((n / kPanel) * out->k + k) * kPanel + n % kPanel] = ToFloat(w[g * hidden + j]);
+        out->panels[((n / out->panel) * out->k + k) * out->panel + n % out->panel] = ToFloat(w[g * hidden + j]);
       }
     }
     return ffi::Error::Success();
@@ -75,13 +104,14 @@ struct RowChunk {
   int64_t At(int64_t r, int64_t step) const { return jaxdnn::At(shape, Row(r), StepTime(step, lens[r], reverse)); }
 };
 
-RowChunk MakeChunk(const int32_t* seq_lengths, int64_t begin, const RecurrenceShape& s, int64_t d, bool reverse) {
+RowChunk MakeChunk(const int32_t* seq_lengths, int64_t begin, int64_t rows, const RecurrenceShape& s, int64_t d,
+                   bool reverse) {
   RowChunk chunk;
   chunk.shape = s;
   chunk.begin = begin;
   chunk.d = d;
   chunk.reverse = Reversed(reverse, d);
-  for (int64_t b = begin; b < std::min(s.batch, begin + kChunkRows); ++b) {
+  for (int64_t b = begin; b < std::min(s.batch, begin + rows); ++b) {
     chunk.lens.push_back(ValidSteps(seq_lengths[b], s.steps));
   }
   return chunk;
@@ -97,6 +127,16 @@ void ScatterRows(const float* src, const RowChunk& chunk, int64_t width, float* 
   for (size_t r = 0; r < chunk.lens.size(); ++r) std::copy_n(src + r * width, width, dst + chunk.Pair(r) * width);
 }
 
+// Batch rows a chunk: kChunkRows, or fewer (a multiple of kTileRows) where that gives each of the
+// pool's threads a chunk: a layer of 16 rows in one direction is then 2 chunks on 2 threads, not 1.
+// (A row's sums depend on the size of the tile it lands in, so the results are those of the
+// machine's thread count: the same bits on every run there.)
+int64_t ChunkRows(const RecurrenceShape& s, int64_t threads) {
+  const int64_t per_direction = std::max<int64_t>(1, (threads + s.directions - 1) / s.directions);
+  const int64_t rows = (s.batch + per_direction - 1) / per_direction;
+  return std::clamp((rows + kTileRows - 1) / kTileRows * kTileRows, kTileRows, kChunkRows);
+}
+
 // Runs fn(chunk, w) over the chunks of batch rows of every direction, in parallel (they are
 // independent recurrences), w being the direction's W_hh packed by PackWeights (as W_hh^T when
 // `transpose`). fn allocates its own buffers: chunks run on several threads at once.
@@ -105,26 +145,29 @@ ffi::Error ForEachChunk(ffi::ThreadPool& pool, const ffi::AnyBuffer& w_hh, bool 
                         const int32_t* seq_lengths, const RecurrenceShape& s, bool reverse, Fn fn) {
   std::vector<PackedWeights> w(s.directions);
   for (int64_t d = 0; d < s.directions; ++d) JAXDNN_RETURN_IF_ERROR(PackWeights(w_hh, d, transpose, &w[d]));
-  const int64_t chunks = (s.batch + kChunkRows - 1) / kChunkRows;
+  const int64_t rows = ChunkRows(s, pool.num_threads());
+  const int64_t chunks = (s.batch + rows - 1) / rows;
   ParallelFor(pool, s.directions * chunks, [&](int64_t i) {
     const int64_t d = i / chunks;
-    fn(MakeChunk(seq_lengths, i % chunks * kChunkRows, s, d, reverse), w[d]);
+    fn(MakeChunk(seq_lengths, i % chunks * rows, rows, s, d, reverse), w[d]);
   });
   return ffi::Error::Success();
 }
 
-// sum[i] = a_rows[i] . (panel's kPanel columns) over k < K, for a tile of R rows. Tiles of 1 or 2
-// rows keep 4 / R partial sums along k, so that 8 independent vector sums (6 for 3 rows) hide the
-// adds' latency (a lone row with one chain ran slower than the axpy loops this replaced).
-template <int R>
-void TileProducts(const float* const* a_rows, const float* panel, int64_t K, Vec4 (&sum)[R][kPanel / 4]) {
+// sum[i] = a_rows[i] . (the panel's 2 kWidth columns) over k < K, for a tile of R rows. Tiles of 1
+// or 2 rows keep 4 / R partial sums along k, so that 8 independent vector sums (6 for 3 rows) hide
+// the adds' latency (a lone row with one chain ran slower than the axpy loops this replaced).
+template <int R, int kWidth>
+inline __attribute__((always_inline)) void TileProducts(const float* const* a_rows, const float* panel,
+                                                        int64_t K, typename VectorOf<kWidth>::type (&sum)[R][2]) {
+  using Vector = typename VectorOf<kWidth>::type;
   constexpr int kSplit = R >= 4 ? 1 : 4 / R;
-  Vec4 part[kSplit][R][kPanel / 4] = {};
+  Vector part[kSplit][R][2] = {};
   auto accumulate = [&](int s, int64_t k) {
-    const Vec4* w = reinterpret_cast<const Vec4*>(panel + k * kPanel);
+    const Vector* w = reinterpret_cast<const Vector*>(panel + k * 2 * kWidth);
     for (int i = 0; i < R; ++i) {
       const float x = a_rows[i][k];
-      for (int v = 0; v < kPanel / 4; ++v) part[s][i][v] += x * w[v];
+      for (int v = 0; v < 2; ++v) part[s][i][v] += x * w[v];
     }
   };
   int64_t k0 = 0;
@@ -133,26 +176,59 @@ void TileProducts(const float* const* a_rows, const float* panel, int64_t K, Vec
   }
   for (; k0 < K; ++k0) accumulate(0, k0);
   for (int i = 0; i < R; ++i) {
-    for (int v = 0; v < kPanel / 4; ++v) {
+    for (int v = 0; v < 2; ++v) {
       sum[i][v] = part[0][i][v];
       for (int s = 1; s < kSplit; ++s) sum[i][v] += part[s][i][v];
     }
   }
 }
 
-// c[rows[i], n0 + j] = the products of a tile of R rows with panel p (columns n0 = p kPanel on).
-template <int R>
-void StoreTile(const PackedWeights& b, const float* a, int64_t lda, const int64_t* rows, int64_t p, float* c,
-               int64_t ldc) {
+// c[rows[i], n0 + j] = the products of a tile of R rows with panel p (columns n0 = p 2 kWidth on).
+template <int R, int kWidth>
+inline __attribute__((always_inline)) void StoreTile(const PackedWeights& b, const float* a, int64_t lda,
+                                                     const int64_t* rows, int64_t p, float* c, int64_t ldc) {
   const float* a_rows[R];
   for (int i = 0; i < R; ++i) a_rows[i] = a + rows[i] * lda;
-  Vec4 sum[R][kPanel / 4];
-  TileProducts<R>(a_rows, b.Panel(p), b.k, sum);
-  const int64_t n0 = p * kPanel, cols = std::min(kPanel, b.n - n0);
+  typename VectorOf<kWidth>::type sum[R][2];
+  TileProducts<R, kWidth>(a_rows, b.Panel(p), b.k, sum);
+  const int64_t n0 = p * b.panel, cols = std::min(b.panel, b.n - n0);
   for (int i = 0; i < R; ++i) {
-    for (int64_t j = 0; j < cols; ++j) c[rows[i] * ldc + n0 + j] = sum[i][j / 4][j % 4];
+    for (int64_t j = 0; j < cols; ++j) c[rows[i] * ldc + n0 + j] = sum[i][j / kWidth][j % kWidth];
   }
 }
+
+// The products of RunningRowProducts (below) on vectors of kWidth floats (b's panels of 2 kWidth).
+template <int kWidth>
+inline __attribute__((always_inline)) void RowProducts(const PackedWeights& b, const float* a, int64_t lda,
+                                                       const int64_t* running, int64_t count, float* c,
+                                                       int64_t ldc) {
+  for (int64_t p = 0; p < b.PanelCount(); ++p) {
+    for (int64_t i0 = 0; i0 < count; i0 += kTileRows) {
+      const int64_t* rows = running + i0;
+      switch (std::min(kTileRows, count - i0)) {
+        case 1: StoreTile<1, kWidth>(b, a, lda, rows, p, c, ldc); break;
+        case 2: StoreTile<2, kWidth>(b, a, lda, rows, p, c, ldc); break;
+        case 3: StoreTile<3, kWidth>(b, a, lda, rows, p, c, ldc); break;
+        default: StoreTile<4, kWidth>(b, a, lda, rows, p, c, ldc); break;
+      }
+    }
+  }
+}
+
+// Built for AVX-512 and for AVX2 with FMA too on x86-64 (the package's baseline is SSE2), as the
+// convolution's matmuls.
+#ifdef JAXDNN_CPU_ISA_VARIANTS
+__attribute__((target("avx512f"))) void RowProductsAvx512(const PackedWeights& b, const float* a, int64_t lda,
+                                                          const int64_t* running, int64_t count, float* c,
+                                                          int64_t ldc) {
+  RowProducts<16>(b, a, lda, running, count, c, ldc);
+}
+__attribute__((target("avx2,fma"))) void RowProductsAvx2(const PackedWeights& b, const float* a, int64_t lda,
+                                                         const int64_t* running, int64_t count, float* c,
+                                                         int64_t ldc) {
+  RowProducts<8>(b, a, lda, running, count, c, ldc);
+}
+#endif
 
 // c[r, n] = sum_k a[r, k] B[k, n] for the chunk rows r still running at `step` (the other rows of c
 // are left as they are); rows of a and c are lda and ldc floats apart. The forward's products are
@@ -165,17 +241,11 @@ void RunningRowProducts(const PackedWeights& b, const float* a, int64_t lda, con
   for (int64_t r = 0; r < int64_t(chunk.lens.size()); ++r) {
     if (step < chunk.lens[r]) running[count++] = r;
   }
-  for (int64_t p = 0; p < b.PanelCount(); ++p) {
-    for (int64_t i0 = 0; i0 < count; i0 += kTileRows) {
-      const int64_t* rows = running + i0;
-      switch (std::min(kTileRows, count - i0)) {
-        case 1: StoreTile<1>(b, a, lda, rows, p, c, ldc); break;
-        case 2: StoreTile<2>(b, a, lda, rows, p, c, ldc); break;
-        case 3: StoreTile<3>(b, a, lda, rows, p, c, ldc); break;
-        default: StoreTile<4>(b, a, lda, rows, p, c, ldc); break;
-      }
-    }
-  }
+#ifdef JAXDNN_CPU_ISA_VARIANTS
+  if (b.panel == 32) return RowProductsAvx512(b, a, lda, running, count, c, ldc);
+  if (b.panel == 16) return RowProductsAvx2(b, a, lda, running, count, c, ldc);
+#endif
+  RowProducts<4>(b, a, lda, running, count, c, ldc);
 }
 
 ffi::Error LstmFwdImpl(ffi::ThreadPool pool,
