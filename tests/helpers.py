@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,3 +215,23 @@ def check_fused_conv(x, w, kwargs, activation, with_residual, rng):
         assert g.dtype == dtype
         assert_close(g, want_g, tolerance(dtype, grad=True), f"grad {name}")
     return jax.jit(op(jaxdnn.conv)), args
+
+
+# The CPU kernels' builds, narrowest first (jaxdnn.cpu_isa() names; JAXDNN_CPU_ISA caps the choice).
+ISA_ORDER = ("baseline", "avx2", "avx512")
+
+
+def isa_child_report(child: str, cap: str) -> dict:
+    """The last stdout line, JSON, of the script `child` run on the CPU in a child process whose
+    JAXDNN_CPU_ISA is `cap` (the choice is made once per process). Checks that it ran and took the cap,
+    or the widest build this CPU has when that is narrower."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXDNN_CPU_ISA=cap)
+    # -P: the installed jaxdnn, not the sources in the working directory
+    run = subprocess.run([sys.executable, "-P", "-c", child], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    this_process = os.environ.get("JAXDNN_CPU_ISA") is None and jaxdnn.cpu_isa()
+    if this_process:
+        assert report["isa"] == min(cap, this_process, key=ISA_ORDER.index)
+    return report

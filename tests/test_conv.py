@@ -5,11 +5,7 @@ transforms, second order, sharding, export, errors, and the custom calls in the 
 
 import contextlib
 import functools
-import json
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxdnn
 from jaxdnn import _conv_kernels as conv_kernels, _conv_regroup as regroup
 from jaxdnn.conv import _prepare
-from helpers import (DTYPES, GRAD_FACTOR, assert_close, batch_mesh, check_fused_conv, dtype_id, f64, normal,
-                     on_gpu, rel_err, tolerance)
+from helpers import (DTYPES, GRAD_FACTOR, ISA_ORDER, assert_close, batch_mesh, check_fused_conv, dtype_id,
+                     f64, isa_child_report, normal, on_gpu, rel_err, tolerance)
 
 TARGETS = ("jaxdnn_conv_fprop_v4", "jaxdnn_conv_dgrad_v4", "jaxdnn_conv_wgrad_v4")
 
@@ -931,20 +927,11 @@ for i, (xs, ws, strides, padding, dilation, groups) in enumerate(cases):
         errors.append(float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
 print(json.dumps({"isa": jaxdnn.cpu_isa(), "errors": errors}))
 """
-_ISA_ORDER = ("baseline", "avx2", "avx512")
 
 
-@pytest.mark.parametrize("cap", _ISA_ORDER)
+@pytest.mark.parametrize("cap", ISA_ORDER)
 def test_cpu_kernel_builds(cap):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXDNN_CPU_ISA=cap)
-    # -P: the installed jaxdnn, not the sources in the working directory
-    child = subprocess.run([sys.executable, "-P", "-c", _ISA_CHILD], env=env, capture_output=True, text=True,
-                           timeout=300)
-    assert child.returncode == 0, child.stderr[-2000:]
-    report = json.loads(child.stdout.strip().splitlines()[-1])
-    this_process = os.environ.get("JAXDNN_CPU_ISA") is None and jaxdnn.cpu_isa()
-    if this_process:  # the child takes the cap, or the widest this CPU has when that is narrower
-        assert report["isa"] == min(cap, this_process, key=_ISA_ORDER.index)
+    report = isa_child_report(_ISA_CHILD, cap)
     assert len(report["errors"]) == 15
     forward, grads = report["errors"][0::3], report["errors"][1::3] + report["errors"][2::3]
     assert max(forward) < tolerance(jnp.float32), report

@@ -7,10 +7,6 @@ A test's `mode` is cuDNN's name of the cell, as jaxdnn.reference.rnn's: "lstm", 
 "rnn_relu" (jaxdnn.rnn with that nonlinearity)."""
 
 import functools
-import json
-import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -21,7 +17,8 @@ from jax.experimental import rnn as jax_rnn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
-from helpers import assert_close, dtype_id, f64, normal, on_gpu, rel_err, tolerance
+from helpers import (ISA_ORDER, assert_close, dtype_id, f64, isa_child_report, normal, on_gpu, rel_err,
+                     tolerance)
 from jaxdnn.reference import rnn as ref
 
 MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -459,20 +456,11 @@ for i, mode in enumerate(("lstm", "gru", "rnn_tanh")):
         errors.append(float(np.linalg.norm(got - ref_value) / np.linalg.norm(ref_value)))
 print(json.dumps({"isa": jaxdnn.cpu_isa(), "errors": errors}))
 """
-_ISA_ORDER = ("baseline", "avx2", "avx512")
 
 
-@pytest.mark.parametrize("cap", _ISA_ORDER)
+@pytest.mark.parametrize("cap", ISA_ORDER)
 def test_cpu_kernel_builds(cap):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXDNN_CPU_ISA=cap)
-    # -P: the installed jaxdnn, not the sources in the working directory
-    child = subprocess.run([sys.executable, "-P", "-c", _ISA_CHILD], env=env, capture_output=True, text=True,
-                           timeout=300)
-    assert child.returncode == 0, child.stderr[-2000:]
-    report = json.loads(child.stdout.strip().splitlines()[-1])
-    this_process = os.environ.get("JAXDNN_CPU_ISA") is None and jaxdnn.cpu_isa()
-    if this_process:  # the child takes the cap, or the widest this CPU has when that is narrower
-        assert report["isa"] == min(cap, this_process, key=_ISA_ORDER.index)
+    report = isa_child_report(_ISA_CHILD, cap)
     # lstm: y, h_n, c_n, dx, dh_0, dc_0, dw; gru and rnn_tanh: y, h_n, dx, dh_0, dw
     assert len(report["errors"]) == 17
     assert max(report["errors"]) < tolerance(jnp.float32, grad=True), report

@@ -400,8 +400,8 @@ __global__ void __launch_bounds__(kThreads)
 // warp has 32 / width keys' loads in flight), which computes the key's logits with the G T query
 // rows (in shared memory), writes its dk and dv rows (each once, the group's rows summed in a fixed
 // order) and adds ds k to the lane's dq partial. The warp's groups, then the block's warps, sum
-// their partials in a fixed order into workspace[chunk] [B, T, N, H] float32, and DecodeDqSum adds
-// the chunks in order: deterministic.
+// their partials in a fixed order into workspace[chunk] [B, T, N, H] float32, and SumSlicesKernel
+// (cuda_common.cuh) adds the chunks in order: deterministic.
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -557,16 +557,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// dq = the sum over the chunks of the decoding kernel's partials [chunks, B, T, N, H], in order.
-template <typename T>
-__global__ void DecodeDqSum(const float* __restrict__ partials, int64_t chunks, int64_t elements, T* __restrict__ dq) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < elements; i += int64_t(gridDim.x) * blockDim.x) {
-    float sum = 0.f;
-    for (int64_t c = 0; c < chunks; ++c) sum += partials[c * elements + i];
-    dq[i] = FromFloat<T>(sum);
-  }
-}
-
 // Launches `kernel` on `blocks` blocks with `floats` floats of dynamic shared memory (opting in
 // beyond 48 KiB); no launch for an empty grid.
 template <typename Kernel, typename... Args>
@@ -623,8 +613,9 @@ ffi::Error AttentionBwdTyped(cudaStream_t stream, const AttentionProblem& p, ffi
                                   chunks * p.kv_heads * p.batch, 0, stream, p, d_out, q, k, v, lse,
                                   static_cast<const float*>(delta), dk, dv, dbias, workspace.dq_accum));
     const int64_t elements = p.batch * p.q_len * p.heads * p.head_dim;
-    return Launch("DecodeDqSum", DecodeDqSum<T>, std::min<int64_t>((elements + kThreads - 1) / kThreads, 4096), 0,
-                  stream, static_cast<const float*>(workspace.dq_accum), chunks, elements, dq);
+    return Launch("decoding dq: sum of chunks", SumSlicesKernel<T>,
+                  std::min<int64_t>((elements + kThreads - 1) / kThreads, 4096), 0, stream,
+                  static_cast<const float*>(workspace.dq_accum), chunks, elements, dq);
   }
   if (workspace.sm90) {
     return attention_sm90::AttentionBwdSm90(stream, p, dtype, d_out, q, k, v, lse, delta, dq, dk, dv, dbias,

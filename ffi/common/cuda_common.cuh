@@ -171,4 +171,16 @@ cudaError_t LaunchEarly(void (*kernel)(Params...), dim3 grid, dim3 block, size_t
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
+// out[i] = the sum over s < slices of partial[s * count + i], in slice order, rounded once: the last
+// step of a reduction split into slices of float32 partial sums (deterministic: no atomics).
+template <typename T>
+__global__ void SumSlicesKernel(const float* __restrict__ partial, int64_t slices, int64_t count,
+                                T* __restrict__ out) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
+    float total = 0.f;
+    for (int64_t s = 0; s < slices; ++s) total += partial[s * count + i];
+    out[i] = FromFloat<T>(total);
+  }
+}
+
 }  // namespace jaxdnn

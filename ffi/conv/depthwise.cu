@@ -33,7 +33,8 @@
 //   Each thread sums its pack's taps over its strips in registers (Depthwise3x3 window: all 9 taps
 //   with the same row reuse as fprop; otherwise DepthwiseWgradKernel, up to kTapBlock taps of one
 //   window row per block), the block adds its threads in a fixed order (ReduceWorkers), and with
-//   more than one slice SumSlicesKernel adds the slices' float32 partials in order. No atomics.
+//   more than one slice SumSlicesKernel (cuda_common.cuh) adds the slices' float32 partials in
+//   order. No atomics.
 // Indexing is int64 wherever a product of sizes can exceed 2^31.
 #include "conv/depthwise.h"
 
@@ -543,17 +544,6 @@ __global__ void __launch_bounds__(kThreads)
   }
   ReduceWorkers<T, kVec, kTapBlock>(acc, plan, chunk, slice, window_row * g.window[2] + v0, valid_taps,
                                     g.Taps(), filters, partial, dw);
-}
-
-// dw[i] = sum over s < slices of partial[s][i], in order, rounded once.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    SumSlicesKernel(const float* __restrict__ partial, int64_t slices, int64_t count, T* __restrict__ dw) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
-    float total = 0.f;
-    for (int64_t s = 0; s < slices; ++s) total += partial[s * count + i];
-    dw[i] = FromFloat<T>(total);
-  }
 }
 
 // --- the tiled 3x3 kernel (16-bit, channels a multiple of 8) -------------------------------------------

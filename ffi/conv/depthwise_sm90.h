@@ -29,7 +29,7 @@ ffi::Error RowsConv(cudaStream_t stream, const ConvGeometry& g, const T* in, con
 
 // dw from x and dy: at most `max_slices` float32 partial gradients [slices, k * k, C] in `partial`
 // (a function of g alone), or dw itself when one slice. Sets *slices to the count written; the
-// caller adds them (depthwise.cu's SumSlicesKernel) when more than one.
+// caller adds them (cuda_common.cuh's SumSlicesKernel) when more than one.
 template <typename T>
 ffi::Error RowsWgrad(cudaStream_t stream, const ConvGeometry& g, const T* x, const T* dy, int64_t max_slices,
                      float* partial, T* dw, int64_t* slices);

@@ -22,7 +22,7 @@
 // the pixel tiles; per tile it stages the halo and the tile's dy rows, and each warp sums its
 // 16 x 16 tiles (16 channels x 16 features of a group, for a tap) over the tile's pixels, 16 at a
 // time, with x transposed by ldmatrix.trans. The slices' float32 partial sums land in the workspace
-// and SumSlicesKernel adds them in order. No atomics: the results are deterministic.
+// and SumSlicesKernel (cuda_common.cuh) adds them in order. No atomics: the results are deterministic.
 #include "conv/grouped.h"
 
 #include <algorithm>
@@ -448,18 +448,6 @@ __global__ void __launch_bounds__(kThreads) GroupedWgradKernel(const GroupedShap
   }
 }
 
-// dw[e] = the sum of the slices' partial[slice, e], in slice order.
-template <typename D>
-__global__ void SumSlicesKernel(const float* __restrict__ partial, int64_t elements, int slices,
-                                D* __restrict__ dw) {
-  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < elements;
-       e += int64_t(gridDim.x) * blockDim.x) {
-    float sum = 0.0f;
-    for (int slice = 0; slice < slices; ++slice) sum += partial[slice * elements + e];
-    dw[e] = FromFloat<D>(sum);
-  }
-}
-
 int ElementwiseBlocks(int64_t elements) {
   return int(std::min<int64_t>(4096, std::max<int64_t>(1, (elements + kThreads - 1) / kThreads)));
 }
@@ -577,10 +565,10 @@ std::optional<ffi::Error> GroupedWgrad(cudaStream_t stream, const ConvGeometry& 
     kernel<<<grid, kThreads, bytes, stream>>>(s, t, static_cast<const T*>(x), static_cast<const T*>(dy), partial);
     JAXDNN_RETURN_IF_ERROR(LaunchError("grouped conv wgrad"));
     if (dw_dtype == ffi::DataType::F32) {
-      SumSlicesKernel<<<ElementwiseBlocks(elements), kThreads, 0, stream>>>(partial, elements, int(slices),
+      SumSlicesKernel<<<ElementwiseBlocks(elements), kThreads, 0, stream>>>(partial, slices, elements,
                                                                            static_cast<float*>(dw));
     } else {
-      SumSlicesKernel<<<ElementwiseBlocks(elements), kThreads, 0, stream>>>(partial, elements, int(slices),
+      SumSlicesKernel<<<ElementwiseBlocks(elements), kThreads, 0, stream>>>(partial, slices, elements,
                                                                            static_cast<T*>(dw));
     }
     return LaunchError("grouped conv wgrad: sum of slices");
