@@ -4,10 +4,12 @@
 // Both kernels work on pixel tiles: up to 128 output pixels of one image, `rows` whole output rows
 // (or a run of `cols` columns of them where rows are wider than 64), and the tile's halo: the input
 // pixels its windows read, loaded once for every tap (a tap is an offset into the halo), with one
-// extra pixel of zeros that pixels past the tile's end read. A block takes 64 features (64 / W
-// groups of W = Cg = Kg) and their groups' 64 channels; a pixel's 64 values are 8 16-byte chunks,
-// XOR-swizzled by the pixel's index (Swizzled) so that the 8 rows an ldmatrix reads fall in
-// different banks.
+// extra pixel of zeros that the wgrad's pixels past the tile's end read. A block takes 64 features
+// (64 / W groups of W = Cg = Kg) and their groups' 64 channels; a pixel's 64 values are 8 16-byte
+// chunks in a shared-memory row of 9 (kRowBytes: the 8 rows an ldmatrix reads, consecutive pixels,
+// fall in different banks). Each lane's ldmatrix addresses are worked out once a tile; a tap adds
+// one offset (H200, ResNeXt-50's 14^2 layer: the integer work of XOR-swizzled addresses per load
+// kept the ALU pipe the busiest and the tensor cores mostly idle).
 //
 // Forward (GroupedFpropKernel): a block keeps its features' filter [taps, W, 64] in shared memory
 // and walks pixel tiles (a fixed stride of them: blocks of one feature tile share its filter), the
@@ -18,7 +20,7 @@
 // dgrad (unit strides) is this forward on dy with the filter flipped and each group's W x W block
 // transposed (FlipGroupsKernel, into the workspace), padding (window - 1) * dilation - pad.
 // wgrad (GroupedWgradKernel): dw[tap, c, k] = sum over output pixels of x[pixel through tap, c] *
-// dy[pixel, k], c and k of one group. A block takes 64 features, up to 288 / W taps and a slice of
+// dy[pixel, k], c and k of one group. A block takes 64 features, up to 160 / W taps and a slice of
 // the pixel tiles; per tile it stages the halo and the tile's dy rows, and each warp sums its
 // 16 x 16 tiles (16 channels x 16 features of a group, for a tap) over the tile's pixels, 16 at a
 // time, with x transposed by ldmatrix.trans. The slices' float32 partial sums land in the workspace
@@ -40,11 +42,13 @@ namespace {
 constexpr int kThreads = 256;               // 8 warps
 constexpr int kFeatures = 64;               // a block's features, and their groups' channels
 constexpr int kPixelChunks = kFeatures / 8; // 16-byte chunks of a pixel's 64 values
+constexpr int kRowChunks = kPixelChunks + 1;  // a pixel's row in shared memory, one chunk of padding
+constexpr uint32_t kRowBytes = 16 * kRowChunks;
 constexpr int kTilePixels = 128;            // output pixels a tile, at most
 constexpr int kMaxReach = 8;                // (window - 1) * dilation on H and W
-constexpr int kMaxHaloPixels = 384;         // a halo's, its zero pixel included (48 KB)
-constexpr int kMaxFilterRows = 640;         // taps * W of the forward's resident filter (80 KB)
-constexpr int kWgradTapChannels = 288;      // wgrad: taps * W a block (its sums: 72 floats a thread)
+constexpr int kMaxHaloPixels = 384;         // a halo's, its zero pixel included (54 KB)
+constexpr int kMaxFilterRows = 640;         // taps * W of the forward's resident filter (90 KB)
+constexpr int kWgradTapChannels = 160;      // wgrad: taps * W a block (its sums: 40 floats a thread)
 constexpr int64_t kSizeLimit = 1 << 24;     // sizes and pads the int coordinates take
 
 // The 2-D problem a kernel sees: the depth folded into the batch; unit strides.
@@ -149,9 +153,8 @@ __device__ __forceinline__ int HaloPixel(const Tiling& t, const PixelTile& tile,
   return i < tile.count ? i / tile.cols * t.halo_cols + i % tile.cols : -1;
 }
 
-// The 16-byte chunk `chunk` of pixel (row) `row` of a tile of 8-chunk rows, XOR-swizzled so that 8
-// consecutive rows at one chunk hit the 8 distinct 16-byte bank groups of a 128-byte line.
-__device__ __forceinline__ int Swizzled(int row, int chunk) { return row * kPixelChunks + (chunk ^ (row & 7)); }
+// The 16-byte chunk `chunk` of pixel (row) `row` of a tile of kRowChunks-chunk rows.
+__device__ __forceinline__ int Row(int row, int chunk) { return row * kRowChunks + chunk; }
 
 __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -196,102 +199,126 @@ __device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint3
   }
 }
 
+// Where a thread's copies of a halo go: chunk tid % 8 of pixels tid / 8 + 32 j, walked as (row,
+// column) of the halo without a division per copy. Set once a kernel (the halo's shape is fixed).
+struct HaloWalk {
+  int chunk, first_row, first_col, step_rows, step_cols;
+
+  __device__ HaloWalk(const Tiling& t) {
+    const int pixel = threadIdx.x / kPixelChunks, step = kThreads / kPixelChunks;
+    chunk = threadIdx.x % kPixelChunks;
+    first_row = pixel / t.halo_cols, first_col = pixel % t.halo_cols;
+    step_rows = step / t.halo_cols, step_cols = step % t.halo_cols;
+  }
+};
+
 // Issues the copies of a tile's halo (the input pixels of channels c0.. its windows read; zeros in
 // the padding and in the zero pixel) into `halo`.
 template <typename T>
-__device__ __forceinline__ void IssueHalo(const GroupedShape& s, const Tiling& t, const PixelTile& tile,
-                                          const T* __restrict__ x, int c0, uint4* halo) {
-  const int chunks = t.HaloPixels() * kPixelChunks;
-  for (int i = threadIdx.x; i < chunks; i += kThreads) {
-    const int pixel = i / kPixelChunks, chunk = i % kPixelChunks;
-    const int hr = pixel / t.halo_cols, h = tile.h0 + hr, w = tile.w0 + pixel - hr * t.halo_cols;
-    const bool valid = pixel < t.ZeroPixel() && h >= 0 && h < s.height && w >= 0 && w < s.width &&
-                       c0 + 8 * chunk < s.channels;
-    const T* src = valid ? x + tile.image_offset + (int64_t(h) * s.width + w) * s.channels + c0 + 8 * chunk : x;
-    CpAsync16OrZeros(halo + Swizzled(pixel, chunk), src, valid);
+__device__ __forceinline__ void IssueHalo(const GroupedShape& s, const Tiling& t, const HaloWalk& walk,
+                                          const PixelTile& tile, const T* __restrict__ x, int c0, uint4* halo) {
+  static_assert(kThreads % kPixelChunks == 0, "a thread copies one chunk of its pixels");
+  const int zero = t.ZeroPixel(), step = kThreads / kPixelChunks;
+  const bool channel_valid = c0 + 8 * walk.chunk < s.channels;
+  const T* image = x + tile.image_offset + c0 + 8 * walk.chunk;
+  int hr = walk.first_row, wc = walk.first_col;
+  for (int pixel = threadIdx.x / kPixelChunks; pixel <= zero; pixel += step) {
+    const int h = tile.h0 + hr, w = tile.w0 + wc;
+    const bool valid = channel_valid && pixel < zero && h >= 0 && h < s.height && w >= 0 && w < s.width;
+    CpAsync16OrZeros(halo + Row(pixel, walk.chunk), valid ? image + (int64_t(h) * s.width + w) * s.channels : x,
+                     valid);
+    hr += walk.step_rows, wc += walk.step_cols;
+    if (wc >= t.halo_cols) wc -= t.halo_cols, ++hr;
   }
 }
 
 // y [pixels, C] for x [images, H, W, C] and w [taps, W, C] (kWidth = W channels a group); grid
 // (feature tiles x blocks a feature tile); dynamic shared memory: the filter [taps * W rows] and
-// two halos.
+// two halos. Three blocks an SM (78 registers, no spills): 24 warps to hide the loads' latency.
 template <typename T, int kWidth>
-__global__ void __launch_bounds__(kThreads) GroupedFpropKernel(const GroupedShape s, const Tiling t,
-                                                               int feature_tiles, const T* __restrict__ x,
-                                                               const T* __restrict__ w,
-                                                               const ConvEpilogue<T> epilogue, T* __restrict__ y) {
+__global__ void __launch_bounds__(kThreads, 3) GroupedFpropKernel(const GroupedShape s, const Tiling t,
+                                                                  int feature_tiles, const T* __restrict__ x,
+                                                                  const T* __restrict__ w,
+                                                                  const ConvEpilogue<T> epilogue, T* __restrict__ y) {
   extern __shared__ uint4 shared[];
   const int taps = s.Taps(), channels = s.channels;
   const int filter_rows = taps * kWidth;
-  uint4* filter = shared;                                    // [taps * W rows][8 chunks]
-  uint4* halos = shared + filter_rows * kPixelChunks;        // [2][halo pixels][8 chunks]
-  const int halo_chunks = t.HaloPixels() * kPixelChunks;
+  uint4* filter = shared;                                    // [taps * W rows][kRowChunks]
+  uint4* halos = shared + filter_rows * kRowChunks;          // [2][halo pixels][kRowChunks]
+  const int halo_chunks = t.HaloPixels() * kRowChunks;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int f0 = int(blockIdx.x % feature_tiles) * kFeatures;
   const int64_t first_tile = blockIdx.x / feature_tiles, tile_step = gridDim.x / feature_tiles;
+  const HaloWalk walk(t);
 
   // The block's filter columns f0.., loaded once.
   for (int i = tid; i < filter_rows * kPixelChunks; i += kThreads) {
     const int row = i / kPixelChunks, chunk = i % kPixelChunks;
     const bool valid = f0 + 8 * chunk < channels;
-    CpAsync16OrZeros(filter + Swizzled(row, chunk), valid ? w + int64_t(row) * channels + f0 + 8 * chunk : w,
-                     valid);
+    CpAsync16OrZeros(filter + Row(row, chunk), valid ? w + int64_t(row) * channels + f0 + 8 * chunk : w, valid);
   }
-  if (first_tile < t.tiles) IssueHalo(s, t, TileAt(s, t, first_tile), x, f0, halos);
+  if (first_tile < t.tiles) IssueHalo(s, t, walk, TileAt(s, t, first_tile), x, f0, halos);
   CpAsyncCommit();
 
   // Warp (warp_m, warp_n) of 4 x 2: the tile's pixels warp_m * 32.., features warp_n * 32...
   const int warp_m = warp / 2, warp_n = warp % 2;
-  const uint32_t filter_base = SharedAddress(filter);
+  // This lane's ldmatrix rows. The filter's (trans, 16 channels x 16 features): rows tap * W + k0 +
+  // lane % 8 + 8 (lane / 8 % 2), chunk warp_n * 4 + 2 nb + lane / 16 for the nb-th 16 features. The
+  // halo's: its pixel of each m-tile, chunk (the group's first channel + k0) / 8 + lane / 16.
+  const uint32_t filter_lane =
+      SharedAddress(filter) + kRowBytes * (lane % 8 + 8 * (lane / 8 % 2)) + 16 * (warp_n * 4 + lane / 16);
+  const uint32_t chunk_lane = 16 * (warp_n * 4 + lane / 16);
+  const uint32_t tap_row_bytes = kRowBytes * s.dilation_h * t.halo_cols, tap_col_bytes = kRowBytes * s.dilation_w;
+  const bool plain = epilogue.bias == nullptr && epilogue.residual == nullptr && epilogue.activation == 0;
+  const int lane_feature = f0 + warp_n * 32 + lane % 4 * 2;
   int buffer = 0;
   for (int64_t index = first_tile; index < t.tiles; index += tile_step, buffer ^= 1) {
     const PixelTile tile = TileAt(s, t, index);
     if (index + tile_step < t.tiles) {
-      IssueHalo(s, t, TileAt(s, t, index + tile_step), x, f0, halos + (buffer ^ 1) * halo_chunks);
+      IssueHalo(s, t, walk, TileAt(s, t, index + tile_step), x, f0, halos + (buffer ^ 1) * halo_chunks);
     }
     CpAsyncCommit();
     CpAsyncWait<1>();  // this tile's halo (and the filter) have landed
     __syncthreads();
 
-    const uint32_t halo_base = SharedAddress(halos + buffer * halo_chunks);
-    int origin[2];  // this lane's ldmatrix row: the halo pixel of its pixel of each m-tile
+    // Pixels past the tile's end read pixel 0 (shifted by the taps, still inside the halo): their
+    // rows of the products are never stored.
+    const uint32_t halo_base = SharedAddress(halos + buffer * halo_chunks) + chunk_lane;
+    uint32_t pixel_lane[2];
     bool active[2];  // whether the m-tile holds any of the tile's pixels (uniform across the warp)
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
       const int first = (warp_m * 2 + mt) * 16;
       active[mt] = first < tile.count;
-      origin[mt] = HaloPixel(t, tile, first + lane % 16);
+      pixel_lane[mt] = halo_base + kRowBytes * max(0, HaloPixel(t, tile, first + lane % 16));
     }
     float acc[2][4][4] = {};
-    for (int tap = 0; tap < taps; ++tap) {
-      const int r = tap / s.window_w, c = tap - r * s.window_w;
-      const int shift = r * s.dilation_h * t.halo_cols + c * s.dilation_w;
+    uint32_t filter_tap = filter_lane;
+    for (int r = 0; r < s.window_h; ++r) {
+      uint32_t shift = r * tap_row_bytes;
+      for (int c = 0; c < s.window_w; ++c, shift += tap_col_bytes, filter_tap += kWidth * kRowBytes) {
 #pragma unroll
-      for (int k0 = 0; k0 < kWidth; k0 += 16) {  // 16 channels of each group at a time
-        uint32_t b[2][4];                         // [16 channels][2 x 8 features], for each 16 features
+        for (int k0 = 0; k0 < kWidth; k0 += 16) {  // 16 channels of each group at a time
+          uint32_t b[2][4];                         // [16 channels][2 x 8 features], for each 16 features
 #pragma unroll
-        for (int nb = 0; nb < 2; ++nb) {
-          const int row = tap * kWidth + k0 + lane % 8 + 8 * (lane / 8 % 2);
-          LdMatrixTrans(filter_base + 16 * Swizzled(row, (warp_n * 32 + nb * 16) / 8 + lane / 16), b[nb]);
-        }
-        uint32_t a[2][4];
+          for (int nb = 0; nb < 2; ++nb) LdMatrixTrans(filter_tap + kRowBytes * k0 + 32 * nb, b[nb]);
+          uint32_t a[2][4];
 #pragma unroll
-        for (int nb = 0; nb < 2; ++nb) {
-          // The group of these 16 features; for W >= 32 both halves of the warp's 32 are one group.
-          if (nb == 0 || kWidth == 16) {
-            const int chunk = ((warp_n * 32 + nb * 16) / kWidth * kWidth + k0) / 8 + lane / 16;
+          for (int nb = 0; nb < 2; ++nb) {
+            // The group of these 16 features; for W >= 32 both halves of the warp's 32 are one group.
+            if (nb == 0 || kWidth == 16) {
+#pragma unroll
+              for (int mt = 0; mt < 2; ++mt) {
+                if (active[mt]) LdMatrix(pixel_lane[mt] + shift + 32 * nb + 2 * k0, a[mt]);
+              }
+            }
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
-              const int pixel = origin[mt] >= 0 ? origin[mt] + shift : t.ZeroPixel();
-              if (active[mt]) LdMatrix(halo_base + 16 * Swizzled(pixel, chunk), a[mt]);
+              if (!active[mt]) continue;
+              Mma<T>(acc[mt][2 * nb], a[mt], b[nb][0], b[nb][1]);
+              Mma<T>(acc[mt][2 * nb + 1], a[mt], b[nb][2], b[nb][3]);
             }
-          }
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            if (!active[mt]) continue;
-            Mma<T>(acc[mt][2 * nb], a[mt], b[nb][0], b[nb][1]);
-            Mma<T>(acc[mt][2 * nb + 1], a[mt], b[nb][2], b[nb][3]);
           }
         }
       }
@@ -304,15 +331,20 @@ __global__ void __launch_bounds__(kThreads) GroupedFpropKernel(const GroupedShap
         const int i = (warp_m * 2 + mt) * 16 + lane / 4 + 8 * half;
         if (i >= tile.count) continue;
         const int64_t pixel = OutputPixel(s, tile, i);
+        T* out = y + pixel * channels + lane_feature;
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-          const int k = f0 + warp_n * 32 + nt * 8 + lane % 4 * 2;
-          if (k >= channels) continue;
-          const int64_t index = pixel * channels + k;
+          if (lane_feature + nt * 8 >= channels) continue;
+          float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
+          if (!plain) {
+            const int64_t index = pixel * channels + lane_feature + nt * 8;
+            v0 = epilogue.Apply(v0, index, lane_feature + nt * 8);
+            v1 = epilogue.Apply(v1, index + 1, lane_feature + nt * 8 + 1);
+          }
           Pack<T, 2> pair;
-          pair.v[0] = FromFloat<T>(epilogue.Apply(acc[mt][nt][2 * half], index, k));
-          pair.v[1] = FromFloat<T>(epilogue.Apply(acc[mt][nt][2 * half + 1], index + 1, k + 1));
-          StoreWords(y + index, pair);
+          pair.v[0] = FromFloat<T>(v0);
+          pair.v[1] = FromFloat<T>(v1);
+          StoreWords(out + nt * 8, pair);
         }
       }
     }
@@ -348,16 +380,16 @@ int WgradTapBlocks(int taps, int width) {
 // the taps of tap block blockIdx.y, features blockIdx.x * 64..; dynamic shared memory: two stages of
 // a halo and the tile's dy rows.
 template <typename T, int kWidth>
-__global__ void __launch_bounds__(kThreads) GroupedWgradKernel(const GroupedShape s, const Tiling t,
-                                                               const T* __restrict__ x, const T* __restrict__ dy,
-                                                               float* __restrict__ partial) {
+__global__ void __launch_bounds__(kThreads, 2) GroupedWgradKernel(const GroupedShape s, const Tiling t,
+                                                                  const T* __restrict__ x, const T* __restrict__ dy,
+                                                                  float* __restrict__ partial) {
   // Per tap, the block's (channel, feature) pairs are 64 / W groups of W x W: W / 4 tiles of 16 x 16.
   constexpr int kTapTiles = kWidth / 4;
   constexpr int kGroupTiles = kWidth / 16;  // 16-wide tiles along a group's channels (and features)
   constexpr int kItems = (kWgradTapChannels / kWidth * kTapTiles + 7) / 8;  // (tap, tile) pairs a warp
   extern __shared__ uint4 shared[];
-  const int halo_chunks = t.HaloPixels() * kPixelChunks;
-  constexpr int kDyChunks = kTilePixels * kPixelChunks;
+  const int halo_chunks = t.HaloPixels() * kRowChunks;
+  constexpr int kDyChunks = kTilePixels * kRowChunks;
   const int stage_chunks = halo_chunks + kDyChunks;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -367,31 +399,33 @@ __global__ void __launch_bounds__(kThreads) GroupedWgradKernel(const GroupedShap
   const int block_taps = (taps + tap_blocks - 1) / tap_blocks;
   const int tap0 = blockIdx.y * block_taps, here = min(block_taps, taps - tap0);
   const int64_t first = blockIdx.z * t.tiles / gridDim.z, end = (blockIdx.z + 1) * t.tiles / gridDim.z;
+  const HaloWalk walk(t);
 
-  // This warp's (tap, tile) pairs: warp + 8 j of the block's here * kTapTiles; their halo shifts and
-  // the chunks of their channels and features.
-  int shift[kItems], a_chunk[kItems], b_chunk[kItems];
+  // This warp's (tap, tile) pairs: warp + 8 j of the block's here * kTapTiles. Their ldmatrix
+  // offsets from this lane's rows: x^T's, the tap's halo shift (in bytes) and the chunk of its 16
+  // channels; dy's, the chunk of its 16 features.
+  uint32_t shift[kItems], a_chunk[kItems], b_chunk[kItems];
 #pragma unroll
   for (int j = 0; j < kItems; ++j) {
     const int item = min(warp + 8 * j, here * kTapTiles - 1);
     const int tap = tap0 + item / kTapTiles, tile = item % kTapTiles;
     const int r = tap / s.window_w, c = tap - r * s.window_w;
-    shift[j] = r * s.dilation_h * t.halo_cols + c * s.dilation_w;
+    shift[j] = kRowBytes * (r * s.dilation_h * t.halo_cols + c * s.dilation_w);
     const int group = tile / (kGroupTiles * kGroupTiles), rest = tile % (kGroupTiles * kGroupTiles);
-    a_chunk[j] = (group * kWidth + rest / kGroupTiles * 16) / 8;
-    b_chunk[j] = (group * kWidth + rest % kGroupTiles * 16) / 8;
+    a_chunk[j] = 16 * ((group * kWidth + rest / kGroupTiles * 16) / 8 + lane / 8 % 2);
+    b_chunk[j] = 16 * ((group * kWidth + rest % kGroupTiles * 16) / 8 + lane / 16);
   }
 
   auto issue = [&](int stage, int64_t index) {
     uint4* halo = shared + stage * stage_chunks;
     const PixelTile tile = TileAt(s, t, index);
-    IssueHalo(s, t, tile, x, f0, halo);
+    IssueHalo(s, t, walk, tile, x, f0, halo);
     uint4* dy_rows = halo + halo_chunks;
-    for (int i = tid; i < kDyChunks; i += kThreads) {
+    for (int i = tid; i < kTilePixels * kPixelChunks; i += kThreads) {
       const int pixel = i / kPixelChunks, chunk = i % kPixelChunks;
       const bool valid = pixel < tile.count && f0 + 8 * chunk < channels;
       const T* src = valid ? dy + OutputPixel(s, tile, pixel) * channels + f0 + 8 * chunk : dy;
-      CpAsync16OrZeros(dy_rows + Swizzled(pixel, chunk), src, valid);
+      CpAsync16OrZeros(dy_rows + Row(pixel, chunk), src, valid);
     }
   };
 
@@ -409,16 +443,18 @@ __global__ void __launch_bounds__(kThreads) GroupedWgradKernel(const GroupedShap
     const uint32_t dy_base = halo_base + 16 * halo_chunks;
     for (int p0 = 0; p0 < tile.count; p0 += 16) {
       // ldmatrix rows: for x^T (trans), pixels p0 + (lane % 8) + 8 (lane / 16); for dy (trans),
-      // p0 + (lane % 8) + 8 (lane / 8 % 2). Pixels past the tile read the zero pixel (x) and zeros (dy).
+      // p0 + (lane % 8) + 8 (lane / 8 % 2). Pixels past the tile read the zero pixel, unshifted
+      // (x: an inf or NaN times dy's zeros there would reach dw), and zeros (dy).
       const int a_origin = HaloPixel(t, tile, p0 + lane % 8 + 8 * (lane / 16));
-      const int dy_row = p0 + lane % 8 + 8 * (lane / 8 % 2);
+      const uint32_t a_lane = halo_base + kRowBytes * (a_origin >= 0 ? a_origin : t.ZeroPixel());
+      const uint32_t shift_mask = a_origin >= 0 ? ~0u : 0u;
+      const uint32_t b_lane = dy_base + kRowBytes * (p0 + lane % 8 + 8 * (lane / 8 % 2));
 #pragma unroll
       for (int j = 0; j < kItems; ++j) {
         if (warp + 8 * j >= here * kTapTiles) break;
         uint32_t a[4], b[4];
-        const int pixel = a_origin >= 0 ? a_origin + shift[j] : t.ZeroPixel();
-        LdMatrixTrans(halo_base + 16 * Swizzled(pixel, a_chunk[j] + lane / 8 % 2), a);
-        LdMatrixTrans(dy_base + 16 * Swizzled(dy_row, b_chunk[j] + lane / 16), b);
+        LdMatrixTrans(a_lane + (shift[j] & shift_mask) + a_chunk[j], a);
+        LdMatrixTrans(b_lane + b_chunk[j], b);
         Mma<T>(acc[j][0], a, b[0], b[1]);
         Mma<T>(acc[j][1], a, b[2], b[3]);
       }
@@ -475,7 +511,7 @@ template <typename T, int kWidth>
 ffi::Error LaunchFprop(cudaStream_t stream, const GroupedShape& s, const T* x, const T* w,
                        const ConvEpilogue<T>& epilogue, T* y) {
   const Tiling t = TilingOf(s);
-  const size_t bytes = 16 * size_t(kPixelChunks) * (size_t(s.Taps()) * kWidth + 2 * size_t(t.HaloPixels()));
+  const size_t bytes = kRowBytes * (size_t(s.Taps()) * kWidth + 2 * size_t(t.HaloPixels()));
   auto kernel = GroupedFpropKernel<T, kWidth>;
   JAXDNN_RETURN_IF_ERROR(AllowShared(kernel, bytes, "grouped conv forward"));
   // As many blocks as fit at once, the same number for every feature tile (each keeps its filter).
@@ -557,7 +593,7 @@ std::optional<ffi::Error> GroupedWgrad(cudaStream_t stream, const ConvGeometry& 
   return DispatchGrouped(dtype, g.GroupChannels(), [&](auto type_tag, auto width_tag) {
     using T = decltype(type_tag);
     constexpr int kWidth = decltype(width_tag)::value;
-    const size_t bytes = 2 * 16 * size_t(kPixelChunks) * (size_t(t.HaloPixels()) + kTilePixels);
+    const size_t bytes = 2 * kRowBytes * (size_t(t.HaloPixels()) + kTilePixels);
     auto kernel = GroupedWgradKernel<T, kWidth>;
     JAXDNN_RETURN_IF_ERROR(AllowShared(kernel, bytes, "grouped conv wgrad"));
     const dim3 grid(unsigned(FeatureTiles(s.channels)), unsigned(WgradTapBlocks(s.Taps(), kWidth)),
