@@ -211,10 +211,10 @@ def _grouped_kernel_takes(dtype, conv, batch, channels, filters):
 
 
 def _grouped_wgrad_slices(width, filters, taps, out_pixels):
-    """grouped.cu's GroupedWgradSlices: about one wave of blocks (each 64 features and up to 160 / width
-    taps; _SMS SMs, two blocks each), each slice at least 64 pixels, at most 256 slices."""
+    """grouped.cu's GroupedWgradSlices: at most one wave of blocks (each 64 features and up to 160 /
+    width taps; _SMS SMs, two blocks each), each slice at least 64 pixels, at most 256 slices."""
     blocks = -(-filters // 64) * -(-taps // (160 // width))
-    return max(1, min(-(-2 * _SMS // blocks), -(-out_pixels // 64), 256))
+    return max(1, min(2 * _SMS // blocks, -(-out_pixels // 64), 256))
 
 
 # The `algorithm` attribute's kernels (ffi/conv/conv.h's ConvAlgorithm) that autotuning times.

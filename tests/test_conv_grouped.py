@@ -21,7 +21,8 @@ _CHANNELS_LAST = {3: ("NWC", "WIO", "NWC"), 4: NHWC, 5: ("NDHWC", "DHWIO", "NDHW
 
 # (lhs shape, rhs shape, kwargs), channels last. Group widths 16 and 32; feature tiles of 64 whole,
 # partial (K 48, 96) and several; images in one pixel tile and in several (rows, and columns
-# past 64), with short last tiles, and more tiles than blocks; wgrad slices; 3x3, 5x5 (25 taps: three
+# past 64), with short last tiles, and more tiles than blocks; tiles of several whole images (7 x 7:
+# two a tile, the last tile one); wgrad slices; 3x3, 5x5 (25 taps: three
 # wgrad tap blocks), 5x3 with dilation and uneven padding, dilation 4 (a halo that shrinks the
 # tile), negative padding, 1x1; 1-D, and 3-D with a depth window of 1 (folded into the batch).
 CASES = [
@@ -34,6 +35,7 @@ CASES = [
     ((2, 7, 8, 32), (5, 5, 16, 32), dict(padding="SAME", feature_group_count=2)),
     ((2, 5, 5, 64), (1, 1, 16, 64), dict(padding="VALID", feature_group_count=4)),
     ((2, 20, 20, 64), (3, 3, 16, 64), dict(padding="SAME", feature_group_count=4)),
+    ((5, 7, 7, 64), (3, 3, 16, 64), dict(padding="SAME", feature_group_count=4)),
     ((3, 13, 64), (3, 32, 64), dict(padding="SAME", feature_group_count=2)),
     ((1, 3, 5, 6, 64), (1, 3, 3, 32, 64), dict(padding="SAME", feature_group_count=2)),
     ((1, 12, 70, 32), (3, 3, 16, 32), dict(padding="SAME", feature_group_count=2)),
@@ -158,10 +160,10 @@ def test_grouped_kernel_takes(dtype, conv, channels, filters, path):
 
 
 @pytest.mark.parametrize("width,filters,taps,pixels,slices", [
-    (16, 512, 9, 128 * 196, 33), (32, 1024, 9, 128 * 49, 9), (32, 256, 16, 10 ** 6, 17),
+    (16, 512, 9, 128 * 196, 33), (32, 1024, 9, 128 * 49, 8), (32, 256, 16, 10 ** 6, 16),
     (16, 64, 25, 800, 13), (16, 64, 9, 20, 1), (16, 128, 9, 10 ** 7, 132), (16, 64, 1, 10 ** 7, 256)],
     ids=str)
 def test_grouped_wgrad_slices(width, filters, taps, pixels, slices):
-    """About one wave of wgrad blocks (132 SMs, two blocks each; a block 64 features and up to 160 / W
+    """At most one wave of wgrad blocks (132 SMs, two blocks each; a block 64 features and up to 160 / W
     taps), at least 64 pixels a slice, at most 256 slices: the workspace the target gets holds them."""
     assert conv_kernels._grouped_wgrad_slices(width, filters, taps, pixels) == slices

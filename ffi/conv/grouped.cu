@@ -2,7 +2,8 @@
 // float32 sums), one small product per group, operands staged in shared memory by cp.async.
 //
 // Both kernels work on pixel tiles: up to 128 output pixels of one image, `rows` whole output rows
-// (or a run of `cols` columns of them where rows are wider than 64), and the tile's halo: the input
+// (or a run of `cols` columns of them where rows are wider than 64), or several whole images where
+// each has at most 64 output pixels, and the tile's halo: the input
 // pixels its windows read, loaded once for every tap (a tap is an offset into the halo), with one
 // extra pixel of zeros that the wgrad's pixels past the tile's end read. A block takes 64 features
 // (64 / W groups of W = Cg = Kg) and their groups' 64 channels; a pixel's 64 values are 8 16-byte
@@ -82,16 +83,21 @@ GroupedShape DgradShapeOf(const ConvGeometry& g) {
   return s;
 }
 
-// How a problem's output pixels split into tiles: `rows` x `cols` pixels (the last row and column
-// blocks of an image may be smaller), and the halo every tile loads.
+// How a problem's output pixels split into tiles: `rows` x `cols` pixels of an image (the last row
+// and column blocks of an image may be smaller), or, where an image's output fills at most half a
+// tile, `images` whole images a tile (the last tile may hold fewer), and the halo every tile loads:
+// `halo_rows` x `halo_cols` pixels an image, the images' halos one after the other, then the zero
+// pixel. (ResNeXt's 7^2 layers: two images, 98 pixels a tile, where one left half the forward's
+// warps without pixels.)
 struct Tiling {
   int rows, cols;
   int row_blocks, col_blocks;  // of an image
+  int images;                  // a tile's
   int halo_rows, halo_cols;
   int64_t tiles;
 
-  __host__ __device__ int ZeroPixel() const { return halo_rows * halo_cols; }
-  __host__ __device__ int HaloPixels() const { return halo_rows * halo_cols + 1; }
+  __host__ __device__ int ZeroPixel() const { return images * halo_rows * halo_cols; }
+  __host__ __device__ int HaloPixels() const { return ZeroPixel() + 1; }
 };
 
 Tiling TilingOf(const GroupedShape& s) {
@@ -113,16 +119,21 @@ Tiling TilingOf(const GroupedShape& s) {
   t.cols = (s.out_width + t.col_blocks - 1) / t.col_blocks;
   t.halo_rows = t.rows + s.ReachH();
   t.halo_cols = t.cols + s.ReachW();
-  t.tiles = s.images * t.row_blocks * t.col_blocks;
+  t.images = 1;
+  if (t.row_blocks == 1 && t.col_blocks == 1) {
+    const int64_t fit = std::min(kTilePixels / (t.rows * t.cols), (kMaxHaloPixels - 1) / (t.halo_rows * t.halo_cols));
+    t.images = int(std::max<int64_t>(1, std::min(fit, s.images)));
+  }
+  t.tiles = (s.images + t.images - 1) / t.images * t.row_blocks * t.col_blocks;
   return t;
 }
 
-// One tile's place: its image's offset in the input, its first output pixel, its size, and the
-// input coordinates of its halo's first pixel.
+// One tile's place: its first image's offset in the input, its first output pixel, its size (whole
+// images: rows x cols an image), and the input coordinates of its halo's first pixel.
 struct PixelTile {
   int64_t image_offset;  // of the input image, in elements
   int64_t first_pixel;   // the output pixel index of the tile's (0, 0)
-  int rows, cols, count;
+  int rows, cols, images, count;
   int h0, w0;
 };
 
@@ -131,11 +142,12 @@ __device__ __forceinline__ PixelTile TileAt(const GroupedShape& s, const Tiling&
   const int col_block = int(index % t.col_blocks);
   const int64_t rest = index / t.col_blocks;
   const int row_block = int(rest % t.row_blocks);
-  const int64_t image = rest / t.row_blocks;
+  const int64_t image = rest / t.row_blocks * t.images;
   const int p0 = row_block * t.rows, q0 = col_block * t.cols;
   tile.rows = min(t.rows, s.out_height - p0);
   tile.cols = min(t.cols, s.out_width - q0);
-  tile.count = tile.rows * tile.cols;
+  tile.images = int(min(int64_t(t.images), s.images - image));
+  tile.count = tile.images * tile.rows * tile.cols;
   tile.image_offset = image * s.height * s.width * s.channels;
   tile.first_pixel = (image * s.out_height + p0) * s.out_width + q0;
   tile.h0 = p0 - s.pad_h;
@@ -143,14 +155,17 @@ __device__ __forceinline__ PixelTile TileAt(const GroupedShape& s, const Tiling&
   return tile;
 }
 
-// The output pixel index of the tile's pixel i (< count).
+// The output pixel index of the tile's pixel i (< count): whole images follow each other in y.
 __device__ __forceinline__ int64_t OutputPixel(const GroupedShape& s, const PixelTile& tile, int i) {
   return tile.first_pixel + int64_t(i / tile.cols) * s.out_width + i % tile.cols;
 }
 
-// The halo pixel the tile's pixel i reads through tap (0, 0); the zero pixel past the tile's end.
+// The halo pixel the tile's pixel i reads through tap (0, 0); -1 past the tile's end.
 __device__ __forceinline__ int HaloPixel(const Tiling& t, const PixelTile& tile, int i) {
-  return i < tile.count ? i / tile.cols * t.halo_cols + i % tile.cols : -1;
+  if (i >= tile.count) return -1;
+  // The division by an image's rows only in tiles of several images: this runs at every wgrad step.
+  const int row = i / tile.cols, image = t.images > 1 ? row / t.rows : 0;
+  return ((row - image * t.rows) + image * t.halo_rows) * t.halo_cols + i % tile.cols;
 }
 
 // The 16-byte chunk `chunk` of pixel (row) `row` of a tile of kRowChunks-chunk rows.
@@ -199,8 +214,8 @@ __device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint3
   }
 }
 
-// Where a thread's copies of a halo go: chunk tid % 8 of pixels tid / 8 + 32 j, walked as (row,
-// column) of the halo without a division per copy. Set once a kernel (the halo's shape is fixed).
+// Where a thread's copies of a halo go: chunk tid % 8 of pixels tid / 8 + 32 j, walked as (image,
+// row, column) of the halo without a division per copy. Set once a kernel (the halo's shape is fixed).
 struct HaloWalk {
   int chunk, first_row, first_col, step_rows, step_cols;
 
@@ -213,22 +228,44 @@ struct HaloWalk {
 };
 
 // Issues the copies of a tile's halo (the input pixels of channels c0.. its windows read; zeros in
-// the padding and in the zero pixel) into `halo`.
-template <typename T>
-__device__ __forceinline__ void IssueHalo(const GroupedShape& s, const Tiling& t, const HaloWalk& walk,
-                                          const PixelTile& tile, const T* __restrict__ x, int c0, uint4* halo) {
+// the padding, past the last image and in the zero pixel) into `halo`. kSeveral: the tile may hold
+// several images (the walk then crosses from one image's halo rows to the next's); without, a copy
+// costs what it did before such tiles. (A build that made these checks for every tile, with a
+// division more in HaloPixel, ran the 14^2 and 28^2 layers, one image a tile, 9-11% slower on an
+// H200; which of the two cost it was not measured.)
+template <bool kSeveral, typename T>
+__device__ __forceinline__ void IssueHaloOf(const GroupedShape& s, const Tiling& t, const HaloWalk& walk,
+                                            const PixelTile& tile, const T* __restrict__ x, int c0, uint4* halo) {
   static_assert(kThreads % kPixelChunks == 0, "a thread copies one chunk of its pixels");
   const int zero = t.ZeroPixel(), step = kThreads / kPixelChunks;
   const bool channel_valid = c0 + 8 * walk.chunk < s.channels;
+  const int64_t image_elements = int64_t(s.height) * s.width * s.channels;
   const T* image = x + tile.image_offset + c0 + 8 * walk.chunk;
-  int hr = walk.first_row, wc = walk.first_col;
+  int hr = walk.first_row, wc = walk.first_col, sub = 0;  // sub: the tile's image of the halo row hr
+  if constexpr (kSeveral) {
+    while (hr >= t.halo_rows) hr -= t.halo_rows, ++sub, image += image_elements;
+  }
   for (int pixel = threadIdx.x / kPixelChunks; pixel <= zero; pixel += step) {
     const int h = tile.h0 + hr, w = tile.w0 + wc;
-    const bool valid = channel_valid && pixel < zero && h >= 0 && h < s.height && w >= 0 && w < s.width;
+    const bool valid = channel_valid && pixel < zero && (!kSeveral || sub < tile.images) && h >= 0 &&
+                       h < s.height && w >= 0 && w < s.width;
     CpAsync16OrZeros(halo + Row(pixel, walk.chunk), valid ? image + (int64_t(h) * s.width + w) * s.channels : x,
                      valid);
     hr += walk.step_rows, wc += walk.step_cols;
     if (wc >= t.halo_cols) wc -= t.halo_cols, ++hr;
+    if constexpr (kSeveral) {
+      while (hr >= t.halo_rows) hr -= t.halo_rows, ++sub, image += image_elements;
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void IssueHalo(const GroupedShape& s, const Tiling& t, const HaloWalk& walk,
+                                          const PixelTile& tile, const T* __restrict__ x, int c0, uint4* halo) {
+  if (t.images > 1) {
+    IssueHaloOf<true>(s, t, walk, tile, x, c0, halo);
+  } else {
+    IssueHaloOf<false>(s, t, walk, tile, x, c0, halo);
   }
 }
 
@@ -576,9 +613,9 @@ std::optional<ffi::Error> GroupedDgrad(cudaStream_t stream, const ConvGeometry& 
 
 int64_t GroupedWgradSlices(const ConvGeometry& g) {
   const int64_t blocks = FeatureTiles(int(g.filters)) * WgradTapBlocks(int(g.Taps()), int(g.GroupChannels()));
-  // About one wave: 132 SMs (an H100/H200), two blocks each; each slice at least 64 pixels.
+  // At most one wave: 132 SMs (an H100/H200), two blocks each; each slice at least 64 pixels.
   const int64_t most = std::min<int64_t>(256, (g.OutPixels() + 63) / 64);
-  return std::max<int64_t>(1, std::min((2 * 132 + blocks - 1) / blocks, most));
+  return std::max<int64_t>(1, std::min(2 * 132 / blocks, most));
 }
 
 std::optional<ffi::Error> GroupedWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype,
