@@ -219,6 +219,32 @@ def test_rnn_relu_kink():
     assert not np.any(np.asarray(got[0]))
 
 
+@pytest.mark.skipif(on_gpu(), reason="the CPU kernels' tanh (a GPU's is libdevice's tanhf)")
+def test_cpu_tanh_within_two_ulps():
+    """The CPU kernels' tanh (common/activation.h's host Tanh: a polynomial below 0.625, exp above) is
+    within 2 ulp of float64's, read through a plain RNN whose step is h = tanh(x): W_ih the identity
+    at HIGHEST precision (x passes exactly), W_hh and the biases zero. Both sides of the split, tiny
+    and huge values, and the values that round to 1."""
+    hidden = 64
+    split = np.float32(0.625)
+    around = [np.nextafter(split, np.float32(0)), split, np.nextafter(split, np.float32(1))]
+    values = np.concatenate([np.linspace(0, 12, 64 * 60, dtype=np.float32), around,
+                             np.float32([1e-20, 1e-10, 1e-5, 1e-3, 9.0, 9.1, 50.0, 1e3, 3e38])])
+    values = np.concatenate([values, -values])
+    values = np.pad(values, (0, -len(values) % hidden))  # whole steps of `hidden` values
+    x = jnp.asarray(values.reshape(1, -1, hidden))
+    steps = x.shape[1]
+    weights = jnp.concatenate([jnp.eye(hidden, dtype=jnp.float32).ravel(),
+                               jnp.zeros((hidden * hidden + 2 * hidden,), jnp.float32)])
+    assert weights.shape[0] == ref.weight_count("rnn_tanh", hidden, hidden, 1, False)
+    y = jaxdnn.rnn(x, jnp.zeros((1, 1, hidden), jnp.float32), weights, jnp.full((1,), steps, jnp.int32),
+                   hidden, hidden, 1, 0.0, False, precision=jax.lax.Precision.HIGHEST)[0]
+    got = np.asarray(y, np.float64).ravel()
+    exact = np.tanh(values.astype(np.float64))
+    ulps = np.abs(got - exact) / np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+    assert np.max(ulps) <= 2, (values[np.argmax(ulps)], np.max(ulps))
+
+
 def test_rnn_bad_nonlinearity(rng):
     with pytest.raises(ValueError, match="rnn: nonlinearity must be 'tanh' or 'relu', got 'gelu'"):
         _bad_call("rnn_tanh", nonlinearity="gelu")
