@@ -91,8 +91,10 @@ _GEMM = {
 
 
 # The `algorithm` attribute's tile configurations (ffi/dense/dense.h's GemmAlgorithm) that autotuning
-# times: 128 x 256 in clusters of 2, 128 x 128, 128 x 64.
+# times: 128 x 256 in clusters of 2, 128 x 128, 128 x 64; and for float32 a^T . b at TF32 the streamed
+# mma.sync kernel (ffi/dense/gemm_streamed_tf32.cu).
 _TILE_CONFIGS = (1, 2, 3)
+_STREAMED = 4
 
 
 def _candidates(a, b, trans_a, trans_b, tf32):
@@ -102,7 +104,9 @@ def _candidates(a, b, trans_a, trans_b, tf32):
     itemsize = jnp.dtype(a.dtype).itemsize
     per_16_bytes = 16 // itemsize
     aligned = a.shape[-1] % per_16_bytes == 0 and b.shape[-1] % per_16_bytes == 0 and n % per_16_bytes == 0
-    return _TILE_CONFIGS if (itemsize == 2 or tf32) and aligned and not (trans_a and trans_b) else ()
+    if not ((itemsize == 2 or tf32) and aligned and not (trans_a and trans_b)):
+        return ()
+    return _TILE_CONFIGS + ((_STREAMED,) if itemsize == 4 and trans_a and not trans_b else ())
 
 
 def _bind(a, b, bias, **attrs):
@@ -157,13 +161,25 @@ _matmul.defvjp(lambda a, b, trans_a, trans_b, tf32: (_matmul(a, b, trans_a, tran
 # rows are split into slices multiplied as a batch (one kernel call) and summed in float32.
 _SMS = 132  # an H100/H200's: the slice count is a function of the shapes alone, the same everywhere
 _MIN_SLICE_ROWS = 4096
+# float32 products at TF32 of at most this many sums run on the streamed kernel (dense.cu, gemm_sm90.h's
+# kStreamedMaxOutputs), whose slices may be shorter.
+_STREAMED_MAX_OUTPUTS = 1 << 17
+_STREAMED_MIN_SLICE_ROWS = 1024
 
 
-def _row_slices(rows, k, n):
+def _streamed_tiles(k, n):
+    """The streamed kernel's tiles of a [k, n] product (gemm_streamed_tf32.cu's StreamedTf32TileM: of
+    the 64 x 256, 128 x 128 and 256 x 64 tiles, the shape whose tiles read the fewest columns)."""
+    counts = [(-(-k // m) * -(-n // (16384 // m)), m) for m in (64, 128, 256)]
+    return min(counts, key=lambda c: c[0] * (c[1] + 16384 // c[1]))[0]
+
+
+def _row_slices(rows, k, n, streamed=False):
     """How many slices of the rows to multiply apart: about one output tile per SM, each slice at
-    least _MIN_SLICE_ROWS long; a divisor of rows (1: no split)."""
-    tiles = max(1, -(-k // 128) * -(-n // 128))
-    limit = min(-(-_SMS // tiles), rows // _MIN_SLICE_ROWS)
+    least _MIN_SLICE_ROWS long (_STREAMED_MIN_SLICE_ROWS on the streamed kernel); a divisor of rows
+    (1: no split)."""
+    tiles = _streamed_tiles(k, n) if streamed else max(1, -(-k // 128) * -(-n // 128))
+    limit = min(-(-_SMS // tiles), rows // (_STREAMED_MIN_SLICE_ROWS if streamed else _MIN_SLICE_ROWS))
     return next((s for s in range(limit, 1, -1) if rows % s == 0), 1)
 
 
@@ -172,7 +188,8 @@ def weight_gradient(x, dz, tf32):
     product is rounded to x's dtype before the float32 sum: for 16-bit operands about one more
     rounding error than one product would make."""
     rows, k, n = x.shape[1], x.shape[2], dz.shape[2]
-    slices = _row_slices(rows, k, n)
+    streamed = bool(tf32) and x.dtype == _F32 and k % 4 == 0 and n % 4 == 0 and k * n <= _STREAMED_MAX_OUTPUTS
+    slices = _row_slices(rows, k, n, streamed)
     if slices == 1:
         return _matmul(x, dz, 1, 0, tf32)
     parts = _matmul(x.reshape(slices, rows // slices, k), dz.reshape(slices, rows // slices, n), 1, 0, tf32)

@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
 from helpers import DTYPES, assert_close, batch_mesh, dtype_id, f64, normal, on_gpu, rel_err, tolerance
-from jaxdnn.dense import _gemm, _matmul, _row_slices
-from jaxdnn.activation import epilogue
+from jaxdnn.dense import _GEMM, _gemm, _matmul, _row_slices, _streamed_tiles
+from jaxdnn.activation import epilogue, epilogue_attrs
 from jaxdnn.reference.activation import activation_fwd
 
 TARGET = "jaxdnn_gemm_v3"
@@ -102,6 +102,10 @@ def test_weight_gradient_split_over_rows(dtype, rng):
     """Many rows and a small w: dw is summed from slices of the rows (here 3 of 4098; the partial
     products are rounded to x's dtype, hence the wider bf16 tolerance)."""
     assert _row_slices(3 * 4098, 24, 9) == 3 and _row_slices(4097 * 2 + 1, 24, 9) == 1
+    # float32 at TF32 on the streamed kernel: its own tiles (one 64 x 256 tile for a 1x1 64 -> 256
+    # convolution's wgrad at N 128, 56^2; ten 128 x 128 for 516 x 132), slices of 1024 rows or more.
+    assert _streamed_tiles(64, 256) == 1 and _streamed_tiles(256, 64) == 1 and _streamed_tiles(516, 132) == 10
+    assert _row_slices(128 * 56 * 56, 64, 256, True) == 128 and _row_slices(4 * 1025, 24, 9, True) == 4
     x, w, bias = _inputs(rng, (2, 3 * 4098 // 2, 24), 9, dtype)
     hlo = jax.jit(jax.grad(lambda x, w: jnp.sum(jaxdnn.dense(x, w) ** 2), argnums=1)).lower(x, w).as_text()
     assert "tensor<3x4098x24x" in hlo
@@ -185,6 +189,29 @@ def test_tf32_products_every_layout(trans_a, trans_b, rng):
     err = rel_err(jax.jit(lambda a, b: _matmul(a, b, trans_a, trans_b, 1))(a, b), want)
     assert err <= (TF32_TOLERANCE if on_gpu() else 1e-6), err
     if on_gpu():
+        assert err > 1e-6, f"exact float32 sums ({err}): the TF32 kernel did not run"
+
+
+@pytest.mark.parametrize("m,n", [(64, 256), (200, 72), (300, 36), (516, 132), (30, 40)], ids=str)
+@pytest.mark.parametrize("algorithm", [0, 4], ids=["heuristic", "streamed"])
+def test_tf32_streamed_weight_gradient(m, n, algorithm, rng):
+    """float32 a^T . b at TF32, the weight gradient's product, on the streamed kernel (gemm_streamed_tf32.cu)
+    when the heuristic or the algorithm attribute picks it: its 64 x 256, 128 x 128 and 256 x 64
+    tiles (the first four cases, ragged but for the first), K rows past a stage and not a multiple
+    of one, 3 batch entries, a bias and an activation in the epilogue. Within TF32 rounding of the
+    float64 product, and on a GPU not exact (the tensor cores ran); exact on CPU. (30, 40): M not
+    a multiple of 4, which the CUDA-core kernel takes (exact)."""
+    k, batch = 1000, 3
+    a, b = normal(rng, (batch, k, m)), normal(rng, (batch, k, n))
+    bias = normal(rng, (n,))
+    attrs = dict(trans_a=np.int64(1), trans_b=np.int64(0), tf32=np.int64(1), algorithm=np.int64(algorithm),
+                 **epilogue_attrs("gelu_tanh", 0.0))
+    got = jax.jit(lambda a, b, bias: _GEMM["batched"].bind(a, b, bias, **attrs)[0])(a, b, bias)
+    want = activation_fwd(jnp.einsum("lkm,lkn->lmn", f64(a), f64(b)) + f64(bias), "gelu_tanh", 0.0)
+    err = rel_err(got, want)
+    tensor_cores = on_gpu() and m % 4 == 0
+    assert err <= (TF32_TOLERANCE if tensor_cores else 1e-6), err
+    if tensor_cores:
         assert err > 1e-6, f"exact float32 sums ({err}): the TF32 kernel did not run"
 
 

@@ -91,11 +91,36 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(gmem) : "memory");
 }
+// A 16-byte copy that lands zeros instead where `valid` is false (then nothing is read: `gmem` need
+// only be some valid address).
+__device__ __forceinline__ void CpAsync16OrZeros(void* smem, const void* gmem, bool valid) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most `kPending` of this thread's committed copy groups are still in flight.
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// --- TF32 mma.sync: m16n8k8, float32 sums. Fragments (lane = 4 g + t): A [16 x 8] holds a0 (g, t),
+// a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4); B [8 x 8] b0 (k t, n g), b1 (k t + 4, n g); D [16 x 8]
+// d0 (g, 2 t), d1 (g, 2 t + 1), d2 (g + 8, 2 t), d3 (g + 8, 2 t + 1).
+
+// v rounded to TF32 (nearest, ties away from zero: cuBLAS's conversion), as the mma's operand bits.
+__device__ __forceinline__ uint32_t Tf32(float v) {
+  uint32_t bits;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(v));
+  return bits;
+}
+
+__device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 // Streams the indices first, first + step, ... < end through kSlots stages of a thread's own

@@ -175,14 +175,6 @@ __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// A 16-byte copy that lands zeros instead where `valid` is false (then nothing is read: `gmem` need
-// only be some valid address).
-__device__ __forceinline__ void CpAsync16OrZeros(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SharedAddress(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-
 // Four 8x8 matrices of 16-bit values, lane l giving the address of row l % 8 of matrix l / 8;
 // .trans hands each thread the transposed matrices' elements.
 __device__ __forceinline__ void LdMatrix(uint32_t address, uint32_t (&r)[4]) {

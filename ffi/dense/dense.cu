@@ -1,5 +1,6 @@
 // CUDA GEMM handler (jaxdnn_gemm_v3, see dense.h). bfloat16/float16 problems whose rows suit TMA, and
-// float32 ones with the tf32 attribute, run on the Hopper tensor-core kernels (gemm_sm90.cuh); exact
+// float32 ones with the tf32 attribute, run on the Hopper tensor-core kernels (gemm_sm90.cuh; small
+// float32 a^T . b products, weight gradients, on gemm_streamed_tf32.cu's mma.sync kernel); exact
 // float32 and unaligned problems run on a tiled CUDA-core kernel here, with the same epilogue.
 #include <climits>
 #include <optional>
@@ -168,6 +169,10 @@ std::optional<ffi::Error> GemmOnTensorCores(const GemmProblem& p, ffi::DataType 
                     b_row % align == 0 && p.n % align == 0 && p.m < INT32_MAX && p.n < INT32_MAX &&
                     p.k < INT32_MAX && p.batch < INT32_MAX;
   if (!fits) return std::nullopt;
+  if (tf32 && p.trans_a && !p.trans_b) {
+    const bool streams = p.algorithm == kGemmStreamed || (p.algorithm == kGemmAuto && p.m * p.n <= kStreamedMaxOutputs);
+    if (streams && (p.m + 63) / 64 <= 65535 && p.batch <= 65535) return GemmStreamedTf32(p, stream);
+  }
   if (tf32) return GemmSm90Tf32(p, stream);
   return dtype == ffi::DataType::BF16 ? GemmSm90Bf16(p, stream) : GemmSm90F16(p, stream);
 }

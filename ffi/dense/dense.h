@@ -31,6 +31,7 @@ enum GemmAlgorithm : int64_t {
   kGemmLarge = 1,   // 128 x 256 tiles in clusters of 2
   kGemmSmall = 2,   // 128 x 128
   kGemmNarrow = 3,  // 128 x 64
+  kGemmStreamed = 4,  // float32 a^T . b at TF32 only: mma.sync, K rows streamed (gemm_sm90.h)
 };
 
 struct GemmAttrs {

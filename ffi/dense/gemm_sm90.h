@@ -31,6 +31,15 @@ struct GemmProblem {
 // launch's status, or nothing when p needs another kernel.
 std::optional<ffi::Error> GemmOnTensorCores(const GemmProblem& p, ffi::DataType dtype, cudaStream_t stream);
 
+// c = a^T . b of float32 operands a [L, K, M] and b [L, K, N] at TF32 (trans_a, not trans_b), on
+// mma.sync, streaming the K rows through shared memory (gemm_streamed_tf32.cu); M and N multiples of
+// 4. The heuristic takes it for products of at most kStreamedMaxOutputs sums a batch entry (dense.py
+// mirrors both, and the tile choice, to split long K into batch entries).
+constexpr int64_t kStreamedMaxOutputs = int64_t(1) << 17;
+ffi::Error GemmStreamedTf32(const GemmProblem& p, cudaStream_t stream);
+// Its tile's rows (64, 128 or 256; the columns 16384 / that): the shape that reads the least.
+int StreamedTf32TileM(int64_t m, int64_t n);
+
 // The warp-specialized TMA + wgmma kernels (CUTLASS), one per operand layout taken; bfloat16,
 // float16, and float32 operands multiplied as TF32.
 ffi::Error GemmSm90Bf16(const GemmProblem& p, cudaStream_t stream);

@@ -287,9 +287,8 @@ __device__ void BlockMatmul(const W* w, int ldw, XRow x_row, int rows, int cols,
 }
 
 // --- TF32 tensor-core block product -----------------------------------------------------------
-// mma.sync m16n8k8 with TF32 operands and float32 sums. Fragments (lane = 4 g + t): A [16 x 8] holds
-// a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4); B [8 x 8] b0 (k t, n g), b1 (k t + 4,
-// n g); D [16 x 8] d0 (g, 2 t), d1 (g, 2 t + 1), d2 (g + 8, 2 t), d3 (g + 8, 2 t + 1).
+// mma.sync m16n8k8 with TF32 operands and float32 sums (Tf32, MmaTf32 and the fragments' layout:
+// common/cuda_common.cuh).
 constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 8, kMmaTile = kMmaM * kMmaN;
 // The product walks k in blocks of 32: a lane loads 8 consecutive elements of each of its rows a
 // block (16-byte loads) and feeds them to the block's 4 mmas.
@@ -303,20 +302,6 @@ __host__ __device__ constexpr int64_t KPadded(int64_t K) { return (K + kKBlock -
 // 32; 2-byte types: 16 bytes a lane, rows 64 bytes apart modulo 128).
 __host__ __device__ constexpr int64_t FragmentStride(int64_t K, int64_t bytes) {
   return bytes == 4 ? KPadded(K) + 4 : KPadded(K) + (KPadded(K) % 64 == 0 ? 32 : 0);
-}
-
-// v rounded to TF32 (nearest, ties away from zero: cuBLAS's conversion), as the mma's operand bits.
-__device__ __forceinline__ uint32_t Tf32(float v) {
-  uint32_t bits;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(v));
-  return bits;
-}
-
-__device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 // p[0, 8) (shared memory, 16-byte aligned) as TF32 operand bits: floats rounded when kRound, else
