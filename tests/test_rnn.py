@@ -7,6 +7,7 @@ A test's `mode` is cuDNN's name of the cell, as jaxdnn.reference.rnn's: "lstm", 
 "rnn_relu" (jaxdnn.rnn with that nonlinearity)."""
 
 import functools
+import os
 
 import flax.linen as nn
 import jax
@@ -442,34 +443,33 @@ def test_deterministic(mode, rng):
         np.testing.assert_array_equal(a, b)
 
 
-# The CPU kernel's per-step products in each build the CPU can run (JAXDNN_CPU_ISA caps the choice,
-# made once per process): a child process per cap, on the CPU, runs every mode's forward and VJP
-# with hidden size 20 (panels of 32, 16 or 8 columns, the last partial), 7 ragged rows in both
-# directions (tiles of 1 to 4 running rows) and two layers, and reports the relative errors against
-# the float64 reference.
-_ISA_CHILD = """
-import json, jax, jax.numpy as jnp, numpy as np
+# A child process's run, on the CPU, of every mode's forward and VJP against the float64 reference,
+# its sizes in CONFIG (a line put before it, see _rnn_child): it reports the relative errors, a
+# digest of the results' bits, the cores it ran on and the CPU build it took (cpu_isa).
+_RNN_CHILD = """
+import hashlib, json, os
+if CONFIG["one_core"]:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+import jax, jax.numpy as jnp, numpy as np
 import jaxdnn
 from jaxdnn.reference import rnn as ref
 jax.config.update("jax_enable_x64", True)
-errors = []
+digest, errors = hashlib.sha256(), []
+batch, steps, inputs, hidden, layers, bidirectional = (
+    CONFIG[k] for k in ("batch", "steps", "inputs", "hidden", "layers", "bidirectional"))
 for i, mode in enumerate(("lstm", "gru", "rnn_tanh")):
     name, _, nonlinearity = mode.partition("_")
+    extra = {"nonlinearity": nonlinearity} if nonlinearity else {}
     ours, oracle = getattr(jaxdnn, name), getattr(ref, name)
-    if nonlinearity:
-        ours, oracle = (lambda f: lambda *a: f(*a, nonlinearity=nonlinearity))(ours), \
-            (lambda f: lambda *a: f(*a, nonlinearity=nonlinearity))(oracle)
     kx, kh, kc, kw, kt = jax.random.split(jax.random.key(i), 5)
-    batch, steps, inputs, hidden, layers = 7, 6, 5, 20, 2
     x = jax.random.normal(kx, (batch, steps, inputs), jnp.float32)
-    states = [jax.random.normal(k, (2 * layers, batch, hidden), jnp.float32)
-              for k in ((kh, kc) if name == "lstm" else (kh,))]
-    count = ref.weight_count(mode, inputs, hidden, layers, True)
-    w = jax.random.uniform(kw, (count,), jnp.float32, -0.3, 0.3)
-    lengths = jnp.asarray([6, 1, 4, 6, 3, 0, 5], jnp.int32)
-    sizes = (inputs, hidden, layers, 0.0, True)
+    keys = (kh, kc) if name == "lstm" else (kh,)
+    states = [jax.random.normal(k, ((1 + bidirectional) * layers, batch, hidden), jnp.float32) for k in keys]
+    count = ref.weight_count(mode, inputs, hidden, layers, bidirectional)
+    w = jax.random.uniform(kw, (count,), jnp.float32, -CONFIG["scale"], CONFIG["scale"])
+    lengths = jnp.asarray(CONFIG["lengths"], jnp.int32)
     def run(fn, x, states, w):
-        return fn(x, *states, w, lengths, *sizes)
+        return fn(x, *states, w, lengths, inputs, hidden, layers, 0.0, bidirectional, **extra)
     out, pullback = jax.vjp(jax.jit(lambda x, s, w: run(ours, x, s, w)), x, states, w)
     cts = [jax.random.normal(jax.random.fold_in(kt, j), o.shape, jnp.float32) for j, o in enumerate(out)]
     f64 = lambda a: a.astype(jnp.float64)
@@ -478,18 +478,45 @@ for i, mode in enumerate(("lstm", "gru", "rnn_tanh")):
     got_all = jax.tree.leaves((out, pullback(tuple(cts))))
     want_all = jax.tree.leaves((want, want_pullback(tuple(f64(c) for c in cts))))
     for got, ref_value in zip(got_all, want_all):
+        digest.update(np.asarray(got).tobytes())
         got, ref_value = np.asarray(got, np.float64), np.asarray(ref_value)
         errors.append(float(np.linalg.norm(got - ref_value) / np.linalg.norm(ref_value)))
-print(json.dumps({"isa": jaxdnn.cpu_isa(), "errors": errors}))
+print(json.dumps({"isa": jaxdnn.cpu_isa(), "cpus": len(os.sched_getaffinity(0)), "digest": digest.hexdigest(),
+                  "errors": errors}))
 """
 
 
+def _rnn_child(cap, one_core=False, **sizes):
+    """_RNN_CHILD's report, run under the JAXDNN_CPU_ISA cap `cap` (isa_child_report)."""
+    return isa_child_report(f"CONFIG = {dict(sizes, one_core=one_core)!r}\n" + _RNN_CHILD, cap)
+
+
+# The CPU kernel's per-step products in each build the CPU can run (JAXDNN_CPU_ISA caps the choice,
+# made once per process): hidden size 20 (panels of 32, 16 or 8 columns, the last partial), 7 ragged
+# rows in both directions (tiles of 1 to 4 running rows) and two layers.
 @pytest.mark.parametrize("cap", ISA_ORDER)
 def test_cpu_kernel_builds(cap):
-    report = isa_child_report(_ISA_CHILD, cap)
+    report = _rnn_child(cap, batch=7, steps=6, inputs=5, hidden=20, layers=2, bidirectional=True, scale=0.3,
+                        lengths=[6, 1, 4, 6, 3, 0, 5])
     # lstm: y, h_n, c_n, dx, dh_0, dc_0, dw; gru and rnn_tanh: y, h_n, dx, dh_0, dw
     assert len(report["errors"]) == 17
     assert max(report["errors"]) < tolerance(jnp.float32, grad=True), report
+
+
+@pytest.mark.skipif(on_gpu(), reason="the CPU kernels' thread split")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split over")
+def test_cpu_one_row_products_split_over_threads():
+    """One batch row of one direction is one chunk: on several cores, its per-step products are split
+    by columns over a team of threads (rnn_cpu.cc's ForEachChunk, RoundTeam). A child process on one
+    core (one thread in XLA's pool: no split) and one on every core give the same bits, within
+    tolerance of float64 (hidden 300: 1200 gate columns forward, 300 backward, parts of at least 128)."""
+    sizes = dict(batch=1, steps=5, inputs=7, hidden=300, layers=1, bidirectional=False, scale=0.05,
+                 lengths=[4])
+    one, every = (_rnn_child(ISA_ORDER[-1], one_core=pinned, **sizes) for pinned in (True, False))
+    assert one["cpus"] == 1 and every["cpus"] >= 2, (one, every)
+    assert len(every["errors"]) == 17
+    assert max(every["errors"]) < tolerance(jnp.float32, grad=True), every
+    assert one["digest"] == every["digest"], (one, every)
 
 
 def _sharded_inputs(rng, mode, mesh):

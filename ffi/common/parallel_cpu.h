@@ -32,6 +32,87 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
   while (progress->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
+// A spinning thread's pause (the x86 `pause`, arm's `yield`: a hint to the core, not a syscall).
+inline void SpinPause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Rounds of `parts` parts that the calling thread and up to `helpers` tasks of XLA's intra-op pool
+// share: each Run(fn) is one round, fn(part) for every part < parts, and returns once all are done.
+// The helpers are scheduled once and spin between rounds, so a round costs no task launch (a
+// recurrence's step is microseconds). Thread i takes part i first (the caller 0), so that a part's
+// data stays in one core's cache from round to round, then any part still open. As in ParallelFor, a
+// helper that starts late, or never, only leaves the caller more parts: a part is taken once, by a
+// compare-and-swap of its last round, and a helper touches the caller's data only for a part it
+// took of the round that is open (which cannot end before that part is done).
+class RoundTeam {
+ public:
+  RoundTeam(ffi::ThreadPool& pool, int64_t helpers, int64_t parts) : state_(std::make_shared<State>(parts)) {
+    for (int64_t id = 1; id <= helpers && parts > 1; ++id) {
+      pool.Schedule([state = state_, id] {
+        for (int64_t seen = -1, spins = 0;; ++spins) {
+          const int64_t round = state->round.load(std::memory_order_acquire);
+          if (round == seen) {
+            if (state->finished.load(std::memory_order_acquire)) return;
+            SpinPause();
+            if (spins % 1024 == 0) std::this_thread::yield();
+            continue;
+          }
+          seen = round;
+          state->TakeParts(round, id);
+        }
+      });
+    }
+  }
+  ~RoundTeam() { state_->finished.store(true, std::memory_order_release); }
+  RoundTeam(const RoundTeam&) = delete;
+  RoundTeam& operator=(const RoundTeam&) = delete;
+
+  int64_t parts() const { return state_->parts; }
+
+  template <typename Fn>
+  void Run(const Fn& fn) {
+    State& s = *state_;
+    if (s.parts == 1) return fn(int64_t(0));
+    s.call = [](const void* ctx, int64_t part) { (*static_cast<const Fn*>(ctx))(part); };
+    s.ctx = &fn;
+    s.done.store(0, std::memory_order_relaxed);
+    s.round.store(++round_, std::memory_order_release);
+    s.TakeParts(round_, 0);
+    while (s.done.load(std::memory_order_acquire) < s.parts) SpinPause();
+  }
+
+ private:
+  struct State {
+    explicit State(int64_t parts) : parts(parts), taken(new std::atomic<int64_t>[parts]) {
+      for (int64_t p = 0; p < parts; ++p) taken[p].store(-1, std::memory_order_relaxed);
+    }
+    // The parts of `round` still open, starting at part `first`.
+    void TakeParts(int64_t round, int64_t first) {
+      for (int64_t i = 0; i < parts; ++i) {
+        const int64_t part = (first + i) % parts;
+        int64_t previous = round - 1;
+        if (taken[part].compare_exchange_strong(previous, round, std::memory_order_acq_rel)) {
+          call(ctx, part);
+          done.fetch_add(1, std::memory_order_release);
+        }
+      }
+    }
+    const int64_t parts;
+    std::unique_ptr<std::atomic<int64_t>[]> taken;  // each part's last round taken
+    std::atomic<int64_t> round{-1}, done{0};
+    std::atomic<bool> finished{false};
+    void (*call)(const void*, int64_t) = nullptr;  // the open round's fn, set before it opens
+    const void* ctx = nullptr;
+  };
+  std::shared_ptr<State> state_;
+  int64_t round_ = -1;
+};
+
 // A CPU handler's binding with XLA's intra-op thread pool as its first argument.
 inline auto BindWithThreadPool() { return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>(); }
 

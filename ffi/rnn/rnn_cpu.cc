@@ -2,7 +2,8 @@
 // kChunkRows batch rows (instead of one) stepping through time together. Per step: the recurrent
 // products of the chunk's running rows (rows past their length drop out), then the per-unit cell
 // math of rnn_cell.h. The chunks of every direction run in parallel on XLA's intra-op thread pool
-// (smaller chunks where that gives every thread one); each direction's W_hh is converted to float32
+// (smaller chunks where that gives every thread one; fewer chunks than threads split their products
+// by columns over the spare ones: ForEachChunk); each direction's W_hh is converted to float32
 // and packed once per call (PackWeights), so that the products keep tiles of 4 rows x 2 vectors of
 // sums in vector registers over the whole reduction (AVX-512, AVX2 or SSE2 vectors: cpu_isa.h).
 #include <algorithm>
@@ -137,19 +138,29 @@ int64_t ChunkRows(const RecurrenceShape& s, int64_t threads) {
   return std::clamp((rows + kTileRows - 1) / kTileRows * kTileRows, kTileRows, kChunkRows);
 }
 
-// Runs fn(chunk, w) over the chunks of batch rows of every direction, in parallel (they are
+// Columns of a step's product a thread at least, where a chunk's products are split over threads.
+constexpr int64_t kMinPartColumns = 128;
+
+// Runs fn(chunk, w, team) over the chunks of batch rows of every direction, in parallel (they are
 // independent recurrences), w being the direction's W_hh packed by PackWeights (as W_hh^T when
-// `transpose`). fn allocates its own buffers: chunks run on several threads at once.
+// `transpose`). fn allocates its own buffers: chunks run on several threads at once. Where there are
+// fewer chunks than the pool's threads (one batch row of one direction: 1 chunk on 2 threads), each
+// chunk's per-step products are split by columns over a team of the spare threads (RoundTeam, at
+// least kMinPartColumns columns a part): each thread then reads its part of W_hh every step, which
+// stays in its core's cache, where one thread streamed all of it. The split changes no sum.
 template <typename Fn>
 ffi::Error ForEachChunk(ffi::ThreadPool& pool, const ffi::AnyBuffer& w_hh, bool transpose,
                         const int32_t* seq_lengths, const RecurrenceShape& s, bool reverse, Fn fn) {
   std::vector<PackedWeights> w(s.directions);
   for (int64_t d = 0; d < s.directions; ++d) JAXDNN_RETURN_IF_ERROR(PackWeights(w_hh, d, transpose, &w[d]));
-  const int64_t rows = ChunkRows(s, pool.num_threads());
-  const int64_t chunks = (s.batch + rows - 1) / rows;
-  ParallelFor(pool, s.directions * chunks, [&](int64_t i) {
+  const int64_t threads = pool.num_threads(), rows = ChunkRows(s, threads);
+  const int64_t chunks = (s.batch + rows - 1) / rows, items = s.directions * chunks;
+  const int64_t helpers = std::max<int64_t>(0, threads / items - 1);
+  const int64_t parts = std::clamp<int64_t>(w[0].n / kMinPartColumns, 1, helpers + 1);
+  ParallelFor(pool, items, [&](int64_t i) {
     const int64_t d = i / chunks;
-    fn(MakeChunk(seq_lengths, i % chunks * rows, rows, s, d, reverse), w[d]);
+    RoundTeam team(pool, helpers, parts);
+    fn(MakeChunk(seq_lengths, i % chunks * rows, rows, s, d, reverse), w[d], team);
   });
   return ffi::Error::Success();
 }
@@ -197,12 +208,13 @@ inline __attribute__((always_inline)) void StoreTile(const PackedWeights& b, con
   }
 }
 
-// The products of RunningRowProducts (below) on vectors of kWidth floats (b's panels of 2 kWidth).
+// The products of RunningRowProducts (below) on vectors of kWidth floats (b's panels of 2 kWidth),
+// panels [p0, p1).
 template <int kWidth>
 inline __attribute__((always_inline)) void RowProducts(const PackedWeights& b, const float* a, int64_t lda,
                                                        const int64_t* running, int64_t count, float* c,
-                                                       int64_t ldc) {
-  for (int64_t p = 0; p < b.PanelCount(); ++p) {
+                                                       int64_t ldc, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
     for (int64_t i0 = 0; i0 < count; i0 += kTileRows) {
       const int64_t* rows = running + i0;
       switch (std::min(kTileRows, count - i0)) {
@@ -220,32 +232,36 @@ inline __attribute__((always_inline)) void RowProducts(const PackedWeights& b, c
 #ifdef JAXDNN_CPU_ISA_VARIANTS
 __attribute__((target("avx512f"))) void RowProductsAvx512(const PackedWeights& b, const float* a, int64_t lda,
                                                           const int64_t* running, int64_t count, float* c,
-                                                          int64_t ldc) {
-  RowProducts<16>(b, a, lda, running, count, c, ldc);
+                                                          int64_t ldc, int64_t p0, int64_t p1) {
+  RowProducts<16>(b, a, lda, running, count, c, ldc, p0, p1);
 }
 __attribute__((target("avx2,fma"))) void RowProductsAvx2(const PackedWeights& b, const float* a, int64_t lda,
                                                          const int64_t* running, int64_t count, float* c,
-                                                         int64_t ldc) {
-  RowProducts<8>(b, a, lda, running, count, c, ldc);
+                                                         int64_t ldc, int64_t p0, int64_t p1) {
+  RowProducts<8>(b, a, lda, running, count, c, ldc, p0, p1);
 }
 #endif
 
 // c[r, n] = sum_k a[r, k] B[k, n] for the chunk rows r still running at `step` (the other rows of c
 // are left as they are); rows of a and c are lda and ldc floats apart. The forward's products are
 // h W_hh^T (B = W_hh^T), the backward's d W_hh (B = W_hh). Panels outside, so that each stays in L1
-// while every tile of rows uses it.
-void RunningRowProducts(const PackedWeights& b, const float* a, int64_t lda, const RowChunk& chunk, int64_t step,
-                        float* c, int64_t ldc) {
+// while every tile of rows uses it; the team's parts take contiguous runs of panels.
+void RunningRowProducts(RoundTeam& team, const PackedWeights& b, const float* a, int64_t lda, const RowChunk& chunk,
+                        int64_t step, float* c, int64_t ldc) {
   int64_t running[kChunkRows];
   int64_t count = 0;
   for (int64_t r = 0; r < int64_t(chunk.lens.size()); ++r) {
     if (step < chunk.lens[r]) running[count++] = r;
   }
+  const int64_t panels = b.PanelCount(), parts = team.parts();
+  team.Run([&](int64_t part) {
+    const int64_t p0 = part * panels / parts, p1 = (part + 1) * panels / parts;
 #ifdef JAXDNN_CPU_ISA_VARIANTS
-  if (b.panel == 32) return RowProductsAvx512(b, a, lda, running, count, c, ldc);
-  if (b.panel == 16) return RowProductsAvx2(b, a, lda, running, count, c, ldc);
+    if (b.panel == 32) return RowProductsAvx512(b, a, lda, running, count, c, ldc, p0, p1);
+    if (b.panel == 16) return RowProductsAvx2(b, a, lda, running, count, c, ldc, p0, p1);
 #endif
-  RowProducts<4>(b, a, lda, running, count, c, ldc);
+    RowProducts<4>(b, a, lda, running, count, c, ldc, p0, p1);
+  });
 }
 
 ffi::Error LstmFwdImpl(ffi::ThreadPool pool,
@@ -264,13 +280,13 @@ ffi::Error LstmFwdImpl(ffi::ThreadPool pool,
   std::fill_n(c_seq->typed_data(), sequences * H, 0.f);
   std::fill_n(acts->typed_data(), sequences * G, 0.f);
   return ForEachChunk(pool, w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
-                      [&](const RowChunk& chunk, const PackedWeights& wt) {
+                      [&](const RowChunk& chunk, const PackedWeights& wt, RoundTeam& team) {
     const int64_t rows = int64_t(chunk.lens.size());
     std::vector<float> h(rows * H), c(rows * H), pre(rows * G);
     GatherRows(h0.typed_data(), chunk, H, h.data());
     GatherRows(c0.typed_data(), chunk, H, c.data());
     for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
-      RunningRowProducts(wt, h.data(), H, chunk, step, pre.data(), G);
+      RunningRowProducts(team, wt, h.data(), H, chunk, step, pre.data(), G);
       for (int64_t r = 0; r < rows; ++r) {
         if (step >= chunk.lens[r]) continue;
         const int64_t row = chunk.At(r, step);
@@ -309,7 +325,7 @@ ffi::Error LstmBwdImpl(ffi::ThreadPool pool,
   const int64_t H = s.hidden, G = s.gates(), T = s.steps;
   std::fill_n(dgates->typed_data(), s.batch * s.directions * T * G, 0.f);
   return ForEachChunk(pool, w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
-                      [&](const RowChunk& chunk, const PackedWeights& w) {
+                      [&](const RowChunk& chunk, const PackedWeights& w, RoundTeam& team) {
     const int64_t rows = int64_t(chunk.lens.size());
     std::vector<float> dh(rows * H), dc(rows * H), dg(rows * G);
     GatherRows(dh_n.typed_data(), chunk, H, dh.data());
@@ -332,7 +348,7 @@ ffi::Error LstmBwdImpl(ffi::ThreadPool pool,
           for (int q = 0; q < 4; ++q) out[q * H + j] = dgr[q * H + j] = d_pre[q];
         }
       }
-      RunningRowProducts(w, dg.data(), G, chunk, step, dh.data(), H);
+      RunningRowProducts(team, w, dg.data(), G, chunk, step, dh.data(), H);
     }
     ScatterRows(dh.data(), chunk, H, dh0->typed_data());
     ScatterRows(dc.data(), chunk, H, dc0->typed_data());
@@ -355,13 +371,13 @@ ffi::Error GruFwdImpl(ffi::ThreadPool pool,
   std::fill_n(h_seq->typed_data(), sequences * H, 0.f);
   std::fill_n(saved->typed_data(), sequences * 4 * H, 0.f);
   return ForEachChunk(pool, w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
-                      [&](const RowChunk& chunk, const PackedWeights& wt) {
+                      [&](const RowChunk& chunk, const PackedWeights& wt, RoundTeam& team) {
     const float* bias = b_hh.typed_data() + chunk.d * s.gates();
     const int64_t rows = int64_t(chunk.lens.size());
     std::vector<float> h(rows * H), hp(rows * G);
     GatherRows(h0.typed_data(), chunk, H, h.data());
     for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
-      RunningRowProducts(wt, h.data(), H, chunk, step, hp.data(), G);
+      RunningRowProducts(team, wt, h.data(), H, chunk, step, hp.data(), G);
       for (int64_t r = 0; r < rows; ++r) {
         if (step >= chunk.lens[r]) continue;
         const int64_t row = chunk.At(r, step);
@@ -398,7 +414,7 @@ ffi::Error GruBwdImpl(ffi::ThreadPool pool,
   std::fill_n(dgates_x->typed_data(), s.batch * s.directions * T * G, 0.f);
   std::fill_n(dgates_h->typed_data(), s.batch * s.directions * T * G, 0.f);
   return ForEachChunk(pool, w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
-                      [&](const RowChunk& chunk, const PackedWeights& w) {
+                      [&](const RowChunk& chunk, const PackedWeights& w, RoundTeam& team) {
     const int64_t rows = int64_t(chunk.lens.size());
     std::vector<float> dh(rows * H), bypass(rows * H), dgh(rows * G);
     GatherRows(dh_n.typed_data(), chunk, H, dh.data());
@@ -420,7 +436,7 @@ ffi::Error GruBwdImpl(ffi::ThreadPool pool,
           for (int q = 0; q < 3; ++q) out_x[q * H + j] = d_x[q], out_h[q * H + j] = dgr[q * H + j] = d_h[q];
         }
       }
-      RunningRowProducts(w, dgh.data(), G, chunk, step, dh.data(), H);
+      RunningRowProducts(team, w, dgh.data(), G, chunk, step, dh.data(), H);
       for (int64_t r = 0; r < rows; ++r) {
         if (step >= chunk.lens[r]) continue;
         for (int64_t j = 0; j < H; ++j) dh[r * H + j] += bypass[r * H + j];
@@ -445,12 +461,12 @@ ffi::Error RnnFwdImpl(ffi::ThreadPool pool,
   const int64_t H = s.hidden, T = s.steps;
   std::fill_n(h_seq->typed_data(), s.batch * s.directions * T * H, 0.f);
   return ForEachChunk(pool, w_hh, /*transpose=*/true, seq_lengths.typed_data(), s, reverse != 0,
-                      [&](const RowChunk& chunk, const PackedWeights& wt) {
+                      [&](const RowChunk& chunk, const PackedWeights& wt, RoundTeam& team) {
     const int64_t rows = int64_t(chunk.lens.size());
     std::vector<float> h(rows * H), pre(rows * H);
     GatherRows(h0.typed_data(), chunk, H, h.data());
     for (int64_t step = 0; step < chunk.MaxSteps(); ++step) {
-      RunningRowProducts(wt, h.data(), H, chunk, step, pre.data(), H);
+      RunningRowProducts(team, wt, h.data(), H, chunk, step, pre.data(), H);
       for (int64_t r = 0; r < rows; ++r) {
         if (step >= chunk.lens[r]) continue;
         const int64_t row = chunk.At(r, step);
@@ -478,7 +494,7 @@ ffi::Error RnnBwdImpl(ffi::ThreadPool pool,
   const int64_t H = s.hidden, T = s.steps;
   std::fill_n(dgates->typed_data(), s.batch * s.directions * T * H, 0.f);
   return ForEachChunk(pool, w_hh, /*transpose=*/false, seq_lengths.typed_data(), s, reverse != 0,
-                      [&](const RowChunk& chunk, const PackedWeights& w) {
+                      [&](const RowChunk& chunk, const PackedWeights& w, RoundTeam& team) {
     const int64_t rows = int64_t(chunk.lens.size());
     std::vector<float> dh(rows * H), dg(rows * H);
     GatherRows(dh_n.typed_data(), chunk, H, dh.data());
@@ -492,7 +508,7 @@ ffi::Error RnnBwdImpl(ffi::ThreadPool pool,
         float *dgr = dg.data() + r * H, *dhr = dh.data() + r * H;
         for (int64_t j = 0; j < H; ++j) out[j] = dgr[j] = RnnCellGrad(act, h[j], dy[j] + dhr[j]);
       }
-      RunningRowProducts(w, dg.data(), H, chunk, step, dh.data(), H);
+      RunningRowProducts(team, w, dg.data(), H, chunk, step, dh.data(), H);
     }
     ScatterRows(dh.data(), chunk, H, dh0->typed_data());
   });
