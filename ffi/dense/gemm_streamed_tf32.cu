@@ -11,12 +11,14 @@
 // both operands' tile columns, copied by cp.async (16 bytes a copy, zeros past the ends) into rows
 // padded to a stride of 8 (mod 32) floats, so that a fragment's 32 loads (lane 4 g + t reads row t,
 // column g) hit 32 banks. The caller splits long K into batch entries (dense.py's _row_slices) so
-// that the blocks fill the GPU. What bounds it is the TF32 mma.sync rate, about 95 TFLOP/s on an
-// H200 (4096^3 through this kernel: 1.43 ms, CUTLASS's wgmma 0.56): a 1x1 64->256 wgrad at N 128,
-// 56^2 (401408 x 64 x 256) takes 0.161 ms (3.2 TB/s of its operands; CUTLASS's 0.297, cuBLAS's
-// 0.131), so the heuristic takes it for small products only (kStreamedMaxOutputs). Measured and
-// slower (2026-11-29): 16-byte fragment loads (rows and columns permuted so that a lane's values
-// sit together; 0.182 ms), 16-row stages with two blocks an SM (0.167; with both, 0.209).
+// that the blocks fill the GPU. It multiplies at about 95 TFLOP/s on an H200 (4096^3 through this
+// kernel: 1.43 ms, CUTLASS's wgmma 0.56), so the heuristic takes it for small products only
+// (kStreamedMaxOutputs): a 1x1 64->256 wgrad at N 128, 56^2 (401408 x 64 x 256) takes 0.161 ms
+// (3.2 TB/s of its operands; CUTLASS's 0.297, cuBLAS's 0.131). Measured and slower (2026-11-29):
+// 16-byte fragment loads (rows and columns permuted so that a lane's values sit together; 0.182
+// ms), 16-row stages with two blocks an SM (0.167; with both, 0.209). Fewer load instructions and
+// more warps did not help, so the mma.sync issue rate or the cvt.rna conversions set the rate (not
+// profiled).
 #include "common/activation.h"
 #include "common/cuda_common.cuh"
 #include "dense/dense.h"
