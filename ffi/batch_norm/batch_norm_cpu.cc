@@ -10,15 +10,34 @@
 namespace jaxdnn {
 namespace {
 
-// Calls fn(element offset, channel) for every element of x in memory order.
+// Calls fn(element offset, channel) for every element of x in memory order. Channels last (I = 1)
+// has a loop of its own: there the channel loop is the contiguous one, and it vectorizes.
 template <typename Fn>
 void ForEachElement(const ChannelShape& s, Fn&& fn) {
+  if (s.inner == 1) {
+    for (int64_t o = 0; o < s.outer; ++o) {
+      for (int64_t c = 0; c < s.channels; ++c) fn(o * s.channels + c, c);
+    }
+    return;
+  }
   for (int64_t o = 0; o < s.outer; ++o) {
     for (int64_t c = 0; c < s.channels; ++c) {
       const int64_t base = (o * s.channels + c) * s.inner;
       for (int64_t i = 0; i < s.inner; ++i) fn(base + i, c);
     }
   }
+}
+
+// BatchNormOut and BatchNormGrad (batch_norm_common.h) with the activation a compile-time constant,
+// the same values: a switch per element kept the loops from vectorizing (and the CPU kernels run
+// every element through them).
+template <Activation kAct>
+float Out(float x, float a, float mean, float bias, float r, float param) {
+  return Activate<kAct>(a * (x - mean) + bias + r, param);
+}
+template <Activation kAct>
+float Grad(float dy, float x, float a, float mean, float bias, float r, float param) {
+  return kAct == Activation::kIdentity ? dy : dy * ActivateGrad<kAct>(a * (x - mean) + bias + r, param);
 }
 
 ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> shift, ffi::Result<ffi::Buffer<ffi::F32>> s1,
@@ -56,9 +75,11 @@ ffi::Error FwdImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F
     const T* rs = DataOrNull<T>(residual);
     T* ys = static_cast<T*>(y->untyped_data());
     const float *as = a.typed_data(), *ms = mean.typed_data(), *bs = bias.typed_data();
-    ForEachElement(s, [&](int64_t e, int64_t c) {
-      const float r = rs ? ToFloat(rs[e]) : 0.f;
-      ys[e] = FromFloat<T>(BatchNormOut(ToFloat(xs[e]), as[c], ms[c], bs[c], r, act, param));
+    DispatchActivation(act, [&](auto tag) {
+      ForEachElement(s, [&](int64_t e, int64_t c) {
+        const float r = rs ? ToFloat(rs[e]) : 0.f;
+        ys[e] = FromFloat<T>(Out<decltype(tag)::value>(ToFloat(xs[e]), as[c], ms[c], bs[c], r, param));
+      });
     });
     return ffi::Error::Success();
   });
@@ -81,12 +102,15 @@ ffi::Error BackwardSums(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, ffi::
     T* go = g_out ? static_cast<T*>(g_out->untyped_data()) : nullptr;
     const float *as = a.typed_data(), *ms = mean.typed_data(), *bs = bias.typed_data();
     std::vector<double> sum(s.channels, 0.0), sum_x(s.channels, 0.0);
-    ForEachElement(s, [&](int64_t e, int64_t c) {
-      const float v = ToFloat(xs[e]);
-      const float g = BatchNormGrad(ToFloat(gs[e]), v, as[c], ms[c], bs[c], rs ? ToFloat(rs[e]) : 0.f, act, param);
-      if (go) go[e] = FromFloat<T>(g);
-      sum[c] += g;
-      sum_x[c] += double(g) * double(v - ms[c]);
+    DispatchActivation(act, [&](auto tag) {
+      ForEachElement(s, [&](int64_t e, int64_t c) {
+        const float v = ToFloat(xs[e]);
+        const float g = Grad<decltype(tag)::value>(ToFloat(gs[e]), v, as[c], ms[c], bs[c], rs ? ToFloat(rs[e]) : 0.f,
+                                                   param);
+        if (go) go[e] = FromFloat<T>(g);
+        sum[c] += g;
+        sum_x[c] += double(g) * double(v - ms[c]);
+      });
     });
     for (int64_t c = 0; c < s.channels; ++c) {
       sg->typed_data()[c] = float(sum[c]);
@@ -124,10 +148,12 @@ ffi::Error BwdDxImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> 
     T* dxs = static_cast<T*>(dx->untyped_data());
     const float *as = a.typed_data(), *ms = mean.typed_data(), *bs = bias.typed_data();
     const float *k1s = k1.typed_data(), *k0s = k0.typed_data();
-    ForEachElement(s, [&](int64_t e, int64_t c) {
-      const float v = ToFloat(xs[e]);
-      const float g = BatchNormGrad(ToFloat(gs[e]), v, as[c], ms[c], bs[c], 0.f, act, param);
-      dxs[e] = FromFloat<T>(as[c] * g + k1s[c] * (v - ms[c]) + k0s[c]);
+    DispatchActivation(act, [&](auto tag) {
+      ForEachElement(s, [&](int64_t e, int64_t c) {
+        const float v = ToFloat(xs[e]);
+        const float g = Grad<decltype(tag)::value>(ToFloat(gs[e]), v, as[c], ms[c], bs[c], 0.f, param);
+        dxs[e] = FromFloat<T>(as[c] * g + k1s[c] * (v - ms[c]) + k0s[c]);
+      });
     });
     return ffi::Error::Success();
   });
