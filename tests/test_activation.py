@@ -8,7 +8,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
-from helpers import DTYPES, assert_close, dtype_id, f64, normal, tolerance
+from helpers import (DTYPES, ISA_ORDER, assert_close, dtype_id, f64, isa_child_report, normal, on_gpu,
+                     tolerance)
 
 
 def _gelu_tanh(x):
@@ -77,6 +78,74 @@ def test_nan_propagates(name, rng):
     np.testing.assert_allclose(y, want, rtol=tolerance(jnp.float32), atol=1e-6, equal_nan=True)
     np.testing.assert_allclose(vjp(cotangent)[0], want_vjp(f64(cotangent))[0],
                                rtol=tolerance(jnp.float32, grad=True), atol=1e-6, equal_nan=True)
+
+
+# The activations whose CPU kernels take their transcendentals from ffi/common/math_cpu.h, with the
+# elementwise relative error allowed against float64 on a dense grid: a few float32 ulp (a few for
+# the functions, one or two for the float32 arithmetic around them). gelu's is larger far out: the
+# rounding of its float32 argument (2u = 2 sqrt(2/pi) (x + 0.044715 x^3), or -x / sqrt(2) for
+# erfc) is amplified by about |2u| or 2z^2 (1e-5 at x = -9 to -12), so within |x| <= 3 gelu has
+# the tight bound and beyond a loose one.
+_ELEMENTWISE_RTOL = {"sigmoid": 5e-7, "tanh": 5e-7, "silu": 5e-7, "gelu": 2e-6, "gelu_exact": 2e-6,
+                     "softplus": 5e-7, "elu": 5e-7, "elu_alpha_0.5": 5e-7}
+
+
+@pytest.mark.skipif(on_gpu(), reason="the CPU kernels' own exp, expm1, log1p, erfc and tanh")
+@pytest.mark.parametrize("name", _ELEMENTWISE_RTOL)
+def test_cpu_transcendentals_elementwise(name):
+    """Every value of a dense grid over [-30, 30] (and +-inf), forward and gradient, within a
+    few float32 ulp of jax.nn's in float64, elementwise: the norm-wise tests would let a coarse
+    polynomial pass. Values below 1e-36 are judged absolutely (gelu's sigmoid(2u) is 0 where
+    exp(-2u) overflows, from about 1e-38 down); gradients get an
+    absolute term of 1e-6 times their largest value, for the cancellation in f' near its zeros
+    (silu's and gelu's)."""
+    op, oracle = ACTIVATIONS[name]
+    x = jnp.concatenate([jnp.linspace(-30, 30, 600001, dtype=jnp.float32),
+                         jnp.asarray([jnp.inf, -jnp.inf], jnp.float32)])
+    rtol = _ELEMENTWISE_RTOL[name]
+    y = np.asarray(jax.jit(op)(x), np.float64)
+    want = np.asarray(oracle(f64(x)))
+    tiny = 1e-36
+    core = np.abs(np.asarray(x)) <= 3
+    np.testing.assert_allclose(y[core], want[core], rtol=rtol, atol=tiny)
+    np.testing.assert_allclose(y, want, rtol=3e-5 if name.startswith("gelu") else rtol, atol=tiny)
+    grad = np.asarray(jax.jit(jax.grad(lambda x: op(x).sum()))(x[:-2]), np.float64)
+    want_grad = np.asarray(jax.grad(lambda x: oracle(x).sum())(f64(x[:-2])))
+    np.testing.assert_allclose(grad, want_grad, rtol=2 * rtol, atol=1e-6 * np.abs(want_grad).max())
+
+
+_ISA_CHILD = """
+import json, jax, jax.numpy as jnp, numpy as np
+import jaxdnn
+jax.config.update("jax_enable_x64", True)
+ops = [(jaxdnn.sigmoid, jax.nn.sigmoid), (jaxdnn.silu, jax.nn.silu), (jaxdnn.tanh, jnp.tanh),
+       (lambda x: jaxdnn.gelu(x, approximate=False), lambda x: jax.nn.gelu(x, approximate=False)),
+       (jaxdnn.softplus, jax.nn.softplus), (jaxdnn.elu, jax.nn.elu), (jaxdnn.relu, jax.nn.relu),
+       (jaxdnn.softmax, jax.nn.softmax), (jaxdnn.log_softmax, jax.nn.log_softmax)]
+kx, kc = jax.random.split(jax.random.key(0))
+x = 3 * jax.random.normal(kx, (37, 1029), jnp.float32)
+ct = jax.random.normal(kc, x.shape, jnp.float32)
+errors = []
+for op, oracle in ops:
+    y, pullback = jax.vjp(jax.jit(op), x)
+    want, want_pullback = jax.vjp(oracle, x.astype(jnp.float64))
+    for got, ref in ((y, want), (pullback(ct)[0], want_pullback(ct.astype(jnp.float64))[0])):
+        got, ref = np.asarray(got, np.float64), np.asarray(ref)
+        errors.append(float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
+print(json.dumps({"isa": jaxdnn.cpu_isa(), "errors": errors}))
+"""
+
+
+@pytest.mark.skipif(on_gpu(), reason="the CPU kernels' builds")
+@pytest.mark.parametrize("cap", ISA_ORDER)
+def test_cpu_kernel_builds(cap):
+    """The elementwise loops run compiled for AVX2 where the CPU has it, else for the baseline
+    (common/cpu_isa.h's CallVectorized): each build, forward and gradient, activations and softmax."""
+    report = isa_child_report(_ISA_CHILD, cap)
+    assert len(report["errors"]) == 18
+    forward, grads = report["errors"][0::2], report["errors"][1::2]
+    assert max(forward) < tolerance(jnp.float32), report
+    assert max(grads) < tolerance(jnp.float32, grad=True), report
 
 
 @act_param

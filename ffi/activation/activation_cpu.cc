@@ -3,12 +3,42 @@
 
 #include "activation/activation_common.h"
 #include "activation/activation.h"
+#include "common/cpu_isa.h"
 #include "common/half_cpu.h"
+#include "common/parallel_cpu.h"
 
 namespace jaxdnn {
 namespace {
 
-ffi::Error ActivationFwdImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t kind, float param) {
+// out = f(in), n values, vectorized (CallVectorized).
+template <Activation kAct, typename T>
+void ActivateArray(const T* in, T* out, int64_t n, float param) {
+  CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+    for (int64_t i = 0; i < n; ++i) out[i] = FromFloat<T>(Activate<kAct>(ToFloat(in[i]), param));
+  });
+}
+
+// dx = dy f'(x), n values, vectorized: f'(x) for a block first, then dy f'(x), which keeps each
+// loop small (one loop of both had GCC keep relu's f' a branch around the multiply, mispredicted
+// half the time on random signs).
+template <Activation kAct, typename T>
+void ActivateGradArray(const T* dy, const T* x, T* dx, int64_t n, float param) {
+  CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+    constexpr int64_t kBlock = 256;
+    float slope[kBlock];
+    for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+      const int64_t count = std::min(kBlock, n - i0);
+      for (int64_t k = 0; k < count; ++k) slope[k] = ActivateGrad<kAct>(ToFloat(x[i0 + k]), param);
+      for (int64_t k = 0; k < count; ++k) dx[i0 + k] = FromFloat<T>(ToFloat(dy[i0 + k]) * slope[k]);
+    }
+  });
+}
+
+// Values a thread's chunk holds at least: far more than a task's scheduling costs.
+constexpr int64_t kChunkValues = 32768;
+
+ffi::Error ActivationFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t kind,
+                             float param) {
   int64_t n = 0;
   JAXDNN_RETURN_IF_ERROR(CheckActivation({&x, &*y}, kind, &n));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto type_tag) {
@@ -16,16 +46,16 @@ ffi::Error ActivationFwdImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, in
     const T* in = static_cast<const T*>(x.untyped_data());
     T* out = static_cast<T*>(y->untyped_data());
     DispatchActivation(kind, [&](auto act) {
-      for (int64_t i = 0; i < n; ++i) {
-        out[i] = FromFloat<T>(Activate<decltype(act)::value>(ToFloat(in[i]), param));
-      }
+      ParallelChunks(pool, n, kChunkValues, [&](int64_t begin, int64_t end) {
+        ActivateArray<decltype(act)::value>(in + begin, out + begin, end - begin, param);
+      });
     });
     return ffi::Error::Success();
   });
 }
 
-ffi::Error ActivationBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> dx,
-                             int64_t kind, float param) {
+ffi::Error ActivationBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                             ffi::Result<ffi::AnyBuffer> dx, int64_t kind, float param) {
   int64_t n = 0;
   JAXDNN_RETURN_IF_ERROR(CheckActivation({&dy, &x, &*dx}, kind, &n));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto type_tag) {
@@ -33,19 +63,10 @@ ffi::Error ActivationBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Result<ff
     const T* g = static_cast<const T*>(dy.untyped_data());
     const T* in = static_cast<const T*>(x.untyped_data());
     T* out = static_cast<T*>(dx->untyped_data());
-    // f'(x) for a block first, then dy f'(x): in one loop GCC turned relu's f' into a branch around
-    // the multiply (its select of 1 or 0 would run the multiply either way, which it may not do
-    // under -ftrapping-math), mispredicted half the time on random signs (1.4 ms for 256 x 1024
-    // float32 on the 2-core development machine, XLA 0.05); a select of constants alone vectorizes
-    // (0.13 ms).
     DispatchActivation(kind, [&](auto act) {
-      constexpr int64_t kBlock = 256;
-      float slope[kBlock];
-      for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
-        const int64_t count = std::min(kBlock, n - i0);
-        for (int64_t k = 0; k < count; ++k) slope[k] = ActivateGrad<decltype(act)::value>(ToFloat(in[i0 + k]), param);
-        for (int64_t k = 0; k < count; ++k) out[i0 + k] = FromFloat<T>(ToFloat(g[i0 + k]) * slope[k]);
-      }
+      ParallelChunks(pool, n, kChunkValues, [&](int64_t begin, int64_t end) {
+        ActivateGradArray<decltype(act)::value>(g + begin, in + begin, out + begin, end - begin, param);
+      });
     });
     return ffi::Error::Success();
   });
@@ -57,6 +78,6 @@ ffi::Error ActivationBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Result<ff
 namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActivationFwdCpu, jaxdnn::ActivationFwdImpl,
-                              jaxdnn::BindActivationFwd(ffi::Ffi::Bind()));
+                              jaxdnn::BindActivationFwd(jaxdnn::BindWithThreadPool()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActivationBwdCpu, jaxdnn::ActivationBwdImpl,
-                              jaxdnn::BindActivationBwd(ffi::Ffi::Bind()));
+                              jaxdnn::BindActivationBwd(jaxdnn::BindWithThreadPool()));

@@ -1,19 +1,22 @@
 // CPU batch norm: loops in memory order over x as [O, C, I] (the oracle-checked path CI runs);
 // the per-channel sums accumulate in double.
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "batch_norm/batch_norm.h"
 #include "batch_norm/batch_norm_common.h"
+#include "common/cpu_isa.h"
 #include "common/half_cpu.h"
 
 namespace jaxdnn {
 namespace {
 
 // Calls fn(element offset, channel) for every element of x in memory order. Channels last (I = 1)
-// has a loop of its own: there the channel loop is the contiguous one, and it vectorizes.
+// has a loop of its own: there the channel loop is the contiguous one, and it vectorizes. Inlined
+// into CallVectorized's variants (common/cpu_isa.h), as fn must be.
 template <typename Fn>
-void ForEachElement(const ChannelShape& s, Fn&& fn) {
+JAXDNN_ALWAYS_INLINE inline void ForEachElement(const ChannelShape& s, Fn&& fn) {
   if (s.inner == 1) {
     for (int64_t o = 0; o < s.outer; ++o) {
       for (int64_t c = 0; c < s.channels; ++c) fn(o * s.channels + c, c);
@@ -32,12 +35,20 @@ void ForEachElement(const ChannelShape& s, Fn&& fn) {
 // the same values: a switch per element kept the loops from vectorizing (and the CPU kernels run
 // every element through them).
 template <Activation kAct>
-float Out(float x, float a, float mean, float bias, float r, float param) {
+JAXDNN_ALWAYS_INLINE inline float Out(float x, float a, float mean, float bias, float r, float param) {
   return Activate<kAct>(a * (x - mean) + bias + r, param);
 }
 template <Activation kAct>
-float Grad(float dy, float x, float a, float mean, float bias, float r, float param) {
+JAXDNN_ALWAYS_INLINE inline float Grad(float dy, float x, float a, float mean, float bias, float r, float param) {
   return kAct == Activation::kIdentity ? dy : dy * ActivateGrad<kAct>(a * (x - mean) + bias + r, param);
+}
+
+// Calls fn(std::true_type) when p is given, else fn(std::false_type): a loop for each case, without
+// the test of an optional operand inside (a load under a condition keeps a loop from vectorizing).
+template <typename P, typename Fn>
+void IfGiven(const P* p, Fn&& fn) {
+  if (p != nullptr) return fn(std::true_type{});
+  fn(std::false_type{});
 }
 
 ffi::Error StatsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> shift, ffi::Result<ffi::Buffer<ffi::F32>> s1,
@@ -76,9 +87,13 @@ ffi::Error FwdImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F
     T* ys = static_cast<T*>(y->untyped_data());
     const float *as = a.typed_data(), *ms = mean.typed_data(), *bs = bias.typed_data();
     DispatchActivation(act, [&](auto tag) {
-      ForEachElement(s, [&](int64_t e, int64_t c) {
-        const float r = rs ? ToFloat(rs[e]) : 0.f;
-        ys[e] = FromFloat<T>(Out<decltype(tag)::value>(ToFloat(xs[e]), as[c], ms[c], bs[c], r, param));
+      IfGiven(rs, [&](auto has_residual) {
+        CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+          ForEachElement(s, [&](int64_t e, int64_t c) JAXDNN_ALWAYS_INLINE {
+            const float r = has_residual ? ToFloat(rs[e]) : 0.f;
+            ys[e] = FromFloat<T>(Out<decltype(tag)::value>(ToFloat(xs[e]), as[c], ms[c], bs[c], r, param));
+          });
+        });
       });
     });
     return ffi::Error::Success();
@@ -102,14 +117,19 @@ ffi::Error BackwardSums(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, ffi::
     T* go = g_out ? static_cast<T*>(g_out->untyped_data()) : nullptr;
     const float *as = a.typed_data(), *ms = mean.typed_data(), *bs = bias.typed_data();
     std::vector<double> sum(s.channels, 0.0), sum_x(s.channels, 0.0);
+    double *sums = sum.data(), *sums_x = sum_x.data();
     DispatchActivation(act, [&](auto tag) {
-      ForEachElement(s, [&](int64_t e, int64_t c) {
-        const float v = ToFloat(xs[e]);
-        const float g = Grad<decltype(tag)::value>(ToFloat(gs[e]), v, as[c], ms[c], bs[c], rs ? ToFloat(rs[e]) : 0.f,
-                                                   param);
-        if (go) go[e] = FromFloat<T>(g);
-        sum[c] += g;
-        sum_x[c] += double(g) * double(v - ms[c]);
+      IfGiven(rs, [&](auto has_residual) {  // the fused stage has both g_out and the residual
+        CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+          ForEachElement(s, [&](int64_t e, int64_t c) JAXDNN_ALWAYS_INLINE {
+            const float v = ToFloat(xs[e]);
+            const float r = has_residual ? ToFloat(rs[e]) : 0.f;
+            const float g = Grad<decltype(tag)::value>(ToFloat(gs[e]), v, as[c], ms[c], bs[c], r, param);
+            if (has_residual) go[e] = FromFloat<T>(g);
+            sums[c] += g;
+            sums_x[c] += double(g) * double(v - ms[c]);
+          });
+        });
       });
     });
     for (int64_t c = 0; c < s.channels; ++c) {
@@ -149,10 +169,12 @@ ffi::Error BwdDxImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> 
     const float *as = a.typed_data(), *ms = mean.typed_data(), *bs = bias.typed_data();
     const float *k1s = k1.typed_data(), *k0s = k0.typed_data();
     DispatchActivation(act, [&](auto tag) {
-      ForEachElement(s, [&](int64_t e, int64_t c) {
-        const float v = ToFloat(xs[e]);
-        const float g = Grad<decltype(tag)::value>(ToFloat(gs[e]), v, as[c], ms[c], bs[c], 0.f, param);
-        dxs[e] = FromFloat<T>(as[c] * g + k1s[c] * (v - ms[c]) + k0s[c]);
+      CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+        ForEachElement(s, [&](int64_t e, int64_t c) JAXDNN_ALWAYS_INLINE {
+          const float v = ToFloat(xs[e]);
+          const float g = Grad<decltype(tag)::value>(ToFloat(gs[e]), v, as[c], ms[c], bs[c], 0.f, param);
+          dxs[e] = FromFloat<T>(as[c] * g + k1s[c] * (v - ms[c]) + k0s[c]);
+        });
       });
     });
     return ffi::Error::Success();

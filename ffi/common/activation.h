@@ -5,11 +5,15 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/math_cpu.h"
+
+// Functions for both the CPU and CUDA kernels; in the CPU kernels (compiled without nvcc) always
+// inlined, so that the loops that call them vectorize (common/cpu_isa.h).
 #ifdef __CUDACC__
 #define JAXDNN_HOST_DEVICE __host__ __device__
 #define JAXDNN_UNROLL _Pragma("unroll")
 #else
-#define JAXDNN_HOST_DEVICE
+#define JAXDNN_HOST_DEVICE JAXDNN_ALWAYS_INLINE
 #define JAXDNN_UNROLL
 #endif
 
@@ -52,7 +56,24 @@ constexpr float kGeluCubic = 0.044715f;
 constexpr float kInvSqrt2 = 0.7071067811865476f;
 constexpr float kInvSqrt2Pi = 0.3989422804014327f;
 
-JAXDNN_HOST_DEVICE inline float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// exp, expm1, log1p, erfc and tanh of the shared code: on the device CUDA's (the build's
+// --use_fast_math makes expf and tanhf MUFU approximations), on the host math_cpu.h's branch-free
+// forms, with which the CPU kernels' elementwise loops vectorize (libm's are calls, one value at a
+// time: gelu ran at 0.3x XLA:CPU's vectorized forward).
+#ifdef __CUDA_ARCH__
+#define JAXDNN_HOST_OR_DEVICE(device, host) device
+#else
+#define JAXDNN_HOST_OR_DEVICE(device, host) host
+#endif
+JAXDNN_HOST_DEVICE inline float Exp(float x) { return JAXDNN_HOST_OR_DEVICE(expf, HostExp)(x); }
+JAXDNN_HOST_DEVICE inline float Expm1(float x) { return JAXDNN_HOST_OR_DEVICE(expm1f, HostExpm1)(x); }
+JAXDNN_HOST_DEVICE inline float Log1p(float x) { return JAXDNN_HOST_OR_DEVICE(log1pf, HostLog1p)(x); }
+JAXDNN_HOST_DEVICE inline float Erfc(float x) { return JAXDNN_HOST_OR_DEVICE(erfcf, HostErfc)(x); }
+// tanh for the activations (Tanh below is the recurrences' more accurate one on the device).
+JAXDNN_HOST_DEVICE inline float ApproxTanh(float x) { return JAXDNN_HOST_OR_DEVICE(tanhf, HostTanh)(x); }
+#undef JAXDNN_HOST_OR_DEVICE
+
+JAXDNN_HOST_DEVICE inline float Sigmoid(float x) { return 1.f / (1.f + Exp(-x)); }
 
 #ifdef __CUDA_ARCH__
 extern "C" __device__ float __nv_tanhf(float);  // libdevice's tanh (the CUDA math library's tanhf)
@@ -62,34 +83,21 @@ extern "C" __device__ float __nv_tanhf(float);  // libdevice's tanh (the CUDA ma
 // steps. The build's --use_fast_math turns tanhf into the tanh.approx instruction (relative error
 // up to 1e-5, about 80 ulp, measured on an H100), which took fp32 RNN results to the 1e-5 tolerance;
 // libdevice's tanh (a polynomial near 0, exp beyond) costs about 15 instructions. The memory-bound
-// activation kernels keep tanhf (Activate below): there the approximation's error is 1.7e-6 in norm
-// at fp32, below the tolerance, and under the rounding of the 16-bit dtypes.
-// On the host the same split, within 1.33 ulp of float64's tanh over [-20, 20] (a dense grid):
-// glibc's tanhf goes through expm1f and took 4x expf's time, a quarter of the CPU LSTM's forward at
-// one batch row (perf). Below 0.625, x + x^3 P(x^2) with P fitted to (tanh x - x) / x^3
-// (least squares on Chebyshev nodes, reweighted towards minimax); above, 1 - 2 / (exp(2|x|) + 1),
-// which is exactly 1 past exp's overflow and NaN for NaN.
+// activation kernels keep tanhf (ApproxTanh above): there the approximation's error is 1.7e-6 in
+// norm at fp32, below the tolerance, and under the rounding of the 16-bit dtypes. On the host both
+// are HostTanh (within 1.33 ulp; glibc's tanhf went through expm1f and took 4x expf's time, a
+// quarter of the CPU LSTM's forward at one batch row).
 JAXDNN_HOST_DEVICE inline float Tanh(float x) {
 #ifdef __CUDA_ARCH__
   return __nv_tanhf(x);
 #else
-  const float a = fabsf(x);
-  float t;
-  if (a < 0.625f) {
-    const float s = a * a;
-    const float p = (((-0.005704991985f * s + 0.02063909173f) * s - 0.05373971537f) * s + 0.1333144158f) * s -
-                    0.3333328068f;
-    t = a + a * s * p;
-  } else {
-    t = 1.f - 2.f / (expf(2.f * a) + 1.f);
-  }
-  return copysignf(t, x);  // odd, and -0 for -0
+  return HostTanh(x);
 #endif
 }
 
 // sigmoid'(x) = s (1 - s), written as e / (1 + e)^2 with e = exp(-|x|): no cancellation in 1 - s.
 JAXDNN_HOST_DEVICE inline float SigmoidGrad(float x) {
-  const float e = expf(-fabsf(x));
+  const float e = Exp(-fabsf(x));
   return e / ((1.f + e) * (1.f + e));
 }
 
@@ -103,14 +111,14 @@ JAXDNN_HOST_DEVICE inline float Activate(float x, float param) {
     case Activation::kRelu: return x <= 0.f ? 0.f : x;
     case Activation::kRelu6: return x <= 0.f ? 0.f : (x >= 6.f ? 6.f : x);
     case Activation::kLeakyRelu: return x >= 0.f ? x : param * x;
-    case Activation::kElu: return x > 0.f ? x : param * expm1f(x);
+    case Activation::kElu: return x > 0.f ? x : param * Expm1(x);
     case Activation::kSigmoid: return Sigmoid(x);
-    case Activation::kTanh: return tanhf(x);
+    case Activation::kTanh: return ApproxTanh(x);
     // 0.5 (1 + tanh(u)) = sigmoid(2u) and 0.5 (1 + erf(z)) = 0.5 erfc(-z): no cancellation for x < 0.
     case Activation::kGeluTanh: return x * Sigmoid(2.f * kSqrt2OverPi * (x + kGeluCubic * x * x * x));
-    case Activation::kGeluErf: return 0.5f * x * erfcf(-x * kInvSqrt2);
+    case Activation::kGeluErf: return 0.5f * x * Erfc(-x * kInvSqrt2);
     case Activation::kSilu: return x * Sigmoid(x);
-    case Activation::kSoftplus: return log1pf(expf(-fabsf(x))) + fmaxf(x, 0.f);
+    case Activation::kSoftplus: return Log1p(Exp(-fabsf(x))) + (x > 0.f ? x : 0.f);
     case Activation::kHardTanh: return x > 1.f ? 1.f : (x < -1.f ? -1.f : x);
   }
   return x;
@@ -124,14 +132,14 @@ JAXDNN_HOST_DEVICE inline float ActivateGrad(float x, float param) {
     case Activation::kRelu: return x > 0.f ? 1.f : 0.f;
     case Activation::kRelu6: return x > 0.f && x < 6.f ? 1.f : 0.f;
     case Activation::kLeakyRelu: return x >= 0.f ? 1.f : param;
-    case Activation::kElu: return x > 0.f ? 1.f : param * expf(x);
+    case Activation::kElu: return x > 0.f ? 1.f : param * Exp(x);
     case Activation::kSigmoid: return SigmoidGrad(x);
     case Activation::kTanh: return 4.f * SigmoidGrad(2.f * x);  // 1 - tanh^2, without cancellation
     case Activation::kGeluTanh: {
       const float u2 = 2.f * kSqrt2OverPi * (x + kGeluCubic * x * x * x);
       return Sigmoid(u2) + x * SigmoidGrad(u2) * 2.f * kSqrt2OverPi * (1.f + 3.f * kGeluCubic * x * x);
     }
-    case Activation::kGeluErf: return 0.5f * erfcf(-x * kInvSqrt2) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+    case Activation::kGeluErf: return 0.5f * Erfc(-x * kInvSqrt2) + x * kInvSqrt2Pi * Exp(-0.5f * x * x);
     case Activation::kSilu: {
       const float s = Sigmoid(x);
       return s * (1.f + x * (1.f - s));

@@ -8,6 +8,11 @@
 #include <cstdlib>
 #include <cstring>
 
+// For the functions that the CPU kernels' vectorized loops call: GCC leaves calls out of line in
+// large functions (a dispatch over activations and dtypes inlines many loops into one), and a loop
+// with a call in it stays scalar.
+#define JAXDNN_ALWAYS_INLINE __attribute__((always_inline))
+
 namespace jaxdnn {
 
 enum class CpuIsa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };  // in order of width
@@ -33,6 +38,25 @@ inline CpuIsa ActiveCpuIsa() {
     return has;
   }();
   return isa;
+}
+
+// Runs fn() compiled for AVX2 and FMA where the active ISA has them (avx2 or avx512), else for the
+// baseline: for the loops that GCC vectorizes by itself (the elementwise ones). fn is a lambda
+// declared JAXDNN_ALWAYS_INLINE, whose body, and every call in it, is inlined into the variant (a
+// call left out of line would run the baseline's code, one value at a time). One variant serves
+// AVX-512 CPUs too: GCC's vectorizer keeps to 256-bit vectors there.
+#ifdef JAXDNN_CPU_ISA_VARIANTS
+template <typename Fn>
+__attribute__((target("avx2,fma"))) void CallAvx2(const Fn& fn) {
+  fn();
+}
+#endif
+template <typename Fn>
+void CallVectorized(const Fn& fn) {
+#ifdef JAXDNN_CPU_ISA_VARIANTS
+  if (ActiveCpuIsa() >= CpuIsa::kAvx2) return CallAvx2(fn);
+#endif
+  fn();
 }
 
 inline const char* CpuIsaName(CpuIsa isa) {

@@ -32,6 +32,15 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
   while (progress->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
+// fn(begin, end) over [0, n) cut into one chunk a thread of the pool (and the caller), each of at
+// least `grain` items; fewer items than 2 * grain run on the caller alone, with no task scheduled.
+template <typename Fn>
+void ParallelChunks(ffi::ThreadPool& pool, int64_t n, int64_t grain, const Fn& fn) {
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n / grain));
+  if (chunks == 1) return fn(int64_t{0}, n);
+  ParallelFor(pool, chunks, [&](int64_t c) { fn(n * c / chunks, n * (c + 1) / chunks); });
+}
+
 // A spinning thread's pause (the x86 `pause`, arm's `yield`: a hint to the core, not a syscall).
 inline void SpinPause() {
 #if defined(__x86_64__) || defined(__i386__)

@@ -1,8 +1,10 @@
-// CPU LayerNorm / RMSNorm: one row at a time in float32 with vectorizable inner loops (the
+// CPU LayerNorm / RMSNorm: one row at a time in float32 with vectorized inner loops (the
 // oracle-checked path CI runs); the sums over rows (dscale, dbias) accumulate in double.
 #include <cmath>
 #include <vector>
 
+#include "common/activation.h"
+#include "common/cpu_isa.h"
 #include "common/half_cpu.h"
 #include "norm/norm.h"
 #include "norm/norm_common.h"
@@ -15,7 +17,7 @@ namespace {
 constexpr int kLanes = 8;
 
 template <typename F>
-float SumOver(int64_t n, F&& term) {
+JAXDNN_ALWAYS_INLINE inline float SumOver(int64_t n, F&& term) {
   float partial[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
@@ -28,67 +30,87 @@ float SumOver(int64_t n, F&& term) {
 }
 
 template <typename T>
-void LoadRow(const T* src, int64_t n, float* dst) {
+JAXDNN_ALWAYS_INLINE inline void LoadRow(const T* src, int64_t n, float* dst) {
   for (int64_t j = 0; j < n; ++j) dst[j] = ToFloat(src[j]);
 }
 
 // kRms: y = x * rstd * scale, rstd = 1/sqrt(mean(x^2) + eps); otherwise
-// y = (x - mean) * rstd * scale + bias, rstd = 1/sqrt(var(x) + eps), the variance in two passes.
-template <typename T, bool kRms>
+// y = act((x - mean) * rstd * scale + bias), rstd = 1/sqrt(var(x) + eps), the variance in two
+// passes. Every loop in CallVectorized's variant (common/cpu_isa.h), the activation a compile-time
+// constant.
+template <typename T, bool kRms, Activation kAct>
 void NormFwd(const T* x, const float* scale, const float* bias, T* y, float* mean_out,
-             float* rstd_out, RowsFeatures shape, float epsilon, NormActivation act) {
+             float* rstd_out, RowsFeatures shape, float epsilon, float param) {
   const int64_t d = shape.features;
   std::vector<float> row(d), out(d);
   const float* v = row.data();
-  for (int64_t r = 0; r < shape.rows; ++r) {
-    LoadRow(x + r * d, d, row.data());
-    const float mean = kRms ? 0.f : SumOver(d, [&](int64_t j) { return v[j]; }) / d;
-    const float var = SumOver(d, [&](int64_t j) { return (v[j] - mean) * (v[j] - mean); }) / d;
-    const float rstd = 1.f / std::sqrt(var + epsilon);
-    for (int64_t j = 0; j < d; ++j) out[j] = (v[j] - mean) * rstd * scale[j] + (kRms ? 0.f : bias[j]);
-    if (act.kind != 0) ActivateRow(act.kind, out.data(), d, act.param);
-    T* yr = y + r * d;
-    for (int64_t j = 0; j < d; ++j) yr[j] = FromFloat<T>(out[j]);
-    if (!kRms) mean_out[r] = mean;
-    rstd_out[r] = rstd;
-  }
+  CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+    for (int64_t r = 0; r < shape.rows; ++r) {
+      LoadRow(x + r * d, d, row.data());
+      const float mean = kRms ? 0.f : SumOver(d, [&](int64_t j) JAXDNN_ALWAYS_INLINE { return v[j]; }) / d;
+      const float var =
+          SumOver(d, [&](int64_t j) JAXDNN_ALWAYS_INLINE { return (v[j] - mean) * (v[j] - mean); }) / d;
+      const float rstd = 1.f / std::sqrt(var + epsilon);
+      for (int64_t j = 0; j < d; ++j) {
+        out[j] = Activate<kAct>((v[j] - mean) * rstd * scale[j] + (kRms ? 0.f : bias[j]), param);
+      }
+      T* yr = y + r * d;
+      for (int64_t j = 0; j < d; ++j) yr[j] = FromFloat<T>(out[j]);
+      if (!kRms) mean_out[r] = mean;
+      rstd_out[r] = rstd;
+    }
+  });
 }
 
 // With xhat = (x - mean) * rstd and g = scale * dy:
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm drops the mean(g) term)
 //   dscale = sum_rows(dy * xhat), dbias = sum_rows(dy), accumulated in double over the rows.
-template <typename T, bool kRms>
+// With an activation, dy is first the gradient reaching the affine output, dy * act'(pre).
+template <typename T, bool kRms, Activation kAct>
 void NormBwd(const T* dy, const T* x, const float* scale, const float* bias, const float* mean_in,
-             const float* rstd_in, T* dx, float* dscale, float* dbias, RowsFeatures shape, NormActivation act) {
+             const float* rstd_in, T* dx, float* dscale, float* dbias, RowsFeatures shape, float param) {
   const int64_t d = shape.features;
-  std::vector<float> xhat(d), dyf(d), pre(act.kind != 0 ? d : 0);
+  std::vector<float> xhat(d), dyf(d);
   std::vector<double> dscale_acc(d, 0.0), dbias_acc(d, 0.0);
-  const float* xh = xhat.data();
-  const float* dv = dyf.data();
-  for (int64_t r = 0; r < shape.rows; ++r) {
-    const float mean = kRms ? 0.f : mean_in[r];
-    const float rstd = rstd_in[r];
-    LoadRow(x + r * d, d, xhat.data());
-    LoadRow(dy + r * d, d, dyf.data());
-    for (int64_t j = 0; j < d; ++j) xhat[j] = (xhat[j] - mean) * rstd;
-    if (act.kind != 0) {  // from here on dy is the gradient reaching the affine output
-      for (int64_t j = 0; j < d; ++j) pre[j] = xhat[j] * scale[j] + bias[j];
-      ActivateGradRow(act.kind, pre.data(), dyf.data(), d, act.param);
+  float* xh = xhat.data();
+  float* dv = dyf.data();
+  CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+    for (int64_t r = 0; r < shape.rows; ++r) {
+      const float mean = kRms ? 0.f : mean_in[r];
+      const float rstd = rstd_in[r];
+      LoadRow(x + r * d, d, xh);
+      LoadRow(dy + r * d, d, dv);
+      for (int64_t j = 0; j < d; ++j) xh[j] = (xh[j] - mean) * rstd;
+      if (kAct != Activation::kIdentity) {
+        for (int64_t j = 0; j < d; ++j) dv[j] *= ActivateGrad<kAct>(xh[j] * scale[j] + bias[j], param);
+      }
+      const float mean_g =
+          kRms ? 0.f : SumOver(d, [&](int64_t j) JAXDNN_ALWAYS_INLINE { return scale[j] * dv[j]; }) / d;
+      const float mean_g_xhat =
+          SumOver(d, [&](int64_t j) JAXDNN_ALWAYS_INLINE { return scale[j] * dv[j] * xh[j]; }) / d;
+      T* dxr = dx + r * d;
+      for (int64_t j = 0; j < d; ++j) {
+        dxr[j] = FromFloat<T>(rstd * (scale[j] * dv[j] - mean_g - xh[j] * mean_g_xhat));
+      }
+      for (int64_t j = 0; j < d; ++j) dscale_acc[j] += double(dv[j]) * xh[j];
+      if (!kRms) {
+        for (int64_t j = 0; j < d; ++j) dbias_acc[j] += dv[j];
+      }
     }
-    const float mean_g = kRms ? 0.f : SumOver(d, [&](int64_t j) { return scale[j] * dv[j]; }) / d;
-    const float mean_g_xhat = SumOver(d, [&](int64_t j) { return scale[j] * dv[j] * xh[j]; }) / d;
-    T* dxr = dx + r * d;
-    for (int64_t j = 0; j < d; ++j) {
-      dxr[j] = FromFloat<T>(rstd * (scale[j] * dv[j] - mean_g - xh[j] * mean_g_xhat));
-    }
-    for (int64_t j = 0; j < d; ++j) dscale_acc[j] += double(dv[j]) * xh[j];
-    if (!kRms) {
-      for (int64_t j = 0; j < d; ++j) dbias_acc[j] += dv[j];
-    }
-  }
+  });
   for (int64_t j = 0; j < d; ++j) {
     dscale[j] = float(dscale_acc[j]);
     if (!kRms) dbias[j] = float(dbias_acc[j]);
+  }
+}
+
+// DispatchActivation for layer norm; RMSNorm has no activation (its kind is 0), so no instances.
+template <bool kRms, typename Fn>
+void ForActivation(int64_t kind, Fn&& fn) {
+  if constexpr (kRms) {
+    fn(ActivationTag<Activation::kIdentity>{});
+  } else {
+    DispatchActivation(kind, fn);
   }
 }
 
@@ -101,9 +123,12 @@ ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Buffer
   JAXDNN_RETURN_IF_ERROR(CheckNormActivation(act));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    NormFwd<T, kRms>(static_cast<const T*>(x.untyped_data()), scale.typed_data(),
-                     kRms ? nullptr : bias->typed_data(), static_cast<T*>(y->untyped_data()),
-                     kRms ? nullptr : (*mean)->typed_data(), rstd->typed_data(), shape, epsilon, act);
+    ForActivation<kRms>(act.kind, [&](auto tag) {
+      NormFwd<T, kRms, decltype(tag)::value>(static_cast<const T*>(x.untyped_data()), scale.typed_data(),
+                                             kRms ? nullptr : bias->typed_data(), static_cast<T*>(y->untyped_data()),
+                                             kRms ? nullptr : (*mean)->typed_data(), rstd->typed_data(), shape,
+                                             epsilon, act.param);
+    });
     return ffi::Error::Success();
   });
 }
@@ -122,11 +147,14 @@ ffi::Error NormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32>
   if (bias != nullptr) JAXDNN_RETURN_IF_ERROR(ExpectElements("bias", bias->dimensions(), shape.features));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    NormBwd<T, kRms>(static_cast<const T*>(dy.untyped_data()), static_cast<const T*>(x.untyped_data()),
-                     scale.typed_data(), kRms ? nullptr : bias->typed_data(),
-                     kRms ? nullptr : mean->typed_data(), rstd.typed_data(),
-                     static_cast<T*>(dx->untyped_data()), dscale->typed_data(),
-                     kRms ? nullptr : (*dbias)->typed_data(), shape, act);
+    ForActivation<kRms>(act.kind, [&](auto tag) {
+      NormBwd<T, kRms, decltype(tag)::value>(static_cast<const T*>(dy.untyped_data()),
+                                             static_cast<const T*>(x.untyped_data()), scale.typed_data(),
+                                             kRms ? nullptr : bias->typed_data(), kRms ? nullptr : mean->typed_data(),
+                                             rstd.typed_data(), static_cast<T*>(dx->untyped_data()),
+                                             dscale->typed_data(), kRms ? nullptr : (*dbias)->typed_data(), shape,
+                                             act.param);
+    });
     return ffi::Error::Success();
   });
 }

@@ -264,6 +264,38 @@ void RunningRowProducts(RoundTeam& team, const PackedWeights& b, const float* a,
   });
 }
 
+// One row's cells of a forward step over its H units: gx and p the step's input projection and
+// recurrent product ([gates, H] each), the activations saved for the backward, the carried h and c
+// updated and copied to the sequences. __restrict (the arrays are distinct) spares GCC the run-time
+// alias checks that exceeded its limit and kept these loops scalar; inlined into CallVectorized's
+// variants.
+JAXDNN_ALWAYS_INLINE inline void LstmCells(int64_t H, const float* __restrict gx, const float* __restrict p,
+                                           float* __restrict acts, float* __restrict h, float* __restrict c,
+                                           float* __restrict h_seq, float* __restrict c_seq) {
+  for (int64_t j = 0; j < H; ++j) {
+    const LstmGates g = LstmActivate(gx[j] + p[j], gx[H + j] + p[H + j], gx[2 * H + j] + p[2 * H + j],
+                                     gx[3 * H + j] + p[3 * H + j]);
+    c[j] = g.f * c[j] + g.i * g.g;
+    h[j] = g.o * Tanh(c[j]);
+    acts[j] = g.i, acts[H + j] = g.f, acts[2 * H + j] = g.g, acts[3 * H + j] = g.o;
+    h_seq[j] = h[j];
+    c_seq[j] = c[j];
+  }
+}
+
+// The same for the GRU (bias: b_hh; keep: r, z, n and the recurrent product of n, for the backward).
+JAXDNN_ALWAYS_INLINE inline void GruCells(int64_t H, const float* __restrict gx, const float* __restrict p,
+                                          const float* __restrict bias, float* __restrict keep,
+                                          float* __restrict h, float* __restrict h_seq) {
+  for (int64_t j = 0; j < H; ++j) {
+    const float hp_n = p[2 * H + j] + bias[2 * H + j];
+    const GruGates a = GruActivate(gx[j], gx[H + j], gx[2 * H + j], p[j] + bias[j], p[H + j] + bias[H + j], hp_n);
+    h[j] = GruOutput(a, h[j]);
+    keep[j] = a.r, keep[H + j] = a.z, keep[2 * H + j] = a.n, keep[3 * H + j] = hp_n;
+    h_seq[j] = h[j];
+  }
+}
+
 ffi::Error LstmFwdImpl(ffi::ThreadPool pool,
                        F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, F32 c0, ffi::Buffer<ffi::S32> seq_lengths,
                        F32Result h_seq, F32Result c_seq, F32Result acts, F32Result h_n, F32Result c_n,
@@ -290,19 +322,11 @@ ffi::Error LstmFwdImpl(ffi::ThreadPool pool,
       for (int64_t r = 0; r < rows; ++r) {
         if (step >= chunk.lens[r]) continue;
         const int64_t row = chunk.At(r, step);
-        const float* gx = gates_x.typed_data() + row * G;
-        const float* p = pre.data() + r * G;
-        float* a = acts->typed_data() + row * G;
         float *hr = h.data() + r * H, *cr = c.data() + r * H;
-        for (int64_t j = 0; j < H; ++j) {
-          const LstmGates g = LstmActivate(gx[j] + p[j], gx[H + j] + p[H + j], gx[2 * H + j] + p[2 * H + j],
-                                           gx[3 * H + j] + p[3 * H + j]);
-          cr[j] = g.f * cr[j] + g.i * g.g;
-          hr[j] = g.o * Tanh(cr[j]);
-          a[j] = g.i, a[H + j] = g.f, a[2 * H + j] = g.g, a[3 * H + j] = g.o;
-          h_seq->typed_data()[row * H + j] = hr[j];
-          c_seq->typed_data()[row * H + j] = cr[j];
-        }
+        CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+          LstmCells(H, gates_x.typed_data() + row * G, pre.data() + r * G, acts->typed_data() + row * G, hr, cr,
+                    h_seq->typed_data() + row * H, c_seq->typed_data() + row * H);
+        });
       }
     }
     ScatterRows(h.data(), chunk, H, h_n->typed_data());
@@ -381,18 +405,10 @@ ffi::Error GruFwdImpl(ffi::ThreadPool pool,
       for (int64_t r = 0; r < rows; ++r) {
         if (step >= chunk.lens[r]) continue;
         const int64_t row = chunk.At(r, step);
-        const float* gx = gates_x.typed_data() + row * G;
-        const float* p = hp.data() + r * G;
-        float* keep = saved->typed_data() + row * 4 * H;
-        float* hr = h.data() + r * H;
-        for (int64_t j = 0; j < H; ++j) {
-          const float hp_n = p[2 * H + j] + bias[2 * H + j];
-          const GruGates a =
-              GruActivate(gx[j], gx[H + j], gx[2 * H + j], p[j] + bias[j], p[H + j] + bias[H + j], hp_n);
-          hr[j] = GruOutput(a, hr[j]);
-          keep[j] = a.r, keep[H + j] = a.z, keep[2 * H + j] = a.n, keep[3 * H + j] = hp_n;
-          h_seq->typed_data()[row * H + j] = hr[j];
-        }
+        CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+          GruCells(H, gates_x.typed_data() + row * G, hp.data() + r * G, bias, saved->typed_data() + row * 4 * H,
+                   h.data() + r * H, h_seq->typed_data() + row * H);
+        });
       }
     }
     ScatterRows(h.data(), chunk, H, h_n->typed_data());
@@ -473,7 +489,10 @@ ffi::Error RnnFwdImpl(ffi::ThreadPool pool,
         const float* gx = gates_x.typed_data() + row * H;
         const float* p = pre.data() + r * H;
         float* hr = h.data() + r * H;
-        for (int64_t j = 0; j < H; ++j) hr[j] = h_seq->typed_data()[row * H + j] = RnnActivate(act, gx[j] + p[j]);
+        float* hs = h_seq->typed_data() + row * H;
+        CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+          for (int64_t j = 0; j < H; ++j) hr[j] = hs[j] = RnnActivate(act, gx[j] + p[j]);
+        });
       }
     }
     ScatterRows(h.data(), chunk, H, h_n->typed_data());
