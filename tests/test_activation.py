@@ -118,18 +118,40 @@ _ISA_CHILD = """
 import json, jax, jax.numpy as jnp, numpy as np
 import jaxdnn
 jax.config.update("jax_enable_x64", True)
-ops = [(jaxdnn.sigmoid, jax.nn.sigmoid), (jaxdnn.silu, jax.nn.silu), (jaxdnn.tanh, jnp.tanh),
-       (lambda x: jaxdnn.gelu(x, approximate=False), lambda x: jax.nn.gelu(x, approximate=False)),
-       (jaxdnn.softplus, jax.nn.softplus), (jaxdnn.elu, jax.nn.elu), (jaxdnn.relu, jax.nn.relu),
-       (jaxdnn.softmax, jax.nn.softmax), (jaxdnn.log_softmax, jax.nn.log_softmax)]
-kx, kc = jax.random.split(jax.random.key(0))
+
+def layer_norm_gelu(x, scale, bias):
+    xhat = (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-6)
+    return jax.nn.gelu(xhat * scale + bias, approximate=False)
+
+def group_norm_silu(x, scale, bias):  # x [N, S, C], 8 groups
+    g = x.reshape(x.shape[0], x.shape[1], 8, -1)
+    mean, var = g.mean((1, 3), keepdims=True), g.var((1, 3), keepdims=True)
+    return jax.nn.silu(((g - mean) / jnp.sqrt(var + 1e-5)).reshape(x.shape) * scale + bias)
+
+kx, kc, ks, kb, kq = jax.random.split(jax.random.key(0), 5)
 x = 3 * jax.random.normal(kx, (37, 1029), jnp.float32)
-ct = jax.random.normal(kc, x.shape, jnp.float32)
+scale, bias = 1 + jax.random.normal(ks, (1029,), jnp.float32), jax.random.normal(kb, (1029,), jnp.float32)
+xg = jax.random.normal(kx, (3, 50, 64), jnp.float32)
+sg, bg = scale[:64], bias[:64]
+qkv = [jax.random.normal(key, (2, 40, 4, 32), jnp.float32) for key in jax.random.split(kq, 3)]
+cases = [  # (jaxdnn function, float64 reference, operands)
+    (jaxdnn.sigmoid, jax.nn.sigmoid, (x,)), (jaxdnn.silu, jax.nn.silu, (x,)), (jaxdnn.tanh, jnp.tanh, (x,)),
+    (lambda x: jaxdnn.gelu(x, approximate=False), lambda x: jax.nn.gelu(x, approximate=False), (x,)),
+    (jaxdnn.softplus, jax.nn.softplus, (x,)), (jaxdnn.elu, jax.nn.elu, (x,)),
+    (jaxdnn.relu, jax.nn.relu, (x,)),
+    (jaxdnn.softmax, jax.nn.softmax, (x,)), (jaxdnn.log_softmax, jax.nn.log_softmax, (x,)),
+    (lambda x, s, b: jaxdnn.layer_norm(x, s, b, activation="gelu_exact"), layer_norm_gelu, (x, scale, bias)),
+    (lambda x, s, b: jaxdnn.group_norm(x, 8, s, b, activation="silu"), group_norm_silu, (xg, sg, bg)),
+    (lambda q, k, v: jaxdnn.dot_product_attention(q, k, v, is_causal=True),
+     lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), qkv),
+]
 errors = []
-for op, oracle in ops:
-    y, pullback = jax.vjp(jax.jit(op), x)
-    want, want_pullback = jax.vjp(oracle, x.astype(jnp.float64))
-    for got, ref in ((y, want), (pullback(ct)[0], want_pullback(ct.astype(jnp.float64))[0])):
+for op, oracle, operands in cases:
+    y, pullback = jax.vjp(jax.jit(op), *operands)
+    want, want_pullback = jax.vjp(oracle, *(a.astype(jnp.float64) for a in operands))
+    ct = jax.random.normal(kc, y.shape, jnp.float32)
+    grads = pullback(ct)[0], want_pullback(ct.astype(jnp.float64))[0]
+    for got, ref in ((y, want), grads):
         got, ref = np.asarray(got, np.float64), np.asarray(ref)
         errors.append(float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
 print(json.dumps({"isa": jaxdnn.cpu_isa(), "errors": errors}))
@@ -138,11 +160,13 @@ print(json.dumps({"isa": jaxdnn.cpu_isa(), "errors": errors}))
 
 @pytest.mark.skipif(on_gpu(), reason="the CPU kernels' builds")
 @pytest.mark.parametrize("cap", ISA_ORDER)
-def test_cpu_kernel_builds(cap):
-    """The elementwise loops run compiled for AVX2 where the CPU has it, else for the baseline
-    (common/cpu_isa.h's CallVectorized): each build, forward and gradient, activations and softmax."""
+def test_cpu_vectorized_builds(cap):
+    """The CPU kernels' elementwise loops run compiled for AVX2 where the CPU has it, else for the
+    baseline (common/cpu_isa.h's CallVectorized): each build, forward and the first operand's
+    gradient, of the activations, softmax, layer and group norm with fused activations, and
+    attention."""
     report = isa_child_report(_ISA_CHILD, cap)
-    assert len(report["errors"]) == 18
+    assert len(report["errors"]) == 24
     forward, grads = report["errors"][0::2], report["errors"][1::2]
     assert max(forward) < tolerance(jnp.float32), report
     assert max(grads) < tolerance(jnp.float32, grad=True), report

@@ -150,9 +150,9 @@ JAXDNN_HOST_DEVICE inline float ActivateGrad(float x, float param) {
   return 1.f;
 }
 
-// f(x) and f'(x) for a kind known only at run time, one element at a time: for the CPU kernels and
-// scalar epilogues (no template instantiation per activation). GPU loops over packs of elements use
-// ActivateKindN / ActivateGradKindN below.
+// f(x) and f'(x) for a kind known only at run time, one element at a time: for scalar epilogues (no
+// template instantiation per activation). GPU loops over packs of elements use ActivateKindN /
+// ActivateGradKindN below; the CPU kernels' loops take the kind as a constant (DispatchActivation).
 JAXDNN_HOST_DEVICE inline float ActivateKind(int64_t kind, float x, float param) {
   switch (static_cast<Activation>(kind)) {
 #define JAXDNN_ACTIVATION_CASE(name) \
@@ -215,26 +215,6 @@ JAXDNN_HOST_DEVICE inline void ActivateGradKindN(int64_t kind, const float (&pre
     JAXDNN_ACTIVATION_CASES
 #undef JAXDNN_ACTIVATION_CASE
   }
-}
-
-// v[0, n) <- f(v[0, n)) and grad[0, n) *= f'(pre[0, n)) for a row in memory, through the pack
-// functions above (kRowPack values a switch, the tail one at a time): for the CPU kernels, which so
-// run the GPU kernels' own activation code.
-constexpr int kRowPack = 8;
-
-inline void ActivateRow(int64_t kind, float* v, int64_t n, float param) {
-  int64_t j = 0;
-  for (; j + kRowPack <= n; j += kRowPack) ActivateKindN(kind, reinterpret_cast<float(&)[kRowPack]>(v[j]), param);
-  for (; j < n; ++j) v[j] = ActivateKind(kind, v[j], param);
-}
-
-inline void ActivateGradRow(int64_t kind, const float* pre, float* grad, int64_t n, float param) {
-  int64_t j = 0;
-  for (; j + kRowPack <= n; j += kRowPack) {
-    ActivateGradKindN(kind, reinterpret_cast<const float(&)[kRowPack]>(pre[j]),
-                      reinterpret_cast<float(&)[kRowPack]>(grad[j]), param);
-  }
-  for (; j < n; ++j) grad[j] *= ActivateGradKind(kind, pre[j], param);
 }
 
 template <Activation kAct>

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "common/activation.h"
+#include "common/cpu_isa.h"
 #include "common/half_cpu.h"
 #include "group_norm/group_norm.h"
 #include "group_norm/group_norm_common.h"
@@ -29,12 +31,14 @@ float GroupSum(const float* sample_ws, const GroupNormShape& shape, int64_t grou
   return total;
 }
 
-template <typename T>
+// Every per-position loop runs in CallVectorized's variant (common/cpu_isa.h), with the activation
+// a compile-time constant and the per-group values spread over the channels first (an integer
+// division by the group size in a loop keeps it scalar).
+template <typename T, Activation kAct>
 void GroupNormFwd(const T* x, const float* scale, const float* bias, T* y, float* mean,
-                  float* rstd, float* workspace, const GroupNormShape& shape, float epsilon,
-                  int64_t activation, float activation_param) {
+                  float* rstd, float* workspace, const GroupNormShape& shape, float epsilon, float param) {
   const int64_t c_count = shape.channels, k_size = shape.group_size;
-  std::vector<float> shift(c_count), m(c_count), a(c_count), pre(c_count);
+  std::vector<float> shift(c_count), m(c_count), a(c_count);
   for (int64_t n = 0; n < shape.batch; ++n) {
     const T* xn = x + n * shape.spatial * c_count;
     float* ws = workspace + n * shape.chunks * 2 * c_count;
@@ -42,19 +46,21 @@ void GroupNormFwd(const T* x, const float* scale, const float* bias, T* y, float
     for (int64_t c = 0; c < c_count; ++c) {
       shift[c] = shape.spatial > 0 ? ToFloat(xn[(c / k_size) * k_size]) : 0.f;
     }
-    for (int64_t p = 0; p < shape.chunks; ++p) {
-      float* sums = ws + p * 2 * c_count;
-      float* squares = sums + c_count;
-      for (int64_t c = 0; c < c_count; ++c) sums[c] = squares[c] = 0.f;
-      for (int64_t s = ChunkBegin(shape, p); s < ChunkBegin(shape, p + 1); ++s) {
-        const T* row = xn + s * c_count;
-        for (int64_t c = 0; c < c_count; ++c) {
-          const float v = ToFloat(row[c]) - shift[c];
-          sums[c] += v;
-          squares[c] += v * v;
+    CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+      for (int64_t p = 0; p < shape.chunks; ++p) {
+        float* sums = ws + p * 2 * c_count;
+        float* squares = sums + c_count;
+        for (int64_t c = 0; c < c_count; ++c) sums[c] = squares[c] = 0.f;
+        for (int64_t s = ChunkBegin(shape, p); s < ChunkBegin(shape, p + 1); ++s) {
+          const T* row = xn + s * c_count;
+          for (int64_t c = 0; c < c_count; ++c) {
+            const float v = ToFloat(row[c]) - shift[c];
+            sums[c] += v;
+            squares[c] += v * v;
+          }
         }
       }
-    }
+    });
     float* mean_n = mean + n * shape.groups;
     float* rstd_n = rstd + n * shape.groups;
     for (int64_t g = 0; g < shape.groups; ++g) {
@@ -67,36 +73,33 @@ void GroupNormFwd(const T* x, const float* scale, const float* bias, T* y, float
       a[c] = OfGroup(rstd_n, c, k_size) * scale[c];
     }
     T* yn = y + n * shape.spatial * c_count;
-    for (int64_t s = 0; s < shape.spatial; ++s) {
-      for (int64_t c = 0; c < c_count; ++c) pre[c] = (ToFloat(xn[s * c_count + c]) - m[c]) * a[c] + bias[c];
-      ActivateRow(activation, pre.data(), c_count, activation_param);
-      for (int64_t c = 0; c < c_count; ++c) yn[s * c_count + c] = FromFloat<T>(pre[c]);
-    }
+    CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+      for (int64_t s = 0; s < shape.spatial; ++s) {
+        for (int64_t c = 0; c < c_count; ++c) {
+          const float pre = (ToFloat(xn[s * c_count + c]) - m[c]) * a[c] + bias[c];
+          yn[s * c_count + c] = FromFloat<T>(Activate<kAct>(pre, param));
+        }
+      }
+    });
   }
 }
 
 // With xhat = (x - mean) * rstd, d = dy * act'(xhat * scale + bias) and g = d * scale, per group:
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),
 // and dscale = sum(d * xhat), dbias = sum(d) over samples and positions.
-template <typename T>
+template <typename T, Activation kAct>
 void GroupNormBwd(const T* dy, const T* x, const float* scale, const float* bias,
                   const float* mean, const float* rstd, T* dx, float* dscale, float* dbias,
-                  float* workspace, float* group_sums, const GroupNormShape& shape,
-                  int64_t activation, float activation_param) {
+                  float* workspace, float* group_sums, const GroupNormShape& shape, float param) {
   const int64_t c_count = shape.channels, k_size = shape.group_size;
-  const bool has_activation = activation != int64_t(Activation::kIdentity);
   std::vector<float> mean_c(c_count), rstd_c(c_count), mean_g(shape.groups), mean_g_xhat(shape.groups);
-  std::vector<float> xhat(c_count), d(c_count), pre(c_count);
-  // xhat and d = dy * act'(xhat * scale + bias) of the C channels from element `first`.
-  auto position = [&](int64_t first) {
-    for (int64_t c = 0; c < c_count; ++c) {
-      xhat[c] = (ToFloat(x[first + c]) - mean_c[c]) * rstd_c[c];
-      d[c] = ToFloat(dy[first + c]);
-    }
-    if (has_activation) {
-      for (int64_t c = 0; c < c_count; ++c) pre[c] = xhat[c] * scale[c] + bias[c];
-      ActivateGradRow(activation, pre.data(), d.data(), c_count, activation_param);
-    }
+  std::vector<float> mean_g_c(c_count), mean_g_xhat_c(c_count);
+  // d = dy * act'(xhat * scale + bias) of channel c of the position from element `first`; its xhat
+  // to *xhat.
+  auto position = [&](int64_t first, int64_t c, float* xhat) JAXDNN_ALWAYS_INLINE {
+    *xhat = (ToFloat(x[first + c]) - mean_c[c]) * rstd_c[c];
+    const float d = ToFloat(dy[first + c]);
+    return kAct == Activation::kIdentity ? d : d * ActivateGrad<kAct>(*xhat * scale[c] + bias[c], param);
   };
   for (int64_t n = 0; n < shape.batch; ++n) {
     const int64_t offset = n * shape.spatial * c_count;
@@ -105,18 +108,21 @@ void GroupNormBwd(const T* dy, const T* x, const float* scale, const float* bias
       mean_c[c] = OfGroup(mean + n * shape.groups, c, k_size);
       rstd_c[c] = OfGroup(rstd + n * shape.groups, c, k_size);
     }
-    for (int64_t p = 0; p < shape.chunks; ++p) {
-      float* d_xhat = ws + p * 2 * c_count;
-      float* d_sum = d_xhat + c_count;
-      for (int64_t c = 0; c < c_count; ++c) d_xhat[c] = d_sum[c] = 0.f;
-      for (int64_t s = ChunkBegin(shape, p); s < ChunkBegin(shape, p + 1); ++s) {
-        position(offset + s * c_count);
-        for (int64_t c = 0; c < c_count; ++c) {
-          d_xhat[c] += d[c] * xhat[c];
-          d_sum[c] += d[c];
+    CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+      for (int64_t p = 0; p < shape.chunks; ++p) {
+        float* d_xhat = ws + p * 2 * c_count;
+        float* d_sum = d_xhat + c_count;
+        for (int64_t c = 0; c < c_count; ++c) d_xhat[c] = d_sum[c] = 0.f;
+        for (int64_t s = ChunkBegin(shape, p); s < ChunkBegin(shape, p + 1); ++s) {
+          for (int64_t c = 0; c < c_count; ++c) {
+            float xhat;
+            const float d = position(offset + s * c_count, c, &xhat);
+            d_xhat[c] += d * xhat;
+            d_sum[c] += d;
+          }
         }
       }
-    }
+    });
     const float count = float(shape.spatial * k_size);
     float* sums_n = group_sums + n * shape.groups * 2;
     for (int64_t g = 0; g < shape.groups; ++g) {
@@ -125,14 +131,19 @@ void GroupNormBwd(const T* dy, const T* x, const float* scale, const float* bias
       mean_g_xhat[g] = sums_n[2 * g] / count;
       mean_g[g] = sums_n[2 * g + 1] / count;
     }
-    for (int64_t s = 0; s < shape.spatial; ++s) {
-      position(offset + s * c_count);
-      for (int64_t c = 0; c < c_count; ++c) {
-        const float g = d[c] * scale[c];
-        dx[offset + s * c_count + c] = FromFloat<T>(rstd_c[c] * (g - OfGroup(mean_g.data(), c, k_size) -
-                                                                 xhat[c] * OfGroup(mean_g_xhat.data(), c, k_size)));
-      }
+    for (int64_t c = 0; c < c_count; ++c) {
+      mean_g_c[c] = OfGroup(mean_g.data(), c, k_size);
+      mean_g_xhat_c[c] = OfGroup(mean_g_xhat.data(), c, k_size);
     }
+    CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+      for (int64_t s = 0; s < shape.spatial; ++s) {
+        for (int64_t c = 0; c < c_count; ++c) {
+          float xhat;
+          const float g = position(offset + s * c_count, c, &xhat) * scale[c];
+          dx[offset + s * c_count + c] = FromFloat<T>(rstd_c[c] * (g - mean_g_c[c] - xhat * mean_g_xhat_c[c]));
+        }
+      }
+    });
   }
   // dscale and dbias: the workspace summed over samples and chunks, in double.
   std::vector<double> dscale_acc(c_count, 0.0), dbias_acc(c_count, 0.0);
@@ -185,9 +196,13 @@ ffi::Error GroupNormFwdImpl(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuff
                                            activation, &shape));
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    GroupNormFwd<T>(static_cast<const T*>(x.untyped_data()), ParamFloats<T>(scale).data(), ParamFloats<T>(bias).data(),
-                    static_cast<T*>(y->untyped_data()), mean->typed_data(), rstd->typed_data(),
-                    workspace->typed_data(), shape, epsilon, activation, activation_param);
+    const std::vector<float> scale_f = ParamFloats<T>(scale), bias_f = ParamFloats<T>(bias);
+    DispatchActivation(activation, [&](auto act) {
+      GroupNormFwd<T, decltype(act)::value>(static_cast<const T*>(x.untyped_data()), scale_f.data(), bias_f.data(),
+                                            static_cast<T*>(y->untyped_data()), mean->typed_data(),
+                                            rstd->typed_data(), workspace->typed_data(), shape, epsilon,
+                                            activation_param);
+    });
     return ffi::Error::Success();
   });
 }
@@ -205,10 +220,14 @@ ffi::Error GroupNormBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer 
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     std::vector<float> dscale_f(shape.channels), dbias_f(shape.channels);
-    GroupNormBwd<T>(static_cast<const T*>(dy.untyped_data()), static_cast<const T*>(x.untyped_data()),
-                    ParamFloats<T>(scale).data(), ParamFloats<T>(bias).data(), mean.typed_data(), rstd.typed_data(),
-                    static_cast<T*>(dx->untyped_data()), dscale_f.data(), dbias_f.data(), workspace->typed_data(),
-                    group_sums->typed_data(), shape, activation, activation_param);
+    const std::vector<float> scale_f = ParamFloats<T>(scale), bias_f = ParamFloats<T>(bias);
+    DispatchActivation(activation, [&](auto act) {
+      GroupNormBwd<T, decltype(act)::value>(static_cast<const T*>(dy.untyped_data()),
+                                            static_cast<const T*>(x.untyped_data()), scale_f.data(), bias_f.data(),
+                                            mean.typed_data(), rstd.typed_data(), static_cast<T*>(dx->untyped_data()),
+                                            dscale_f.data(), dbias_f.data(), workspace->typed_data(),
+                                            group_sums->typed_data(), shape, activation_param);
+    });
     StoreParam<T>(dscale_f, dscale);
     StoreParam<T>(dbias_f, dbias);
     return ffi::Error::Success();
