@@ -14,7 +14,8 @@ from jax import export
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
-from helpers import DTYPES, assert_close, batch_mesh, dtype_id, f64, normal, on_gpu, rel_err, tolerance
+from helpers import (DTYPES, ISA_ORDER, assert_close, batch_mesh, dtype_id, f64, isa_child_report, normal,
+                     on_gpu, rel_err, tolerance)
 from jaxdnn.dense import _GEMM, _gemm, _matmul, _row_slices, _streamed_tiles
 from jaxdnn.activation import epilogue, epilogue_attrs
 from jaxdnn.reference.activation import activation_fwd
@@ -84,8 +85,8 @@ def test_forward_and_grad(dtype, activation, with_bias, rng):
 
 
 # (x shape, N): sizes that are multiples of nothing, K = 1, N = 1, empty leading axes, K = 0 (the
-# output is act(bias)), rank 1 x, several leading axes, a depth beyond one packed block (K > 256)
-# and rows beyond one accumulator chunk (M > 512).
+# output is act(bias)), rank 1 x, several leading axes, a depth beyond one packed block (K > 256),
+# rows beyond one CPU tile (M > 128) and columns beyond one (N > 256).
 SHAPES = [((1, 1), 1), ((7, 1), 5), ((13, 5), 1), ((0, 8), 6), ((2, 0, 8), 6), ((4, 0), 3), ((33,), 10),
           ((2, 3, 4, 9), 7), ((5, 300), 17), ((530, 20), 9), ((3, 70), 260)]
 
@@ -149,6 +150,47 @@ def test_matmul_stage_transposes(trans_a, trans_b, batch, rng):
     want = jax.grad(functools.partial(penalty, oracle), argnums=(0, 1))(f64(a), f64(b))
     assert_close(got[0], want[0], 1e-5, "grad of grad a")
     assert_close(got[1], want[1], 1e-5, "grad of grad b")
+
+
+# The CPU kernel in each build the CPU can run (JAXDNN_CPU_ISA caps the choice, made once per
+# process): a child process per cap multiplies, in every transpose layout and in float32 and
+# bfloat16, shapes with partial register tiles, several depth blocks, row tiles and column tiles,
+# and runs a fused bias + silu; it reports the relative errors against float64.
+_ISA_CHILD = """
+import importlib, json, jax, jax.numpy as jnp, numpy as np
+import jaxdnn
+gemm = importlib.import_module("jaxdnn.dense")._gemm
+errors = []
+for i, (m, k, n) in enumerate([(19, 300, 45), (133, 20, 270), (1, 7, 3)]):
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for trans_a, trans_b in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            ka, kb = jax.random.split(jax.random.key(i), 2)
+            a = jax.random.normal(ka, (2, k, m) if trans_a else (2, m, k), dtype)
+            b = jax.random.normal(kb, (2, n, k) if trans_b else (2, k, n), dtype)
+            a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            want = (a64.swapaxes(1, 2) if trans_a else a64) @ (b64.swapaxes(1, 2) if trans_b else b64)
+            got = np.asarray(gemm(a, b, None, trans_a, trans_b, 0), np.float64)
+            errors.append(float(np.linalg.norm(got - want) / np.linalg.norm(want)))
+kx, kw, kb = jax.random.split(jax.random.key(9), 3)
+x, w, bias = (jax.random.normal(key, shape, jnp.float32)
+              for key, shape in ((kx, (37, 300)), (kw, (300, 70)), (kb, (70,))))
+got = np.asarray(jaxdnn.dense(x, w, bias, activation="silu"), np.float64)
+z = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(bias, np.float64)
+want = z / (1 + np.exp(-z))
+errors.append(float(np.linalg.norm(got - want) / np.linalg.norm(want)))
+print(json.dumps({"isa": jaxdnn.cpu_isa(), "errors": errors}))
+"""
+
+
+@pytest.mark.skipif(on_gpu(), reason="the CPU kernel's builds")
+@pytest.mark.parametrize("cap", ISA_ORDER)
+def test_cpu_kernel_builds(cap):
+    report = isa_child_report(_ISA_CHILD, cap)
+    errors = report["errors"]
+    assert len(errors) == 25
+    for i, err in enumerate(errors[:-1]):  # float32 and bfloat16 alternate in blocks of 4 layouts
+        assert err < tolerance(jnp.float32 if i // 4 % 2 == 0 else jnp.bfloat16), report
+    assert errors[-1] < tolerance(jnp.float32), report
 
 
 # --- precision: float32 operands as TF32 --------------------------------------------------------

@@ -1,35 +1,33 @@
 // CPU GEMM with a fused epilogue: c[l] = act(op_a(a[l]) . op_b(b[l]) + bias), float32 accumulation.
-// Cache blocking in the usual three levels, so every loop over K runs on contiguous float panels:
-//   for each column block (kColumnBlock columns of c) and row chunk (kRowChunk rows):
-//     for each depth block (kDepthBlock of K): pack op_b's [depth, columns] panel once,
-//       for each row block (kRowBlock rows): pack op_a's [rows, depth] panel,
-//         a register-blocked kRegRows x kRegCols micro-kernel adds their product to a float
-//         accumulator of the chunk's [rows, columns];
-//     then the epilogue: bias, activation, rounding to c's dtype.
-// Packing converts bfloat16/float16 to float and undoes the transposes, so one micro-kernel serves
-// every dtype and layout. The accumulator holds kRowChunk x kColumnBlock floats (512 KiB) whatever
-// the problem's size; packed panels are padded with zeros to whole register blocks.
+// c is cut into tiles of a batch entry's rows and kColumnBlock columns, shared out over XLA's
+// intra-op threads (ParallelFor). A tile sums over K in blocks of kDepthBlock: it packs op_a's
+// [rows, depth] panel in strips of kRows rows (each [depth][kRows]) and op_b's [depth, columns]
+// panel in strips of kStrips FloatVectors (each [depth][kStrips * 16]); packing converts
+// bfloat16/float16 to float and undoes the transposes, so one micro-kernel serves every dtype and
+// layout. The micro-kernel keeps a kRows x (kStrips * 16) tile of sums in vector registers over the
+// depth (each value of op_a loaded feeds a whole tile row) and leaves it in the tile's float
+// accumulator between depth blocks. Then the epilogue: bias, the activation (a compile-time
+// constant), rounding to c's dtype. Every element is summed over K in order, whatever the tiles and
+// threads: the results do not depend on the thread count. Built for AVX-512 (8 x 32 register tiles),
+// AVX2/FMA (6 x 16) and the baseline (2 x 16), chosen at run time (common/cpu_isa.h).
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
-#include <vector>
 
 #include "common/activation.h"
+#include "common/cpu_isa.h"
 #include "common/half_cpu.h"
+#include "common/parallel_cpu.h"
+#include "common/vector_cpu.h"
 #include "dense/dense.h"
 
 namespace jaxdnn {
 namespace {
 
-constexpr int64_t kRegRows = 4;         // rows of c per micro-kernel call
-constexpr int64_t kRegCols = 8;         // columns of c per micro-kernel call: two 4-wide SSE registers
-constexpr int64_t kDepthBlock = 256;    // K per packed panel: a row panel (4 KiB) stays in L1
-constexpr int64_t kRowBlock = 64;       // rows per packed op_a panel (64 KiB, L2)
-constexpr int64_t kColumnBlock = 256;   // columns per packed op_b panel (256 KiB, L2)
-constexpr int64_t kRowChunk = 512;      // rows per float accumulator (op_b is repacked once per chunk)
-// Packed panels hold whole register blocks (zero-padded), so the blocks must divide the panels.
-static_assert(kRowBlock % kRegRows == 0 && kRowChunk % kRowBlock == 0, "row blocks must nest");
-static_assert(kColumnBlock % kRegCols == 0, "column blocks must nest");
+constexpr int64_t kDepthBlock = 256;   // K per packed panel
+constexpr int64_t kColumnBlock = 256;  // columns of c per tile (op_b's panel: 256 KiB, L2)
+constexpr int64_t kStripCols = kVectorFloats;
 
 bool IsFloat(ffi::DataType t) {
   return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
@@ -42,98 +40,195 @@ struct Operands {
   const T* b;
   int64_t m, n, k;
   bool trans_a, trans_b;
-
-  float A(int64_t i, int64_t p) const { return ToFloat(trans_a ? a[p * m + i] : a[i * k + p]); }
-  float B(int64_t p, int64_t j) const { return ToFloat(trans_b ? b[j * k + p] : b[p * n + j]); }
 };
 
-// op_a rows [row0, row0 + rows) x depth [p0, p0 + depth) -> kRegRows-row strips, each [depth][kRegRows].
-template <typename T>
-void PackA(const Operands<T>& op, int64_t row0, int64_t rows, int64_t p0, int64_t depth, float* out) {
-  for (int64_t strip = 0; strip < rows; strip += kRegRows) {
-    for (int64_t p = 0; p < depth; ++p) {
-      for (int64_t i = 0; i < kRegRows; ++i) {
-        *out++ = strip + i < rows ? op.A(row0 + strip + i, p0 + p) : 0.f;
-      }
+// A tile of c: rows [row0, row0 + rows) and columns [col0, col0 + cols) of one batch entry.
+struct TileOfC {
+  int64_t row0, rows, col0, cols;
+};
+
+// out[0, kCount) = src[0, valid) as float, then zeros (src is read only below `valid`).
+template <int kCount, typename T>
+JAXDNN_ALWAYS_INLINE inline void CopyPadded(const T* src, int64_t valid, float* out) {
+  if (valid == kCount) {
+    for (int i = 0; i < kCount; ++i) out[i] = ToFloat(src[i]);
+  } else {
+    for (int i = 0; i < kCount; ++i) out[i] = i < valid ? ToFloat(src[std::min<int64_t>(i, valid - 1)]) : 0.f;
+  }
+}
+
+// A [depth, width] block of a matrix, its element (p, i) at src[p * p_stride + i * i_stride] (one
+// of the strides is 1), packed as strips of kWidth: out[strip][p][kWidth] in float, positions past
+// `width` zeros (their sums are never stored).
+template <int kWidth, typename T>
+JAXDNN_ALWAYS_INLINE inline void PackStrips(const T* src, int64_t p_stride, int64_t i_stride, int64_t depth,
+                                            int64_t width, float* out) {
+  for (int64_t strip = 0; strip < width; strip += kWidth, out += depth * kWidth) {
+    const int64_t n = std::min<int64_t>(kWidth, width - strip);
+    const T* first = src + strip * i_stride;
+    if (i_stride == 1) {  // a strip's values of one depth are contiguous
+      for (int64_t p = 0; p < depth; ++p) CopyPadded<kWidth>(first + p * p_stride, n, out + p * kWidth);
+      continue;
+    }
+    for (int i = 0; i < kWidth; ++i) {  // p_stride is 1: a position's depth values are contiguous
+      const T* line = first + std::min<int64_t>(i, n - 1) * i_stride;
+      for (int64_t p = 0; p < depth; ++p) out[p * kWidth + i] = i < n ? ToFloat(line[p]) : 0.f;
     }
   }
 }
 
-// op_b depth [p0, p0 + depth) x columns [col0, col0 + cols) -> kRegCols-column strips, each
-// [depth][kRegCols].
-template <typename T>
-void PackB(const Operands<T>& op, int64_t p0, int64_t depth, int64_t col0, int64_t cols, float* out) {
-  for (int64_t strip = 0; strip < cols; strip += kRegCols) {
-    for (int64_t p = 0; p < depth; ++p) {
-      for (int64_t j = 0; j < kRegCols; ++j) {
-        *out++ = strip + j < cols ? op.B(p0 + p, col0 + strip + j) : 0.f;
-      }
-    }
-  }
+// op_a's rows [row0, row0 + rows) x depth [p0, p0 + depth) as strips of kRows rows.
+template <int kRows, typename T>
+JAXDNN_ALWAYS_INLINE inline void PackA(const Operands<T>& op, int64_t row0, int64_t rows, int64_t p0, int64_t depth,
+                                       float* out) {
+  if (op.trans_a) return PackStrips<kRows>(op.a + p0 * op.m + row0, op.m, 1, depth, rows, out);  // a [K, M]
+  PackStrips<kRows>(op.a + row0 * op.k + p0, 1, op.k, depth, rows, out);                        // a [M, K]
 }
 
-// acc[rows, cols] (leading dimension ld) += a_strip . b_strip over `depth`: the sums stay in
-// registers (a fixed-size array the compiler keeps in vector registers) until the end.
-void MicroKernel(const float* a_strip, const float* b_strip, int64_t depth, float* acc, int64_t ld,
-                 int64_t rows, int64_t cols) {
-  float sum[kRegRows][kRegCols] = {};
+// op_b's depth [p0, p0 + depth) x columns [col0, col0 + cols) as strips of kCols columns.
+template <int kCols, typename T>
+JAXDNN_ALWAYS_INLINE inline void PackB(const Operands<T>& op, int64_t p0, int64_t depth, int64_t col0, int64_t cols,
+                                       float* out) {
+  if (op.trans_b) return PackStrips<kCols>(op.b + col0 * op.k + p0, 1, op.k, depth, cols, out);  // b [N, K]
+  PackStrips<kCols>(op.b + p0 * op.n + col0, op.n, 1, depth, cols, out);                        // b [K, N]
+}
+
+// acc[kRows, kStrips * 16] (leading dimension ld) = (first ? 0 : acc) + a_strip . b_strip over
+// `depth`, the sums kept in registers throughout.
+template <int kRows, int kStrips>
+JAXDNN_ALWAYS_INLINE inline void MicroKernel(const float* a_strip, const float* b_strip, int64_t depth, float* acc,
+                                             int64_t ld, bool first) {
+  FloatVector sum[kRows][kStrips];
+  for (int i = 0; i < kRows; ++i) {
+    for (int s = 0; s < kStrips; ++s) sum[i][s] = first ? FloatVector{} : LoadVector(acc + i * ld + s * kStripCols);
+  }
   for (int64_t p = 0; p < depth; ++p) {
-    const float* a = a_strip + p * kRegRows;
-    const float* b = b_strip + p * kRegCols;
-    for (int64_t i = 0; i < kRegRows; ++i) {
-      for (int64_t j = 0; j < kRegCols; ++j) sum[i][j] += a[i] * b[j];
+    FloatVector b[kStrips];
+    for (int s = 0; s < kStrips; ++s) b[s] = LoadVector(b_strip + (p * kStrips + s) * kStripCols);
+#pragma GCC unroll 16
+    for (int i = 0; i < kRows; ++i) {
+      const float a = a_strip[p * kRows + i];
+      for (int s = 0; s < kStrips; ++s) sum[i][s] += a * b[s];
     }
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < cols; ++j) acc[i * ld + j] += sum[i][j];
+  for (int i = 0; i < kRows; ++i) {
+    for (int s = 0; s < kStrips; ++s) StoreVector(sum[i][s], acc + i * ld + s * kStripCols);
   }
 }
 
-// The packed panels and the accumulator, allocated once per call and reused for every batch entry.
+// The packed panels and a tile's float sums ([kMaxRowBlock][kColumnBlock]), whole register tiles:
+// one set a thread, kept for the thread's life (an allocation a call would cost page faults).
+constexpr int64_t kTilesPerRowBlock = 16;                // register tiles' rows in a tile of c
+constexpr int64_t kMaxRowBlock = kTilesPerRowBlock * 8;  // the widest build's (8 rows a register tile)
 struct Workspace {
-  std::vector<float> packed_a = std::vector<float>(kRowBlock * kDepthBlock);
-  std::vector<float> packed_b = std::vector<float>(kDepthBlock * kColumnBlock);
-  std::vector<float> acc = std::vector<float>(kRowChunk * kColumnBlock);
+  std::unique_ptr<float[]> packed_a{new float[kMaxRowBlock * kDepthBlock]};
+  std::unique_ptr<float[]> packed_b{new float[kDepthBlock * kColumnBlock]};
+  std::unique_ptr<float[]> sums{new float[kMaxRowBlock * kColumnBlock]};
 };
 
-template <typename T>
-void Gemm(const Operands<T>& op, const float* bias, const GemmAttrs& attrs, Workspace& ws, T* c) {
-  std::vector<float>& packed_a = ws.packed_a;
-  std::vector<float>& packed_b = ws.packed_b;
-  std::vector<float>& acc = ws.acc;
-  for (int64_t col0 = 0; col0 < op.n; col0 += kColumnBlock) {
-    const int64_t cols = std::min(kColumnBlock, op.n - col0);
-    for (int64_t chunk0 = 0; chunk0 < op.m; chunk0 += kRowChunk) {
-      const int64_t chunk_rows = std::min(kRowChunk, op.m - chunk0);
-      std::fill(acc.begin(), acc.begin() + chunk_rows * kColumnBlock, 0.f);  // small problems: no more
-      for (int64_t p0 = 0; p0 < op.k; p0 += kDepthBlock) {
-        const int64_t depth = std::min(kDepthBlock, op.k - p0);
-        PackB(op, p0, depth, col0, cols, packed_b.data());
-        for (int64_t row0 = 0; row0 < chunk_rows; row0 += kRowBlock) {
-          const int64_t rows = std::min(kRowBlock, chunk_rows - row0);
-          PackA(op, chunk0 + row0, rows, p0, depth, packed_a.data());
-          for (int64_t j = 0; j < cols; j += kRegCols) {
-            for (int64_t i = 0; i < rows; i += kRegRows) {
-              MicroKernel(packed_a.data() + i * depth, packed_b.data() + j * depth, depth,
-                          acc.data() + (row0 + i) * kColumnBlock + j, kColumnBlock,
-                          std::min(kRegRows, rows - i), std::min(kRegCols, cols - j));
-            }
-          }
-        }
-      }
-      for (int64_t i = 0; i < chunk_rows; ++i) {
-        const float* acc_row = acc.data() + i * kColumnBlock;
-        T* c_row = c + (chunk0 + i) * op.n + col0;
-        for (int64_t j = 0; j < cols; ++j) {
-          const float z = acc_row[j] + (bias != nullptr ? bias[col0 + j] : 0.f);
-          c_row[j] = FromFloat<T>(ActivateKind(attrs.activation, z, attrs.activation_param));
-        }
+Workspace& ThreadWorkspace() {
+  thread_local Workspace workspace;
+  return workspace;
+}
+
+// ws.sums[tile.rows, tile.cols] = op_a . op_b over the tile (rows rounded up to kRows, columns to
+// kStrips * 16).
+template <int kRows, int kStrips, typename T>
+JAXDNN_ALWAYS_INLINE inline void TileProduct(const Operands<T>& op, const TileOfC& tile, Workspace& ws) {
+  constexpr int kCols = kStrips * kStripCols;
+  for (int64_t p0 = 0; p0 < op.k; p0 += kDepthBlock) {
+    const int64_t depth = std::min(kDepthBlock, op.k - p0);
+    PackA<kRows>(op, tile.row0, tile.rows, p0, depth, ws.packed_a.get());
+    PackB<kCols>(op, p0, depth, tile.col0, tile.cols, ws.packed_b.get());
+    for (int64_t j = 0; j < tile.cols; j += kCols) {
+      for (int64_t i = 0; i < tile.rows; i += kRows) {
+        MicroKernel<kRows, kStrips>(ws.packed_a.get() + i * depth, ws.packed_b.get() + j * depth, depth,
+                                    ws.sums.get() + i * kColumnBlock + j, kColumnBlock, p0 == 0);
       }
     }
   }
+  if (op.k == 0) {
+    for (int64_t i = 0; i < tile.rows; ++i) std::fill_n(ws.sums.get() + i * kColumnBlock, tile.cols, 0.f);
+  }
 }
 
-ffi::Error GemmImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> bias,
+// The register tiles of each build: AVX-512 8 x 32 (16 of the 32 registers hold sums), AVX2 with
+// FMA 6 x 16 (12 of 16), the baseline (SSE2) 2 x 16 (8 of 16).
+#ifdef JAXDNN_CPU_ISA_VARIANTS
+template <typename T>
+__attribute__((target("avx512f"))) void TileProductAvx512(const Operands<T>& op, const TileOfC& tile,
+                                                          Workspace& ws) {
+  TileProduct<8, 2>(op, tile, ws);
+}
+template <typename T>
+__attribute__((target("avx2,fma"))) void TileProductAvx2(const Operands<T>& op, const TileOfC& tile, Workspace& ws) {
+  TileProduct<6, 1>(op, tile, ws);
+}
+#endif
+
+// Rows of a register tile in the active build (the one TileProductForIsa runs).
+int RegisterRows() {
+  switch (ActiveCpuIsa()) {
+    case CpuIsa::kAvx512: return 8;
+    case CpuIsa::kAvx2: return 6;
+    default: return 2;
+  }
+}
+
+template <typename T>
+void TileProductForIsa(const Operands<T>& op, const TileOfC& tile, Workspace& ws) {
+#ifdef JAXDNN_CPU_ISA_VARIANTS
+  if (ActiveCpuIsa() == CpuIsa::kAvx512) return TileProductAvx512(op, tile, ws);
+  if (ActiveCpuIsa() == CpuIsa::kAvx2) return TileProductAvx2(op, tile, ws);
+#endif
+  TileProduct<2, 1>(op, tile, ws);
+}
+
+// c's tile = act(sums + bias), rounded to T; bias may be null.
+template <Activation kAct, typename T>
+JAXDNN_ALWAYS_INLINE inline void Epilogue(const Workspace& ws, const TileOfC& tile, const float* bias, float param,
+                                          int64_t n, T* c) {
+  static const float kNoBias[kColumnBlock] = {};
+  const float* b = bias != nullptr ? bias + tile.col0 : kNoBias;
+  for (int64_t i = 0; i < tile.rows; ++i) {
+    const float* sums = ws.sums.get() + i * kColumnBlock;
+    T* out = c + (tile.row0 + i) * n + tile.col0;
+    for (int64_t j = 0; j < tile.cols; ++j) out[j] = FromFloat<T>(Activate<kAct>(sums[j] + b[j], param));
+  }
+}
+
+template <typename T>
+void Gemm(ffi::ThreadPool& pool, const GemmShape& shape, const T* a, const T* b, const float* bias,
+          const GemmAttrs& attrs, T* c) {
+  // Tiles of kTilesPerRowBlock register tiles' rows, fewer where that leaves a thread without two
+  // tiles (a tile's packed op_b panel is then shared by fewer rows).
+  const int64_t reg_rows = RegisterRows(), threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t column_tiles = (shape.n + kColumnBlock - 1) / kColumnBlock;
+  int64_t row_block = kTilesPerRowBlock * reg_rows;
+  while (row_block > 2 * reg_rows &&
+         shape.batch * column_tiles * ((shape.m + row_block - 1) / row_block) < 2 * threads) {
+    row_block = (row_block / 2 + reg_rows - 1) / reg_rows * reg_rows;
+  }
+  const int64_t row_tiles = (shape.m + row_block - 1) / row_block;
+  ParallelFor(pool, shape.batch * row_tiles * column_tiles, [&](int64_t item) {
+    const int64_t l = item / (row_tiles * column_tiles), rt = item / column_tiles % row_tiles;
+    const int64_t ct = item % column_tiles;
+    const TileOfC tile{rt * row_block, std::min(row_block, shape.m - rt * row_block), ct * kColumnBlock,
+                       std::min(kColumnBlock, shape.n - ct * kColumnBlock)};
+    const Operands<T> op{a + l * shape.m * shape.k, b + l * shape.k * shape.n, shape.m, shape.n, shape.k,
+                         attrs.trans_a != 0, attrs.trans_b != 0};
+    Workspace& ws = ThreadWorkspace();
+    TileProductForIsa(op, tile, ws);
+    T* c_entry = c + l * shape.m * shape.n;
+    DispatchActivation(attrs.activation, [&](auto act) {
+      CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
+        Epilogue<decltype(act)::value>(ws, tile, bias, attrs.activation_param, shape.n, c_entry);
+      });
+    });
+  });
+}
+
+ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> bias,
                     ffi::Result<ffi::AnyBuffer> c, GemmAttrs attrs) {
   GemmShape shape;
   JAXDNN_RETURN_IF_ERROR(CheckGemm(a, b, bias, *c, attrs, &shape));
@@ -141,13 +236,8 @@ ffi::Error GemmImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> bi
   const float* bias_data = bias.element_count() > 0 ? bias.typed_data() : nullptr;
   return DispatchFloat<float, Bf16, Half>(a.element_type(), "gemm: a", [&](auto type_tag) {
     using T = decltype(type_tag);
-    Workspace workspace;
-    for (int64_t l = 0; l < shape.batch; ++l) {
-      Operands<T> op{static_cast<const T*>(a.untyped_data()) + l * shape.m * shape.k,
-                     static_cast<const T*>(b.untyped_data()) + l * shape.k * shape.n,
-                     shape.m, shape.n, shape.k, attrs.trans_a != 0, attrs.trans_b != 0};
-      Gemm(op, bias_data, attrs, workspace, static_cast<T*>(c->untyped_data()) + l * shape.m * shape.n);
-    }
+    Gemm<T>(pool, shape, static_cast<const T*>(a.untyped_data()), static_cast<const T*>(b.untyped_data()),
+            bias_data, attrs, static_cast<T*>(c->untyped_data()));
     return ffi::Error::Success();
   });
 }
@@ -199,4 +289,4 @@ ffi::Error CheckGemm(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCpu, jaxdnn::GemmImpl, jaxdnn::BindGemm(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCpu, jaxdnn::GemmImpl, jaxdnn::BindGemm(jaxdnn::BindWithThreadPool()));
