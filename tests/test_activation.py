@@ -134,6 +134,8 @@ scale, bias = 1 + jax.random.normal(ks, (1029,), jnp.float32), jax.random.normal
 xg = jax.random.normal(kx, (3, 50, 64), jnp.float32)
 sg, bg = scale[:64], bias[:64]
 qkv = [jax.random.normal(key, (2, 40, 4, 32), jnp.float32) for key in jax.random.split(kq, 3)]
+q, kv_bias = qkv[0], [a[:, :, :2] for a in qkv[1:]] + [jax.random.normal(kq, (1, 4, 40, 40), jnp.float32)]
+windowed = dict(local_window_size=(9, 3))  # with a bias: the per-logit rules
 cases = [  # (jaxdnn function, float64 reference, operands)
     (jaxdnn.sigmoid, jax.nn.sigmoid, (x,)), (jaxdnn.silu, jax.nn.silu, (x,)), (jaxdnn.tanh, jnp.tanh, (x,)),
     (lambda x: jaxdnn.gelu(x, approximate=False), lambda x: jax.nn.gelu(x, approximate=False), (x,)),
@@ -144,13 +146,16 @@ cases = [  # (jaxdnn function, float64 reference, operands)
     (lambda x, s, b: jaxdnn.group_norm(x, 8, s, b, activation="silu"), group_norm_silu, (xg, sg, bg)),
     (lambda q, k, v: jaxdnn.dot_product_attention(q, k, v, is_causal=True),
      lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), qkv),
+    (lambda q, k, v, b: jaxdnn.dot_product_attention(q, k, v, b, **windowed),
+     lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, b, **windowed), [q, *kv_bias]),
 ]
 errors = []
 for op, oracle, operands in cases:
     y, pullback = jax.vjp(jax.jit(op), *operands)
     want, want_pullback = jax.vjp(oracle, *(a.astype(jnp.float64) for a in operands))
     ct = jax.random.normal(kc, y.shape, jnp.float32)
-    grads = pullback(ct)[0], want_pullback(ct.astype(jnp.float64))[0]
+    grads = (np.concatenate([np.ravel(g) for g in pullback(ct)]),  # every operand's
+             np.concatenate([np.ravel(g) for g in want_pullback(ct.astype(jnp.float64))]))
     for got, ref in ((y, want), grads):
         got, ref = np.asarray(got, np.float64), np.asarray(ref)
         errors.append(float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
@@ -161,12 +166,11 @@ print(json.dumps({"isa": jaxdnn.cpu_isa(), "errors": errors}))
 @pytest.mark.skipif(on_gpu(), reason="the CPU kernels' builds")
 @pytest.mark.parametrize("cap", ISA_ORDER)
 def test_cpu_vectorized_builds(cap):
-    """The CPU kernels' elementwise loops run compiled for AVX2 where the CPU has it, else for the
-    baseline (common/cpu_isa.h's CallVectorized): each build, forward and the first operand's
-    gradient, of the activations, softmax, layer and group norm with fused activations, and
-    attention."""
+    """The CPU kernels' vectorized loops in each build (common/cpu_isa.h's CallVectorized and
+    CallForIsa): forward and every operand's gradient of the activations, softmax, layer and group
+    norm with fused activations, and attention (causal; and windowed with a bias, GQA)."""
     report = isa_child_report(_ISA_CHILD, cap)
-    assert len(report["errors"]) == 24
+    assert len(report["errors"]) == 26
     forward, grads = report["errors"][0::2], report["errors"][1::2]
     assert max(forward) < tolerance(jnp.float32), report
     assert max(grads) < tolerance(jnp.float32, grad=True), report

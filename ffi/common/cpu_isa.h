@@ -59,6 +59,32 @@ void CallVectorized(const Fn& fn) {
   fn();
 }
 
+// Runs fn(IsaTag<isa>{}) compiled for the active ISA: AVX-512F, AVX2 with FMA, or the baseline, for
+// loops that pick their register tiles from the ISA at compile time (common/matmul_cpu.h). fn is a
+// lambda declared JAXDNN_ALWAYS_INLINE, as for CallVectorized.
+template <CpuIsa kIsa>
+struct IsaTag {
+  static constexpr CpuIsa value = kIsa;
+};
+#ifdef JAXDNN_CPU_ISA_VARIANTS
+template <typename Fn>
+__attribute__((target("avx512f"))) void CallAvx512Tag(const Fn& fn) {
+  fn(IsaTag<CpuIsa::kAvx512>{});
+}
+template <typename Fn>
+__attribute__((target("avx2,fma"))) void CallAvx2Tag(const Fn& fn) {
+  fn(IsaTag<CpuIsa::kAvx2>{});
+}
+#endif
+template <typename Fn>
+void CallForIsa(const Fn& fn) {
+#ifdef JAXDNN_CPU_ISA_VARIANTS
+  if (ActiveCpuIsa() == CpuIsa::kAvx512) return CallAvx512Tag(fn);
+  if (ActiveCpuIsa() == CpuIsa::kAvx2) return CallAvx2Tag(fn);
+#endif
+  fn(IsaTag<CpuIsa::kBaseline>{});
+}
+
 inline const char* CpuIsaName(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kAvx512:

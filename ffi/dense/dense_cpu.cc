@@ -1,15 +1,13 @@
 // CPU GEMM with a fused epilogue: c[l] = act(op_a(a[l]) . op_b(b[l]) + bias), float32 accumulation.
 // c is cut into tiles of a batch entry's rows and kColumnBlock columns, shared out over XLA's
 // intra-op threads (ParallelFor). A tile sums over K in blocks of kDepthBlock: it packs op_a's
-// [rows, depth] panel in strips of kRows rows (each [depth][kRows]) and op_b's [depth, columns]
-// panel in strips of kStrips FloatVectors (each [depth][kStrips * 16]); packing converts
-// bfloat16/float16 to float and undoes the transposes, so one micro-kernel serves every dtype and
-// layout. The micro-kernel keeps a kRows x (kStrips * 16) tile of sums in vector registers over the
-// depth (each value of op_a loaded feeds a whole tile row) and leaves it in the tile's float
-// accumulator between depth blocks. Then the epilogue: bias, the activation (a compile-time
+// [rows, depth] panel in strips of a register tile's rows and op_b's [depth, columns] panel in strips
+// of its columns, converting bfloat16/float16 to float and undoing the transposes, so that one
+// micro-kernel (common/matmul_cpu.h) serves every dtype and layout; the tile's float sums stay in
+// the workspace between depth blocks. Then the epilogue: bias, the activation (a compile-time
 // constant), rounding to c's dtype. Every element is summed over K in order, whatever the tiles and
-// threads: the results do not depend on the thread count. Built for AVX-512 (8 x 32 register tiles),
-// AVX2/FMA (6 x 16) and the baseline (2 x 16), chosen at run time (common/cpu_isa.h).
+// threads: the results do not depend on the thread count. Register tiles: AVX-512 8 x 32, AVX2/FMA
+// 6 x 16, the baseline 2 x 16, chosen at run time (common/cpu_isa.h).
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -18,8 +16,8 @@
 #include "common/activation.h"
 #include "common/cpu_isa.h"
 #include "common/half_cpu.h"
+#include "common/matmul_cpu.h"
 #include "common/parallel_cpu.h"
-#include "common/vector_cpu.h"
 #include "dense/dense.h"
 
 namespace jaxdnn {
@@ -27,7 +25,6 @@ namespace {
 
 constexpr int64_t kDepthBlock = 256;   // K per packed panel
 constexpr int64_t kColumnBlock = 256;  // columns of c per tile (op_b's panel: 256 KiB, L2)
-constexpr int64_t kStripCols = kVectorFloats;
 
 bool IsFloat(ffi::DataType t) {
   return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
@@ -47,36 +44,6 @@ struct TileOfC {
   int64_t row0, rows, col0, cols;
 };
 
-// out[0, kCount) = src[0, valid) as float, then zeros (src is read only below `valid`).
-template <int kCount, typename T>
-JAXDNN_ALWAYS_INLINE inline void CopyPadded(const T* src, int64_t valid, float* out) {
-  if (valid == kCount) {
-    for (int i = 0; i < kCount; ++i) out[i] = ToFloat(src[i]);
-  } else {
-    for (int i = 0; i < kCount; ++i) out[i] = i < valid ? ToFloat(src[std::min<int64_t>(i, valid - 1)]) : 0.f;
-  }
-}
-
-// A [depth, width] block of a matrix, its element (p, i) at src[p * p_stride + i * i_stride] (one
-// of the strides is 1), packed as strips of kWidth: out[strip][p][kWidth] in float, positions past
-// `width` zeros (their sums are never stored).
-template <int kWidth, typename T>
-JAXDNN_ALWAYS_INLINE inline void PackStrips(const T* src, int64_t p_stride, int64_t i_stride, int64_t depth,
-                                            int64_t width, float* out) {
-  for (int64_t strip = 0; strip < width; strip += kWidth, out += depth * kWidth) {
-    const int64_t n = std::min<int64_t>(kWidth, width - strip);
-    const T* first = src + strip * i_stride;
-    if (i_stride == 1) {  // a strip's values of one depth are contiguous
-      for (int64_t p = 0; p < depth; ++p) CopyPadded<kWidth>(first + p * p_stride, n, out + p * kWidth);
-      continue;
-    }
-    for (int i = 0; i < kWidth; ++i) {  // p_stride is 1: a position's depth values are contiguous
-      const T* line = first + std::min<int64_t>(i, n - 1) * i_stride;
-      for (int64_t p = 0; p < depth; ++p) out[p * kWidth + i] = i < n ? ToFloat(line[p]) : 0.f;
-    }
-  }
-}
-
 // op_a's rows [row0, row0 + rows) x depth [p0, p0 + depth) as strips of kRows rows.
 template <int kRows, typename T>
 JAXDNN_ALWAYS_INLINE inline void PackA(const Operands<T>& op, int64_t row0, int64_t rows, int64_t p0, int64_t depth,
@@ -91,29 +58,6 @@ JAXDNN_ALWAYS_INLINE inline void PackB(const Operands<T>& op, int64_t p0, int64_
                                        float* out) {
   if (op.trans_b) return PackStrips<kCols>(op.b + col0 * op.k + p0, 1, op.k, depth, cols, out);  // b [N, K]
   PackStrips<kCols>(op.b + p0 * op.n + col0, op.n, 1, depth, cols, out);                        // b [K, N]
-}
-
-// acc[kRows, kStrips * 16] (leading dimension ld) = (first ? 0 : acc) + a_strip . b_strip over
-// `depth`, the sums kept in registers throughout.
-template <int kRows, int kStrips>
-JAXDNN_ALWAYS_INLINE inline void MicroKernel(const float* a_strip, const float* b_strip, int64_t depth, float* acc,
-                                             int64_t ld, bool first) {
-  FloatVector sum[kRows][kStrips];
-  for (int i = 0; i < kRows; ++i) {
-    for (int s = 0; s < kStrips; ++s) sum[i][s] = first ? FloatVector{} : LoadVector(acc + i * ld + s * kStripCols);
-  }
-  for (int64_t p = 0; p < depth; ++p) {
-    FloatVector b[kStrips];
-    for (int s = 0; s < kStrips; ++s) b[s] = LoadVector(b_strip + (p * kStrips + s) * kStripCols);
-#pragma GCC unroll 16
-    for (int i = 0; i < kRows; ++i) {
-      const float a = a_strip[p * kRows + i];
-      for (int s = 0; s < kStrips; ++s) sum[i][s] += a * b[s];
-    }
-  }
-  for (int i = 0; i < kRows; ++i) {
-    for (int s = 0; s < kStrips; ++s) StoreVector(sum[i][s], acc + i * ld + s * kStripCols);
-  }
 }
 
 // The packed panels and a tile's float sums ([kMaxRowBlock][kColumnBlock]), whole register tiles:
@@ -131,57 +75,28 @@ Workspace& ThreadWorkspace() {
   return workspace;
 }
 
-// ws.sums[tile.rows, tile.cols] = op_a . op_b over the tile (rows rounded up to kRows, columns to
-// kStrips * 16).
-template <int kRows, int kStrips, typename T>
-JAXDNN_ALWAYS_INLINE inline void TileProduct(const Operands<T>& op, const TileOfC& tile, Workspace& ws) {
-  constexpr int kCols = kStrips * kStripCols;
-  for (int64_t p0 = 0; p0 < op.k; p0 += kDepthBlock) {
-    const int64_t depth = std::min(kDepthBlock, op.k - p0);
-    PackA<kRows>(op, tile.row0, tile.rows, p0, depth, ws.packed_a.get());
-    PackB<kCols>(op, p0, depth, tile.col0, tile.cols, ws.packed_b.get());
-    for (int64_t j = 0; j < tile.cols; j += kCols) {
-      for (int64_t i = 0; i < tile.rows; i += kRows) {
-        MicroKernel<kRows, kStrips>(ws.packed_a.get() + i * depth, ws.packed_b.get() + j * depth, depth,
-                                    ws.sums.get() + i * kColumnBlock + j, kColumnBlock, p0 == 0);
-      }
+// Rows of the register tiles of each build: AVX-512 8 x 32 (16 of the 32 registers hold sums), AVX2
+// with FMA 6 x 16 (12 of 16), the baseline (SSE2) 2 x 16 (8 of 16).
+constexpr int RegisterRows(CpuIsa isa) { return isa == CpuIsa::kAvx512 ? 8 : (isa == CpuIsa::kAvx2 ? 6 : 2); }
+
+// ws.sums[tile.rows, tile.cols] = op_a . op_b over the tile (rows rounded up to whole register
+// tiles, columns to whole strips), compiled for the active ISA.
+template <typename T>
+void TileProduct(const Operands<T>& op, const TileOfC& tile, Workspace& ws) {
+  CallForIsa([&](auto isa) JAXDNN_ALWAYS_INLINE {
+    constexpr int kRows = RegisterRows(decltype(isa)::value);
+    constexpr int kStrips = decltype(isa)::value == CpuIsa::kAvx512 ? 2 : 1;
+    for (int64_t p0 = 0; p0 < op.k; p0 += kDepthBlock) {
+      const int64_t depth = std::min(kDepthBlock, op.k - p0);
+      PackA<kRows>(op, tile.row0, tile.rows, p0, depth, ws.packed_a.get());
+      PackB<kStrips * kStripCols>(op, p0, depth, tile.col0, tile.cols, ws.packed_b.get());
+      StripProducts<kRows, kStrips>(ws.packed_a.get(), tile.rows, ws.packed_b.get(), tile.cols, depth,
+                                    ws.sums.get(), kColumnBlock, p0 == 0);
     }
-  }
+  });
   if (op.k == 0) {
     for (int64_t i = 0; i < tile.rows; ++i) std::fill_n(ws.sums.get() + i * kColumnBlock, tile.cols, 0.f);
   }
-}
-
-// The register tiles of each build: AVX-512 8 x 32 (16 of the 32 registers hold sums), AVX2 with
-// FMA 6 x 16 (12 of 16), the baseline (SSE2) 2 x 16 (8 of 16).
-#ifdef JAXDNN_CPU_ISA_VARIANTS
-template <typename T>
-__attribute__((target("avx512f"))) void TileProductAvx512(const Operands<T>& op, const TileOfC& tile,
-                                                          Workspace& ws) {
-  TileProduct<8, 2>(op, tile, ws);
-}
-template <typename T>
-__attribute__((target("avx2,fma"))) void TileProductAvx2(const Operands<T>& op, const TileOfC& tile, Workspace& ws) {
-  TileProduct<6, 1>(op, tile, ws);
-}
-#endif
-
-// Rows of a register tile in the active build (the one TileProductForIsa runs).
-int RegisterRows() {
-  switch (ActiveCpuIsa()) {
-    case CpuIsa::kAvx512: return 8;
-    case CpuIsa::kAvx2: return 6;
-    default: return 2;
-  }
-}
-
-template <typename T>
-void TileProductForIsa(const Operands<T>& op, const TileOfC& tile, Workspace& ws) {
-#ifdef JAXDNN_CPU_ISA_VARIANTS
-  if (ActiveCpuIsa() == CpuIsa::kAvx512) return TileProductAvx512(op, tile, ws);
-  if (ActiveCpuIsa() == CpuIsa::kAvx2) return TileProductAvx2(op, tile, ws);
-#endif
-  TileProduct<2, 1>(op, tile, ws);
 }
 
 // c's tile = act(sums + bias), rounded to T; bias may be null.
@@ -202,7 +117,7 @@ void Gemm(ffi::ThreadPool& pool, const GemmShape& shape, const T* a, const T* b,
           const GemmAttrs& attrs, T* c) {
   // Tiles of kTilesPerRowBlock register tiles' rows, fewer where that leaves a thread without two
   // tiles (a tile's packed op_b panel is then shared by fewer rows).
-  const int64_t reg_rows = RegisterRows(), threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t reg_rows = RegisterRows(ActiveCpuIsa()), threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t column_tiles = (shape.n + kColumnBlock - 1) / kColumnBlock;
   int64_t row_block = kTilesPerRowBlock * reg_rows;
   while (row_block > 2 * reg_rows &&
@@ -218,7 +133,7 @@ void Gemm(ffi::ThreadPool& pool, const GemmShape& shape, const T* a, const T* b,
     const Operands<T> op{a + l * shape.m * shape.k, b + l * shape.k * shape.n, shape.m, shape.n, shape.k,
                          attrs.trans_a != 0, attrs.trans_b != 0};
     Workspace& ws = ThreadWorkspace();
-    TileProductForIsa(op, tile, ws);
+    TileProduct(op, tile, ws);
     T* c_entry = c + l * shape.m * shape.n;
     DispatchActivation(attrs.activation, [&](auto act) {
       CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
