@@ -896,8 +896,8 @@ def test_conv_bad_input(args, kwargs, error, message):
 # The CPU kernel's matmuls in each build the CPU can run (JAXDNN_CPU_ISA caps the choice, which is made
 # once per process): a child process per cap, on the CPU, computes the forward and both gradients of
 # convolutions whose tiles have partial rows and padded columns, taps in several chunks, invalid
-# taps, strides, dilation, groups and more than one wgrad slice, and reports the relative errors
-# against lax in float64.
+# taps, strides, dilation, groups, and wgrad in several slices (of 1024 output pixels or more) and
+# items of taps, and reports the relative errors against lax in float64.
 _ISA_CHILD = """
 import json, jax, jax.numpy as jnp, numpy as np
 from jax import lax
@@ -910,6 +910,8 @@ cases = [  # x shape, w shape, strides, padding, dilation, groups
     ((1, 10, 7, 8), (3, 2, 8, 36), (1, 1), ((2, 1), (0, 3)), (2, 3), 1),
     ((1, 5, 5, 300), (3, 3, 300, 8), (1, 1), "VALID", (1, 1), 1),
     ((2, 9, 11, 40), (5, 5, 1, 40), (2, 1), "SAME", (1, 2), 40),  # depthwise: its own kernels
+    ((1, 48, 48, 64), (3, 3, 64, 64), (1, 1), "SAME", (1, 1), 1),  # 2304 output pixels: wgrad in 2
+    # slices of 2 items (5 and 4 taps)
 ]
 errors = []
 for i, (xs, ws, strides, padding, dilation, groups) in enumerate(cases):
@@ -932,7 +934,7 @@ print(json.dumps({"isa": jaxdnn.cpu_isa(), "errors": errors}))
 @pytest.mark.parametrize("cap", ISA_ORDER)
 def test_cpu_kernel_builds(cap):
     report = isa_child_report(_ISA_CHILD, cap)
-    assert len(report["errors"]) == 15
+    assert len(report["errors"]) == 18
     forward, grads = report["errors"][0::3], report["errors"][1::3] + report["errors"][2::3]
     assert max(forward) < tolerance(jnp.float32), report
     assert max(grads) < tolerance(jnp.float32, grad=True), report

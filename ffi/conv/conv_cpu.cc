@@ -46,6 +46,12 @@ struct TapRows {
   const float* At(int64_t row, int64_t tap) const { return values.data() + (row * taps + tap) * block; }
 };
 
+// The window taps [first, end) a wgrad item gathers and multiplies (every tap elsewhere).
+struct TapSpan {
+  int64_t first, end;
+};
+constexpr TapSpan kEveryTap{0, INT64_MAX};
+
 // The matmuls' tiles: kRows rows of the result by strips of kTileCols columns, held in registers
 // while the reduction runs (independent sums hide the FMA's latency; each value of A loaded feeds a
 // whole tile row); every matrix's columns are padded to a multiple of kTileCols. A strip of a tile
@@ -146,9 +152,10 @@ inline __attribute__((always_inline)) void MatMulTransposedColumns(const TapRows
 
 template <int kRows, int kStrips>
 inline __attribute__((always_inline)) void MatMulTransposedAccumulateTiles(const TapRows& a, const float* b,
-                                                                           float* acc, int64_t cols, bool first) {
+                                                                           float* acc, int64_t cols, bool first,
+                                                                           TapSpan taps) {
   std::vector<float> panel(a.rows * kRows);
-  for (int64_t tap = 0; tap < a.taps; ++tap) {
+  for (int64_t tap = taps.first; tap < std::min(taps.end, a.taps); ++tap) {
     for (int64_t j0 = 0; j0 < a.block; j0 += kRows) {
       const int64_t tile_rows = std::min<int64_t>(kRows, a.block - j0);
       for (int64_t r = 0; r < a.rows; ++r) {
@@ -179,15 +186,17 @@ __attribute__((target("avx512f"))) void MatMulAvx512(const TapRows& a, const flo
   MatMulTiles<8, 2>(a, b, out, cols);
 }
 __attribute__((target("avx512f"))) void MatMulTransposedAccumulateAvx512(const TapRows& a, const float* b,
-                                                                          float* acc, int64_t cols, bool first) {
-  MatMulTransposedAccumulateTiles<8, 2>(a, b, acc, cols, first);
+                                                                          float* acc, int64_t cols, bool first,
+                                                                          TapSpan taps) {
+  MatMulTransposedAccumulateTiles<8, 2>(a, b, acc, cols, first, taps);
 }
 __attribute__((target("avx2,fma"))) void MatMulAvx2(const TapRows& a, const float* b, float* out, int64_t cols) {
   MatMulTiles<4, 1>(a, b, out, cols);
 }
 __attribute__((target("avx2,fma"))) void MatMulTransposedAccumulateAvx2(const TapRows& a, const float* b,
-                                                                         float* acc, int64_t cols, bool first) {
-  MatMulTransposedAccumulateTiles<4, 1>(a, b, acc, cols, first);
+                                                                         float* acc, int64_t cols, bool first,
+                                                                         TapSpan taps) {
+  MatMulTransposedAccumulateTiles<4, 1>(a, b, acc, cols, first, taps);
 }
 #endif
 
@@ -199,12 +208,13 @@ void MatMul(const TapRows& a, const float* b, float* out, int64_t cols) {
   MatMulTiles<4, 1>(a, b, out, cols);
 }
 
-void MatMulTransposedAccumulate(const TapRows& a, const float* b, float* acc, int64_t cols, bool first) {
+void MatMulTransposedAccumulate(const TapRows& a, const float* b, float* acc, int64_t cols, bool first,
+                                TapSpan taps) {
 #ifdef JAXDNN_CPU_ISA_VARIANTS
-  if (ActiveCpuIsa() == CpuIsa::kAvx512) return MatMulTransposedAccumulateAvx512(a, b, acc, cols, first);
-  if (ActiveCpuIsa() == CpuIsa::kAvx2) return MatMulTransposedAccumulateAvx2(a, b, acc, cols, first);
+  if (ActiveCpuIsa() == CpuIsa::kAvx512) return MatMulTransposedAccumulateAvx512(a, b, acc, cols, first, taps);
+  if (ActiveCpuIsa() == CpuIsa::kAvx2) return MatMulTransposedAccumulateAvx2(a, b, acc, cols, first, taps);
 #endif
-  MatMulTransposedAccumulateTiles<4, 1>(a, b, acc, cols, first);
+  MatMulTransposedAccumulateTiles<4, 1>(a, b, acc, cols, first, taps);
 }
 
 // Calls fn(tap index, tap coordinates) for every window tap in row-major order.
@@ -280,13 +290,14 @@ void BlockProducts(ffi::ThreadPool& pool, const ConvGeometry& g, const RowBlocks
 // `src` from offset_of(n, p, t) + `first` (zeros where offset_of is negative: no data).
 template <typename T, typename OffsetOf>
 void GatherRows(const ConvGeometry& g, const T* src, const std::vector<PixelRow>& rows, int64_t width,
-                int64_t first, OffsetOf offset_of, TapRows* a) {
+                int64_t first, OffsetOf offset_of, TapRows* a, TapSpan taps = kEveryTap) {
   a->rows = int64_t(rows.size()) * width;
   for (size_t row = 0; row < rows.size(); ++row) {
     int64_t p[3] = {rows[row].at[0], rows[row].at[1], 0};
     for (p[2] = 0; p[2] < width; ++p[2]) {
       const int64_t pixel = int64_t(row) * width + p[2];
       ForEachTap(g, [&](int64_t tap, const int64_t* t) {
+        if (tap < taps.first || tap >= taps.end) return;
         const int64_t offset = offset_of(rows[row].n, p, t);
         a->valid[pixel * a->taps + tap] = offset >= 0;
         float* dst = a->At(pixel, tap);
@@ -303,9 +314,9 @@ void GatherRows(const ConvGeometry& g, const T* src, const std::vector<PixelRow>
 // A [rows * W, taps * Cg]: the input channels of `group` that each pixel of the output rows reads.
 template <typename T>
 void GatherInputRows(const ConvGeometry& g, const T* x, const std::vector<PixelRow>& rows, int64_t group,
-                     TapRows* a) {
+                     TapRows* a, TapSpan taps = kEveryTap) {
   GatherRows(g, x, rows, g.out[2], group * g.GroupChannels(),
-             [&](int64_t n, const int64_t* o, const int64_t* t) { return g.InputOffset(n, o, t); }, a);
+             [&](int64_t n, const int64_t* o, const int64_t* t) { return g.InputOffset(n, o, t); }, a, taps);
 }
 
 // A [rows * W, taps * Kg]: the dy features of `group` of the output pixel that reads each pixel of
@@ -372,11 +383,17 @@ void Dgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* dy, const T* w
       });
 }
 
-// wgrad sums over every block, in slices of the blocks summed into dW's of their own on XLA's
-// intra-op threads, then added in order. How many slices depends on the problem alone (at most
-// kMaxSlices, and partial sums of at most kSliceFloats floats in all), not on the threads, so that
-// the result does not either.
-constexpr int64_t kMaxSlices = 16, kSliceFloats = int64_t(1) << 24;
+// wgrad sums over every block, in slices of the blocks summed into dW's of their own, then added in
+// order; each slice's taps are split into items on XLA's intra-op threads (an item gathering its
+// taps' values only). How many slices depends on the problem alone (a slice of kSlicePixels output
+// pixels or more, at most kMaxSlices, and partial sums of at most kSliceFloats floats in all), not on
+// the threads, so that the result does not either. Slices of fewer pixels had cost more in storing and
+// adding their partial dW's than they saved (2-core AVX-512 machine, 28^2 128 -> 128 3x3 at N 2:
+// 16 slices of 56 pixels, wgrad 6.1 ms against XLA's 3.1).
+constexpr int64_t kMaxSlices = 16, kSliceFloats = int64_t(1) << 24, kSlicePixels = 1024;
+// Taps an item takes: enough for kMinItemOutputs values of dW (a stem's 16 taps of 12 channels by 64
+// filters stay one item: 16 items of one tap each, every one converting dy again, ran 17% slower).
+constexpr int64_t kMinItemOutputs = 16384;
 
 template <typename T, typename D>
 void Wgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* dy, D* dw) {
@@ -384,24 +401,35 @@ void Wgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* dy
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), taps = g.Taps(), cols = PaddedCols(kg);
   const RowBlocks blocks(g.batch, g.out);
   const int64_t part = taps * cg * cols;  // one slice's dW of one group
-  const int64_t slices = std::max<int64_t>(1, std::min({blocks.count, kMaxSlices, kSliceFloats / (g.groups * part)}));
-  // [groups, slices, taps * Cg, cols], each item's first block writing its own (on its thread: its
-  // pages, its caches; zeroing it first cost as much as the products on filters of a few MB, 7^2
+  const int64_t wanted_items = std::clamp<int64_t>(part / kMinItemOutputs, 1, taps);
+  const int64_t per_item = (taps + wanted_items - 1) / wanted_items;  // taps an item
+  const int64_t tap_items = (taps + per_item - 1) / per_item;         // none of them empty
+  // Two slices at least where a slice's taps are one item (a 1x1 layer of few pixels), for two items.
+  const int64_t min_slices = tap_items == 1 ? 2 : 1;
+  const int64_t slices = std::max<int64_t>(
+      1, std::min({blocks.count, kMaxSlices, std::max(g.OutPixels() / kSlicePixels, min_slices),
+                   kSliceFloats / (g.groups * part)}));
+  // [groups, slices, taps * Cg, cols], each item's first block writing its own rows (on its thread:
+  // its pages, its caches; zeroing it first cost as much as the products on filters of a few MB, 7^2
   // 512 -> 512, where a slice has one or two blocks)
   const std::unique_ptr<float[]> parts(new float[g.groups * slices * part]);
-  ParallelFor(pool, g.groups * slices, [&](int64_t item) {
-    const int64_t group = item / slices, slice = item % slices;
+  ParallelFor(pool, g.groups * slices * tap_items, [&](int64_t item) {
+    const int64_t group = item / (slices * tap_items), slice = item / tap_items % slices;
+    const TapSpan span{item % tap_items * per_item, std::min(taps, (item % tap_items + 1) * per_item)};
+    float* out = parts.get() + (group * slices + slice) * part;
     TapRows a(blocks.MaxPixels(), taps, cg);
     std::vector<float> dy_rows(a.rows * cols, 0.0f);
     std::vector<PixelRow> rows;
     const int64_t first = blocks.count * slice / slices, end = blocks.count * (slice + 1) / slices;
-    if (first == end) std::fill_n(parts.get() + item * part, part, 0.0f);  // no blocks (an empty batch)
+    if (first == end) {  // no blocks (an empty batch)
+      std::fill_n(out + span.first * cg * cols, (span.end - span.first) * cg * cols, 0.0f);
+    }
     for (int64_t b = first; b < end; ++b) {
       const int64_t pixel = blocks.Get(b, &rows);
-      GatherInputRows(g, x, rows, group, &a);
+      GatherInputRows(g, x, rows, group, &a, span);
       for (int64_t r = 0; r < a.rows; ++r)
         for (int64_t k = 0; k < kg; ++k) dy_rows[r * cols + k] = ToFloat(dy[(pixel + r) * g.filters + group * kg + k]);
-      MatMulTransposedAccumulate(a, dy_rows.data(), parts.get() + item * part, cols, b == first);
+      MatMulTransposedAccumulate(a, dy_rows.data(), out, cols, b == first, span);
     }
   });
   ParallelFor(pool, g.groups * taps * cg, [&](int64_t row) {  // row: a group's [tap, channel]
