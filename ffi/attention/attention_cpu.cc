@@ -59,8 +59,8 @@ std::array<float*, N> ScratchBuffers(const int64_t (&sizes)[N]) {
 // Tiles of `tile` covering `length`.
 inline int64_t TileCount(int64_t length, int64_t tile) { return (length + tile - 1) / tile; }
 
-// The register tile of a build: kRows rows by kStrips FloatVectors. Query tiles and backward key
-// tiles (16) hold whole strips of rows, key tiles and backward query tiles (32) whole strips of
+// The register tile of a build: kRows rows by kStrips FloatVectors. The tiles' rows (kQueryRows,
+// kKeyRows) hold whole strips of rows, the streamed tiles (kKeyWidth, kQueryWidth) whole strips of
 // columns.
 template <typename IsaTagT>
 struct Tiles {
