@@ -14,7 +14,6 @@
 // dropout is present; with the index rules alone (lengths, causal, window) a row's keys are one span
 // and its logits, probabilities and gradients are vectorized loops.
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -37,24 +36,6 @@ namespace {
 // (2-core AVX-512 machine, B2 T128 S128 N4 H64 bf16 fwd+bwd: 2.1 ms with the CUDA kernels' tiles,
 // 1.66 with 64 rows by 32, 1.60 with 64 by 64).
 constexpr int kQueryRows = 64, kKeyWidth = 64, kKeyRows = 64, kQueryWidth = 64;
-
-// Buffers of the given sizes (floats), one after another in the calling thread's scratch, which is
-// kept for the thread's life: a tile's buffers allocated (and zeroed) anew had cost 100-200 KiB of
-// memset a tile.
-template <size_t N>
-std::array<float*, N> ScratchBuffers(const int64_t (&sizes)[N]) {
-  int64_t total = 0;
-  for (int64_t size : sizes) total += size;
-  thread_local std::vector<float> scratch;
-  if (int64_t(scratch.size()) < total) scratch.resize(total);
-  std::array<float*, N> buffers;
-  float* next = scratch.data();
-  for (size_t i = 0; i < N; ++i) {
-    buffers[i] = next;
-    next += sizes[i];
-  }
-  return buffers;
-}
 
 // Tiles of `tile` covering `length`.
 inline int64_t TileCount(int64_t length, int64_t tile) { return (length + tile - 1) / tile; }
@@ -122,61 +103,69 @@ JAXDNN_ALWAYS_INLINE inline void RowLogits(const AttentionProblem& p, bool index
   }
 }
 
+// fn(isa, b, n, t0, rows) for every (batch, head, tile of kQueryRows queries from t0, `rows` of
+// them), as items of ParallelFor, compiled for the active ISA (CallForIsa; fn is a lambda declared
+// JAXDNN_ALWAYS_INLINE).
+template <typename Fn>
+void ForQueryTiles(ffi::ThreadPool& pool, const AttentionProblem& p, const Fn& fn) {
+  const int64_t tiles = TileCount(p.q_len, kQueryRows);
+  ParallelFor(pool, p.batch * p.heads * tiles, [&](int64_t item) {
+    const int64_t b = item / (p.heads * tiles), n = item / tiles % p.heads, t0 = item % tiles * kQueryRows;
+    const int64_t rows = std::min<int64_t>(kQueryRows, p.q_len - t0);
+    CallForIsa([&](auto isa) JAXDNN_ALWAYS_INLINE { fn(isa, b, n, t0, rows); });
+  });
+}
+
 template <typename T>
 void AttentionFwd(ffi::ThreadPool& pool, const AttentionProblem& p, const T* q, const T* k, const T* v, T* o,
                   float* lse) {
-  const int64_t h = p.head_dim, tiles = TileCount(p.q_len, kQueryRows);
-  const int64_t q_stride = p.heads * h, k_stride = p.kv_heads * h;
+  const int64_t h = p.head_dim, q_stride = p.heads * h, k_stride = p.kv_heads * h;
   const bool index_rules = IndexRulesOnly(p);
-  ParallelFor(pool, p.batch * p.heads * tiles, [&](int64_t item) {
-    const int64_t b = item / (p.heads * tiles), n = item / tiles % p.heads, t0 = item % tiles * kQueryRows;
-    CallForIsa([&](auto isa) JAXDNN_ALWAYS_INLINE {
-      using Tile = Tiles<decltype(isa)>;
-      constexpr int kRows = Tile::kRows, kStrips = Tile::kStrips, kWidth = kKeyWidth;
-      const int64_t hp = RoundUp(h, Tile::kCols), kh = n / p.Group();
-      const int64_t rows = std::min<int64_t>(kQueryRows, p.q_len - t0);
-      auto [q_pack, k_pack, v_pack, acc, logits, p_pack] = ScratchBuffers(
-          {kQueryRows * h, kWidth * h, kWidth * hp, kQueryRows * hp, kQueryRows * kWidth, kQueryRows * kWidth});
-      std::fill_n(acc, kQueryRows * hp, 0.f);
-      OnlineSoftmax softmax[kQueryRows];
-      PackStrips<kRows>(q + p.QueryRow(b, t0, n), 1, q_stride, h, rows, q_pack);
-      int64_t lo, hi;
-      p.KeyRange(b, t0, t0 + rows, &lo, &hi);
-      for (int64_t s0 = lo; s0 < hi; s0 += kWidth) {
-        const int64_t cols = std::min<int64_t>(kWidth, hi - s0);
-        const int width = int(RoundUp(cols, kVectorFloats));  // the columns the row loops take
-        PackStrips<Tile::kCols>(k + p.KeyRow(b, s0, kh), 1, k_stride, h, cols, k_pack);  // K^T
-        PackStrips<Tile::kCols>(v + p.KeyRow(b, s0, kh), k_stride, 1, cols, h, v_pack);  // V
-        StripProducts<kRows, kStrips>(q_pack, rows, k_pack, cols, h, logits, kWidth, true);
-        for (int64_t r = 0; r < RoundUp(rows, kRows); ++r) {
-          float* row = &logits[r * kWidth];
-          float probs[kWidth] = {};
-          if (r < rows) {
-            const int64_t t = t0 + r;
-            RowLogits(p, index_rules, b, n, t, s0, cols, width, row);
-            const float factor = softmax[r].Rescale(MaxOf(row, width));
-            if (factor != 1.f) {
-              for (int64_t i = 0; i < hp; ++i) acc[r * hp + i] *= factor;
-            }
-            const float max = softmax[r].max;
-            for (int c = 0; c < width; ++c) probs[c] = ProbAbove(row[c], max);
-            // The normalizer is undropped; 16 partial sums (SumOf), which vectorize.
-            softmax[r].sum += float(SumOf(width, [&](int64_t c) JAXDNN_ALWAYS_INLINE { return probs[c]; }));
-            if (!index_rules) {
-              for (int c = 0; c < cols; ++c) probs[c] *= DropoutScale(p, b, n, t, s0 + c);
-            }
+  ForQueryTiles(pool, p, [&](auto isa, int64_t b, int64_t n, int64_t t0, int64_t rows) JAXDNN_ALWAYS_INLINE {
+    using Tile = Tiles<decltype(isa)>;
+    constexpr int kRows = Tile::kRows, kStrips = Tile::kStrips, kWidth = kKeyWidth;
+    const int64_t hp = RoundUp(h, Tile::kCols), kh = n / p.Group();
+    auto [q_pack, k_pack, v_pack, acc, logits, p_pack] = ScratchBuffers(
+        {kQueryRows * h, kWidth * h, kWidth * hp, kQueryRows * hp, kQueryRows * kWidth, kQueryRows * kWidth});
+    std::fill_n(acc, kQueryRows * hp, 0.f);
+    OnlineSoftmax softmax[kQueryRows];
+    PackStrips<kRows>(q + p.QueryRow(b, t0, n), 1, q_stride, h, rows, q_pack);
+    int64_t lo, hi;
+    p.KeyRange(b, t0, t0 + rows, &lo, &hi);
+    for (int64_t s0 = lo; s0 < hi; s0 += kWidth) {
+      const int64_t cols = std::min<int64_t>(kWidth, hi - s0);
+      const int width = int(RoundUp(cols, kVectorFloats));  // the columns the row loops take
+      PackStrips<Tile::kCols>(k + p.KeyRow(b, s0, kh), 1, k_stride, h, cols, k_pack);  // K^T
+      PackStrips<Tile::kCols>(v + p.KeyRow(b, s0, kh), k_stride, 1, cols, h, v_pack);  // V
+      StripProducts<kRows, kStrips>(q_pack, rows, k_pack, cols, h, logits, kWidth, true);
+      for (int64_t r = 0; r < RoundUp(rows, kRows); ++r) {
+        float* row = &logits[r * kWidth];
+        float probs[kWidth] = {};
+        if (r < rows) {
+          const int64_t t = t0 + r;
+          RowLogits(p, index_rules, b, n, t, s0, cols, width, row);
+          const float factor = softmax[r].Rescale(MaxOf(row, width));
+          if (factor != 1.f) {
+            for (int64_t i = 0; i < hp; ++i) acc[r * hp + i] *= factor;
           }
-          for (int64_t c = 0; c < cols; ++c) Packed<kRows>(p_pack, cols, r, c) = probs[c];
+          const float max = softmax[r].max;
+          for (int c = 0; c < width; ++c) probs[c] = ProbAbove(row[c], max);
+          // The normalizer is undropped; 16 partial sums (SumOf), which vectorize.
+          softmax[r].sum += float(SumOf(width, [&](int64_t c) JAXDNN_ALWAYS_INLINE { return probs[c]; }));
+          if (!index_rules) {
+            for (int c = 0; c < cols; ++c) probs[c] *= DropoutScale(p, b, n, t, s0 + c);
+          }
         }
-        StripProducts<kRows, kStrips>(p_pack, rows, v_pack, h, cols, acc, hp, false);
+        for (int64_t c = 0; c < cols; ++c) Packed<kRows>(p_pack, cols, r, c) = probs[c];
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        const float inv_sum = softmax[r].InvSum();
-        T* out = o + p.QueryRow(b, t0 + r, n);
-        for (int64_t i = 0; i < h; ++i) out[i] = FromFloat<T>(acc[r * hp + i] * inv_sum);
-        lse[p.StatIndex(b, n, t0 + r)] = softmax[r].LogSumExp();
-      }
-    });
+      StripProducts<kRows, kStrips>(p_pack, rows, v_pack, h, cols, acc, hp, false);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv_sum = softmax[r].InvSum();
+      T* out = o + p.QueryRow(b, t0 + r, n);
+      for (int64_t i = 0; i < h; ++i) out[i] = FromFloat<T>(acc[r * hp + i] * inv_sum);
+      lse[p.StatIndex(b, n, t0 + r)] = softmax[r].LogSumExp();
+    }
   });
 }
 
@@ -218,66 +207,61 @@ inline float RulesDotGrad(const AttentionProblem& p, float logit, float dp, floa
 template <typename T>
 void AttentionBwdQuery(ffi::ThreadPool& pool, const AttentionProblem& p, const T* d_out, const T* q, const T* k,
                        const T* v, const float* lse, const float* delta, T* dq, float* dbias) {
-  const int64_t h = p.head_dim, tiles = TileCount(p.q_len, kQueryRows);
-  const int64_t q_stride = p.heads * h, k_stride = p.kv_heads * h;
+  const int64_t h = p.head_dim, q_stride = p.heads * h, k_stride = p.kv_heads * h;
   const bool index_rules = IndexRulesOnly(p);
-  ParallelFor(pool, p.batch * p.heads * tiles, [&](int64_t item) {
-    const int64_t b = item / (p.heads * tiles), n = item / tiles % p.heads, t0 = item % tiles * kQueryRows;
-    CallForIsa([&](auto isa) JAXDNN_ALWAYS_INLINE {
-      using Tile = Tiles<decltype(isa)>;
-      constexpr int kRows = Tile::kRows, kStrips = Tile::kStrips, kWidth = kKeyWidth;
-      const int64_t hp = RoundUp(h, Tile::kCols), kh = n / p.Group();
-      const int64_t rows = std::min<int64_t>(kQueryRows, p.q_len - t0);
-      auto [q_pack, do_pack, k_pack, v_pack, k_rows, acc, logits, dp, g_pack] = ScratchBuffers(
-          {kQueryRows * h, kQueryRows * h, kWidth * h, kWidth * h, kWidth * hp, kQueryRows * hp, kQueryRows * kWidth,
-           kQueryRows * kWidth, kQueryRows * kWidth});
-      std::fill_n(acc, kQueryRows * hp, 0.f);
-      PackStrips<kRows>(q + p.QueryRow(b, t0, n), 1, q_stride, h, rows, q_pack);
-      PackStrips<kRows>(d_out + p.QueryRow(b, t0, n), 1, q_stride, h, rows, do_pack);
-      int64_t lo, hi;
-      p.KeyRange(b, t0, t0 + rows, &lo, &hi);
-      for (int64_t s0 = lo; s0 < hi; s0 += kWidth) {
-        const int64_t cols = std::min<int64_t>(kWidth, hi - s0);
-        const int width = int(RoundUp(cols, kVectorFloats));  // the columns the row loops take
-        PackStrips<Tile::kCols>(k + p.KeyRow(b, s0, kh), 1, k_stride, h, cols, k_pack);  // K^T
-        PackStrips<Tile::kCols>(v + p.KeyRow(b, s0, kh), 1, k_stride, h, cols, v_pack);  // V^T
-        PackStrips<Tile::kCols>(k + p.KeyRow(b, s0, kh), k_stride, 1, cols, h, k_rows);  // K
-        StripProducts<kRows, kStrips>(q_pack, rows, k_pack, cols, h, logits, kWidth, true);
-        StripProducts<kRows, kStrips>(do_pack, rows, v_pack, cols, h, dp, kWidth, true);
-        for (int64_t r = 0; r < RoundUp(rows, kRows); ++r) {
-          float g[kWidth] = {};
-          if (r < rows) {
-            const int64_t t = t0 + r;
-            float* row = &logits[r * kWidth];
-            RowLogits(p, index_rules, b, n, t, s0, cols, width, row);
-            const float row_lse = lse[p.StatIndex(b, n, t)], row_delta = delta[p.StatIndex(b, n, t)];
-            const float* dp_row = &dp[r * kWidth];
-            float ds[kWidth] = {}, kept[kWidth];
-            if (index_rules) {
-              for (int c = 0; c < width; ++c) {
-                ds[c] = IndexRulesDs(row[c] != -INFINITY, row[c], dp_row[c], row_lse, row_delta, &kept[c]);
-                g[c] = ds[c] * p.scale;
-              }
-            } else {
-              for (int c = 0; c < cols; ++c) {
-                if (row[c] == -INFINITY) continue;  // not attended
-                g[c] = RulesDotGrad(p, row[c], dp_row[c], row_lse, row_delta, b, n, t, s0 + c, &ds[c], &kept[c]);
-              }
+  ForQueryTiles(pool, p, [&](auto isa, int64_t b, int64_t n, int64_t t0, int64_t rows) JAXDNN_ALWAYS_INLINE {
+    using Tile = Tiles<decltype(isa)>;
+    constexpr int kRows = Tile::kRows, kStrips = Tile::kStrips, kWidth = kKeyWidth;
+    const int64_t hp = RoundUp(h, Tile::kCols), kh = n / p.Group();
+    auto [q_pack, do_pack, k_pack, v_pack, k_rows, acc, logits, dp, g_pack] = ScratchBuffers(
+        {kQueryRows * h, kQueryRows * h, kWidth * h, kWidth * h, kWidth * hp, kQueryRows * hp, kQueryRows * kWidth,
+         kQueryRows * kWidth, kQueryRows * kWidth});
+    std::fill_n(acc, kQueryRows * hp, 0.f);
+    PackStrips<kRows>(q + p.QueryRow(b, t0, n), 1, q_stride, h, rows, q_pack);
+    PackStrips<kRows>(d_out + p.QueryRow(b, t0, n), 1, q_stride, h, rows, do_pack);
+    int64_t lo, hi;
+    p.KeyRange(b, t0, t0 + rows, &lo, &hi);
+    for (int64_t s0 = lo; s0 < hi; s0 += kWidth) {
+      const int64_t cols = std::min<int64_t>(kWidth, hi - s0);
+      const int width = int(RoundUp(cols, kVectorFloats));  // the columns the row loops take
+      PackStrips<Tile::kCols>(k + p.KeyRow(b, s0, kh), 1, k_stride, h, cols, k_pack);  // K^T
+      PackStrips<Tile::kCols>(v + p.KeyRow(b, s0, kh), 1, k_stride, h, cols, v_pack);  // V^T
+      PackStrips<Tile::kCols>(k + p.KeyRow(b, s0, kh), k_stride, 1, cols, h, k_rows);  // K
+      StripProducts<kRows, kStrips>(q_pack, rows, k_pack, cols, h, logits, kWidth, true);
+      StripProducts<kRows, kStrips>(do_pack, rows, v_pack, cols, h, dp, kWidth, true);
+      for (int64_t r = 0; r < RoundUp(rows, kRows); ++r) {
+        float g[kWidth] = {};
+        if (r < rows) {
+          const int64_t t = t0 + r;
+          float* row = &logits[r * kWidth];
+          RowLogits(p, index_rules, b, n, t, s0, cols, width, row);
+          const float row_lse = lse[p.StatIndex(b, n, t)], row_delta = delta[p.StatIndex(b, n, t)];
+          const float* dp_row = &dp[r * kWidth];
+          float ds[kWidth] = {}, kept[kWidth];
+          if (index_rules) {
+            for (int c = 0; c < width; ++c) {
+              ds[c] = IndexRulesDs(row[c] != -INFINITY, row[c], dp_row[c], row_lse, row_delta, &kept[c]);
+              g[c] = ds[c] * p.scale;
             }
-            if (dbias != nullptr) {
-              float* out = dbias + p.StatIndex(b, n, t) * p.kv_len + s0;
-              for (int64_t c = 0; c < cols; ++c) out[c] = ds[c];
+          } else {
+            for (int c = 0; c < cols; ++c) {
+              if (row[c] == -INFINITY) continue;  // not attended
+              g[c] = RulesDotGrad(p, row[c], dp_row[c], row_lse, row_delta, b, n, t, s0 + c, &ds[c], &kept[c]);
             }
           }
-          for (int64_t c = 0; c < cols; ++c) Packed<kRows>(g_pack, cols, r, c) = g[c];
+          if (dbias != nullptr) {
+            float* out = dbias + p.StatIndex(b, n, t) * p.kv_len + s0;
+            for (int64_t c = 0; c < cols; ++c) out[c] = ds[c];
+          }
         }
-        StripProducts<kRows, kStrips>(g_pack, rows, k_rows, h, cols, acc, hp, false);
+        for (int64_t c = 0; c < cols; ++c) Packed<kRows>(g_pack, cols, r, c) = g[c];
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        T* out = dq + p.QueryRow(b, t0 + r, n);
-        for (int64_t i = 0; i < h; ++i) out[i] = FromFloat<T>(acc[r * hp + i]);
-      }
-    });
+      StripProducts<kRows, kStrips>(g_pack, rows, k_rows, h, cols, acc, hp, false);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      T* out = dq + p.QueryRow(b, t0 + r, n);
+      for (int64_t i = 0; i < h; ++i) out[i] = FromFloat<T>(acc[r * hp + i]);
+    }
   });
 }
 

@@ -2,10 +2,12 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "common/ffi_common.h"
 
@@ -121,6 +123,25 @@ class RoundTeam {
   std::shared_ptr<State> state_;
   int64_t round_ = -1;
 };
+
+// Buffers of the given sizes (floats), one after another in the calling thread's scratch, which is
+// kept for the thread's life: for the work items' buffers (attention's tiles allocated and zeroed
+// anew had cost 100-200 KiB of memset a tile; a fresh allocation costs page faults). Valid until the
+// thread's next call; items do not nest, so an item may keep its buffers throughout.
+template <size_t N>
+std::array<float*, N> ScratchBuffers(const int64_t (&sizes)[N]) {
+  int64_t total = 0;
+  for (int64_t size : sizes) total += size;
+  thread_local std::vector<float> scratch;
+  if (int64_t(scratch.size()) < total) scratch.resize(total);
+  std::array<float*, N> buffers;
+  float* next = scratch.data();
+  for (size_t i = 0; i < N; ++i) {
+    buffers[i] = next;
+    next += sizes[i];
+  }
+  return buffers;
+}
 
 // A CPU handler's binding with XLA's intra-op thread pool as its first argument.
 inline auto BindWithThreadPool() { return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>(); }

@@ -10,7 +10,6 @@
 // 6 x 16, the baseline 2 x 16, chosen at run time (common/cpu_isa.h).
 #include <algorithm>
 #include <cstdint>
-#include <memory>
 #include <string>
 
 #include "common/activation.h"
@@ -60,19 +59,18 @@ JAXDNN_ALWAYS_INLINE inline void PackB(const Operands<T>& op, int64_t p0, int64_
   PackStrips<kCols>(op.b + p0 * op.n + col0, op.n, 1, depth, cols, out);                        // b [K, N]
 }
 
-// The packed panels and a tile's float sums ([kMaxRowBlock][kColumnBlock]), whole register tiles:
-// one set a thread, kept for the thread's life (an allocation a call would cost page faults).
+// The packed panels and a tile's float sums ([kMaxRowBlock][kColumnBlock]), whole register tiles,
+// in the thread's scratch (ScratchBuffers).
 constexpr int64_t kTilesPerRowBlock = 16;                // register tiles' rows in a tile of c
 constexpr int64_t kMaxRowBlock = kTilesPerRowBlock * 8;  // the widest build's (8 rows a register tile)
 struct Workspace {
-  std::unique_ptr<float[]> packed_a{new float[kMaxRowBlock * kDepthBlock]};
-  std::unique_ptr<float[]> packed_b{new float[kDepthBlock * kColumnBlock]};
-  std::unique_ptr<float[]> sums{new float[kMaxRowBlock * kColumnBlock]};
+  float *packed_a, *packed_b, *sums;
 };
 
-Workspace& ThreadWorkspace() {
-  thread_local Workspace workspace;
-  return workspace;
+Workspace ThreadWorkspace() {
+  auto [packed_a, packed_b, sums] = ScratchBuffers(
+      {kMaxRowBlock * kDepthBlock, kDepthBlock * kColumnBlock, kMaxRowBlock * kColumnBlock});
+  return {packed_a, packed_b, sums};
 }
 
 // Rows of the register tiles of each build: AVX-512 8 x 32 (16 of the 32 registers hold sums), AVX2
@@ -82,20 +80,20 @@ constexpr int RegisterRows(CpuIsa isa) { return isa == CpuIsa::kAvx512 ? 8 : (is
 // ws.sums[tile.rows, tile.cols] = op_a . op_b over the tile (rows rounded up to whole register
 // tiles, columns to whole strips), compiled for the active ISA.
 template <typename T>
-void TileProduct(const Operands<T>& op, const TileOfC& tile, Workspace& ws) {
+void TileProduct(const Operands<T>& op, const TileOfC& tile, const Workspace& ws) {
   CallForIsa([&](auto isa) JAXDNN_ALWAYS_INLINE {
     constexpr int kRows = RegisterRows(decltype(isa)::value);
     constexpr int kStrips = decltype(isa)::value == CpuIsa::kAvx512 ? 2 : 1;
     for (int64_t p0 = 0; p0 < op.k; p0 += kDepthBlock) {
       const int64_t depth = std::min(kDepthBlock, op.k - p0);
-      PackA<kRows>(op, tile.row0, tile.rows, p0, depth, ws.packed_a.get());
-      PackB<kStrips * kStripCols>(op, p0, depth, tile.col0, tile.cols, ws.packed_b.get());
-      StripProducts<kRows, kStrips>(ws.packed_a.get(), tile.rows, ws.packed_b.get(), tile.cols, depth,
-                                    ws.sums.get(), kColumnBlock, p0 == 0);
+      PackA<kRows>(op, tile.row0, tile.rows, p0, depth, ws.packed_a);
+      PackB<kStrips * kStripCols>(op, p0, depth, tile.col0, tile.cols, ws.packed_b);
+      StripProducts<kRows, kStrips>(ws.packed_a, tile.rows, ws.packed_b, tile.cols, depth,
+                                    ws.sums, kColumnBlock, p0 == 0);
     }
   });
   if (op.k == 0) {
-    for (int64_t i = 0; i < tile.rows; ++i) std::fill_n(ws.sums.get() + i * kColumnBlock, tile.cols, 0.f);
+    for (int64_t i = 0; i < tile.rows; ++i) std::fill_n(ws.sums + i * kColumnBlock, tile.cols, 0.f);
   }
 }
 
@@ -106,7 +104,7 @@ JAXDNN_ALWAYS_INLINE inline void Epilogue(const Workspace& ws, const TileOfC& ti
   static const float kNoBias[kColumnBlock] = {};
   const float* b = bias != nullptr ? bias + tile.col0 : kNoBias;
   for (int64_t i = 0; i < tile.rows; ++i) {
-    const float* sums = ws.sums.get() + i * kColumnBlock;
+    const float* sums = ws.sums + i * kColumnBlock;
     T* out = c + (tile.row0 + i) * n + tile.col0;
     for (int64_t j = 0; j < tile.cols; ++j) out[j] = FromFloat<T>(Activate<kAct>(sums[j] + b[j], param));
   }
@@ -132,7 +130,7 @@ void Gemm(ffi::ThreadPool& pool, const GemmShape& shape, const T* a, const T* b,
                        std::min(kColumnBlock, shape.n - ct * kColumnBlock)};
     const Operands<T> op{a + l * shape.m * shape.k, b + l * shape.k * shape.n, shape.m, shape.n, shape.k,
                          attrs.trans_a != 0, attrs.trans_b != 0};
-    Workspace& ws = ThreadWorkspace();
+    const Workspace ws = ThreadWorkspace();
     TileProduct(op, tile, ws);
     T* c_entry = c + l * shape.m * shape.n;
     DispatchActivation(attrs.activation, [&](auto act) {
