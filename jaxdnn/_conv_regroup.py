@@ -34,8 +34,9 @@ from jaxdnn._primitive import transpose_linear
 
 # The channels and filters a block of groups needs (see the module docstring).
 _BLOCK_WIDTH = 128
-# Whether the `gpu_only` rewrites (the blocks of groups) run on the CPU too (jaxdnn/_conv_kernels.py's
-# `_through`): off; the tests turn it on to check them there.
+# Whether the GPU's forms of some stages (the `gpu_only` rewrites: blocks of groups; the strided
+# dgrad's space-to-depth form) run on the CPU too (jaxdnn/_conv_kernels.py's `_gpu_only`): off; the
+# tests turn it on to check them there.
 BLOCKS_ON_CPU = False
 
 

@@ -159,9 +159,9 @@ def test_tensor_core_shapes(dtype, lhs_shape, rhs_shape, kwargs, rng):
 
 @pytest.mark.parametrize("window,strides,dgrad_strides", [((3, 3), (2, 2), (1, 1)), ((2, 3), (2, 3), (1, 1)),
                                                          ((1, 1), (2, 2), (2, 2))])
-def test_strided_dgrad_runs_on_space_to_depth(window, strides, dgrad_strides, rng):
+def test_strided_dgrad_runs_on_space_to_depth(window, strides, dgrad_strides, rng, blocks_on_cpu):
     """A 16-bit strided dgrad whose window spans its stride binds the unit-stride dgrad of the
-    space-to-depth form (a window narrower than its stride keeps the strided one)."""
+    space-to-depth form on a GPU (a window narrower than its stride keeps the strided one)."""
     x = normal(rng, (2, 12, 12, 16), jnp.bfloat16)
     w = normal(rng, window + (16, 8), jnp.bfloat16)
     kwargs = dict(window_strides=strides, padding="SAME", dimension_numbers=NHWC)
@@ -170,6 +170,9 @@ def test_strided_dgrad_runs_on_space_to_depth(window, strides, dgrad_strides, rn
     hlo = jax.jit(lambda x, dy: jax.vjp(lambda x: op(x, w), x)[1](dy)).lower(x, dy).as_text()
     dgrad = hlo[hlo.index("jaxdnn_conv_dgrad_v4"):].splitlines()[0]
     assert re.search(rf"stride_h = {dgrad_strides[0]} .*stride_w = {dgrad_strides[1]} ", dgrad)
+    # ... and gives lax's dx (the CPU's own strided dgrad runs the other cases' tests)
+    want_dx = _oracle(kwargs, x, w, dy)[1][0]
+    assert_close(_vjp(op, x, w, dy)[0], want_dx, GRAD_FACTOR * tolerance(jnp.bfloat16))
 
 
 # float32 with TF32 allowed (precision DEFAULT): on a GPU the forward multiplies on the tensor cores
@@ -179,7 +182,8 @@ def test_strided_dgrad_runs_on_space_to_depth(window, strides, dgrad_strides, rn
 # taps on at least 32 channels ("parts") as 16-bit wgrads of x's and dy's bfloat16 parts with float32
 # results, of others ("gemm") as dense's GEMM of im2col patches (test_tf32_wgrad_rewrites checks
 # both on any platform); "dense": the few-channel layer runs as `dense`, its explicit-GEMM form.
-# `dgrad_stage`: whether the dgrad target remains (the cases no rewrite serves).
+# `dgrad_stage`: whether the dgrad target remains (the cases no rewrite serves; the GPU's forms, as
+# the strided dgrad's space-to-depth, run on the CPU too here: `blocks_on_cpu`).
 SAME, VALID = dict(padding="SAME"), dict(padding="VALID")
 TF32_CASES = [
     ((2, 9, 10, 32), (3, 3, 32, 24), dict(SAME, window_strides=(1, 1)), False, "parts"),
@@ -221,7 +225,7 @@ def _assert_tf32_wgrad(hlo, rewrite="parts"):
 
 
 @pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs,dgrad_stage,wgrad", TF32_CASES, ids=str)
-def test_tf32_forward_and_grad(lhs_shape, rhs_shape, kwargs, dgrad_stage, wgrad, rng):
+def test_tf32_forward_and_grad(lhs_shape, rhs_shape, kwargs, dgrad_stage, wgrad, rng, blocks_on_cpu):
     kwargs = dict(kwargs, dimension_numbers=_CHANNELS_LAST[len(lhs_shape)], precision=lax.Precision.DEFAULT)
     op = _op(jaxdnn.conv_general_dilated, kwargs)
     lhs, rhs = normal(rng, lhs_shape), normal(rng, rhs_shape, scale=0.5)
@@ -298,7 +302,8 @@ def _conv_calls(hlo):
 
 @pytest.fixture
 def blocks_on_cpu(monkeypatch):
-    """Grouped stages as blocks of one group on the CPU too (a GPU's form), to check them there."""
+    """The GPU's forms of stages (blocks of groups, the strided dgrad's space-to-depth) on the CPU
+    too, to check them there."""
     monkeypatch.setattr(regroup, "BLOCKS_ON_CPU", True)
 
 
@@ -758,9 +763,10 @@ def test_conv_transpose(dtype, lhs_shape, rhs_shape, kwargs, rng):
     ((2, 5, 6, 16), (2, 2, 16, 32), dict(strides=(2, 2), padding="VALID")),  # U-Net's
     ((2, 7, 8), (3, 8, 32), dict(strides=(3,), padding="SAME")),
 ], ids=str)
-def test_conv_transpose_tf32(lhs_shape, rhs_shape, kwargs, rng):
-    """float32 at DEFAULT: the dgrad it runs as goes through space-to-depth to a TF32 forward (no
-    dgrad target left), its VJP's forward is TF32 too and its wgrad runs in bfloat16 parts."""
+def test_conv_transpose_tf32(lhs_shape, rhs_shape, kwargs, rng, blocks_on_cpu):
+    """float32 at DEFAULT: the dgrad it runs as goes through space-to-depth (a GPU's form) to a TF32
+    forward (no dgrad target left), its VJP's forward is TF32 too and its wgrad runs in bfloat16
+    parts."""
     kwargs = dict(kwargs, precision=lax.Precision.DEFAULT)
     op = _op(jaxdnn.conv_transpose, kwargs)
     oracle = _op(lax.conv_transpose, dict(kwargs, precision="highest"))

@@ -14,7 +14,6 @@
 // kernels of depthwise_cpu.cc instead.
 #include <algorithm>
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <vector>
 
@@ -33,18 +32,41 @@ namespace {
 
 // The im2col matrix of a block of pixels (whole rows): `block` values per window tap and pixel, and
 // which taps of each pixel read data. The others (padding, dilation holes, strides that skip a pixel)
-// hold zeros: a tile of pixels skips a tap only when none of its pixels reads data through it.
+// are undefined until ZeroUnreadTaps writes zeros where a tile of pixels will read them: a tile skips
+// a tap only when none of its pixels reads data through it.
 struct TapRows {
   // rows: the block's pixels (the gathers set it; the storage holds the largest block)
   int64_t rows = 0, taps = 0, block = 0;
-  std::vector<float> values;   // [rows, taps * block]
+  float* values;               // [rows, taps * block]: Floats(rows, taps, block) of the caller's scratch
   std::vector<uint8_t> valid;  // [rows, taps]
+  std::vector<int64_t> pixel;  // [rows]: the pixel of the block (its index in it) that each row is
 
-  TapRows(int64_t rows, int64_t taps, int64_t block)
-      : rows(rows), taps(taps), block(block), values(rows * taps * block), valid(rows * taps) {}
-  float* At(int64_t row, int64_t tap) { return values.data() + (row * taps + tap) * block; }
-  const float* At(int64_t row, int64_t tap) const { return values.data() + (row * taps + tap) * block; }
+  TapRows(int64_t rows, int64_t taps, int64_t block, float* values)
+      : rows(rows), taps(taps), block(block), values(values), valid(rows * taps), pixel(rows) {}
+  static int64_t Floats(int64_t rows, int64_t taps, int64_t block) { return rows * taps * block; }
+  float* At(int64_t row, int64_t tap) { return values + (row * taps + tap) * block; }
+  const float* At(int64_t row, int64_t tap) const { return values + (row * taps + tap) * block; }
 };
+
+// Zeros in the values of each tap that a pixel does not read where another pixel of its group of
+// kMaxTileRows rows (the tiles of every build lie within such groups) reads it. Most groups read a
+// tap with all of their pixels or none (the gathers order a row's pixels by the taps they read), so
+// a strided dgrad writes few of the zeros of the taps its pixels skip (3 of 4 at stride 2).
+constexpr int64_t kMaxTileRows = 8;
+
+void ZeroUnreadTaps(TapRows* a) {
+  for (int64_t r0 = 0; r0 < a->rows; r0 += kMaxTileRows) {
+    const int64_t r1 = std::min(a->rows, r0 + kMaxTileRows);
+    for (int64_t tap = 0; tap < a->taps; ++tap) {
+      int64_t reading = 0;
+      for (int64_t r = r0; r < r1; ++r) reading += a->valid[r * a->taps + tap];
+      if (reading == 0 || reading == r1 - r0) continue;
+      for (int64_t r = r0; r < r1; ++r) {
+        if (!a->valid[r * a->taps + tap]) std::fill_n(a->At(r, tap), a->block, 0.0f);
+      }
+    }
+  }
+}
 
 // The window taps [first, end) a wgrad item gathers and multiplies (every tap elsewhere).
 struct TapSpan {
@@ -60,45 +82,75 @@ constexpr int kTileCols = kVectorFloats;
 
 int64_t PaddedCols(int64_t cols) { return (cols + kTileCols - 1) / kTileCols * kTileCols; }
 
-// out[rows, cols] = A @ b[taps * block, cols] (cols a multiple of kTileCols), skipping the taps no
-// pixel of a tile reads through, in tiles of kRows rows by kStrips strips of kTileCols columns (the
-// columns a whole tile does not fill, in tiles of one strip). The reduction runs in chunks of taps of
-// about kChunkValues values a strip, so that a chunk of b's columns stays in L1 across the row tiles (a
-// tile's partial sums go through `out` between chunks). A tile past the last row repeats it (its
-// results are not stored).
+// out[rows, cols] = A @ B for B [taps * block, cols] (cols a multiple of kTileCols) stored as strips
+// of kTileCols columns, b [cols / kTileCols][taps * block][kTileCols], skipping the taps no pixel of
+// a tile reads through, in tiles of kRows rows by kStrips strips (the columns a whole tile does not
+// fill, in tiles of one strip). The reduction runs in chunks of taps of about kChunkValues values a
+// strip, so that a chunk of b's strips stays in L1 across the row tiles (a tile's partial sums go
+// through `out` between chunks; a chunk is contiguous in each strip: B's rows side by side, cols
+// floats apart, had mapped a chunk onto an eighth of L1's sets at 128 columns). A tile past the last
+// row repeats it (its results are not stored).
 constexpr int64_t kChunkValues = 256;
+
+// acc[kRows][kStrips] += rows[i][j] * B's row j for j < depth, B's rows kTileCols floats apart in each
+// of kStrips strips strip_floats apart, from b.
+template <int kRows, int kStrips>
+inline __attribute__((always_inline)) void AccumulateRun(const float* const (&rows)[kRows], const float* b,
+                                                         int64_t depth, int64_t strip_floats,
+                                                         FloatVector (&acc)[kRows][kStrips]) {
+  for (int64_t j = 0; j < depth; ++j) {
+    FloatVector b_row[kStrips];
+    for (int s = 0; s < kStrips; ++s) b_row[s] = LoadVector(b + s * strip_floats + j * kTileCols);
+#pragma GCC unroll 16
+    for (int i = 0; i < kRows; ++i) {
+      const float value = rows[i][j];
+      for (int s = 0; s < kStrips; ++s) acc[i][s] += value * b_row[s];
+    }
+  }
+}
 
 template <int kRows, int kStrips>
 inline __attribute__((always_inline)) void MatMulColumns(const TapRows& a, const float* b, float* out,
                                                          int64_t cols, int64_t c0) {
+  static_assert(kMaxTileRows % kRows == 0, "a tile must lie within one of ZeroUnreadTaps' groups");
   const int64_t chunk_taps = std::max<int64_t>(1, kChunkValues / kStrips / std::max<int64_t>(1, a.block));
+  const int64_t strip_floats = a.taps * a.block * kTileCols;
+  const float* strips = b + c0 / kTileCols * strip_floats;  // the tile's first strip
   for (int64_t t0 = 0; t0 == 0 || t0 < a.taps; t0 += chunk_taps) {  // once with no taps: zeros
     const int64_t t1 = std::min(a.taps, t0 + chunk_taps);
     for (int64_t r0 = 0; r0 < a.rows; r0 += kRows) {
       const int64_t tile_rows = std::min<int64_t>(kRows, a.rows - r0);
+      const auto read = [&](int64_t tap) {  // whether some row of the tile reads data through `tap`
+        bool any = false;
+        for (int64_t i = 0; i < tile_rows; ++i) any = any || a.valid[(r0 + i) * a.taps + tap];
+        return any;
+      };
+      bool every_tap = true, some_tap = false;
+      for (int64_t tap = t0; tap < t1; ++tap) {
+        const bool tap_read = read(tap);
+        every_tap = every_tap && tap_read;
+        some_tap = some_tap || tap_read;
+      }
+      // A chunk the tile reads nothing through leaves its sums as they are (a strided dgrad's
+      // pixels read 1 to 4 of its taps).
+      if (!some_tap && t0 > 0) continue;
       FloatVector acc[kRows][kStrips] = {};
       if (t0 > 0) {
         for (int64_t i = 0; i < tile_rows; ++i)
           for (int s = 0; s < kStrips; ++s) acc[i][s] = LoadVector(out + (r0 + i) * cols + c0 + s * kTileCols);
       }
-      for (int64_t tap = t0; tap < t1; ++tap) {
-        bool read = false;
-        const float* rows[kRows];
-        for (int i = 0; i < kRows; ++i) {
-          const int64_t r = r0 + std::min<int64_t>(i, tile_rows - 1);
-          read = read || a.valid[r * a.taps + tap];
-          rows[i] = a.At(r, tap);
-        }
-        if (!read) continue;
-        const float* b_block = b + tap * a.block * cols + c0;
-        for (int64_t j = 0; j < a.block; ++j) {
-          FloatVector b_row[kStrips];
-          for (int s = 0; s < kStrips; ++s) b_row[s] = LoadVector(b_block + j * cols + s * kTileCols);
-#pragma GCC unroll 16
-          for (int i = 0; i < kRows; ++i) {
-            const float value = rows[i][j];
-            for (int s = 0; s < kStrips; ++s) acc[i][s] += value * b_row[s];
-          }
+      // The tile's rows from tap t0 on: a row's taps lie side by side, so where the tile reads every
+      // tap of the chunk, the chunk is one run (a stem's 3 channels a tap made runs of 3 values).
+      const float* rows[kRows];
+      for (int i = 0; i < kRows; ++i) rows[i] = a.At(r0 + std::min<int64_t>(i, tile_rows - 1), t0);
+      if (every_tap && t1 > t0) {
+        AccumulateRun<kRows, kStrips>(rows, strips + t0 * a.block * kTileCols, (t1 - t0) * a.block, strip_floats, acc);
+      } else {
+        for (int64_t tap = t0; tap < t1; ++tap) {
+          if (!read(tap)) continue;
+          const float* tap_rows[kRows];
+          for (int i = 0; i < kRows; ++i) tap_rows[i] = rows[i] + (tap - t0) * a.block;
+          AccumulateRun<kRows, kStrips>(tap_rows, strips + tap * a.block * kTileCols, a.block, strip_floats, acc);
         }
       }
       for (int64_t i = 0; i < tile_rows; ++i)
@@ -217,16 +269,6 @@ void MatMulTransposedAccumulate(const TapRows& a, const float* b, float* acc, in
   MatMulTransposedAccumulateTiles<4, 1>(a, b, acc, cols, first, taps);
 }
 
-// Calls fn(tap index, tap coordinates) for every window tap in row-major order.
-template <typename Fn>
-void ForEachTap(const ConvGeometry& g, Fn&& fn) {
-  int64_t t[3];
-  int64_t tap = 0;
-  for (t[0] = 0; t[0] < g.window[0]; ++t[0])
-    for (t[1] = 0; t[1] < g.window[1]; ++t[1])
-      for (t[2] = 0; t[2] < g.window[2]; ++t[2]) fn(tap++, t);
-}
-
 // A row of pixels of an [N, sizes[0], sizes[1], sizes[2]] grid: its sample and first two coordinates.
 struct PixelRow {
   int64_t n, at[3];
@@ -259,54 +301,89 @@ struct RowBlocks {
 };
 
 // The products of fprop and dgrad: for every block of `blocks` and group, gather(rows, group, &a)
-// fills the block's im2col matrix A (`values` a tap), A @ filters[group] goes into a [pixels, cols]
-// result, and store(group, first pixel, pixels, result) writes it out. The blocks run in spans on
+// fills the block's im2col matrix A (`values` a tap), A @ the group's filter (`filters`, one group's
+// filter every `filter_floats`) goes into a [pixels, cols] result, and store(group, first pixel, a,
+// result) writes it out (its row r for the block's pixel a.pixel[r]). The blocks run in spans on
 // XLA's intra-op threads: about four spans a thread, for balance, of at most kSpanBlocks blocks (each
-// span sets up its own buffers). A span writes only its own pixels, so the split changes no result.
+// span takes its buffers from its thread's scratch). A span writes only its own pixels, so the split
+// changes no result.
 constexpr int64_t kSpanBlocks = 8;
 
 template <typename Gather, typename Store>
 void BlockProducts(ffi::ThreadPool& pool, const ConvGeometry& g, const RowBlocks& blocks, int64_t values,
-                   const std::vector<std::vector<float>>& filters, int64_t cols, const Gather& gather,
+                   const float* filters, int64_t filter_floats, int64_t cols, const Gather& gather,
                    const Store& store) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_span = std::clamp<int64_t>(g.groups * blocks.count / (4 * threads), 1, kSpanBlocks);
   const int64_t spans = (blocks.count + per_span - 1) / per_span;
   ParallelFor(pool, g.groups * spans, [&](int64_t i) {
     const int64_t group = i / spans, first = i % spans * per_span;
-    TapRows a(blocks.MaxPixels(), g.Taps(), values);
-    std::vector<float> result(a.rows * cols);
+    const int64_t pixels = blocks.MaxPixels();
+    const auto [a_values, result] = ScratchBuffers({TapRows::Floats(pixels, g.Taps(), values), pixels * cols});
+    TapRows a(pixels, g.Taps(), values, a_values);
     std::vector<PixelRow> rows;
     for (int64_t b = first; b < std::min(blocks.count, first + per_span); ++b) {
       const int64_t pixel = blocks.Get(b, &rows);
       gather(rows, group, &a);
-      MatMul(a, filters[group].data(), result.data(), cols);
-      store(group, pixel, a.rows, result.data());
+      ZeroUnreadTaps(&a);
+      MatMul(a, filters + group * filter_floats, result, cols);
+      store(group, pixel, a, result);
     }
   });
 }
 
-// A [rows * W, taps * block] for rows of W pixels: for each pixel p and tap t, the `block` values of
-// `src` from offset_of(n, p, t) + `first` (zeros where offset_of is negative: no data).
-template <typename T, typename OffsetOf>
+// A [rows * W, taps * block] for rows of W pixels: for each pixel p and tap t, the `block` values from
+// value `first` of the source pixel (n, at(0, p0, t0), at(1, p1, t1), at(2, p2, t2)) of a grid of
+// `sizes` with `pixel_values` values a pixel (undefined where an `at` is -1, no data: a->valid says
+// which taps of each row read data, and ZeroUnreadTaps writes the zeros the products read). The coordinates
+// are worked out once an axis: the last axis' once a call, the others' once a row (a pixel's offset
+// for each tap, from the geometry's divisions and modulos, had cost the stem's gather more than its
+// products). With `by_taps`, each row's pixels go in the order of the last axis' taps they read
+// (stably), so that a tile of A's rows holds pixels that read the same taps, and skips the others:
+// a stride-2 dgrad's odd and even columns, side by side, had made every tile multiply the taps of
+// both (twice the products). a->pixel says which pixel each of A's rows is.
+template <typename T, typename AxisAt>
 void GatherRows(const ConvGeometry& g, const T* src, const std::vector<PixelRow>& rows, int64_t width,
-                int64_t first, OffsetOf offset_of, TapRows* a, TapSpan taps = kEveryTap) {
+                const int64_t (&sizes)[3], int64_t pixel_values, int64_t first, AxisAt at, TapRows* a,
+                TapSpan taps = kEveryTap, bool by_taps = false) {
+  const int64_t w01 = g.window[0] * g.window[1], w2 = g.window[2];
+  std::vector<int64_t> at2(width * w2), row01(w01);  // row01: the source's row of pixels (n, i0, i1), or -1
+  for (int64_t p2 = 0; p2 < width; ++p2)
+    for (int64_t t2 = 0; t2 < w2; ++t2) at2[p2 * w2 + t2] = at(2, p2, t2);
+  std::vector<int64_t> order(width);  // the row's pixels in the order of A's rows
+  for (int64_t q = 0; q < width; ++q) order[q] = q;
+  if (by_taps) {
+    std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) {
+      for (int64_t t2 = 0; t2 < w2; ++t2) {
+        const bool p_reads = at2[p * w2 + t2] >= 0, q_reads = at2[q * w2 + t2] >= 0;
+        if (p_reads != q_reads) return p_reads;
+      }
+      return false;
+    });
+  }
   a->rows = int64_t(rows.size()) * width;
   for (size_t row = 0; row < rows.size(); ++row) {
-    int64_t p[3] = {rows[row].at[0], rows[row].at[1], 0};
-    for (p[2] = 0; p[2] < width; ++p[2]) {
-      const int64_t pixel = int64_t(row) * width + p[2];
-      ForEachTap(g, [&](int64_t tap, const int64_t* t) {
-        if (tap < taps.first || tap >= taps.end) return;
-        const int64_t offset = offset_of(rows[row].n, p, t);
-        a->valid[pixel * a->taps + tap] = offset >= 0;
-        float* dst = a->At(pixel, tap);
-        if (offset < 0) {
-          std::fill_n(dst, a->block, 0.0f);
-          return;
+    const PixelRow& r = rows[row];
+    for (int64_t t01 = 0; t01 < w01; ++t01) {
+      const int64_t i0 = at(0, r.at[0], t01 / g.window[1]), i1 = at(1, r.at[1], t01 % g.window[1]);
+      row01[t01] = i0 < 0 || i1 < 0 ? -1 : (r.n * sizes[0] + i0) * sizes[1] + i1;
+    }
+    for (int64_t q = 0; q < width; ++q) {
+      const int64_t pixel = int64_t(row) * width + q, p2 = order[q];
+      a->pixel[pixel] = int64_t(row) * width + p2;
+      for (int64_t t01 = 0; t01 < w01; ++t01) {
+        for (int64_t t2 = 0; t2 < w2; ++t2) {
+          const int64_t tap = t01 * w2 + t2;
+          if (tap < taps.first || tap >= taps.end) continue;
+          const int64_t i2 = at2[p2 * w2 + t2];
+          const bool valid = row01[t01] >= 0 && i2 >= 0;
+          a->valid[pixel * a->taps + tap] = valid;
+          if (!valid) continue;  // its values are undefined (ZeroUnreadTaps)
+          float* dst = a->At(pixel, tap);
+          const T* values = src + (row01[t01] * sizes[2] + i2) * pixel_values + first;
+          for (int64_t c = 0; c < a->block; ++c) dst[c] = ToFloat(values[c]);
         }
-        for (int64_t c = 0; c < a->block; ++c) dst[c] = ToFloat(src[offset + first + c]);
-      });
+      }
     }
   }
 }
@@ -314,9 +391,9 @@ void GatherRows(const ConvGeometry& g, const T* src, const std::vector<PixelRow>
 // A [rows * W, taps * Cg]: the input channels of `group` that each pixel of the output rows reads.
 template <typename T>
 void GatherInputRows(const ConvGeometry& g, const T* x, const std::vector<PixelRow>& rows, int64_t group,
-                     TapRows* a, TapSpan taps = kEveryTap) {
-  GatherRows(g, x, rows, g.out[2], group * g.GroupChannels(),
-             [&](int64_t n, const int64_t* o, const int64_t* t) { return g.InputOffset(n, o, t); }, a, taps);
+                     TapRows* a, TapSpan taps = kEveryTap, bool by_taps = false) {
+  GatherRows(g, x, rows, g.out[2], g.in, g.channels, group * g.GroupChannels(),
+             [&](int axis, int64_t o, int64_t t) { return g.InputAt(axis, o, t); }, a, taps, by_taps);
 }
 
 // A [rows * W, taps * Kg]: the dy features of `group` of the output pixel that reads each pixel of
@@ -324,33 +401,67 @@ void GatherInputRows(const ConvGeometry& g, const T* x, const std::vector<PixelR
 template <typename T>
 void GatherGradRows(const ConvGeometry& g, const T* dy, const std::vector<PixelRow>& rows, int64_t group,
                     TapRows* a) {
-  GatherRows(g, dy, rows, g.in[2], group * g.GroupFilters(),
-             [&](int64_t n, const int64_t* i, const int64_t* t) { return g.OutputOffset(n, i, t); }, a);
+  GatherRows(g, dy, rows, g.in[2], g.out, g.filters, group * g.GroupFilters(),
+             [&](int axis, int64_t i, int64_t t) { return g.OutputAt(axis, i, t); }, a, kEveryTap, true);
 }
 
-// Every group's filter as float: [taps * Cg, Kg] (for fprop) or, transposed per tap, [taps * Kg, Cg]
-// (for dgrad), its columns padded with zeros to PaddedCols; a tap of a group an item on XLA's
-// intra-op threads. The transpose goes kTileCols channels at a time, so that both sides stream.
+// A group's filter as float: [taps * Cg, Kg] (for fprop) or, transposed per tap, [taps * Kg, Cg] (for
+// dgrad), its columns padded with zeros to PaddedCols, in MatMulColumns' strips of kTileCols columns:
+// [cols / kTileCols][taps * rows][kTileCols].
+struct GroupFilterShape {
+  int64_t rows, cols, floats;  // rows and columns a tap, floats a group
+  GroupFilterShape(const ConvGeometry& g, bool transposed)
+      : rows(transposed ? g.GroupFilters() : g.GroupChannels()),
+        cols(PaddedCols(transposed ? g.GroupChannels() : g.GroupFilters())),
+        floats(g.Taps() * rows * cols) {}
+};
+
+// Every group's filter into filters [groups, GroupFilterShape::floats]; a tap of a group an item on
+// XLA's intra-op threads. The transpose goes kTileCols channels at a time, so that both sides stream.
 template <typename T>
-std::vector<std::vector<float>> GroupFilters(ffi::ThreadPool& pool, const ConvGeometry& g, const T* w,
-                                             bool transposed) {
+void GroupFilters(ffi::ThreadPool& pool, const ConvGeometry& g, const T* w, bool transposed, float* filters) {
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), taps = g.Taps();
-  const int64_t cols = PaddedCols(transposed ? cg : kg), rows = transposed ? kg : cg;
-  std::vector<std::vector<float>> filters(g.groups, std::vector<float>(taps * rows * cols, 0.0f));
+  const GroupFilterShape shape(g, transposed);
+  const int64_t rows = shape.rows, cols = shape.cols, used = transposed ? cg : kg;
+  const int64_t strip_floats = taps * rows * kTileCols;
   ParallelFor(pool, g.groups * taps, [&](int64_t item) {
     const int64_t group = item / taps, tap = item % taps;
     const T* src = w + tap * cg * g.filters + group * kg;  // [Cg, K] with stride K, this group's Kg columns
-    float* dst = filters[group].data() + tap * rows * cols;
+    float* dst = filters + group * shape.floats + tap * rows * kTileCols;  // the tap's rows of the first strip
+    // (row r, column c) of the tap at dst[c / kTileCols * strip_floats + r * kTileCols + c % kTileCols]
+    const auto at = [&](int64_t r, int64_t c) -> float& {
+      return dst[c / kTileCols * strip_floats + r * kTileCols + c % kTileCols];
+    };
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = used; c < cols; ++c) at(r, c) = 0.0f;
     if (!transposed) {
       for (int64_t c = 0; c < cg; ++c)
-        for (int64_t k = 0; k < kg; ++k) dst[c * cols + k] = ToFloat(src[c * g.filters + k]);
+        for (int64_t k = 0; k < kg; ++k) at(c, k) = ToFloat(src[c * g.filters + k]);
       return;
     }
     for (int64_t c0 = 0; c0 < cg; c0 += kTileCols)
       for (int64_t k = 0; k < kg; ++k)
-        for (int64_t c = c0; c < std::min(cg, c0 + kTileCols); ++c) dst[k * cols + c] = ToFloat(src[c * g.filters + k]);
+        for (int64_t c = c0; c < std::min(cg, c0 + kTileCols); ++c) at(k, c) = ToFloat(src[c * g.filters + k]);
   });
-  return filters;
+}
+
+// y[index, index + count) = the epilogue of one pixel's features [k, k + count) from their sums `acc`
+// (overwritten): ConvEpilogue::Apply's sums and rounding, each step a loop over the features that
+// vectorizes (the activation's kind a constant in its loop), where Apply a value at a time did not.
+template <typename T>
+void StoreFeatures(const ConvEpilogue<T>& epilogue, float* acc, int64_t count, int64_t index, int64_t k, T* y) {
+  if (epilogue.bias != nullptr) {
+    for (int64_t i = 0; i < count; ++i) acc[i] += ToFloat(epilogue.bias[k + i]);
+  }
+  if (epilogue.residual != nullptr) {
+    for (int64_t i = 0; i < count; ++i) acc[i] += ToFloat(epilogue.residual[index + i]);
+  }
+  if (epilogue.activation != 0) {
+    DispatchActivation(epilogue.activation, [&](auto kind) {
+      for (int64_t i = 0; i < count; ++i) acc[i] = Activate<decltype(kind)::value>(acc[i], epilogue.activation_param);
+    });
+  }
+  for (int64_t i = 0; i < count; ++i) y[index + i] = FromFloat<T>(acc[i]);
 }
 
 template <typename T>
@@ -358,15 +469,19 @@ void Fprop(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* w,
            T* y) {
   if (TakesDepthwiseCpu(g)) return DepthwiseFpropCpu(pool, g, x, w, epilogue, y);
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), cols = PaddedCols(kg);
+  const GroupFilterShape shape(g, false);
+  const CachedBuffer filters(g.groups * shape.floats);
+  GroupFilters(pool, g, w, false, filters.data());
   BlockProducts(
-      pool, g, RowBlocks(g.batch, g.out), cg, GroupFilters(pool, g, w, false), cols,
-      [&](const std::vector<PixelRow>& rows, int64_t group, TapRows* a) { GatherInputRows(g, x, rows, group, a); },
-      [&](int64_t group, int64_t pixel, int64_t pixels, const float* y_rows) {
-        for (int64_t r = 0; r < pixels; ++r)
-          for (int64_t k = group * kg; k < (group + 1) * kg; ++k) {
-            const int64_t index = (pixel + r) * g.filters + k;
-            y[index] = FromFloat<T>(epilogue.Apply(y_rows[r * cols + k - group * kg], index, k));
-          }
+      pool, g, RowBlocks(g.batch, g.out), cg, filters.data(), shape.floats, cols,
+      [&](const std::vector<PixelRow>& rows, int64_t group, TapRows* a) {
+        GatherInputRows(g, x, rows, group, a, kEveryTap, true);
+      },
+      [&](int64_t group, int64_t pixel, const TapRows& a, float* y_rows) {
+        for (int64_t r = 0; r < a.rows; ++r) {
+          const int64_t index = (pixel + a.pixel[r]) * g.filters + group * kg;
+          StoreFeatures(epilogue, y_rows + r * cols, kg, index, group * kg, y);
+        }
       });
 }
 
@@ -374,12 +489,17 @@ template <typename T>
 void Dgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* dy, const T* w, T* dx) {
   if (TakesDepthwiseCpu(g)) return DepthwiseDgradCpu(pool, g, dy, w, dx);
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), cols = PaddedCols(cg);
+  const GroupFilterShape shape(g, true);
+  const CachedBuffer filters(g.groups * shape.floats);
+  GroupFilters(pool, g, w, true, filters.data());
   BlockProducts(
-      pool, g, RowBlocks(g.batch, g.in), kg, GroupFilters(pool, g, w, true), cols,
+      pool, g, RowBlocks(g.batch, g.in), kg, filters.data(), shape.floats, cols,
       [&](const std::vector<PixelRow>& rows, int64_t group, TapRows* a) { GatherGradRows(g, dy, rows, group, a); },
-      [&](int64_t group, int64_t pixel, int64_t pixels, const float* dx_rows) {
-        for (int64_t i = 0; i < pixels; ++i)
-          for (int64_t c = 0; c < cg; ++c) dx[(pixel + i) * g.channels + group * cg + c] = FromFloat<T>(dx_rows[i * cols + c]);
+      [&](int64_t group, int64_t pixel, const TapRows& a, float* dx_rows) {
+        for (int64_t r = 0; r < a.rows; ++r) {
+          T* dst = dx + (pixel + a.pixel[r]) * g.channels + group * cg;
+          for (int64_t c = 0; c < cg; ++c) dst[c] = FromFloat<T>(dx_rows[r * cols + c]);
+        }
       });
 }
 
@@ -409,16 +529,19 @@ void Wgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* dy
   const int64_t slices = std::max<int64_t>(
       1, std::min({blocks.count, kMaxSlices, std::max(g.OutPixels() / kSlicePixels, min_slices),
                    kSliceFloats / (g.groups * part)}));
-  // [groups, slices, taps * Cg, cols], each item's first block writing its own rows (on its thread:
-  // its pages, its caches; zeroing it first cost as much as the products on filters of a few MB, 7^2
-  // 512 -> 512, where a slice has one or two blocks)
-  const std::unique_ptr<float[]> parts(new float[g.groups * slices * part]);
+  // [groups, slices, taps * Cg, cols], each item's first block writing its own rows (zeroing it first
+  // cost as much as the products on filters of a few MB, 7^2 512 -> 512, where a slice has one or two
+  // blocks)
+  const CachedBuffer parts_buffer(g.groups * slices * part);
+  float* const parts = parts_buffer.data();
   ParallelFor(pool, g.groups * slices * tap_items, [&](int64_t item) {
     const int64_t group = item / (slices * tap_items), slice = item / tap_items % slices;
     const TapSpan span{item % tap_items * per_item, std::min(taps, (item % tap_items + 1) * per_item)};
-    float* out = parts.get() + (group * slices + slice) * part;
-    TapRows a(blocks.MaxPixels(), taps, cg);
-    std::vector<float> dy_rows(a.rows * cols, 0.0f);
+    float* out = parts + (group * slices + slice) * part;
+    const int64_t pixels = blocks.MaxPixels();
+    const auto [a_values, dy_rows] = ScratchBuffers({TapRows::Floats(pixels, taps, cg), pixels * cols});
+    TapRows a(pixels, taps, cg, a_values);
+    for (int64_t r = 0; r < pixels; ++r) std::fill(dy_rows + r * cols + kg, dy_rows + (r + 1) * cols, 0.0f);
     std::vector<PixelRow> rows;
     const int64_t first = blocks.count * slice / slices, end = blocks.count * (slice + 1) / slices;
     if (first == end) {  // no blocks (an empty batch)
@@ -429,7 +552,7 @@ void Wgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* dy
       GatherInputRows(g, x, rows, group, &a, span);
       for (int64_t r = 0; r < a.rows; ++r)
         for (int64_t k = 0; k < kg; ++k) dy_rows[r * cols + k] = ToFloat(dy[(pixel + r) * g.filters + group * kg + k]);
-      MatMulTransposedAccumulate(a, dy_rows.data(), out, cols, b == first, span);
+      MatMulTransposedAccumulate(a, dy_rows, out, cols, b == first, span);
     }
   });
   ParallelFor(pool, g.groups * taps * cg, [&](int64_t row) {  // row: a group's [tap, channel]
