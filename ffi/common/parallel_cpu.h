@@ -155,23 +155,21 @@ std::array<float*, N> ScratchBuffers(const int64_t (&sizes)[N]) {
 class CachedBuffer {
  public:
   explicit CachedBuffer(int64_t size) {
-    std::lock_guard<std::mutex> lock(Cache().mutex);
-    auto& kept = Cache().buffers;
-    auto best = kept.end();  // the smallest kept buffer that is large enough, else the largest
-    for (auto it = kept.begin(); it != kept.end(); ++it) {
-      const bool fits = it->first >= size, best_fits = best != kept.end() && best->first >= size;
-      if (best == kept.end() || (fits && (!best_fits || it->first < best->first)) ||
-          (!fits && !best_fits && it->first > best->first)) {
-        best = it;
+    {
+      std::lock_guard<std::mutex> lock(Cache().mutex);
+      auto& kept = Cache().buffers;
+      auto best = kept.end();  // the smallest kept buffer that is large enough
+      for (auto it = kept.begin(); it != kept.end(); ++it) {
+        if (it->first >= size && (best == kept.end() || it->first < best->first)) best = it;
+      }
+      if (best != kept.end()) {
+        buffer_ = std::move(*best);
+        kept.erase(best);
+        return;
       }
     }
-    if (best != kept.end() && best->first >= size) {
-      buffer_ = std::move(*best);
-      kept.erase(best);
-      return;
-    }
-    if (best != kept.end()) kept.erase(best);  // too small: its memory goes back for the new one
-    buffer_ = {std::max<int64_t>(size, 1), std::unique_ptr<float[]>(new float[std::max<int64_t>(size, 1)])};
+    const int64_t capacity = std::max<int64_t>(size, 1);
+    buffer_ = {capacity, std::unique_ptr<float[]>(new float[capacity])};
   }
   ~CachedBuffer() {
     std::lock_guard<std::mutex> lock(Cache().mutex);

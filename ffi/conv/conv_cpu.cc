@@ -332,50 +332,70 @@ void BlockProducts(ffi::ThreadPool& pool, const ConvGeometry& g, const RowBlocks
   });
 }
 
-// A [rows * W, taps * block] for rows of W pixels: for each pixel p and tap t, the `block` values from
-// value `first` of the source pixel (n, at(0, p0, t0), at(1, p1, t1), at(2, p2, t2)) of a grid of
-// `sizes` with `pixel_values` values a pixel (undefined where an `at` is -1, no data: a->valid says
-// which taps of each row read data, and ZeroUnreadTaps writes the zeros the products read). The coordinates
-// are worked out once an axis: the last axis' once a call, the others' once a row (a pixel's offset
-// for each tap, from the geometry's divisions and modulos, had cost the stem's gather more than its
-// products). With `by_taps`, each row's pixels go in the order of the last axis' taps they read
-// (stably), so that a tile of A's rows holds pixels that read the same taps, and skips the others:
-// a stride-2 dgrad's odd and even columns, side by side, had made every tile multiply the taps of
-// both (twice the products). a->pixel says which pixel each of A's rows is.
-template <typename T, typename AxisAt>
-void GatherRows(const ConvGeometry& g, const T* src, const std::vector<PixelRow>& rows, int64_t width,
-                const int64_t (&sizes)[3], int64_t pixel_values, int64_t first, AxisAt at, TapRows* a,
-                TapSpan taps = kEveryTap, bool by_taps = false) {
-  const int64_t w01 = g.window[0] * g.window[1], w2 = g.window[2];
-  std::vector<int64_t> at2(width * w2), row01(w01);  // row01: the source's row of pixels (n, i0, i1), or -1
-  for (int64_t p2 = 0; p2 < width; ++p2)
-    for (int64_t t2 = 0; t2 < w2; ++t2) at2[p2 * w2 + t2] = at(2, p2, t2);
-  std::vector<int64_t> order(width);  // the row's pixels in the order of A's rows
-  for (int64_t q = 0; q < width; ++q) order[q] = q;
-  if (by_taps) {
+// The index maps a gather reads its source through: x's pixel that an output pixel reads through a
+// tap (fprop, wgrad), or dy's pixel that reads an input pixel through it (dgrad), one axis at a time.
+inline auto InputMap(const ConvGeometry& g) {
+  return [&g](int axis, int64_t o, int64_t t) { return g.InputAt(axis, o, t); };
+}
+inline auto OutputMap(const ConvGeometry& g) {
+  return [&g](int axis, int64_t i, int64_t t) { return g.OutputAt(axis, i, t); };
+}
+
+// A gather's last axis, the same for every row of pixels of a call, so worked out once a call: the
+// source coordinate map(2, p2, t2) of each of a row's `width` pixels through each tap t2 of the last
+// axis (-1: no data), and the order of the row's pixels among A's rows. With `by_taps`, the pixels go
+// in the order of the taps they read (stably), so that a tile of A's rows holds pixels that read the
+// same taps, and skips the others: a stride-2 dgrad's odd and even columns, side by side, had made
+// every tile multiply the taps of both (twice the products).
+struct RowAxis {
+  int64_t width, taps;
+  std::vector<int64_t> at, order;  // [width, taps], [width]
+
+  template <typename AxisMap>
+  RowAxis(const ConvGeometry& g, int64_t width, AxisMap map, bool by_taps)
+      : width(width), taps(g.window[2]), at(width * taps), order(width) {
+    for (int64_t p2 = 0; p2 < width; ++p2)
+      for (int64_t t2 = 0; t2 < taps; ++t2) at[p2 * taps + t2] = map(2, p2, t2);
+    for (int64_t q = 0; q < width; ++q) order[q] = q;
+    if (!by_taps) return;
     std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) {
-      for (int64_t t2 = 0; t2 < w2; ++t2) {
-        const bool p_reads = at2[p * w2 + t2] >= 0, q_reads = at2[q * w2 + t2] >= 0;
+      for (int64_t t2 = 0; t2 < taps; ++t2) {
+        const bool p_reads = at[p * taps + t2] >= 0, q_reads = at[q * taps + t2] >= 0;
         if (p_reads != q_reads) return p_reads;
       }
       return false;
     });
   }
+};
+
+// A [rows * W, taps * block] for rows of W = axis.width pixels: for each pixel p and tap t, the
+// `block` values from value `first` of the source pixel (n, map(0, p0, t0), map(1, p1, t1), map(2,
+// p2, t2)) of a grid of `sizes` with `pixel_values` values a pixel (undefined where a map gives -1,
+// no data: a->valid says which taps of each row read data, and ZeroUnreadTaps writes the zeros the
+// products read). The first two axes' coordinates are worked out once a row, the last axis' once a
+// call (`axis`): a pixel's offset for each tap, from the geometry's divisions and modulos, had cost the
+// stem's gather more than its products. A's rows follow axis.order; a->pixel says which pixel each is.
+template <typename T, typename AxisMap>
+void GatherRows(const ConvGeometry& g, const T* src, const std::vector<PixelRow>& rows, const RowAxis& axis,
+                const int64_t (&sizes)[3], int64_t pixel_values, int64_t first, AxisMap map, TapRows* a,
+                TapSpan taps = kEveryTap) {
+  const int64_t w01 = g.window[0] * g.window[1], w2 = axis.taps, width = axis.width;
+  std::vector<int64_t> row01(w01);  // the source's row of pixels (n, i0, i1) through each tap, or -1
   a->rows = int64_t(rows.size()) * width;
   for (size_t row = 0; row < rows.size(); ++row) {
     const PixelRow& r = rows[row];
     for (int64_t t01 = 0; t01 < w01; ++t01) {
-      const int64_t i0 = at(0, r.at[0], t01 / g.window[1]), i1 = at(1, r.at[1], t01 % g.window[1]);
+      const int64_t i0 = map(0, r.at[0], t01 / g.window[1]), i1 = map(1, r.at[1], t01 % g.window[1]);
       row01[t01] = i0 < 0 || i1 < 0 ? -1 : (r.n * sizes[0] + i0) * sizes[1] + i1;
     }
     for (int64_t q = 0; q < width; ++q) {
-      const int64_t pixel = int64_t(row) * width + q, p2 = order[q];
+      const int64_t pixel = int64_t(row) * width + q, p2 = axis.order[q];
       a->pixel[pixel] = int64_t(row) * width + p2;
       for (int64_t t01 = 0; t01 < w01; ++t01) {
         for (int64_t t2 = 0; t2 < w2; ++t2) {
           const int64_t tap = t01 * w2 + t2;
           if (tap < taps.first || tap >= taps.end) continue;
-          const int64_t i2 = at2[p2 * w2 + t2];
+          const int64_t i2 = axis.at[p2 * w2 + t2];
           const bool valid = row01[t01] >= 0 && i2 >= 0;
           a->valid[pixel * a->taps + tap] = valid;
           if (!valid) continue;  // its values are undefined (ZeroUnreadTaps)
@@ -388,21 +408,20 @@ void GatherRows(const ConvGeometry& g, const T* src, const std::vector<PixelRow>
   }
 }
 
-// A [rows * W, taps * Cg]: the input channels of `group` that each pixel of the output rows reads.
+// A [rows * W, taps * Cg]: the input channels of `group` that each pixel of the output rows reads
+// (axis: RowAxis(g, g.out[2], InputMap(g), ...)).
 template <typename T>
 void GatherInputRows(const ConvGeometry& g, const T* x, const std::vector<PixelRow>& rows, int64_t group,
-                     TapRows* a, TapSpan taps = kEveryTap, bool by_taps = false) {
-  GatherRows(g, x, rows, g.out[2], g.in, g.channels, group * g.GroupChannels(),
-             [&](int axis, int64_t o, int64_t t) { return g.InputAt(axis, o, t); }, a, taps, by_taps);
+                     const RowAxis& axis, TapRows* a, TapSpan taps = kEveryTap) {
+  GatherRows(g, x, rows, axis, g.in, g.channels, group * g.GroupChannels(), InputMap(g), a, taps);
 }
 
 // A [rows * W, taps * Kg]: the dy features of `group` of the output pixel that reads each pixel of
-// the input rows through each tap.
+// the input rows through each tap (axis: RowAxis(g, g.in[2], OutputMap(g), ...)).
 template <typename T>
 void GatherGradRows(const ConvGeometry& g, const T* dy, const std::vector<PixelRow>& rows, int64_t group,
-                    TapRows* a) {
-  GatherRows(g, dy, rows, g.in[2], g.out, g.filters, group * g.GroupFilters(),
-             [&](int axis, int64_t i, int64_t t) { return g.OutputAt(axis, i, t); }, a, kEveryTap, true);
+                    const RowAxis& axis, TapRows* a) {
+  GatherRows(g, dy, rows, axis, g.out, g.filters, group * g.GroupFilters(), OutputMap(g), a);
 }
 
 // A group's filter as float: [taps * Cg, Kg] (for fprop) or, transposed per tap, [taps * Kg, Cg] (for
@@ -472,10 +491,11 @@ void Fprop(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* w,
   const GroupFilterShape shape(g, false);
   const CachedBuffer filters(g.groups * shape.floats);
   GroupFilters(pool, g, w, false, filters.data());
+  const RowAxis axis(g, g.out[2], InputMap(g), true);
   BlockProducts(
       pool, g, RowBlocks(g.batch, g.out), cg, filters.data(), shape.floats, cols,
       [&](const std::vector<PixelRow>& rows, int64_t group, TapRows* a) {
-        GatherInputRows(g, x, rows, group, a, kEveryTap, true);
+        GatherInputRows(g, x, rows, group, axis, a);
       },
       [&](int64_t group, int64_t pixel, const TapRows& a, float* y_rows) {
         for (int64_t r = 0; r < a.rows; ++r) {
@@ -492,9 +512,12 @@ void Dgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* dy, const T* w
   const GroupFilterShape shape(g, true);
   const CachedBuffer filters(g.groups * shape.floats);
   GroupFilters(pool, g, w, true, filters.data());
+  const RowAxis axis(g, g.in[2], OutputMap(g), true);
   BlockProducts(
       pool, g, RowBlocks(g.batch, g.in), kg, filters.data(), shape.floats, cols,
-      [&](const std::vector<PixelRow>& rows, int64_t group, TapRows* a) { GatherGradRows(g, dy, rows, group, a); },
+      [&](const std::vector<PixelRow>& rows, int64_t group, TapRows* a) {
+        GatherGradRows(g, dy, rows, group, axis, a);
+      },
       [&](int64_t group, int64_t pixel, const TapRows& a, float* dx_rows) {
         for (int64_t r = 0; r < a.rows; ++r) {
           T* dst = dx + (pixel + a.pixel[r]) * g.channels + group * cg;
@@ -521,6 +544,7 @@ void Wgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* dy
   const int64_t cg = g.GroupChannels(), kg = g.GroupFilters(), taps = g.Taps(), cols = PaddedCols(kg);
   const RowBlocks blocks(g.batch, g.out);
   const int64_t part = taps * cg * cols;  // one slice's dW of one group
+  const RowAxis axis(g, g.out[2], InputMap(g), false);
   const int64_t wanted_items = std::clamp<int64_t>(part / kMinItemOutputs, 1, taps);
   const int64_t per_item = (taps + wanted_items - 1) / wanted_items;  // taps an item
   const int64_t tap_items = (taps + per_item - 1) / per_item;         // none of them empty
@@ -549,7 +573,7 @@ void Wgrad(ffi::ThreadPool& pool, const ConvGeometry& g, const T* x, const T* dy
     }
     for (int64_t b = first; b < end; ++b) {
       const int64_t pixel = blocks.Get(b, &rows);
-      GatherInputRows(g, x, rows, group, &a, span);
+      GatherInputRows(g, x, rows, group, axis, &a, span);
       for (int64_t r = 0; r < a.rows; ++r)
         for (int64_t k = 0; k < kg; ++k) dy_rows[r * cols + k] = ToFloat(dy[(pixel + r) * g.filters + group * kg + k]);
       MatMulTransposedAccumulate(a, dy_rows, out, cols, b == first, span);
