@@ -302,8 +302,8 @@ def _conv_calls(hlo):
 
 @pytest.fixture
 def blocks_on_cpu(monkeypatch):
-    """The GPU's forms of stages (blocks of groups, the strided dgrad's space-to-depth) on the CPU
-    too, to check them there."""
+    """The GPU's forms of stages (blocks of groups, the depth fold, the strided dgrad's space-to-depth)
+    on the CPU too, to check them there."""
     monkeypatch.setattr(regroup, "BLOCKS_ON_CPU", True)
 
 
@@ -353,6 +353,22 @@ def test_grouped_blocks_only_on_a_gpu(rng):
     hlo = jax.jit(lambda x, w, ct: (op(x, w), jax.vjp(op, x, w)[1](ct))).lower(lhs, rhs, ct).as_text()
     groups = {int(g) for g in re.findall(r"groups = (\d+) :", "\n".join(_conv_calls(hlo)))}
     assert groups == ({1} if on_gpu() else {4})
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=dtype_id)
+def test_depth_fold_only_on_a_gpu(dtype, rng):
+    """By default every stage of a 3-D window binds its own kernel with the depth window (T = 3) on
+    the CPU, whose kernels take 3-D windows, and the fold's 2-D windows (T = 1) on a GPU; the results
+    agree with lax either way."""
+    kwargs = dict(window_strides=(1, 1, 1), padding="SAME", dimension_numbers=_CHANNELS_LAST[5],
+                  precision=lax.Precision.DEFAULT if dtype == jnp.float32 else None)
+    op = _op(jaxdnn.conv_general_dilated, kwargs)
+    lhs, rhs = normal(rng, (2, 5, 6, 5, 16), dtype), normal(rng, (3, 1, 1, 16, 8), dtype, scale=0.5)
+    tol = tolerance(jnp.float16 if dtype == jnp.float32 and on_gpu() else dtype)
+    ct = _check_against(op, _op(lax.conv_general_dilated, kwargs), lhs, rhs, tol, rng)
+    hlo = jax.jit(lambda x, w, ct: (op(x, w), jax.vjp(op, x, w)[1](ct))).lower(lhs, rhs, ct).as_text()
+    depths = {int(d) for d in re.findall(r"window_d = (\d+) :", "\n".join(_conv_calls(hlo)))}
+    assert depths == ({1} if on_gpu() else {3})
 
 
 @pytest.mark.parametrize("groups,channels,filters,per_block", [
