@@ -26,10 +26,11 @@ op_param = pytest.mark.parametrize("name", OPS)
 dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 
 # (inputs shape, window_shape, strides, padding). Channel counts with and without a 16-byte vector
-# path (and a scalar tail on CPU), strides above and below the window, one window of more than
-# 256 elements (int32 argmax), an empty batch, no batch axis and two batch axes. 3x3 and 2x2 windows
-# of stride 2 have their own unrolled kernels (pool_window.h's SquareWindow): odd sizes and uneven
-# padding check their clamped loads.
+# path (and a scalar tail on CPU; 72 for the CPU backward's groups of 64, then 8), strides above and
+# below the window, one window of more than 256 elements (int32 argmax), an empty batch, no batch
+# axis and two batch axes. 3x3 and 2x2 windows of stride 2 have their own unrolled kernels
+# (pool_window.h's SquareWindow): odd sizes and uneven padding check their clamped loads. The
+# largest case spreads its rows over more than one chunk of the CPU's threads.
 CASES = [
     ((2, 11, 10, 64), (3, 3), (2, 2), "SAME"),
     ((3, 9, 8, 3), (3, 3), (2, 2), "SAME"),
@@ -46,6 +47,8 @@ CASES = [
     ((2, 6, 6, 5), (1, 1), (3, 2), "VALID"),
     ((2, 7, 9, 16), (2, 2), (2, 2), "SAME"),
     ((1, 10, 11, 8), (3, 3), (2, 2), ((0, 2), (1, 0))),
+    ((2, 7, 6, 72), (2, 3), (1, 2), "SAME"),
+    ((4, 34, 34, 72), (3, 3), (2, 2), "SAME"),
 ]
 case_param = pytest.mark.parametrize("shape,window,strides,padding", CASES, ids=str)
 

@@ -14,13 +14,17 @@
 #include "common/cuda_common.cuh"
 #define JAXDNN_POOL_HD __host__ __device__ __forceinline__
 #define JAXDNN_POOL_FN __device__ __forceinline__
+#define JAXDNN_POOL_LAMBDA
 #define JAXDNN_POOL_UNROLL _Pragma("unroll")
 #else
 #include <cstring>
 
 #include "common/half_cpu.h"
-#define JAXDNN_POOL_HD inline
-#define JAXDNN_POOL_FN inline
+// Inlined into the CPU kernels' vectorized variants (common/cpu_isa.h's CallVectorized), lambdas too:
+// a call left out of line runs the baseline's scalar code.
+#define JAXDNN_POOL_HD JAXDNN_ALWAYS_INLINE inline
+#define JAXDNN_POOL_FN JAXDNN_ALWAYS_INLINE inline
+#define JAXDNN_POOL_LAMBDA JAXDNN_ALWAYS_INLINE
 #define JAXDNN_POOL_UNROLL _Pragma("GCC unroll 16")
 #endif
 
@@ -216,7 +220,7 @@ __device__ __forceinline__ void MaxPoolPixelPairs(const PoolGeometry& g, const T
     arg[i] = 0;
     nan[i] = 0;
   }
-  ForEachWindowElement<W>(g, n, o, c, [&](int k, bool inside, int64_t at) {
+  ForEachWindowElement<W>(g, n, o, c, [&](int k, bool inside, int64_t at) JAXDNN_POOL_LAMBDA {
     const Lanes<T, V> in = LoadLanes<V>(x + at);  // a SquareWindow's loads are always valid
     unsigned words[kWords];
     memcpy(words, &in, sizeof(words));
@@ -257,14 +261,14 @@ JAXDNN_POOL_FN void MaxPoolPixelFloat(const PoolGeometry& g, const T* __restrict
                                       Idx* __restrict__ argmax, int64_t n, const int o[3], int64_t c) {
   float best[V];
   int arg[V];
-  bool nan[V];
+  int nan[V];  // as wide as the other lanes: a loop over bool lanes stays scalar on the CPU
 JAXDNN_POOL_UNROLL
   for (int l = 0; l < V; ++l) {
     best[l] = -INFINITY;
     arg[l] = 0;
-    nan[l] = false;
+    nan[l] = 0;
   }
-  ForEachWindowElement<W>(g, n, o, c, [&](int k, bool inside, int64_t at) {
+  ForEachWindowElement<W>(g, n, o, c, [&](int k, bool inside, int64_t at) JAXDNN_POOL_LAMBDA {
     float v[V];
 JAXDNN_POOL_UNROLL
     for (int l = 0; l < V; ++l) v[l] = -INFINITY;  // padding
@@ -330,9 +334,7 @@ JAXDNN_POOL_UNROLL
         const Lanes<Idx, V> chosen = LoadLanes<V>(argmax + offset);
         const Lanes<T, V> grad = LoadLanes<V>(dy + offset);
 JAXDNN_POOL_UNROLL
-        for (int l = 0; l < V; ++l) {
-          if (int(chosen.v[l]) == k) sum[l] += ToFloat(grad.v[l]);
-        }
+        for (int l = 0; l < V; ++l) sum[l] += int(chosen.v[l]) == k ? ToFloat(grad.v[l]) : 0.f;  // a select
       }
     }
   }
@@ -350,7 +352,7 @@ JAXDNN_POOL_FN void AvgPoolPixel(const PoolGeometry& g, const T* __restrict__ x,
   float sum[V];
 JAXDNN_POOL_UNROLL
   for (int l = 0; l < V; ++l) sum[l] = 0.f;
-  ForEachWindowElement<W>(g, n, o, c, [&](int, bool inside, int64_t at) {
+  ForEachWindowElement<W>(g, n, o, c, [&](int, bool inside, int64_t at) JAXDNN_POOL_LAMBDA {
     if (!(W::kSize > 0 || inside)) return;  // padding adds nothing
     const Lanes<T, V> in = LoadLanes<V>(x + at);
 JAXDNN_POOL_UNROLL
@@ -462,8 +464,11 @@ JAXDNN_POOL_UNROLL
 JAXDNN_POOL_UNROLL
           for (int l = 0; l < V; ++l) {
             if (argmax != nullptr) {
-              if (exists[jh][jw] && int(chosen[jh][jw].v[l]) == k) sum[l] += ToFloat(grad[jh][jw].v[l]);
-            } else if (exists[jh][jw]) {
+              // A select, not a branch, so that the CPU's lanes vectorize: adding 0 to a sum that
+              // starts at +0 leaves its bits as they are.
+              const bool take = exists[jh][jw] && int(chosen[jh][jw].v[l]) == k;
+              sum[l] += take ? ToFloat(grad[jh][jw].v[l]) : 0.f;
+            } else if (exists[jh][jw]) {  // the same for every lane
               sum[l] += ToFloat(grad[jh][jw].v[l]) / divisor[jh][jw];
             }
           }
