@@ -462,7 +462,8 @@ def conv_cases(quick: bool) -> list[Case]:
     """
     return (_resnet_conv_cases(quick, jnp.bfloat16, 8) + _resnet_conv_cases(quick, jnp.float32, 4)
             + _fused_conv_cases(quick) + _depthwise_conv_cases(quick) + _transpose_conv_cases(quick)
-            + _grouped_conv_cases(quick) + _vmapped_filter_cases(quick) + _conv3d_cases(quick))
+            + _grouped_conv_cases(quick) + _vmapped_filter_cases(quick) + _conv3d_cases(quick)
+            + _conv1d_cases(quick))
 
 
 def _resnet_conv_cases(quick: bool, dtype, sets: int) -> list[Case]:
@@ -707,6 +708,27 @@ def _conv3d_cases(quick: bool) -> list[Case]:
             key, sub = jax.random.split(key)
             cases += _general_conv_cases(label, (batch, depth, size, size, channels),
                                          window + (channels, filters), kwargs, dtype, quick, sub)
+    return cases
+
+
+# 1-D convolutions over long sequences (label, batch, length, C, K, window, stride): an audio
+# encoder's (wav2vec-like) strided layer and a temporal convolution's 3-tap layer.
+_CONVS_1D = [
+    ("1-D audio", 32, 16000, 64, 128, 9, 4),
+    ("1-D temporal", 32, 16000, 64, 64, 3, 1),
+]
+
+
+def _conv1d_cases(quick: bool) -> list[Case]:
+    """1-D convolutions (NWC / WIO, SAME padding) against lax.conv_general_dilated, bf16 (N 4 with
+    --quick)."""
+    key = jax.random.key(7)
+    cases = []
+    for label, batch, length, channels, filters, window, stride in _CONVS_1D:
+        key, sub = jax.random.split(key)
+        kwargs = dict(window_strides=(stride,), padding="SAME")
+        cases += _general_conv_cases(label, (4 if quick else batch, length, channels),
+                                     (window, channels, filters), kwargs, jnp.bfloat16, quick, sub)
     return cases
 
 

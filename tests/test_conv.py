@@ -54,6 +54,11 @@ CASES = [
                                       dimension_numbers=("NHWC", "OIHW", "NCHW"))),  # 1x1, stride 2
     ((0, 6, 6, 4), (3, 3, 4, 5), dict(window_strides=(1, 1), padding="SAME",
                                       dimension_numbers=NHWC)),  # empty batch
+    # Rows of 128 pixels or more, which the CPU kernels take in segments: strided, in groups; a
+    # last segment shorter than the others.
+    ((2, 300, 8), (5, 4, 6), dict(window_strides=(2,), padding="SAME",
+                                  dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=2)),
+    ((1, 2, 133, 6), (3, 3, 6, 4), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
 ]
 case_param = pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", CASES, ids=str)
 dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

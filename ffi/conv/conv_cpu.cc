@@ -269,34 +269,47 @@ void MatMulTransposedAccumulate(const TapRows& a, const float* b, float* acc, in
   MatMulTransposedAccumulateTiles<4, 1>(a, b, acc, cols, first, taps);
 }
 
-// A row of pixels of an [N, sizes[0], sizes[1], sizes[2]] grid: its sample and first two coordinates.
-struct PixelRow {
-  int64_t n, at[3];
-};
-
-// The matmuls take blocks of about kBlockPixels pixels (whole rows), so that each pass over a large
-// filter serves many pixels.
+// The matmuls take blocks of about kBlockPixels pixels, so that each pass over a large filter serves
+// many pixels: whole rows, or segments of a row as long as 2 * kBlockPixels or more (a 1-D
+// convolution's rows of 16000 pixels as one block each had made A 12 MB, the matmul streaming it from
+// memory, and a block a sample for the threads).
 constexpr int64_t kBlockPixels = 64;
 
-// An [N, sizes[0], sizes[1], sizes[2]] pixel grid in blocks of `per_block` consecutive rows of
-// `width` pixels (the pixels of a block are consecutive too; the last block may have fewer rows).
+// The pixels of a row that a block takes: the whole row, or kBlockPixels for a long one.
+inline int64_t RowSegment(int64_t width) { return width >= 2 * kBlockPixels ? kBlockPixels : width; }
+
+// A block's pixels of a row of an [N, sizes[0], sizes[1], sizes[2]] grid: its sample, first two
+// coordinates and first column (at[2]), and `count` pixels from there.
+struct PixelRow {
+  int64_t n, at[3], count;
+};
+
+// An [N, sizes[0], sizes[1], sizes[2]] pixel grid in blocks: of `per_block` consecutive whole rows of
+// `width` pixels (the last block may have fewer rows), or of one segment of a row (RowSegment; the
+// last segment of a row may be shorter). A block's pixels are consecutive.
 struct RowBlocks {
-  int64_t sizes[2], width, per_block, rows, count;
+  int64_t sizes[2], width, segment, segments, per_block, rows, count;
 
   RowBlocks(int64_t batch, const int64_t grid[3])
       : sizes{grid[0], grid[1]},
         width(grid[2]),
-        per_block(std::max<int64_t>(1, kBlockPixels / std::max<int64_t>(1, grid[2]))),
+        segment(std::max<int64_t>(1, RowSegment(grid[2]))),
+        segments((grid[2] + segment - 1) / segment),
+        per_block(segments > 1 ? 1 : std::max<int64_t>(1, kBlockPixels / std::max<int64_t>(1, grid[2]))),
         rows(batch * grid[0] * grid[1]),
-        count((rows + per_block - 1) / per_block) {}
-  int64_t MaxPixels() const { return per_block * width; }
-  // Block b's rows into *out; returns its first pixel.
+        count(segments > 1 ? rows * segments : (rows + per_block - 1) / per_block) {}
+  int64_t MaxPixels() const { return per_block * segment; }
+  // Block b's rows (or its one row's segment) into *out; returns its first pixel.
   int64_t Get(int64_t b, std::vector<PixelRow>* out) const {
     out->clear();
-    for (int64_t r = b * per_block; r < std::min(rows, (b + 1) * per_block); ++r) {
-      out->push_back({r / (sizes[0] * sizes[1]), {r / sizes[1] % sizes[0], r % sizes[1], 0}});
+    const int64_t first_row = segments > 1 ? b / segments : b * per_block;
+    const int64_t column = segments > 1 ? b % segments * segment : 0;
+    const int64_t end_row = segments > 1 ? first_row + 1 : std::min(rows, first_row + per_block);
+    for (int64_t r = first_row; r < end_row; ++r) {
+      out->push_back({r / (sizes[0] * sizes[1]), {r / sizes[1] % sizes[0], r % sizes[1], column},
+                      std::min(segment, width - column)});
     }
-    return b * per_block * width;
+    return first_row * width + column;
   }
 };
 
@@ -349,7 +362,8 @@ inline auto OutputMap(const ConvGeometry& g) {
 // every tile multiply the taps of both (twice the products).
 struct RowAxis {
   int64_t width, taps;
-  std::vector<int64_t> at, order;  // [width, taps], [width]
+  std::vector<int64_t> at, order;  // [width, taps], [width]: each block's segment of a row (RowSegment)
+                                   // ordered within itself
 
   template <typename AxisMap>
   RowAxis(const ConvGeometry& g, int64_t width, AxisMap map, bool by_taps)
@@ -358,39 +372,45 @@ struct RowAxis {
       for (int64_t t2 = 0; t2 < taps; ++t2) at[p2 * taps + t2] = map(2, p2, t2);
     for (int64_t q = 0; q < width; ++q) order[q] = q;
     if (!by_taps) return;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) {
-      for (int64_t t2 = 0; t2 < taps; ++t2) {
-        const bool p_reads = at[p * taps + t2] >= 0, q_reads = at[q * taps + t2] >= 0;
-        if (p_reads != q_reads) return p_reads;
-      }
-      return false;
-    });
+    const int64_t segment = std::max<int64_t>(1, RowSegment(width));
+    for (int64_t first = 0; first < width; first += segment) {
+      std::stable_sort(order.begin() + first, order.begin() + std::min(width, first + segment),
+                       [&](int64_t p, int64_t q) {
+                         for (int64_t t2 = 0; t2 < taps; ++t2) {
+                           const bool p_reads = at[p * taps + t2] >= 0, q_reads = at[q * taps + t2] >= 0;
+                           if (p_reads != q_reads) return p_reads;
+                         }
+                         return false;
+                       });
+    }
   }
 };
 
-// A [rows * W, taps * block] for rows of W = axis.width pixels: for each pixel p and tap t, the
-// `block` values from value `first` of the source pixel (n, map(0, p0, t0), map(1, p1, t1), map(2,
-// p2, t2)) of a grid of `sizes` with `pixel_values` values a pixel (undefined where a map gives -1,
-// no data: a->valid says which taps of each row read data, and ZeroUnreadTaps writes the zeros the
-// products read). The first two axes' coordinates are worked out once a row, the last axis' once a
-// call (`axis`): a pixel's offset for each tap, from the geometry's divisions and modulos, had cost the
-// stem's gather more than its products. A's rows follow axis.order; a->pixel says which pixel each is.
+// A [pixels, taps * block] for a block's rows (each PixelRow::count pixels from column at[2]): for
+// each pixel p and tap t, the `block` values from value `first` of the source pixel (n, map(0, p0,
+// t0), map(1, p1, t1), map(2, p2, t2)) of a grid of `sizes` with `pixel_values` values a pixel
+// (undefined where a map gives -1, no data: a->valid says which taps of each row read data, and
+// ZeroUnreadTaps writes the zeros the products read). The first two axes' coordinates are worked out
+// once a row, the last axis' once a call (`axis`): a pixel's offset for each tap, from the geometry's
+// divisions and modulos, had cost the stem's gather more than its products. A's rows follow
+// axis.order; a->pixel says which pixel of the block each is.
 template <typename T, typename AxisMap>
 void GatherRows(const ConvGeometry& g, const T* src, const std::vector<PixelRow>& rows, const RowAxis& axis,
                 const int64_t (&sizes)[3], int64_t pixel_values, int64_t first, AxisMap map, TapRows* a,
                 TapSpan taps = kEveryTap) {
-  const int64_t w01 = g.window[0] * g.window[1], w2 = axis.taps, width = axis.width;
+  const int64_t w01 = g.window[0] * g.window[1], w2 = axis.taps;
   std::vector<int64_t> row01(w01);  // the source's row of pixels (n, i0, i1) through each tap, or -1
-  a->rows = int64_t(rows.size()) * width;
+  a->rows = 0;
   for (size_t row = 0; row < rows.size(); ++row) {
     const PixelRow& r = rows[row];
+    const int64_t width = r.count, column = r.at[2];
     for (int64_t t01 = 0; t01 < w01; ++t01) {
       const int64_t i0 = map(0, r.at[0], t01 / g.window[1]), i1 = map(1, r.at[1], t01 % g.window[1]);
       row01[t01] = i0 < 0 || i1 < 0 ? -1 : (r.n * sizes[0] + i0) * sizes[1] + i1;
     }
     for (int64_t q = 0; q < width; ++q) {
-      const int64_t pixel = int64_t(row) * width + q, p2 = axis.order[q];
-      a->pixel[pixel] = int64_t(row) * width + p2;
+      const int64_t pixel = a->rows + q, p2 = axis.order[column + q];
+      a->pixel[pixel] = a->rows + p2 - column;
       for (int64_t t01 = 0; t01 < w01; ++t01) {
         for (int64_t t2 = 0; t2 < w2; ++t2) {
           const int64_t tap = t01 * w2 + t2;
@@ -405,6 +425,7 @@ void GatherRows(const ConvGeometry& g, const T* src, const std::vector<PixelRow>
         }
       }
     }
+    a->rows += width;
   }
 }
 
