@@ -386,7 +386,7 @@ def fprop(x, w, conv):
         def run(x, w):
             return rewrite.join_outputs([fprop(*ops) for ops in zip(rewrite.inputs(x), rewrite.filters(w),
                                                                      rewrite.convs)])
-        return _through(rewrite, run, direct, x, w)
+        return _gpu_only(run, direct, x, w)
     return direct(x, w)
 
 
@@ -401,7 +401,7 @@ def _dgrad(dy, w, conv):
         def run(dy, w):
             return rewrite.join_inputs([_dgrad(*ops) for ops in zip(rewrite.outputs(dy), rewrite.filters(w),
                                                                      rewrite.convs)])
-        return _through(rewrite, run, direct, dy, w)
+        return _gpu_only(run, direct, dy, w)
     if _dgrad_by_blocks(dy.dtype, channels, conv):
         def by_blocks(dy, w):
             ws, unit = few_channels.filter_blocks(w, conv)
@@ -430,17 +430,12 @@ def _multiplies_on_tensor_cores(dtype, conv):
 def _rewrite(dtype, conv, x_shape, w_shape):
     """The rewrite (jaxdnn/_conv_regroup.py) that runs a grouped convolution, or one with a depth
     window, as convolutions the tensor cores take, where its products may run there; else None (also
-    for the grouped ones that ffi/conv/grouped.cu takes as they are)."""
+    for the grouped ones that ffi/conv/grouped.cu takes as they are). A GPU's form only: the callers
+    run it through `_gpu_only`, the CPU's kernels taking groups and 3-D windows as they are."""
     if not _multiplies_on_tensor_cores(dtype, conv) or _grouped_kernel_takes(dtype, conv, x_shape[0],
                                                                              x_shape[-1], w_shape[-1]):
         return None
     return regroup.rewrite(x_shape, w_shape, conv)
-
-
-def _through(rewrite, run, direct, *operands):
-    """run(*operands), a stage through `rewrite`, where its kernels need it: a rewrite that is
-    `gpu_only` runs direct(*operands), the stage's own kernel, on the CPU (see `_gpu_only`)."""
-    return _gpu_only(run, direct, *operands) if rewrite.gpu_only else run(*operands)
 
 
 def _gpu_only(run, direct, *operands):
@@ -547,7 +542,7 @@ def _wgrad_value(x, dy, conv, float32_sums=False):
         def run(x, dy):
             return rewrite.join_filters([_wgrad_value(*ops, float32_sums) for ops in zip(
                 rewrite.inputs(x), rewrite.outputs(dy), rewrite.convs)])
-        return _through(rewrite, run, direct, x, dy)
+        return _gpu_only(run, direct, x, dy)
     if _tf32_rewrites(x.dtype, x.shape[-1], conv, (x, dy)):
         # Other products on a GPU only: the CPU's own float32 stage is exact, and faster than both.
         in_parts = _wgrad_in_parts(x.shape[-1], dy.shape[-1], conv)
@@ -661,7 +656,7 @@ def fused(x, w, bias, residual, conv, epilogue):
             residuals = rewrite.outputs(*residual) if residual else [None] * len(rewrite.convs)
             return rewrite.join_outputs([fused(*ops, epilogue) for ops in zip(
                 rewrite.inputs(x), rewrite.filters(w), rewrite.biases(bias), residuals, rewrite.convs)])
-        return _through(rewrite, run, direct, *operands)
+        return _gpu_only(run, direct, *operands)
     return direct(*operands)
 
 

@@ -35,9 +35,8 @@ from jaxdnn._primitive import transpose_linear
 
 # The channels and filters a block of groups needs (see the module docstring).
 _BLOCK_WIDTH = 128
-# Whether the GPU's forms of some stages (the `gpu_only` rewrites: blocks of groups, the depth fold;
-# the strided dgrad's space-to-depth form) run on the CPU too (jaxdnn/_conv_kernels.py's
-# `_gpu_only`): off; the tests turn it on to check them there.
+# Whether the GPU's forms of some stages (both rewrites; the strided dgrad's space-to-depth form) run
+# on the CPU too (jaxdnn/_conv_kernels.py's `_gpu_only`): off; the tests turn it on to check them there.
 BLOCKS_ON_CPU = False
 
 
@@ -50,8 +49,6 @@ def groups_per_block(groups, group_channels, group_filters):
 
 class GroupBlocks:
     """Feature groups in blocks of `groups_per_block`, a convolution of one group per block."""
-
-    gpu_only = True  # the CPU's kernels take the groups as they are, without the blocks' extra products
 
     def __init__(self, x_shape, w_shape, conv):
         self.group_channels, self.group_filters = w_shape[3], w_shape[4] // conv.groups
@@ -99,9 +96,6 @@ _NEUTRAL = {"window": 1, "strides": 1, "pads": 0, "rhs_dilation": 1}
 
 class DepthFold:
     """A depth window folded into the channels and the output depths into the batch."""
-
-    # The CPU kernel's own 3-D windows ran 1.1-5.6x faster than the fold (its gather is T times x).
-    gpu_only = True
 
     def __init__(self, x_shape, w_shape, conv):
         self.x_shape = x_shape

@@ -14,17 +14,15 @@
 #include "common/cuda_common.cuh"
 #define JAXDNN_POOL_HD __host__ __device__ __forceinline__
 #define JAXDNN_POOL_FN __device__ __forceinline__
-#define JAXDNN_POOL_LAMBDA
 #define JAXDNN_POOL_UNROLL _Pragma("unroll")
 #else
 #include <cstring>
 
 #include "common/half_cpu.h"
-// Inlined into the CPU kernels' vectorized variants (common/cpu_isa.h's CallVectorized), lambdas too:
-// a call left out of line runs the baseline's scalar code.
+// Inlined into the CPU kernels' vectorized variants (common/cpu_isa.h's CallVectorized): a call left
+// out of line runs the baseline's scalar code.
 #define JAXDNN_POOL_HD JAXDNN_ALWAYS_INLINE inline
 #define JAXDNN_POOL_FN JAXDNN_ALWAYS_INLINE inline
-#define JAXDNN_POOL_LAMBDA JAXDNN_ALWAYS_INLINE
 #define JAXDNN_POOL_UNROLL _Pragma("GCC unroll 16")
 #endif
 
@@ -220,7 +218,7 @@ __device__ __forceinline__ void MaxPoolPixelPairs(const PoolGeometry& g, const T
     arg[i] = 0;
     nan[i] = 0;
   }
-  ForEachWindowElement<W>(g, n, o, c, [&](int k, bool inside, int64_t at) JAXDNN_POOL_LAMBDA {
+  ForEachWindowElement<W>(g, n, o, c, [&](int k, bool inside, int64_t at) {
     const Lanes<T, V> in = LoadLanes<V>(x + at);  // a SquareWindow's loads are always valid
     unsigned words[kWords];
     memcpy(words, &in, sizeof(words));
@@ -261,14 +259,14 @@ JAXDNN_POOL_FN void MaxPoolPixelFloat(const PoolGeometry& g, const T* __restrict
                                       Idx* __restrict__ argmax, int64_t n, const int o[3], int64_t c) {
   float best[V];
   int arg[V];
-  int nan[V];  // as wide as the other lanes: a loop over bool lanes stays scalar on the CPU
+  bool nan[V];
 JAXDNN_POOL_UNROLL
   for (int l = 0; l < V; ++l) {
     best[l] = -INFINITY;
     arg[l] = 0;
-    nan[l] = 0;
+    nan[l] = false;
   }
-  ForEachWindowElement<W>(g, n, o, c, [&](int k, bool inside, int64_t at) JAXDNN_POOL_LAMBDA {
+  ForEachWindowElement<W>(g, n, o, c, [&](int k, bool inside, int64_t at) {
     float v[V];
 JAXDNN_POOL_UNROLL
     for (int l = 0; l < V; ++l) v[l] = -INFINITY;  // padding
@@ -352,7 +350,7 @@ JAXDNN_POOL_FN void AvgPoolPixel(const PoolGeometry& g, const T* __restrict__ x,
   float sum[V];
 JAXDNN_POOL_UNROLL
   for (int l = 0; l < V; ++l) sum[l] = 0.f;
-  ForEachWindowElement<W>(g, n, o, c, [&](int, bool inside, int64_t at) JAXDNN_POOL_LAMBDA {
+  ForEachWindowElement<W>(g, n, o, c, [&](int, bool inside, int64_t at) {
     if (!(W::kSize > 0 || inside)) return;  // padding adds nothing
     const Lanes<T, V> in = LoadLanes<V>(x + at);
 JAXDNN_POOL_UNROLL
