@@ -463,7 +463,7 @@ def conv_cases(quick: bool) -> list[Case]:
     return (_resnet_conv_cases(quick, jnp.bfloat16, 8) + _resnet_conv_cases(quick, jnp.float32, 4)
             + _fused_conv_cases(quick) + _depthwise_conv_cases(quick) + _transpose_conv_cases(quick)
             + _grouped_conv_cases(quick) + _vmapped_filter_cases(quick) + _conv3d_cases(quick)
-            + _conv1d_cases(quick))
+            + _long_row_cases(quick))
 
 
 def _resnet_conv_cases(quick: bool, dtype, sets: int) -> list[Case]:
@@ -711,24 +711,26 @@ def _conv3d_cases(quick: bool) -> list[Case]:
     return cases
 
 
-# 1-D convolutions over long sequences (label, batch, length, C, K, window, stride): an audio
-# encoder's (wav2vec-like) strided layer and a temporal convolution's 3-tap layer.
-_CONVS_1D = [
-    ("1-D audio", 32, 16000, 64, 128, 9, 4),
-    ("1-D temporal", 32, 16000, 64, 64, 3, 1),
+# Convolutions over long rows (label, batch, batch with --quick, spatial shape, C, K, window, stride):
+# an audio encoder's (wav2vec-like) strided 1-D layer and a temporal convolution's 3-tap layer over
+# 16000 samples, and VGG-16's second 3x3 layer (rows of 224 pixels, 64 -> 64 channels).
+_CONVS_LONG_ROWS = [
+    ("1-D audio", 32, 4, (16000,), 64, 128, (9,), 4),
+    ("1-D temporal", 32, 4, (16000,), 64, 64, (3,), 1),
+    ("VGG-16 conv1_2", 32, 1, (224, 224), 64, 64, (3, 3), 1),
 ]
 
 
-def _conv1d_cases(quick: bool) -> list[Case]:
-    """1-D convolutions (NWC / WIO, SAME padding) against lax.conv_general_dilated, bf16 (N 4 with
-    --quick)."""
+def _long_row_cases(quick: bool) -> list[Case]:
+    """Convolutions over long rows (NWC / WIO or NHWC / HWIO, SAME padding) against
+    lax.conv_general_dilated, bf16."""
     key = jax.random.key(7)
     cases = []
-    for label, batch, length, channels, filters, window, stride in _CONVS_1D:
+    for label, batch, quick_batch, spatial, channels, filters, window, stride in _CONVS_LONG_ROWS:
         key, sub = jax.random.split(key)
-        kwargs = dict(window_strides=(stride,), padding="SAME")
-        cases += _general_conv_cases(label, (4 if quick else batch, length, channels),
-                                     (window, channels, filters), kwargs, jnp.bfloat16, quick, sub)
+        kwargs = dict(window_strides=(stride,) * len(spatial), padding="SAME")
+        cases += _general_conv_cases(label, (quick_batch if quick else batch,) + spatial + (channels,),
+                                     window + (channels, filters), kwargs, jnp.bfloat16, quick, sub)
     return cases
 
 

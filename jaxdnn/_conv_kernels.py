@@ -99,9 +99,9 @@ _MAX_WGRAD_SLICES = 16
 _WGRAD_CTA_FLOPS = 4.2e12
 _WGRAD_CTA_SECONDS = 2e-6
 _PARTIAL_BYTES_PER_S = 2e12
-# ResNet's 64-channel 3x3 layers, and the wgrad of 1x1 ones with 64 channels on one side, take the halo
-# kernels (ffi/conv/halo_sm90.h); their wgrad needs this many float32 filter gradients in its workspace
-# (kHaloWgradSlices partial sums, kHaloWgradGroups sums of them).
+# 64-channel 3x3 and 1x3 layers (ResNet's; 1-D ones), and the wgrad of 1x1 ones with 64 channels on one
+# side, take the halo kernels (ffi/conv/halo_sm90.h); their wgrad needs this many float32 filter
+# gradients in its workspace (kHaloWgradSlices partial sums, kHaloWgradGroups sums of them).
 _HALO_WGRAD_PARTIALS = 132 + 11
 
 
@@ -157,13 +157,16 @@ def _wgrad_slices(batch, pixels, padded_filter, filters, tile_rows=64):
 
 def _halo(channels, filters, batch, attrs):
     """halo_sm90.cu's HaloApplies (the dtype and the device checked elsewhere): one group of 64 channels
-    to 64 filters, a 3x3 window on (h, w) with unit strides and dilations and SAME padding, rows of at
-    most 64 pixels."""
+    to 64 filters, a 3x3 window on (h, w) with SAME padding or a 1x3 one on w (a 1-D window along the
+    rows), unit strides and dilations; the rows in strips of 64 pixels."""
     d, h, w = _spatial(attrs, "in")
-    return (channels == filters == 64 and int(attrs["groups"]) == 1 and _spatial(attrs, "window") == (1, 3, 3)
-            and _spatial(attrs, "stride") == (1, 1, 1) and _spatial(attrs, "pad") == (0, 1, 1)
+    window = _spatial(attrs, "window")
+    units = batch * d * h * -(-w // 64)
+    limit = 2**31 - 1 - 128
+    return (channels == filters == 64 and int(attrs["groups"]) == 1 and window in ((1, 3, 3), (1, 1, 3))
+            and _spatial(attrs, "stride") == (1, 1, 1) and _spatial(attrs, "pad") == (0, window[1] // 2, 1)
             and _spatial(attrs, "lhs_dilation") == (1, 1, 1) and _spatial(attrs, "rhs_dilation") == (1, 1, 1)
-            and _spatial(attrs, "out") == (d, h, w) and 0 < w <= 64 and 0 < batch * d * h < 2**31 - 1)
+            and _spatial(attrs, "out") == (d, h, w) and 0 < w < limit and 0 < units < limit)
 
 
 def _halo_pointwise(stage, channels, filters, batch, attrs):

@@ -130,10 +130,16 @@ TENSOR_CORE_CASES = [
     ((45, 6, 5, 8), (3, 3, 8, 16), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
     # 64 -> 64 3x3 SAME: the halo kernels (CTAs taking ranges of the image rows): fewer rows than
     # CTAs, ranges crossing images (150 rows of 17 pixels: a partial 16-pixel step), and rows of 64
-    # pixels (the widest they take) in images of 3 rows
+    # pixels (one whole strip) in images of 3 rows
     ((3, 9, 11, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
     ((5, 30, 17, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
     ((1, 3, 64, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
+    # ... rows wider than 64 pixels in strips of 64 (the last of 2), units ordered by strip then row;
+    # 1x3 windows (one tap row): a 1-D convolution over 300 samples (5 strips, the last of 44), and
+    # a 2-D one over rows of 70 pixels
+    ((2, 5, 130, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
+    ((3, 300, 64), (3, 64, 64), dict(window_strides=(1,), padding="SAME", dimension_numbers=("NWC", "WIO", "NWC"))),
+    ((2, 4, 70, 64), (1, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
     # 1x1 with 64 channels on one side: the pointwise halo wgrad (CTAs taking ranges of 64-pixel
     # chunks, the last one partial): fewer chunks than CTAs, x or dy the narrow side, 128 or 256
     # wide, and about 5 chunks a CTA (the stage ring wraps)
@@ -830,6 +836,15 @@ def test_conv_fused_tensor_core_shapes(dtype, activation, with_residual, channel
     halo kernel, 64 -> 128 and 128 -> 256 on the im2col kernels' two tiles)."""
     test_conv_fused(dtype, activation, (2, 9, 10, channels), (3, 3, channels, filters), dict(padding="SAME"),
                     with_residual, rng)
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["bias", "bias+residual"])
+@pytest.mark.parametrize("x_shape,w_shape", [((2, 3, 130, 64), (3, 3, 64, 64)), ((2, 150, 64), (3, 64, 64))],
+                         ids=str)
+def test_conv_fused_halo_strips(x_shape, w_shape, with_residual, rng):
+    """The halo kernels' epilogue on strips of a row (a residual read and a store clipped at the row's
+    end): a 3x3 layer over rows of 130 pixels and a 1-D one over 150 samples, 64 -> 64."""
+    test_conv_fused(jnp.bfloat16, "silu", x_shape, w_shape, dict(padding="SAME"), with_residual, rng)
 
 
 def test_conv_fused_hlo_and_second_order(rng):

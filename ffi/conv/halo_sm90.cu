@@ -55,13 +55,28 @@ constexpr int kHaloBytes = kHaloPixels * kPixelBytes;   // 9 KB
 constexpr int kRowBytes = kRowPixels * kPixelBytes;     // 8 KB
 constexpr int kTapBytes = kChannels * kPixelBytes;      // one tap of the filter, [C, K]: 8 KB
 constexpr int kFilterBytes = 9 * kTapBytes;
-constexpr int kFilterCount = 9 * kChannels * kChannels;  // one filter gradient [K, 3, 3, C]
 constexpr int kWarpgroup = 128;
 constexpr int kGroupSlices = kHaloWgradSlices / kHaloWgradGroups;
 static_assert(kGroupSlices * kHaloWgradGroups == kHaloWgradSlices, "groups of equal size");
 
+// The units the CTAs take: strips of up to 64 output pixels of an image row (a row of at most 64 pixels
+// is one strip), in the order (image n d, strip, row h), so that the units before and after a unit are
+// the strips above and below it (those of the neighbouring image rows, where h allows).
 struct Rows {
-  int height, count;  // H, and the rows N D H
+  int height;  // H
+  int strips;  // a row's strips: ceil(W / 64)
+  int count;   // the units: N D strips H
+};
+
+// Where unit u lies: its image row (n d h) of the [N D H][W] pixels, and its strip's first pixel. The
+// units just outside [0, count) that the rings load map to rows outside the array (TMA's zeros).
+struct Unit {
+  int row, pixel;
+  __device__ Unit(const Rows& rows, int u) {
+    const int h = u % rows.height, column = u / rows.height;
+    row = column / rows.strips * rows.height + h;
+    pixel = column % rows.strips * kRowPixels;
+  }
 };
 
 // This CTA's rows [first, first + count) of `total`, for `ctas` CTAs.
@@ -85,13 +100,14 @@ constexpr int kFpropStages = 12;  // 6 rows in products read 8 stages; the rest 
 constexpr int kFpropShared = kFilterBytes + (kFpropStages + 1) * kHaloBytes + kFpropConsumers * kRowBytes +
                              (2 * kFpropStages + 1) * 8 + 1024;
 
-// The epilogue of one output row held in a warpgroup's accumulator (pixel q, feature k of element
+// The epilogue of one output unit held in a warpgroup's accumulator (pixel q, feature k of element
 // j as sm90::Wgmma lays it out): act(acc + bias + residual), rounded once, into the warpgroup's
-// [64 pixels][64 features] tile as TMA's 128-byte swizzle lays it out (a TMA store takes the row's
-// `width` pixels from there: stores of each thread's pairs ran at a third of its rate).
+// [64 pixels][64 features] tile as TMA's 128-byte swizzle lays it out (a TMA store takes the unit's
+// pixels inside the row from there: stores of each thread's pairs ran at a third of its rate). The
+// unit starts at pixel `start` of y; `inside` of its pixels lie inside the row.
 template <typename T>
 __device__ __forceinline__ void StageRow(const float (&acc)[32], const float (&bias)[16], const T* residual,
-                                         int64_t activation, float activation_param, int64_t row_start, int width,
+                                         int64_t activation, float activation_param, int64_t start, int inside,
                                          int pixel, int col, uint8_t* tile) {
   float v[32];
 #pragma unroll
@@ -101,7 +117,7 @@ __device__ __forceinline__ void StageRow(const float (&acc)[32], const float (&b
 #pragma unroll
     for (int j = 0; j < 32; j += 2) {
       const int q = pixel + 8 * ((j >> 1) & 1), k = col + 8 * (j >> 2);
-      pairs[j / 2] = q < width ? *reinterpret_cast<const uint32_t*>(residual + (row_start + q) * kChannels + k) : 0u;
+      pairs[j / 2] = q < inside ? *reinterpret_cast<const uint32_t*>(residual + (start + q) * kChannels + k) : 0u;
     }
 #pragma unroll
     for (int j = 0; j < 32; j += 2) {
@@ -119,12 +135,15 @@ __device__ __forceinline__ void StageRow(const float (&acc)[32], const float (&b
   }
 }
 
-// out[R] for the rows R of this CTA: fprop (kDgrad false) y = epilogue(conv(x, w)) from in = x; dgrad
-// dx from in = dy (no epilogue operands). w [3, 3, C, K] stays in shared memory throughout.
-template <typename T, bool kDgrad>
+// out for the units of this CTA: fprop (kDgrad false) y = epilogue(conv(x, w)) from in = x; dgrad dx
+// from in = dy (no epilogue operands). A window of kTapRows (3 or 1) rows by 3 columns; w [kTapRows, 3,
+// C, K] stays in shared memory throughout. Stage e holds unit first - kTapRows / 2 + e, so that output
+// unit i finds its tap row r in stage i + r.
+template <typename T, bool kDgrad, int kTapRows>
 __global__ void __launch_bounds__(kFpropThreads, 1)
     HaloFpropKernel(const __grid_constant__ CUtensorMap in_map, const __grid_constant__ CUtensorMap w_map,
                     const __grid_constant__ CUtensorMap out_map, Rows rows, int width, ConvEpilogue<T> epilogue) {
+  constexpr int kTaps = 3 * kTapRows, kHalo = kTapRows / 2;
   extern __shared__ uint8_t shared_raw[];
   uint8_t* filter = sm90::AlignedShared(shared_raw);
   uint8_t* stages = filter + kFilterBytes;
@@ -135,7 +154,7 @@ __global__ void __launch_bounds__(kFpropThreads, 1)
   uint64_t* filter_full = empty + kFpropStages;
   const Range range(rows.count, blockIdx.x, gridDim.x);
   const int warp = threadIdx.x / 32;
-  if (threadIdx.x == 0) sm90::InitRing<kFpropStages>(full, empty, 3, filter_full);  // a stage is read by three rows
+  if (threadIdx.x == 0) sm90::InitRing<kFpropStages>(full, empty, kTapRows, filter_full);  // one use a tap row
   for (int i = threadIdx.x; i < kHaloBytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(zeros)[i] = uint4{};
   sm90::FenceProxyAsync();
   __syncthreads();
@@ -143,20 +162,24 @@ __global__ void __launch_bounds__(kFpropThreads, 1)
 
   if (warp == kFpropConsumers * 4) {  // the producer
     if (threadIdx.x % 32 == 0) {
-      sm90::BarrierArriveExpectTx(filter_full, kFilterBytes);
-      for (int j = 0; j < 3; ++j) sm90::TmaLoad4d(filter + j * 3 * kTapBytes, &w_map, filter_full, 0, j * 192, 0, 0);
-      for (int e = 0; e < range.count + kFpropRows + 1; ++e) {  // a last group of fewer rows waits for them all
+      sm90::BarrierArriveExpectTx(filter_full, kTaps * kTapBytes);
+      for (int j = 0; j < kTapRows; ++j) {
+        sm90::TmaLoad4d(filter + j * 3 * kTapBytes, &w_map, filter_full, 0, j * 192, 0, 0);
+      }
+      // a last group of fewer units waits for them all
+      for (int e = 0; e < range.count + kFpropRows + kTapRows - 2; ++e) {
         sm90::WaitEmpty<kFpropStages>(empty, e);
         uint64_t* bar = &full[e % kFpropStages];
+        const Unit unit(rows, range.first - kHalo + e);
         sm90::BarrierArriveExpectTx(bar, kHaloBytes);
-        sm90::TmaLoad4d(stages + e % kFpropStages * kHaloBytes, &in_map, bar, 0, -1, range.first - 1 + e, 0);
+        sm90::TmaLoad4d(stages + e % kFpropStages * kHaloBytes, &in_map, bar, 0, unit.pixel - 1, unit.row, 0);
       }
     }
     return;
   }
 
   const int lane = threadIdx.x % 32, pixel = 16 * (warp % 4) + lane / 4, col = 2 * (lane % 4);
-  float bias[16];  // this thread's features' bias, for every row
+  float bias[16];  // this thread's features' bias, for every unit
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     bias[j] = epilogue.bias != nullptr ? ToFloat(epilogue.bias[col + 8 * (j / 2) + j % 2]) : 0.f;
@@ -166,24 +189,26 @@ __global__ void __launch_bounds__(kFpropThreads, 1)
   uint8_t* tile = tiles + group * kRowBytes;
   sm90::BarrierWait(filter_full, 0);
   for (int i = kFpropRows * group; i < range.count; i += kFpropRows * kFpropConsumers) {
-    const int rows_here = min(kFpropRows, range.count - i);
+    const int units_here = min(kFpropRows, range.count - i);
 #pragma unroll
-    for (int e = 0; e < kFpropRows + 2; ++e) sm90::WaitFull<kFpropStages>(full, i + e);
+    for (int e = 0; e < kFpropRows + kTapRows - 1; ++e) sm90::WaitFull<kFpropStages>(full, i + e);
     float acc[kFpropRows][32];  // set by the first product (accumulate off)
     const int h = (range.first + i) % rows.height;
-    bool valid[kFpropRows][3];  // row t exists and its tap row r lies in its image; else it reads zeros
+    bool valid[kFpropRows][kTapRows];  // unit t exists and its tap row r lies in its image; else zeros
 #pragma unroll
     for (int t = 0; t < kFpropRows; ++t) {
-      const int ht = (h + t) % rows.height;  // the second row may start the next image
+      const int ht = (h + t) % rows.height;  // the second unit may start the next strip or image
 #pragma unroll
-      for (int r = 0; r < 3; ++r) valid[t][r] = t < rows_here && ht + r - 1 >= 0 && ht + r - 1 < rows.height;
+      for (int r = 0; r < kTapRows; ++r) {
+        valid[t][r] = t < units_here && ht + r - kHalo >= 0 && ht + r - kHalo < rows.height;
+      }
     }
     sm90::WgmmaFence();
 #pragma unroll
-    for (int r = 0; r < 3; ++r) {
+    for (int r = 0; r < kTapRows; ++r) {
 #pragma unroll
       for (int s = 0; s < 3; ++s) {
-        const uint8_t* tap = filter + (kDgrad ? 8 - 3 * r - s : 3 * r + s) * kTapBytes;
+        const uint8_t* tap = filter + (kDgrad ? kTaps - 1 - 3 * r - s : 3 * r + s) * kTapBytes;
 #pragma unroll
         for (int step = 0; step < kRowPixels / 16; ++step) {
           const uint64_t b = kDgrad ? sm90::DescriptorKMajor(tap + step * 32)  // B [C, K]: K the reduction
@@ -203,12 +228,13 @@ __global__ void __launch_bounds__(kFpropThreads, 1)
     sm90::WgmmaWait<0>();
 #pragma unroll
     for (int t = 0; t < kFpropRows; ++t) sm90::FenceRegisters(acc[t]);
-    // Stage e is read by rows e - 2, e - 1 and e; row 0 also stands in for rows -2 and -1.
+    // Stage e is read by units e - kTapRows + 1 .. e; with three tap rows, unit 0 also stands in for
+    // units -2 and -1.
     if (threadIdx.x % kWarpgroup == 0) {
-      for (int t = 0; t < rows_here; ++t) {
-        for (int r = 0; r < 3; ++r) sm90::BarrierArrive(&empty[(i + t + r) % kFpropStages]);
+      for (int t = 0; t < units_here; ++t) {
+        for (int r = 0; r < kTapRows; ++r) sm90::BarrierArrive(&empty[(i + t + r) % kFpropStages]);
       }
-      if (i == 0) {
+      if (kTapRows == 3 && i == 0) {
         sm90::BarrierArrive(&empty[0]);
         sm90::BarrierArrive(&empty[0]);
         sm90::BarrierArrive(&empty[1]);
@@ -216,14 +242,15 @@ __global__ void __launch_bounds__(kFpropThreads, 1)
     }
 #pragma unroll
     for (int t = 0; t < kFpropRows; ++t) {
-      if (t < rows_here) {
+      if (t < units_here) {
+        const Unit unit(rows, range.first + i + t);
         if (issues) sm90::BulkWaitReads();  // the tile's previous store has read it
         sm90::NamedBarrierSync(1 + group, kWarpgroup);
         StageRow(acc[t], bias, epilogue.residual, epilogue.activation, epilogue.activation_param,
-                 int64_t(range.first + i + t) * width, width, pixel, col, tile);
+                 int64_t(unit.row) * width + unit.pixel, width - unit.pixel, pixel, col, tile);
         sm90::FenceProxyAsync();
         sm90::NamedBarrierSync(1 + group, kWarpgroup);
-        if (issues) sm90::TmaStore4d(&out_map, tile, 0, 0, range.first + i + t, 0);
+        if (issues) sm90::TmaStore4d(&out_map, tile, 0, unit.pixel, unit.row, 0);
       }
     }
   }
@@ -238,10 +265,15 @@ constexpr int kWgradConsumers = 3;                        // warpgroups: one per
 constexpr int kWgradThreads = kWgradConsumers * kWarpgroup + 32;  // and one producer warp
 constexpr int kWgradShared = kWgradStages * kWgradStageBytes + 2 * kWgradStages * 8 + 1024;
 
-template <typename T>
+// partial[blockIdx.x] [K, kTapRows, 3, C] for this CTA's units. Stage e holds x's unit first - halo +
+// e and dy's unit first - 2 halo + e (halo = kTapRows / 2), so unit i finds its dy in stage i + 2 halo
+// and x for its tap row r in stage i + r. With 3 tap rows, warpgroup r owns the taps (r, 0..2); with
+// 1, warpgroup s owns the tap (0, s) (a chain of 4 products a unit: the loads set the pace).
+template <typename T, int kTapRows>
 __global__ void __launch_bounds__(kWgradThreads, 1)
     HaloWgradKernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap dy_map, Rows rows,
                     float* __restrict__ partial) {
+  constexpr int kHalo = kTapRows / 2, kCols = kTapRows == 3 ? 3 : 1;  // kCols: the taps a warpgroup owns
   extern __shared__ uint8_t shared_raw[];
   uint8_t* stages = sm90::AlignedShared(shared_raw);
   uint64_t* full = reinterpret_cast<uint64_t*>(stages + kWgradStages * kWgradStageBytes);
@@ -253,65 +285,72 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
 
   if (warp == kWgradConsumers * 4) {  // the producer
     if (threadIdx.x % 32 == 0) {
-      for (int e = 0; e < range.count + 2 * (range.count > 0); ++e) {
+      for (int e = 0; e < range.count + 2 * kHalo * (range.count > 0); ++e) {
         sm90::WaitEmpty<kWgradStages>(empty, e);
         uint8_t* at = stages + e % kWgradStages * kWgradStageBytes;
         uint64_t* bar = &full[e % kWgradStages];
-        sm90::BarrierArriveExpectTx(bar, kHaloBytes + (e >= 2 ? kRowBytes : 0));
-        sm90::TmaLoad4d(at, &x_map, bar, 0, -1, range.first - 1 + e, 0);
-        if (e >= 2) sm90::TmaLoad4d(at + kHaloBytes, &dy_map, bar, 0, 0, range.first + e - 2, 0);
+        const bool with_dy = e >= 2 * kHalo;
+        sm90::BarrierArriveExpectTx(bar, kHaloBytes + (with_dy ? kRowBytes : 0));
+        const Unit x_unit(rows, range.first - kHalo + e);
+        sm90::TmaLoad4d(at, &x_map, bar, 0, x_unit.pixel - 1, x_unit.row, 0);
+        if (with_dy) {
+          const Unit dy_unit(rows, range.first - 2 * kHalo + e);
+          sm90::TmaLoad4d(at + kHaloBytes, &dy_map, bar, 0, dy_unit.pixel, dy_unit.row, 0);
+        }
       }
     }
     return;
   }
 
-  const int r = sm90::WarpgroupIndex();
-  float acc[3][32];
+  const int group = sm90::WarpgroupIndex();
+  const int r = kTapRows == 3 ? group : 0, first_col = kTapRows == 3 ? 0 : group;
+  float acc[kCols][32];
 #pragma unroll
-  for (int s = 0; s < 3; ++s) {
+  for (int s = 0; s < kCols; ++s) {
 #pragma unroll
     for (int j = 0; j < 32; ++j) acc[s][j] = 0.f;
   }
   for (int i = 0; i < range.count; ++i) {
     if (i == 0) {
-      sm90::WaitFull<kWgradStages>(full, 0);
-      sm90::WaitFull<kWgradStages>(full, 1);
+      for (int e = 0; e < 2 * kHalo; ++e) sm90::WaitFull<kWgradStages>(full, e);
     }
-    sm90::WaitFull<kWgradStages>(full, i + 2);
-    const int h = (range.first + i) % rows.height + r - 1;
+    sm90::WaitFull<kWgradStages>(full, i + 2 * kHalo);
+    const int h = (range.first + i) % rows.height + r - kHalo;
     if (h >= 0 && h < rows.height) {
       const uint8_t* x_row = stages + (i + r) % kWgradStages * kWgradStageBytes;
-      const uint8_t* dy_row = stages + (i + 2) % kWgradStages * kWgradStageBytes + kHaloBytes;
+      const uint8_t* dy_row = stages + (i + 2 * kHalo) % kWgradStages * kWgradStageBytes + kHaloBytes;
       sm90::WgmmaFence();
 #pragma unroll
-      for (int step = 0; step < kRowPixels / 16; ++step) {  // whole rows: narrower ones multiply zeros
+      for (int step = 0; step < kRowPixels / 16; ++step) {  // whole units: pixels past the row are zeros
         const uint64_t a = sm90::DescriptorMNMajor(dy_row + step * 16 * kPixelBytes, 0);
 #pragma unroll
-        for (int s = 0; s < 3; ++s) {
-          const uint64_t b = sm90::DescriptorMNMajor(x_row + (step * 16 + s) * kPixelBytes, 0);
+        for (int s = 0; s < kCols; ++s) {
+          const uint64_t b = sm90::DescriptorMNMajor(x_row + (step * 16 + first_col + s) * kPixelBytes, 0);
           sm90::Wgmma<64, T>::template SS<1, 1>(acc[s], a, b, 1);
         }
       }
     }
     sm90::WgmmaCommit();
 #pragma unroll
-    for (int s = 0; s < 3; ++s) sm90::FenceRegisters(acc[s]);
-    sm90::WgmmaWait<1>();  // row i - 1's products are done: its stage may be refilled
+    for (int s = 0; s < kCols; ++s) sm90::FenceRegisters(acc[s]);
+    sm90::WgmmaWait<1>();  // unit i - 1's products are done: its stage may be refilled
     if (i >= 1 && threadIdx.x % kWarpgroup == 0) sm90::BarrierArrive(&empty[(i - 1) % kWgradStages]);
   }
   sm90::WgmmaWait<0>();
 #pragma unroll
-  for (int s = 0; s < 3; ++s) sm90::FenceRegisters(acc[s]);
+  for (int s = 0; s < kCols; ++s) sm90::FenceRegisters(acc[s]);
 
-  // partial[blockIdx.x] [K, 3, 3, C]; the accumulator's rows are filters k, its columns channels c.
-  float* at = partial + int64_t(blockIdx.x) * kFilterCount;
+  // The accumulator's rows are filters k, its columns channels c.
+  constexpr int kTaps = 3 * kTapRows;
+  float* at = partial + int64_t(blockIdx.x) * kTaps * kChannels * kChannels;
   const int lane = threadIdx.x % 32, row = 16 * (warp % 4) + lane / 4, col = 2 * (lane % 4);
 #pragma unroll
-  for (int s = 0; s < 3; ++s) {
+  for (int s = 0; s < kCols; ++s) {
+    const int tap = r * 3 + first_col + s;
 #pragma unroll
     for (int j = 0; j < 32; j += 2) {
       const int k = row + 8 * ((j >> 1) & 1), c = col + 8 * (j >> 2);
-      *reinterpret_cast<float2*>(at + (k * 9 + r * 3 + s) * kChannels + c) = make_float2(acc[s][j], acc[s][j + 1]);
+      *reinterpret_cast<float2*>(at + (k * kTaps + tap) * kChannels + c) = make_float2(acc[s][j], acc[s][j + 1]);
     }
   }
 }
@@ -596,7 +635,20 @@ ffi::Error WithWidth(int wide, F f) {
   return f(std::integral_constant<int, 4>{});
 }
 
-Rows RowsOf(const ConvGeometry& g) { return Rows{int(g.in[1]), int(g.batch * g.in[0] * g.in[1])}; }
+// The image rows N D H.
+int ImageRows(const ConvGeometry& g) { return int(g.batch * g.in[0] * g.in[1]); }
+
+Rows RowsOf(const ConvGeometry& g) {
+  const int strips = int((g.in[2] + kRowPixels - 1) / kRowPixels);
+  return Rows{int(g.in[1]), strips, ImageRows(g) * strips};
+}
+
+// f(std::integral_constant<int, tap rows>{}) for g's window: 3 x 3 or 1 x 3.
+template <typename F>
+ffi::Error WithTapRows(const ConvGeometry& g, F f) {
+  if (g.window[1] == 3) return f(std::integral_constant<int, 3>{});
+  return f(std::integral_constant<int, 1>{});
+}
 
 template <bool kDgrad>
 ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* in, const void* w,
@@ -604,15 +656,15 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType
   const char* stage = kDgrad ? "dgrad" : "fprop";
   const Rows rows = RowsOf(g);
   const int width = int(g.in[2]);
-  CUtensorMap in_map, w_map, out_map;  // w [3, 3, C, K] as 576 rows of K
-  if (MakeRowMap(&in_map, in, dtype, rows.count, width, kHaloPixels) != CUDA_SUCCESS ||
-      MakeRowMap(&w_map, w, dtype, 1, 9 * kChannels, 192) != CUDA_SUCCESS ||
-      MakeRowMap(&out_map, out, dtype, rows.count, width, kRowPixels) != CUDA_SUCCESS) {
+  CUtensorMap in_map, w_map, out_map;  // w [taps, C, K] as rows of K, 192 (a tap row) a box
+  if (MakeRowMap(&in_map, in, dtype, ImageRows(g), width, kHaloPixels) != CUDA_SUCCESS ||
+      MakeRowMap(&w_map, w, dtype, 1, g.Taps() * kChannels, 192) != CUDA_SUCCESS ||
+      MakeRowMap(&out_map, out, dtype, ImageRows(g), width, kRowPixels) != CUDA_SUCCESS) {
     return MapError(stage);
   }
-  auto launch = [&](auto tag) {
+  auto launch = [&](auto tag, auto tap_rows) {
     using T = decltype(tag);
-    const auto kernel = HaloFpropKernel<T, kDgrad>;
+    const auto kernel = HaloFpropKernel<T, kDgrad, decltype(tap_rows)::value>;
     JAXDNN_RETURN_IF_ERROR(
         CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kFpropShared), stage));
     const ConvEpilogue<T> epilogue{static_cast<const T*>(bias), static_cast<const T*>(residual), activation,
@@ -621,7 +673,9 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType
     kernel<<<ctas, kFpropThreads, kFpropShared, stream>>>(in_map, w_map, out_map, rows, width, epilogue);
     return LaunchError(stage);
   };
-  return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}) : launch(__half{});
+  return WithTapRows(g, [&](auto tap_rows) {
+    return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}, tap_rows) : launch(__half{}, tap_rows);
+  });
 }
 
 }  // namespace
@@ -629,14 +683,17 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType
 bool HaloApplies(const ConvGeometry& g, ffi::DataType dtype) {
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
   if (g.groups != 1 || g.channels != kChannels || g.filters != kChannels) return false;
-  if (g.window[0] != 1 || g.pad[0] != 0 || g.stride[0] != 1 || g.in[0] != g.out[0]) return false;
-  for (int a = 1; a < 3; ++a) {
-    if (g.window[a] != 3 || g.stride[a] != 1 || g.pad[a] != 1 || g.lhs_dilation[a] != 1 || g.rhs_dilation[a] != 1 ||
-        g.in[a] != g.out[a]) {
+  // A 3x3 window with SAME padding, or a 1x3 one (a 1-D window along the rows)
+  const int64_t window[3] = {1, g.window[1] == 1 ? 1 : 3, 3}, pad[3] = {0, window[1] / 2, 1};
+  for (int a = 0; a < 3; ++a) {
+    if (g.window[a] != window[a] || g.stride[a] != 1 || g.pad[a] != pad[a] || g.lhs_dilation[a] != 1 ||
+        g.rhs_dilation[a] != 1 || g.in[a] != g.out[a]) {
       return false;
     }
   }
-  return g.in[2] <= kRowPixels && g.OutPixels() > 0 && g.batch * g.in[0] * g.in[1] < INT_MAX && IsHopper();
+  const int64_t strips = (g.in[2] + kRowPixels - 1) / kRowPixels;
+  return g.OutPixels() > 0 && g.in[2] < INT_MAX - 2 * kRowPixels &&
+         g.batch * g.in[0] * g.in[1] * strips < INT_MAX - 2 * kRowPixels && IsHopper();
 }
 
 ffi::Error HaloFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x, const void* w,
@@ -654,20 +711,22 @@ ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType d
   const Rows rows = RowsOf(g);
   const int width = int(g.in[2]);
   CUtensorMap x_map, dy_map;
-  if (MakeRowMap(&x_map, x, dtype, rows.count, width, kHaloPixels) != CUDA_SUCCESS ||
-      MakeRowMap(&dy_map, dy, dtype, rows.count, width, kRowPixels) != CUDA_SUCCESS) {
+  if (MakeRowMap(&x_map, x, dtype, ImageRows(g), width, kHaloPixels) != CUDA_SUCCESS ||
+      MakeRowMap(&dy_map, dy, dtype, ImageRows(g), width, kRowPixels) != CUDA_SUCCESS) {
     return MapError("wgrad");
   }
-  auto launch = [&](auto tag) {
+  auto launch = [&](auto tag, auto tap_rows) {
     using T = decltype(tag);
+    const auto kernel = HaloWgradKernel<T, decltype(tap_rows)::value>;
     JAXDNN_RETURN_IF_ERROR(CudaError(
-        cudaFuncSetAttribute(HaloWgradKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kWgradShared),
-        "conv wgrad (halo)"));
-    HaloWgradKernel<T><<<kHaloWgradSlices, kWgradThreads, kWgradShared, stream>>>(x_map, dy_map, rows, workspace);
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWgradShared), "conv wgrad (halo)"));
+    kernel<<<kHaloWgradSlices, kWgradThreads, kWgradShared, stream>>>(x_map, dy_map, rows, workspace);
     JAXDNN_RETURN_IF_ERROR(LaunchError("conv wgrad (halo)"));
-    return SumPartials(stream, workspace, 9, kChannels, kChannels, dw_dtype, dw);
+    return SumPartials(stream, workspace, int(g.Taps()), kChannels, kChannels, dw_dtype, dw);
   };
-  return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}) : launch(__half{});
+  return WithTapRows(g, [&](auto tap_rows) {
+    return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}, tap_rows) : launch(__half{}, tap_rows);
+  });
 }
 
 bool PointwiseWgradApplies(const ConvGeometry& g, ffi::DataType dtype) {
