@@ -713,11 +713,13 @@ def _conv3d_cases(quick: bool) -> list[Case]:
 
 # Convolutions over long rows (label, batch, batch with --quick, spatial shape, C, K, window, stride):
 # an audio encoder's (wav2vec-like) strided 1-D layer and a temporal convolution's 3-tap layer over
-# 16000 samples, and VGG-16's second 3x3 layer (rows of 224 pixels, 64 -> 64 channels).
+# 16000 samples, and VGG-16's second and third 3x3 layers (rows of 224 pixels, 64 -> 64 channels; of
+# 112, 64 -> 128).
 _CONVS_LONG_ROWS = [
     ("1-D audio", 32, 4, (16000,), 64, 128, (9,), 4),
     ("1-D temporal", 32, 4, (16000,), 64, 64, (3,), 1),
     ("VGG-16 conv1_2", 32, 1, (224, 224), 64, 64, (3, 3), 1),
+    ("VGG-16 conv2_1", 32, 1, (112, 112), 64, 128, (3, 3), 1),
 ]
 
 

@@ -99,9 +99,10 @@ _MAX_WGRAD_SLICES = 16
 _WGRAD_CTA_FLOPS = 4.2e12
 _WGRAD_CTA_SECONDS = 2e-6
 _PARTIAL_BYTES_PER_S = 2e12
-# 64-channel 3x3 and 1x3 layers (ResNet's; 1-D ones), and the wgrad of 1x1 ones with 64 channels on one
-# side, take the halo kernels (ffi/conv/halo_sm90.h); their wgrad needs this many float32 filter
-# gradients in its workspace (kHaloWgradSlices partial sums, kHaloWgradGroups sums of them).
+# 64-channel 3x3 and 1x3 layers (ResNet's; 1-D ones), the wgrad of such layers with 128 channels on one
+# side, and the wgrad of 1x1 ones with 64 channels on one side, take the halo kernels
+# (ffi/conv/halo_sm90.h); their wgrad needs this many float32 filter gradients in its workspace
+# (kHaloWgradSlices partial sums, kHaloWgradGroups sums of them).
 _HALO_WGRAD_PARTIALS = 132 + 11
 
 
@@ -155,15 +156,17 @@ def _wgrad_slices(batch, pixels, padded_filter, filters, tile_rows=64):
     return min(range(1, min(batch, _MAX_WGRAD_SLICES) + 1), key=seconds)
 
 
-def _halo(channels, filters, batch, attrs):
-    """halo_sm90.cu's HaloApplies (the dtype and the device checked elsewhere): one group of 64 channels
-    to 64 filters, a 3x3 window on (h, w) with SAME padding or a 1x3 one on w (a 1-D window along the
-    rows), unit strides and dilations; the rows in strips of 64 pixels."""
+def _halo(stage, channels, filters, batch, attrs):
+    """halo_sm90.cu's HaloApplies, for wgrad HaloWgradApplies (the dtype and the device checked
+    elsewhere): one group of 64 channels to 64 filters (wgrad: or 128 on one side), a 3x3 window on
+    (h, w) with SAME padding or a 1x3 one on w (a 1-D window along the rows), unit strides and
+    dilations; the rows in strips of 64 pixels."""
     d, h, w = _spatial(attrs, "in")
     window = _spatial(attrs, "window")
     units = batch * d * h * -(-w // 64)
     limit = 2**31 - 1 - 128
-    return (channels == filters == 64 and int(attrs["groups"]) == 1 and window in ((1, 3, 3), (1, 1, 3))
+    sizes = ((64, 64), (64, 128), (128, 64)) if stage == "wgrad" else ((64, 64),)
+    return ((channels, filters) in sizes and int(attrs["groups"]) == 1 and window in ((1, 3, 3), (1, 1, 3))
             and _spatial(attrs, "stride") == (1, 1, 1) and _spatial(attrs, "pad") == (0, window[1] // 2, 1)
             and _spatial(attrs, "lhs_dilation") == (1, 1, 1) and _spatial(attrs, "rhs_dilation") == (1, 1, 1)
             and _spatial(attrs, "out") == (d, h, w) and 0 < w < limit and 0 < units < limit)
@@ -249,7 +252,7 @@ def _candidates(stage, dtype, channels, filters, batch, attrs):
     pointwise = window == (1, 1, 1) and strides == (1, 1, 1) and pads == (0, 0, 0)
     gemm = (_GEMM,) if stage != "fused" and pointwise and channels % 8 == 0 else ()
     sixteen_bit = jnp.dtype(dtype).itemsize == 2  # the halo and im2col kernels' only operands
-    halo = sixteen_bit and (_halo(channels, filters, batch, attrs)
+    halo = sixteen_bit and (_halo(stage, channels, filters, batch, attrs)
                             or _halo_pointwise(stage, channels, filters, batch, attrs))
     im2col = tuple(a for a, tile in ((_IM2COL, 128), (_IM2COL_WIDE, 256))
                    if sixteen_bit and _im2col(stage, channels, filters, attrs, tile))
@@ -304,7 +307,8 @@ def _wgrad_avals(x, dy, *, float32_sums=0, **attrs):
         tile_rows = 128 if int(attrs.get("algorithm", 0)) == _TILE_WIDE else 64  # conv_sm90.cuh's Wgrad
         slices = _wgrad_slices(x.shape[0], math.prod(dy.shape[:-1]), padded_filter, dy.shape[-1], tile_rows)
         args = (x.shape[-1], dy.shape[-1], x.shape[0], attrs)
-        if int(attrs.get("algorithm", 0)) in (0, _HALO) and (_halo(*args) or _halo_pointwise("wgrad", *args)):
+        halo = _halo("wgrad", *args) or _halo_pointwise("wgrad", *args)
+        if int(attrs.get("algorithm", 0)) in (0, _HALO) and halo:
             slices = _HALO_WGRAD_PARTIALS
         float32_bytes = 4 * slices * padded_filter
         extra = _padded_input(x.shape)

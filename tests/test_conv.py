@@ -25,6 +25,7 @@ TARGETS = ("jaxdnn_conv_fprop_v4", "jaxdnn_conv_dgrad_v4", "jaxdnn_conv_wgrad_v4
 # (lhs shape, rhs shape, kwargs of conv_general_dilated). Odd sizes, channel counts with and without
 # a multiple of 8, size-1 axes; the rhs shape is in the layout dimension_numbers names.
 NHWC = ("NHWC", "HWIO", "NHWC")
+NWC = ("NWC", "WIO", "NWC")
 CASES = [
     ((2, 3, 9, 8), (5, 3, 3, 3), dict(window_strides=(1, 1), padding="SAME")),
     ((2, 9, 8, 6), (3, 3, 6, 16), dict(window_strides=(2, 1), padding="VALID", dimension_numbers=NHWC)),
@@ -138,8 +139,11 @@ TENSOR_CORE_CASES = [
     # 1x3 windows (one tap row): a 1-D convolution over 300 samples (5 strips, the last of 44), and
     # a 2-D one over rows of 70 pixels
     ((2, 5, 130, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
-    ((3, 300, 64), (3, 64, 64), dict(window_strides=(1,), padding="SAME", dimension_numbers=("NWC", "WIO", "NWC"))),
+    ((3, 300, 64), (3, 64, 64), dict(window_strides=(1,), padding="SAME", dimension_numbers=NWC)),
     ((2, 4, 70, 64), (1, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
+    # ... their wgrad with 128 channels on one side (a CTA a 64-channel half): 3x3 64 -> 128, 1-D 128 -> 64
+    ((2, 6, 70, 64), (3, 3, 64, 128), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
+    ((3, 200, 128), (3, 128, 64), dict(window_strides=(1,), padding="SAME", dimension_numbers=NWC)),
     # 1x1 with 64 channels on one side: the pointwise halo wgrad (CTAs taking ranges of 64-pixel
     # chunks, the last one partial): fewer chunks than CTAs, x or dy the narrow side, 128 or 256
     # wide, and about 5 chunks a CTA (the stage ring wraps)

@@ -316,7 +316,9 @@ std::optional<ffi::Error> TensorCoreWgrad(cudaStream_t stream, const ConvGeometr
   float* partial = static_cast<float*>(workspace);
   const size_t halo_bytes = size_t(kHaloWgradSlices + kHaloWgradGroups) * slice_bytes;
   if (workspace_bytes >= halo_bytes) {  // as the Python side sized it
-    if (UsesHalo(g, dtype, algorithm)) return HaloWgrad(stream, g, dtype, x, dy, partial, dw_dtype, dw);
+    if (AllowsHalo(algorithm) && HaloWgradApplies(g, dtype)) {
+      return HaloWgrad(stream, g, dtype, x, dy, partial, dw_dtype, dw);
+    }
     if (AllowsHalo(algorithm) && PointwiseWgradApplies(g, dtype)) {
       return PointwiseWgrad(stream, g, dtype, x, dy, partial, dw_dtype, dw);
     }

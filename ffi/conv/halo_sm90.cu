@@ -1,27 +1,31 @@
 // The halo kernels (see halo_sm90.h) on Hopper's tensor cores (wgmma, TMA).
 //
-// A CTA takes a contiguous range [first, end) of the image rows R = (n, d, h) and walks it in order.
-// TMA stages every row of the activations once, through a ring of shared-memory stages: stage e
-// holds row first - 1 + e with one zero pixel before it (staged pixel p is the row's pixel p - 1;
-// pixels past W, and rows outside the array, zero), so output row R = first + i finds the rows
-// R - 1, R, R + 1 of its taps in stages i, i + 1, i + 2. A tap (r, s) is then the row of stage i + r
-// read from its pixel s: a wgmma descriptor whose start is moved s 128-byte pixels into the stage
-// (the 128-byte swizzle is a function of the shared-memory address, so a descriptor starting on any
-// pixel reads what TMA wrote there). A row R + r - 1 of another image (h + r - 1 outside [0, H))
-// contributes nothing. Products are 64 x 64 wgmma tiles, float32 sums in registers.
+// The work comes in units: strips of up to 64 pixels of an image row R = (n, d, h) (a row of at most
+// 64 pixels is one strip), ordered by image, then strip, then row, so that the units before and
+// after a unit are the same strip of rows R - 1 and R + 1. A CTA takes a contiguous range [first,
+// end) of the units and walks it in order. TMA stages every unit of the activations once, through a
+// ring of shared-memory stages, with its halo: stage e holds unit first - 1 + e (3x3 windows; first
+// + e for 1x3 ones) from one pixel before the strip to past its end (staged pixel p is the strip's
+// pixel p - 1; pixels outside the row, and rows outside the array, zero), so output unit first + i
+// finds the strips of rows R - 1, R, R + 1 of its taps in stages i, i + 1, i + 2. A tap (r, s) is then
+// stage i + r read from its pixel s: a wgmma descriptor whose start is moved s 128-byte pixels into
+// the stage (the 128-byte swizzle is a function of the shared-memory address, so a descriptor
+// starting on any pixel reads what TMA wrote there). A row R + r - 1 of another image (h + r - 1
+// outside [0, H)) contributes nothing. Products are 64 x 64 wgmma tiles, float32 sums in registers.
 //
-// - fprop: consumer warpgroups take pairs of output rows: y[R] (64 pixels x 64 filters) = the sum
-//   over the 9 taps of x's shifted row (K-major A; a zero row for taps outside the image) times
+// - fprop: consumer warpgroups take pairs of output units: y[unit] (64 pixels x 64 filters) = the sum
+//   over the taps of x's shifted strip (K-major A; a zero row for taps outside the image) times
 //   w[r, s] (B [C, K], resident in shared memory), then the epilogue (bias, residual, activation)
-//   into a shared-memory tile and a TMA store of the row's W pixels.
+//   into a shared-memory tile and a TMA store of the unit's pixels inside the row.
 // - dgrad: the same over dy with w's taps flipped and read K-major (dx[R, q, c] = sum over (r, s, k)
 //   of dy[R + r - 1, q + s - 1, k] w[2 - r, 2 - s, c, k]).
-// - wgrad: a stage also holds dy row first + e - 2 (pixels past W zero), and consumer warpgroup r
-//   (0..2) owns the taps (r, s), s = 0..2, over every row: dW[k, r, s, c] += sum over pixels q of
-//   dy[R, q, k] x[R + r - 1, q + s - 1, c], dy^T as A and the shifted x row as B (both MN-major,
-//   the pixels the reduction axis; rows of another image skipped). Its sums stay in registers (3 x
-//   32 a thread) until the CTA's last row, then go to the CTA's partial sum; two more kernels add
-//   the partial sums in a fixed order.
+// - wgrad: a stage also holds dy's unit first + e - 2 (first + e for 1x3; pixels past W zero), and
+//   consumer warpgroup r (0..2) owns the taps (r, s), s = 0..2 (for 1x3: the tap s = r), over every
+//   unit: dW[k, r, s, c] += sum over pixels q of dy[R, q, k] x[R + r - 1, q + s - 1, c], dy^T as A
+//   and the shifted x strip as B (both MN-major, the pixels the reduction axis; rows of another image
+//   skipped). Its sums stay in registers (3 x 32 a thread) until the CTA's last unit, then go to the
+//   CTA's partial sum; two more kernels add the partial sums in a fixed order. With 128 channels on
+//   one side, a second CTA of each slice takes the other 64.
 // - pointwise (a 1x1 window: a zero-width halo): the same machinery over chunks of 64 pixels for the
 //   wgrad and the plain fprop/dgrad of 1x1 layers with 64 channels on one side (see below).
 //
@@ -265,20 +269,23 @@ constexpr int kWgradConsumers = 3;                        // warpgroups: one per
 constexpr int kWgradThreads = kWgradConsumers * kWarpgroup + 32;  // and one producer warp
 constexpr int kWgradShared = kWgradStages * kWgradStageBytes + 2 * kWgradStages * 8 + 1024;
 
-// partial[blockIdx.x] [K, kTapRows, 3, C] for this CTA's units. Stage e holds x's unit first - halo +
-// e and dy's unit first - 2 halo + e (halo = kTapRows / 2), so unit i finds its dy in stage i + 2 halo
-// and x for its tap row r in stage i + r. With 3 tap rows, warpgroup r owns the taps (r, 0..2); with
-// 1, warpgroup s owns the tap (0, s) (a chain of 4 products a unit: the loads set the pace).
+// partial[blockIdx.x] [K, kTapRows, 3, C] for this CTA's units: the 64 x 64 block of its filters and
+// channels in 64-channel chunk blockIdx.y of the wide side (K or C, when it has 128). Stage e holds x's
+// unit first - halo + e and dy's unit first - 2 halo + e (halo = kTapRows / 2), so unit i finds its
+// dy in stage i + 2 halo and x for its tap row r in stage i + r. With 3 tap rows, warpgroup r owns
+// the taps (r, 0..2); with 1, warpgroup s owns the tap (0, s) (a chain of 4 products a unit: the
+// loads set the pace).
 template <typename T, int kTapRows>
 __global__ void __launch_bounds__(kWgradThreads, 1)
     HaloWgradKernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap dy_map, Rows rows,
-                    float* __restrict__ partial) {
+                    int channels, int filters, float* __restrict__ partial) {
   constexpr int kHalo = kTapRows / 2, kCols = kTapRows == 3 ? 3 : 1;  // kCols: the taps a warpgroup owns
   extern __shared__ uint8_t shared_raw[];
   uint8_t* stages = sm90::AlignedShared(shared_raw);
   uint64_t* full = reinterpret_cast<uint64_t*>(stages + kWgradStages * kWgradStageBytes);
   uint64_t* empty = full + kWgradStages;
   const Range range(rows.count, blockIdx.x, gridDim.x);
+  const int x_chunk = channels > kChannels ? blockIdx.y : 0, dy_chunk = filters > kChannels ? blockIdx.y : 0;
   const int warp = threadIdx.x / 32;
   if (threadIdx.x == 0) sm90::InitRing<kWgradStages>(full, empty, kWgradConsumers);
   __syncthreads();
@@ -292,10 +299,10 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         const bool with_dy = e >= 2 * kHalo;
         sm90::BarrierArriveExpectTx(bar, kHaloBytes + (with_dy ? kRowBytes : 0));
         const Unit x_unit(rows, range.first - kHalo + e);
-        sm90::TmaLoad4d(at, &x_map, bar, 0, x_unit.pixel - 1, x_unit.row, 0);
+        sm90::TmaLoad4d(at, &x_map, bar, 0, x_chunk, x_unit.pixel - 1, x_unit.row);
         if (with_dy) {
           const Unit dy_unit(rows, range.first - 2 * kHalo + e);
-          sm90::TmaLoad4d(at + kHaloBytes, &dy_map, bar, 0, dy_unit.pixel, dy_unit.row, 0);
+          sm90::TmaLoad4d(at + kHaloBytes, &dy_map, bar, 0, dy_chunk, dy_unit.pixel, dy_unit.row);
         }
       }
     }
@@ -342,15 +349,15 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
 
   // The accumulator's rows are filters k, its columns channels c.
   constexpr int kTaps = 3 * kTapRows;
-  float* at = partial + int64_t(blockIdx.x) * kTaps * kChannels * kChannels;
+  float* at = partial + int64_t(blockIdx.x) * kTaps * channels * filters;
   const int lane = threadIdx.x % 32, row = 16 * (warp % 4) + lane / 4, col = 2 * (lane % 4);
 #pragma unroll
   for (int s = 0; s < kCols; ++s) {
     const int tap = r * 3 + first_col + s;
 #pragma unroll
     for (int j = 0; j < 32; j += 2) {
-      const int k = row + 8 * ((j >> 1) & 1), c = col + 8 * (j >> 2);
-      *reinterpret_cast<float2*>(at + (k * kTaps + tap) * kChannels + c) = make_float2(acc[s][j], acc[s][j + 1]);
+      const int k = dy_chunk * kChannels + row + 8 * ((j >> 1) & 1), c = x_chunk * kChannels + col + 8 * (j >> 2);
+      *reinterpret_cast<float2*>(at + (k * kTaps + tap) * channels + c) = make_float2(acc[s][j], acc[s][j + 1]);
     }
   }
 }
@@ -606,6 +613,20 @@ CUresult MakeRowMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int
   return MakeChunkedMap(map, data, dtype, rows, width, 1, box_pixels);
 }
 
+// Image rows [rows][width pixels][chunks x 64 channels], a box `box_pixels` pixels of one row's one
+// 64-channel chunk: coordinates (0, chunk, pixel, row).
+CUresult MakeRowChunkMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int rows, int width, int chunks,
+                         int box_pixels) {
+  constexpr cuuint64_t kChunkBytes = kPixelBytes;
+  const cuuint64_t dims[4] = {cuuint64_t(kChannels), cuuint64_t(chunks), cuuint64_t(width), cuuint64_t(rows)};
+  const cuuint64_t strides[3] = {kChunkBytes, chunks * kChunkBytes, cuuint64_t(width) * chunks * kChunkBytes};
+  const cuuint32_t box[4] = {cuuint32_t(kChannels), 1, cuuint32_t(box_pixels), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  return cuTensorMapEncodeTiled(map, TensorMapType(dtype), 4, const_cast<void*>(data), dims, strides, box, element_strides,
+                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
 // Pixels [pixels][chunks x 64 channels], a box of 64 pixels of one 64-channel chunk.
 CUresult MakeChunkMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int pixels, int chunks) {
   return MakeChunkedMap(map, data, dtype, pixels, chunks, kRowPixels, 1);
@@ -678,12 +699,9 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType
   });
 }
 
-}  // namespace
-
-bool HaloApplies(const ConvGeometry& g, ffi::DataType dtype) {
-  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
-  if (g.groups != 1 || g.channels != kChannels || g.filters != kChannels) return false;
-  // A 3x3 window with SAME padding, or a 1x3 one (a 1-D window along the rows)
+// Whether g's window and sizes suit the halo kernels (any channels): a 3x3 window with SAME padding, or
+// a 1x3 one (a 1-D window along the rows), unit strides and dilations, units that int counts.
+bool HaloWindow(const ConvGeometry& g) {
   const int64_t window[3] = {1, g.window[1] == 1 ? 1 : 3, 3}, pad[3] = {0, window[1] / 2, 1};
   for (int a = 0; a < 3; ++a) {
     if (g.window[a] != window[a] || g.stride[a] != 1 || g.pad[a] != pad[a] || g.lhs_dilation[a] != 1 ||
@@ -693,7 +711,22 @@ bool HaloApplies(const ConvGeometry& g, ffi::DataType dtype) {
   }
   const int64_t strips = (g.in[2] + kRowPixels - 1) / kRowPixels;
   return g.OutPixels() > 0 && g.in[2] < INT_MAX - 2 * kRowPixels &&
-         g.batch * g.in[0] * g.in[1] * strips < INT_MAX - 2 * kRowPixels && IsHopper();
+         g.batch * g.in[0] * g.in[1] * strips < INT_MAX - 2 * kRowPixels;
+}
+
+bool SixteenBit(ffi::DataType dtype) { return dtype == ffi::DataType::BF16 || dtype == ffi::DataType::F16; }
+
+}  // namespace
+
+bool HaloApplies(const ConvGeometry& g, ffi::DataType dtype) {
+  return SixteenBit(dtype) && g.groups == 1 && g.channels == kChannels && g.filters == kChannels && HaloWindow(g) &&
+         IsHopper();
+}
+
+bool HaloWgradApplies(const ConvGeometry& g, ffi::DataType dtype) {
+  const int64_t narrow = std::min(g.channels, g.filters), wide = std::max(g.channels, g.filters);
+  return SixteenBit(dtype) && g.groups == 1 && narrow == kChannels && (wide == 64 || wide == 128) &&
+         HaloWindow(g) && IsHopper();
 }
 
 ffi::Error HaloFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x, const void* w,
@@ -710,19 +743,22 @@ ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType d
                      float* workspace, ffi::DataType dw_dtype, void* dw) {
   const Rows rows = RowsOf(g);
   const int width = int(g.in[2]);
+  const int channels = int(g.channels), filters = int(g.filters);
   CUtensorMap x_map, dy_map;
-  if (MakeRowMap(&x_map, x, dtype, ImageRows(g), width, kHaloPixels) != CUDA_SUCCESS ||
-      MakeRowMap(&dy_map, dy, dtype, ImageRows(g), width, kRowPixels) != CUDA_SUCCESS) {
+  if (MakeRowChunkMap(&x_map, x, dtype, ImageRows(g), width, channels / kChannels, kHaloPixels) != CUDA_SUCCESS ||
+      MakeRowChunkMap(&dy_map, dy, dtype, ImageRows(g), width, filters / kChannels, kRowPixels) != CUDA_SUCCESS) {
     return MapError("wgrad");
   }
+  // a CTA a slice of the units and a 64-channel chunk of the wide side
+  const dim3 grid(kHaloWgradSlices, std::max(channels, filters) / kChannels);
   auto launch = [&](auto tag, auto tap_rows) {
     using T = decltype(tag);
     const auto kernel = HaloWgradKernel<T, decltype(tap_rows)::value>;
     JAXDNN_RETURN_IF_ERROR(CudaError(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWgradShared), "conv wgrad (halo)"));
-    kernel<<<kHaloWgradSlices, kWgradThreads, kWgradShared, stream>>>(x_map, dy_map, rows, workspace);
+    kernel<<<grid, kWgradThreads, kWgradShared, stream>>>(x_map, dy_map, rows, channels, filters, workspace);
     JAXDNN_RETURN_IF_ERROR(LaunchError("conv wgrad (halo)"));
-    return SumPartials(stream, workspace, int(g.Taps()), kChannels, kChannels, dw_dtype, dw);
+    return SumPartials(stream, workspace, int(g.Taps()), channels, filters, dw_dtype, dw);
   };
   return WithTapRows(g, [&](auto tap_rows) {
     return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}, tap_rows) : launch(__half{}, tap_rows);

@@ -1,9 +1,10 @@
-// The halo kernels: every stage of ResNet's 64-channel 3x3 convolutions (C = K = 64, stride 1, SAME
-// padding, rows of at most 64 pixels), and the wgrad of pointwise ones with 64 channels on one side,
-// on Hopper's tensor cores, from rows of the activations staged in shared memory once, with their
-// halo (halo_sm90.cu). CUTLASS's implicit GEMM re-reads each pixel from L2 for each of the 9 taps;
-// here a tap is an offset into the staged rows. Its wgrad has no split-K; here the CTAs split the
-// pixels, each keeping the whole filter gradient in registers.
+// The halo kernels: every stage of 64-channel 3x3 convolutions (C = K = 64, stride 1, SAME padding:
+// ResNet's) and of 64-channel 1x3 ones (1-D convolutions along the rows), the wgrad of such layers
+// with 64 channels on one side and 128 on the other, and the wgrad of pointwise ones with 64 channels
+// on one side, on Hopper's tensor cores, from strips of up to 64 pixels of the activations' rows staged
+// in shared memory once, with their halo (halo_sm90.cu). CUTLASS's implicit GEMM re-reads each pixel
+// from L2 for each tap; here a tap is an offset into the staged rows. Its wgrad has no split-K; here
+// the CTAs split the pixels, each keeping its filter gradient block in registers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,8 +16,10 @@
 
 namespace jaxdnn {
 
-// Whether the halo kernels take g with 16-bit operands of `dtype`.
+// Whether the halo kernels take g with 16-bit operands of `dtype`: a 3x3 (SAME) or 1x3 window with unit
+// strides and dilations, 64 -> 64 channels; for HaloWgrad also 64 -> 128 and 128 -> 64.
 bool HaloApplies(const ConvGeometry& g, ffi::DataType dtype);
+bool HaloWgradApplies(const ConvGeometry& g, ffi::DataType dtype);
 
 // y [N, D, H, W, K] = act(conv(x, w) + bias + residual) for x [N, D, H, W, C] and w [R, S, C, K]
 // (jaxdnn's layout; bias [K] or null, residual y's shape or null); no workspace.
@@ -36,6 +39,7 @@ constexpr int kHaloWgradGroups = 11;
 // dw [R, S, C, K] = the gradient of conv(x, w) w.r.t. w, from x [N, D, H, W, C] and dy
 // [N, D, H, W, K], dw in `dw_dtype` (the operands' or float32). The workspace holds kHaloWgradSlices
 // + kHaloWgradGroups filter gradients in float32 (jaxdnn/_conv_kernels.py's _HALO_WGRAD_PARTIALS).
+// With 128 channels on one side, each slice's CTAs are two, one a 64-channel half.
 ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x, const void* dy,
                      float* workspace, ffi::DataType dw_dtype, void* dw);
 
