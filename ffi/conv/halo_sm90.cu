@@ -60,8 +60,7 @@ constexpr int kRowBytes = kRowPixels * kPixelBytes;     // 8 KB
 constexpr int kTapBytes = kChannels * kPixelBytes;      // one tap of the filter, [C, K]: 8 KB
 constexpr int kFilterBytes = 9 * kTapBytes;
 constexpr int kWarpgroup = 128;
-constexpr int kGroupSlices = kHaloWgradSlices / kHaloWgradGroups;
-static_assert(kGroupSlices * kHaloWgradGroups == kHaloWgradSlices, "groups of equal size");
+static_assert(kHaloWgradSlices % (2 * kHaloWgradGroups) == 0, "groups of equal size, also of half the slices");
 
 // The units the CTAs take: strips of up to 64 output pixels of an image row (a row of at most 64 pixels
 // is one strip), in the order (image n d, strip, row h), so that the units before and after a unit are
@@ -269,8 +268,9 @@ constexpr int kWgradConsumers = 3;                        // warpgroups: one per
 constexpr int kWgradThreads = kWgradConsumers * kWarpgroup + 32;  // and one producer warp
 constexpr int kWgradShared = kWgradStages * kWgradStageBytes + 2 * kWgradStages * 8 + 1024;
 
-// partial[blockIdx.x] [K, kTapRows, 3, C] for this CTA's units: the 64 x 64 block of its filters and
-// channels in 64-channel chunk blockIdx.y of the wide side (K or C, when it has 128). Stage e holds x's
+// partial[blockIdx.y] [K, kTapRows, 3, C] for slice blockIdx.y of the units: the 64 x 64 block of its
+// filters and channels in 64-channel chunk blockIdx.x of the wide side (K or C, when it has 128: the
+// two CTAs of a slice are neighbours, so that x or dy, which both read, comes from L2 the second time). Stage e holds x's
 // unit first - halo + e and dy's unit first - 2 halo + e (halo = kTapRows / 2), so unit i finds its
 // dy in stage i + 2 halo and x for its tap row r in stage i + r. With 3 tap rows, warpgroup r owns
 // the taps (r, 0..2); with 1, warpgroup s owns the tap (0, s) (a chain of 4 products a unit: the
@@ -284,8 +284,8 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   uint8_t* stages = sm90::AlignedShared(shared_raw);
   uint64_t* full = reinterpret_cast<uint64_t*>(stages + kWgradStages * kWgradStageBytes);
   uint64_t* empty = full + kWgradStages;
-  const Range range(rows.count, blockIdx.x, gridDim.x);
-  const int x_chunk = channels > kChannels ? blockIdx.y : 0, dy_chunk = filters > kChannels ? blockIdx.y : 0;
+  const Range range(rows.count, blockIdx.y, gridDim.y);
+  const int x_chunk = channels > kChannels ? blockIdx.x : 0, dy_chunk = filters > kChannels ? blockIdx.x : 0;
   const int warp = threadIdx.x / 32;
   if (threadIdx.x == 0) sm90::InitRing<kWgradStages>(full, empty, kWgradConsumers);
   __syncthreads();
@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
 
   // The accumulator's rows are filters k, its columns channels c.
   constexpr int kTaps = 3 * kTapRows;
-  float* at = partial + int64_t(blockIdx.x) * kTaps * channels * filters;
+  float* at = partial + int64_t(blockIdx.y) * kTaps * channels * filters;
   const int lane = threadIdx.x % 32, row = 16 * (warp % 4) + lane / 4, col = 2 * (lane % 4);
 #pragma unroll
   for (int s = 0; s < kCols; ++s) {
@@ -558,6 +558,7 @@ __global__ void __launch_bounds__(kPointwiseThreads, 1)
 
 // sums[g] = the partial sums (of `vectors` float4 each) of slices [kGroupSlices g, kGroupSlices (g +
 // 1)) added in order (deterministic), four values a thread, all of a group's loads in flight at once.
+template <int kGroupSlices>
 __global__ void __launch_bounds__(256)
     SumGroupsKernel(const float4* __restrict__ partial, int vectors, float4* __restrict__ sums) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x, group = blockIdx.y;
@@ -591,13 +592,15 @@ __global__ void __launch_bounds__(256)
   dw[i] = FromFloat<T>(sum);
 }
 
-// The partial sums of `workspace` (kHaloWgradSlices of `count` floats) added into dw [taps, C, K] of
-// `dw_dtype`.
-ffi::Error SumPartials(cudaStream_t stream, float* workspace, int taps, int channels, int filters,
+// The partial sums of `workspace` (`slices` of `count` floats: kHaloWgradSlices, or half as many)
+// added into dw [taps, C, K] of `dw_dtype`.
+ffi::Error SumPartials(cudaStream_t stream, float* workspace, int slices, int taps, int channels, int filters,
                        ffi::DataType dw_dtype, void* dw) {
   const int count = taps * channels * filters;
-  float* sums = workspace + int64_t(kHaloWgradSlices) * count;
-  SumGroupsKernel<<<dim3((count / 4 + 255) / 256, kHaloWgradGroups), 256, 0, stream>>>(
+  float* sums = workspace + int64_t(slices) * count;
+  const auto sum_groups = slices == kHaloWgradSlices ? SumGroupsKernel<kHaloWgradSlices / kHaloWgradGroups>
+                                                     : SumGroupsKernel<kHaloWgradSlices / kHaloWgradGroups / 2>;
+  sum_groups<<<dim3((count / 4 + 255) / 256, kHaloWgradGroups), 256, 0, stream>>>(
       reinterpret_cast<const float4*>(workspace), count / 4, reinterpret_cast<float4*>(sums));
   return DispatchFloat<float, __nv_bfloat16, __half>(dw_dtype, "dw", [&](auto type_tag) {
     using D = decltype(type_tag);
@@ -749,8 +752,11 @@ ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType d
       MakeRowChunkMap(&dy_map, dy, dtype, ImageRows(g), width, filters / kChannels, kRowPixels) != CUDA_SUCCESS) {
     return MapError("wgrad");
   }
-  // a CTA a slice of the units and a 64-channel chunk of the wide side
-  const dim3 grid(kHaloWgradSlices, std::max(channels, filters) / kChannels);
+  // a CTA a 64-channel chunk of the wide side and a slice of the units: one wave of kHaloWgradSlices
+  // CTAs (two waves of CTAs of half the units, and x read twice from memory, took 0.107 ms against
+  // 0.080: 3x3 64 -> 128 over 112^2, N 16, H200)
+  const int chunks = std::max(channels, filters) / kChannels, slices = kHaloWgradSlices / chunks;
+  const dim3 grid(chunks, slices);
   auto launch = [&](auto tag, auto tap_rows) {
     using T = decltype(tag);
     const auto kernel = HaloWgradKernel<T, decltype(tap_rows)::value>;
@@ -758,7 +764,7 @@ ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType d
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWgradShared), "conv wgrad (halo)"));
     kernel<<<grid, kWgradThreads, kWgradShared, stream>>>(x_map, dy_map, rows, channels, filters, workspace);
     JAXDNN_RETURN_IF_ERROR(LaunchError("conv wgrad (halo)"));
-    return SumPartials(stream, workspace, int(g.Taps()), channels, filters, dw_dtype, dw);
+    return SumPartials(stream, workspace, slices, int(g.Taps()), channels, filters, dw_dtype, dw);
   };
   return WithTapRows(g, [&](auto tap_rows) {
     return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}, tap_rows) : launch(__half{}, tap_rows);
@@ -789,7 +795,7 @@ ffi::Error PointwiseWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataT
                                      "conv wgrad (pointwise)"));
     kernel<<<kHaloWgradSlices, kPointwiseThreads, kShared, stream>>>(narrow_map, wide_map, p, workspace);
     JAXDNN_RETURN_IF_ERROR(LaunchError("conv wgrad (pointwise)"));
-    return SumPartials(stream, workspace, 1, channels, filters, dw_dtype, dw);
+    return SumPartials(stream, workspace, kHaloWgradSlices, 1, channels, filters, dw_dtype, dw);
   };
   auto by_width = [&](auto tag) { return WithWidth(wide, [&](auto wide_tag) { return launch(tag, wide_tag); }); };
   return dtype == ffi::DataType::BF16 ? by_width(__nv_bfloat16{}) : by_width(__half{});

@@ -30,16 +30,16 @@ ffi::Error HaloFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType d
 ffi::Error HaloDgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* dy, const void* w,
                      void* dx);
 
-// Partial sums the wgrad launch writes: one per CTA, a constant (not the device's SM count), so that
-// their fixed-order sum, hence dw, has the same bits on every device; then added in this many groups
-// of consecutive slices, and the groups in order.
+// Partial sums the wgrad launch writes: one per CTA (per slice of the pixels), a constant (not the
+// device's SM count), so that their fixed-order sum, hence dw, has the same bits on every device; then
+// added in this many groups of consecutive slices, and the groups in order.
 constexpr int kHaloWgradSlices = 132;
 constexpr int kHaloWgradGroups = 11;
 
 // dw [R, S, C, K] = the gradient of conv(x, w) w.r.t. w, from x [N, D, H, W, C] and dy
 // [N, D, H, W, K], dw in `dw_dtype` (the operands' or float32). The workspace holds kHaloWgradSlices
 // + kHaloWgradGroups filter gradients in float32 (jaxdnn/_conv_kernels.py's _HALO_WGRAD_PARTIALS).
-// With 128 channels on one side, each slice's CTAs are two, one a 64-channel half.
+// With 128 channels on one side, half as many slices, each of two CTAs (a 64-channel half each).
 ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, const void* x, const void* dy,
                      float* workspace, ffi::DataType dw_dtype, void* dw);
 
