@@ -270,11 +270,11 @@ constexpr int kWgradShared = kWgradStages * kWgradStageBytes + 2 * kWgradStages 
 
 // partial[blockIdx.y] [K, kTapRows, 3, C] for slice blockIdx.y of the units: the 64 x 64 block of its
 // filters and channels in 64-channel chunk blockIdx.x of the wide side (K or C, when it has 128: the
-// two CTAs of a slice are neighbours, so that x or dy, which both read, comes from L2 the second time). Stage e holds x's
-// unit first - halo + e and dy's unit first - 2 halo + e (halo = kTapRows / 2), so unit i finds its
-// dy in stage i + 2 halo and x for its tap row r in stage i + r. With 3 tap rows, warpgroup r owns
-// the taps (r, 0..2); with 1, warpgroup s owns the tap (0, s) (a chain of 4 products a unit: the
-// loads set the pace).
+// two CTAs of a slice are neighbours, so that x or dy, which both read, comes from L2 the second
+// time). Stage e holds x's unit first - halo + e and dy's unit first - 2 halo + e (halo = kTapRows /
+// 2), so unit i finds its dy in stage i + 2 halo and x for its tap row r in stage i + r. With 3 tap
+// rows, warpgroup r owns the taps (r, 0..2); with 1, warpgroup s owns the tap (0, s) (a chain of 4
+// products a unit: the loads set the pace).
 template <typename T, int kTapRows>
 __global__ void __launch_bounds__(kWgradThreads, 1)
     HaloWgradKernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap dy_map, Rows rows,
@@ -620,14 +620,7 @@ CUresult MakeRowMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int
 // 64-channel chunk: coordinates (0, chunk, pixel, row).
 CUresult MakeRowChunkMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int rows, int width, int chunks,
                          int box_pixels) {
-  constexpr cuuint64_t kChunkBytes = kPixelBytes;
-  const cuuint64_t dims[4] = {cuuint64_t(kChannels), cuuint64_t(chunks), cuuint64_t(width), cuuint64_t(rows)};
-  const cuuint64_t strides[3] = {kChunkBytes, chunks * kChunkBytes, cuuint64_t(width) * chunks * kChunkBytes};
-  const cuuint32_t box[4] = {cuuint32_t(kChannels), 1, cuuint32_t(box_pixels), 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  return cuTensorMapEncodeTiled(map, TensorMapType(dtype), 4, const_cast<void*>(data), dims, strides, box, element_strides,
-                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return MakeChunkedMap(map, data, dtype, width, chunks, box_pixels, 1, rows);
 }
 
 // Pixels [pixels][chunks x 64 channels], a box of 64 pixels of one 64-channel chunk.

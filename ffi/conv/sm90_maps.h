@@ -16,13 +16,13 @@ inline CUtensorMapDataType TensorMapType(ffi::DataType dtype) {
   return dtype == ffi::DataType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
 }
 
-// The tensor map of an array [outer][inner][64] of 16-bit values (rows of 128 bytes: a pixel's 64
-// channels, or 64 filters of a filter row) whose box is [box_outer][box_inner][64] (the 128-byte
-// swizzle; zeros outside the array): coordinates (0, inner, outer, 0).
+// The tensor map of an array [outermost][outer][inner][64] of 16-bit values (rows of 128 bytes: a
+// pixel's 64 channels, or 64 filters of a filter row) whose box is [1][box_outer][box_inner][64] (the
+// 128-byte swizzle; zeros outside the array): coordinates (0, inner, outer, outermost).
 inline CUresult MakeChunkedMap(CUtensorMap* map, const void* data, ffi::DataType dtype, int64_t outer, int64_t inner,
-                               int box_outer, int box_inner) {
+                               int box_outer, int box_inner, int64_t outermost = 1) {
   constexpr int kChunk = 64, kChunkBytes = kChunk * 2;
-  const cuuint64_t dims[4] = {cuuint64_t(kChunk), cuuint64_t(inner), cuuint64_t(outer), 1};
+  const cuuint64_t dims[4] = {cuuint64_t(kChunk), cuuint64_t(inner), cuuint64_t(outer), cuuint64_t(outermost)};
   const cuuint64_t strides[3] = {cuuint64_t(kChunkBytes), cuuint64_t(inner) * kChunkBytes,
                                  cuuint64_t(outer) * inner * kChunkBytes};
   const cuuint32_t box[4] = {cuuint32_t(kChunk), cuuint32_t(box_inner), cuuint32_t(box_outer), 1};
