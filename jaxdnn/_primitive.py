@@ -181,6 +181,7 @@ def ffi_primitive(
     scratch_results: int = 0,
     reduced_results: Sequence[int] = (),
     host_attrs: Sequence[str] = (),
+    cpu_view: Callable | None = None,
 ) -> Primitive:
     """Declares the primitive `name`, computed by the FFI target `target`.
 
@@ -196,6 +197,10 @@ def ffi_primitive(
       reduced_results: indices of public results that are sums over rows.
       host_attrs: names of attributes read by `result_avals` alone (they size workspaces) and not
         passed to the kernel.
+      cpu_view: `(attrs, operand shapes) -> (attrs, shape -> shape)` or None: on the CPU, the kernel
+        runs with those attributes on every operand and result reshaped by that function (the same
+        bytes in another shape, e.g. with unit axes dropped: XLA:CPU may otherwise copy an operand
+        into the layout the call asks for), each result reshaped back.
 
     The primitive is bound as `prim.bind(*operands, **attrs)` and returns a list of public results.
     """
@@ -207,38 +212,55 @@ def ffi_primitive(
         avals = result_avals(*operands, **attrs)
         return [_like_operand(a, operands[0]) for a in avals[:len(avals) - scratch_results]]
 
-    def call_kernel(attrs: Attrs, *operands):
-        avals = result_avals(*(jax.core.ShapedArray(o.shape, o.dtype) for o in operands),
-                             **dict(attrs))
-        kernel_attrs = {name: value for name, value in attrs if name not in host_attrs}
-        results = jax.ffi.ffi_call(
-            target, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])(*operands, **kernel_attrs)
-        return tuple(results[:len(results) - scratch_results])
+    def make_call(view):
+        """The kernel's call on operands (`view` as cpu_view, or None), and its partitioned form."""
+        def call_kernel(attrs: Attrs, *operands):
+            avals = result_avals(*(jax.core.ShapedArray(o.shape, o.dtype) for o in operands),
+                                 **dict(attrs))
+            viewed = view(dict(attrs), [o.shape for o in operands]) if view else None
+            if viewed:
+                attrs, reshape = viewed
+                attrs = attrs.items()
+                operands = [o.reshape(reshape(o.shape)) for o in operands]
+            kernel_attrs = {name: value for name, value in attrs if name not in host_attrs}
+            shapes = [reshape(a.shape) if viewed else a.shape for a in avals]
+            results = jax.ffi.ffi_call(
+                target, [jax.ShapeDtypeStruct(shape, a.dtype) for shape, a in zip(shapes, avals)])(
+                    *operands, **kernel_attrs)
+            if viewed:
+                results = [r.reshape(a.shape) for r, a in zip(results, avals)]
+            return tuple(results[:len(results) - scratch_results])
 
-    partitioned = custom_partitioning(call_kernel, static_argnums=(0,))
+        partitioned = custom_partitioning(call_kernel, static_argnums=(0,))
 
-    def infer_sharding(attrs, mesh, arg_shapes, result_shape):
-        return _shardings(mesh, _row_spec(layout, arg_shapes), layout.result_trailing)
+        def infer_sharding(attrs, mesh, arg_shapes, result_shape):
+            return _shardings(mesh, _row_spec(layout, arg_shapes), layout.result_trailing)
 
-    def partition(attrs, mesh, arg_shapes, result_shape):
-        row_spec = _row_spec(layout, arg_shapes)
-        axes = _mesh_axes(row_spec)
+        def partition(attrs, mesh, arg_shapes, result_shape):
+            row_spec = _row_spec(layout, arg_shapes)
+            axes = _mesh_axes(row_spec)
 
-        def per_shard(*operands):
-            results = list(call_kernel(attrs, *operands))
-            for i in reduced_results:
-                if axes:
-                    results[i] = jax.lax.psum(results[i], axes)
-            return tuple(results)
+            def per_shard(*operands):
+                results = list(call_kernel(attrs, *operands))
+                for i in reduced_results:
+                    if axes:
+                        results[i] = jax.lax.psum(results[i], axes)
+                return tuple(results)
 
-        return (mesh, per_shard, _shardings(mesh, row_spec, layout.result_trailing),
-                _shardings(mesh, row_spec, layout.operand_trailing))
+            return (mesh, per_shard, _shardings(mesh, row_spec, layout.result_trailing),
+                    _shardings(mesh, row_spec, layout.operand_trailing))
 
-    partitioned.def_partition(
-        partition=partition, infer_sharding_from_operands=infer_sharding,
-        sharding_rule=sharding_rule)
+        partitioned.def_partition(
+            partition=partition, infer_sharding_from_operands=infer_sharding,
+            sharding_rule=sharding_rule)
+        return call_kernel, partitioned
+
+    calls = make_call(None)
+    cpu_calls = make_call(cpu_view) if cpu_view else calls
 
     def lowering(ctx, *operands, **attrs):
+        # The CPU view only where the module is lowered for the CPU alone (not in a multi-platform export).
+        call_kernel, partitioned = cpu_calls if tuple(ctx.module_context.platforms) == ("cpu",) else calls
         call = partitioned if _spans_devices(ctx) else call_kernel
         key = tuple(sorted(attrs.items()))
         return mlir.lower_fun(lambda *ops: call(key, *ops), multiple_results=True)(ctx, *operands)

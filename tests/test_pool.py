@@ -205,7 +205,23 @@ def test_argmax_is_uint8_up_to_256_window_elements(rng):
         x = normal(rng, (1, 20, 20, 4))
         hlo = jax.jit(jax.grad(lambda x: jnp.sum(jaxdnn.max_pool(x, window)))).lower(x).as_text()
         fwd = [line for line in hlo.splitlines() if "jaxdnn_max_pool_fwd_v1" in line]
-        assert fwd and all(f"tensor<1x1x{21 - window[0]}x{21 - window[1]}x4x{dtype}>" in line for line in fwd)
+        assert fwd and all(f"x{21 - window[0]}x{21 - window[1]}x4x{dtype}>" in line for line in fwd)
+
+
+@pytest.mark.parametrize("x_shape,window,operand", [
+    ((2, 3, 9, 10, 4), (3, 3), "6x9x10x4"),  # two batch axes: 6 images in the D axis
+    ((2, 40, 4), (3,), "1x2x40x4"),  # 1-D: the images in the H axis
+    ((2, 5, 9, 10, 4), (3, 3, 3), "2x5x9x10x4"),  # 3-D: the kernels' form
+], ids=str)
+def test_cpu_view_puts_the_images_in_a_unit_axis(x_shape, window, operand, rng):
+    """Lowered for the CPU, the stages take a 1-D or 2-D window's arrays with the images in an axis
+    the window does not span (no unit axis after the rows, which made XLA:CPU copy x on every call);
+    a 3-D window's as they are."""
+    x = normal(rng, x_shape)
+    f = jax.jit(jax.grad(lambda x: jnp.sum(jaxdnn.max_pool(x, window, padding="SAME") ** 2)))
+    hlo = f.trace(x).lower(lowering_platforms=("cpu",)).as_text()
+    calls = [line for line in hlo.splitlines() if "stablehlo.custom_call @jaxdnn_max_pool" in line]
+    assert len(calls) == 2 and all(f"tensor<{operand}xf32>" in line for line in calls), calls
 
 
 @op_param
@@ -223,8 +239,10 @@ def test_batch_sharded_runs_per_shard(name, mesh_kind, devices, rng):
     assert "all-gather" not in hlo
     calls = [line for line in hlo.splitlines() if 'custom_call_target="jaxdnn_' in line]
     assert len(calls) == 2, calls
-    # Every stage reads or writes x's per-shard [2, 1, 9, 10, 16] (the kernels' 3-D form).
-    assert all("f32[2,1,9,10,16]" in line for line in calls), calls
+    # Every stage reads or writes x's per-shard [2, 1, 9, 10, 16] (the kernels' 3-D form), on the CPU
+    # as [2, 9, 10, 16] (the images in the D axis: pool.py's _rows_as_spatial)
+    shard = "f32[2,9,10,16]" if jax.default_backend() == "cpu" else "f32[2,1,9,10,16]"
+    assert all(shard in line for line in calls), calls
     want_y, want = _oracle(name, np.asarray(x), (3, 3), (2, 2), "SAME", np.asarray(ct))  # unsharded
     assert_close(y, want_y, 1e-6, "sharded forward")
     assert_close(got, want, 1e-5, "sharded grad")
