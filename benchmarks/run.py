@@ -736,6 +736,51 @@ def _long_row_cases(quick: bool) -> list[Case]:
     return cases
 
 
+# Convolutions timed a stage at a time (label, batch, spatial shape, C, K, window): ResNet-50's 56^2
+# 64 -> 64 layer (all three stages on the halo kernels), VGG-16's conv2_1 (112^2, 64 -> 128: the
+# forward and dgrad on the im2col kernels, the wgrad on the halo one) and the 1-D 3-tap layer.
+_STAGE_CONVS = [
+    ("3x3", 128, (56, 56), 64, 64, (3, 3)),
+    ("VGG-16 conv2_1", 32, (112, 112), 64, 128, (3, 3)),
+    ("1-D temporal", 32, (16000,), 64, 64, (3,)),
+]
+
+
+def conv_stage_cases(quick: bool) -> list[Case]:
+    """The forward, x's gradient alone (dgrad) and w's (wgrad) of a few convolutions (bf16, SAME,
+    unit strides, channels last; N 1 with --quick) against lax's, each a case: where a layer's
+    fwd+bwd gap lies. FLOPs: each stage 2 * N * (output pixels) * K * C * (window taps)."""
+    key = jax.random.key(8)
+    cases = []
+    for label, batch, spatial, channels, filters, window in _STAGE_CONVS:
+        batch = 1 if quick else batch
+        letters = "DHW"[3 - len(spatial):]
+        conv = dict(window_strides=(1,) * len(spatial), padding="SAME",
+                    dimension_numbers=(f"N{letters}C", f"{letters}IO", f"N{letters}C"))
+        sets = []
+        for _ in range(2 if quick else 3):
+            key, kx, kw, kdy = jax.random.split(key, 4)
+            sets.append((_normal(kx, (batch,) + spatial + (channels,), jnp.bfloat16),
+                         _normal(kw, window + (channels, filters), jnp.bfloat16, std=0.1),
+                         _normal(kdy, (batch,) + spatial + (filters,), jnp.bfloat16)))
+        flops = 2 * batch * math.prod(spatial) * filters * channels * math.prod(window)
+        size, taps = "x".join(map(str, spatial)), "x".join(map(str, window))
+        name = f"{label} N{batch} {size} C{channels} K{filters} {taps}"
+        for stage, (fn, peer_fn) in _conv_stages(conv).items():
+            cases.append(Case("conv_stages", f"{name} {stage}", fn, "xla", peer_fn, sets, flops, "TFLOP/s"))
+    return cases
+
+
+def _conv_stages(conv):
+    """{stage: (jaxdnn's, lax's)}, each a function of (x, w, dy)."""
+    def stages(op):
+        return {"fwd": lambda x, w, dy: op(x, w, **conv),
+                "dgrad": lambda x, w, dy: jax.vjp(lambda x: op(x, w, **conv), x)[1](dy)[0],
+                "wgrad": lambda x, w, dy: jax.vjp(lambda w: op(x, w, **conv), w)[1](dy)[0]}
+    ours, peers = stages(jaxdnn.conv_general_dilated), stages(jax.lax.conv_general_dilated)
+    return {stage: (ours[stage], peers[stage]) for stage in ours}
+
+
 # --- dense -------------------------------------------------------------------------------------------
 
 def dense_cases(quick: bool) -> list[Case]:
@@ -934,6 +979,7 @@ FAMILIES: dict[str, Callable[[bool], list[Case]]] = {
     "pool": pool_cases,
     "group_norm": group_norm_cases,
     "conv": conv_cases,
+    "conv_stages": conv_stage_cases,
     "dense": dense_cases,
     "attention": attention_cases,
     "rnn": rnn_cases,

@@ -22,7 +22,7 @@ SHAPES = [
 # Feature sizes cover every CUDA backward path: warp per row, block per row (up to 512 threads), and
 # the streaming kernel (unaligned or long rows).
 GRAD_SHAPES = [(1, 1), (7, 1), (33,), (3, 5, 37), (2, 0, 16), (4, 1000), (2, 4100), (37, 1024), (5, 8192),
-               (2048, 256), (700, 2048), (1200, 100),  # more rows than resident blocks (CPU: 16, 16, 3 slices)
+               (2048, 256), (700, 2048), (1200, 100),  # rows > resident blocks (CPU: 16, 16, 3 slices)
                (3, 16384), (2, 65536)]
 
 
