@@ -484,6 +484,32 @@ def test_vmap(lhs_axis, rhs_axis, rng):
     assert_close(got[1], want[1], 1e-5, "vmap(grad) rhs")
 
 
+def _kernel_form(*shape):
+    """A 2-D convolution's pixel array [N, 1, H, W, C] as its stages' calls take it, "Nx1xHxWxC"; on
+    the CPU "1xNxHxWxC", the images in the depth axis (_conv_kernels._images_in_unit_axis)."""
+    if jax.default_backend() == "cpu":
+        shape = (1, shape[0]) + shape[2:]
+    return "x".join(map(str, shape))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,numbers,operand", [
+    ((2, 9, 10, 8), (3, 3, 8, 4), NHWC, "1x2x9x10x8"),  # the images in the depth axis
+    ((2, 40, 8), (3, 8, 4), NWC, "1x1x2x40x8"),  # 1-D: in the height axis
+    ((2, 3, 9, 10, 8), (3, 3, 3, 8, 4), ("NDHWC", "DHWIO", "NDHWC"), "2x3x9x10x8"),  # 3-D: as it is
+], ids=str)
+def test_cpu_view_puts_the_images_in_a_unit_axis(x_shape, w_shape, numbers, operand, rng):
+    """Lowered for the CPU, the three stages take a 2-D or 1-D convolution's x (dgrad: dx) with the
+    images in an axis the window does not span (no unit axis after the images, which made XLA:CPU
+    copy x on every call); a 3-D one's as it is."""
+    x, w = normal(rng, x_shape), normal(rng, w_shape)
+    op = _op(jaxdnn.conv_general_dilated, dict(window_strides=(1,) * (len(x_shape) - 2), padding="SAME",
+                                               dimension_numbers=numbers))
+    f = jax.jit(jax.grad(lambda x, w: jnp.sum(op(x, w) ** 2), argnums=(0, 1)))
+    hlo = f.trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+    calls = [line for line in hlo.splitlines() if "stablehlo.custom_call @jaxdnn_conv" in line]
+    assert len(calls) == 3 and all(f"tensor<{operand}xf32>" in line for line in calls), calls
+
+
 @pytest.mark.parametrize("lhs_axis", [None, 0], ids=str)
 def test_vmap_over_filters(lhs_axis, rng, blocks_on_cpu):
     """Per-copy filters on a shared input widen one convolution (the forward and wgrad, as lax's
@@ -501,8 +527,9 @@ def test_vmap_over_filters(lhs_axis, rng, blocks_on_cpu):
     calls = _conv_calls(hlo)
     assert calls and all("groups = 1 :" in c for c in calls)
     # fprop (x, the 3 copies' 8 filters side by side) and wgrad (x, dy of 3 x 8 features)
-    widened = [c for c in calls if "(tensor<2x1x6x5x16xbf16>, tensor<1x3x3x16x24xbf16>)" in c
-               or "(tensor<2x1x6x5x16xbf16>, tensor<2x1x6x5x24xbf16>)" in c]
+    x, dy = _kernel_form(2, 1, 6, 5, 16), _kernel_form(2, 1, 6, 5, 24)
+    widened = [c for c in calls if f"(tensor<{x}xbf16>, tensor<1x3x3x16x24xbf16>)" in c
+               or f"(tensor<{x}xbf16>, tensor<{dy}xbf16>)" in c]
     assert len(widened) == (2 if lhs_axis is None else 0), calls
 
     bias = normal(rng, (3, 8), jnp.bfloat16)
@@ -612,7 +639,8 @@ def test_batch_sharded_runs_per_shard(mesh_kind, channels, devices, rng):
     assert len(calls) == 3, calls
     # Every stage reads or writes lhs's per-shard [2, 1, 9, 10, 8] in the kernels' 3-D form; with 6
     # channels, space-to-depth's [2, 1, 6, 6, 24] (2 x 2 blocks of pixels, the input padded to 12 x 12).
-    x_shape = "f32[2,1,9,10,8]" if channels == 8 else "f32[2,1,6,6,24]"
+    x_dims = _kernel_form(2, 1, 9, 10, 8) if channels == 8 else _kernel_form(2, 1, 6, 6, 24)
+    x_shape = f"f32[{x_dims.replace('x', ',')}]"
     assert all(x_shape in line for line in calls), calls
     want_y, (want_dlhs, want_drhs) = _oracle(kwargs, np.asarray(lhs), np.asarray(rhs), np.asarray(ct))
     assert_close(y, want_y, 1e-5, "sharded forward")
