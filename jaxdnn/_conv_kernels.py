@@ -366,9 +366,9 @@ def _images_in_unit_axis(attrs, shapes):
     bytes): [N..., 1, H, W, C] as [1, B, H, W, C], the B = prod(N...) images the kernels' D axis, or
     for 1-D, [N..., 1, 1, W, C] as [1, 1, B, W, C], the images their H axis (the window takes one
     element of that axis, with unit stride and dilations and no padding). The 3-D form's unit axis
-    after the images made XLA:CPU copy x into the layout the call asks for (N 2, 56^2 64 -> 64: 3.5
-    ms a forward against 2.6 on x already 5-D). Filters, bias and workspaces keep their shapes. None
-    for 3-D windows and symbolic batch sizes."""
+    after the images made XLA:CPU copy x into the layout the call asks for (N 16, 56^2 64 -> 64 bf16:
+    the 3x3 layer's gradient took 48 ms against 44-45 with the view). Filters, bias and workspaces
+    keep their shapes. None for 3-D windows and symbolic batch sizes."""
     conv = _conv_of(attrs)
     trivial = [conv.window[a] == conv.strides[a] == conv.lhs_dilation[a] == conv.rhs_dilation[a] == 1
                and conv.pads[a] == 0 and conv.in_spatial[a] == conv.out_spatial[a] == 1 for a in range(2)]
