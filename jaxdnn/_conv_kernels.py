@@ -38,7 +38,7 @@ import numpy as np
 from jaxdnn import _autotune, _ffi  # noqa: F401  (_ffi registers the FFI targets)
 from jaxdnn import _conv_few_channels as few_channels
 from jaxdnn import _conv_regroup as regroup
-from jaxdnn._primitive import ffi_primitive, move_to_front, transpose_linear
+from jaxdnn._primitive import ffi_primitive, images_in_unit_axis, move_to_front, transpose_linear
 from jaxdnn.activation import KIND_NAMES, _activation, epilogue_attrs
 from jaxdnn.dense import weight_gradient
 
@@ -362,30 +362,14 @@ def _batch_rule(prim, args, dims, *, batch_major, **attrs):
 
 
 def _images_in_unit_axis(attrs, shapes):
-    """The CPU's view of a 2-D or 1-D convolution's pixel arrays (ffi_primitive's cpu_view; the same
-    bytes): [N..., 1, H, W, C] as [1, B, H, W, C], the B = prod(N...) images the kernels' D axis, or
-    for 1-D, [N..., 1, 1, W, C] as [1, 1, B, W, C], the images their H axis (the window takes one
-    element of that axis, with unit stride and dilations and no padding). The 3-D form's unit axis
-    after the images made XLA:CPU copy x into the layout the call asks for (N 16, 56^2 64 -> 64 bf16:
-    the 3x3 layer's gradient took 48 ms against 44-45 with the view). Filters, bias and workspaces
-    keep their shapes. None for 3-D windows and symbolic batch sizes."""
+    """The CPU's view of a 2-D or 1-D convolution's pixel arrays (images_in_unit_axis, in rank 5):
+    [N..., 1, H, W, C] as [1, B, H, W, C], the images the kernels' D axis, and [N..., 1, 1, W, C] as
+    [1, 1, B, W, C]. Without it (N 16, 56^2 64 -> 64 bf16) the 3x3 layer's gradient took 48 ms
+    against 44-45."""
     conv = _conv_of(attrs)
     trivial = [conv.window[a] == conv.strides[a] == conv.lhs_dilation[a] == conv.rhs_dilation[a] == 1
                and conv.pads[a] == 0 and conv.in_spatial[a] == conv.out_spatial[a] == 1 for a in range(2)]
-    rows = shapes[0][:-4]
-    if not trivial[0] or not all(isinstance(n, (int, np.integer)) for n in rows):
-        return None
-    images = int(np.prod(rows))
-    if images >= 2**31:
-        return None
-    axis = 1 if trivial[1] else 0  # the unit axis the images take
-    attrs = dict(attrs, **{f"{name}_{'dh'[axis]}": np.int64(images) for name in ("in", "out")})
-
-    def reshape(shape):
-        if len(shape) < 5 or shape[-4] != 1 or (axis == 1 and shape[-3] != 1):
-            return shape  # not a pixel array (a filter [1, U, V, Cg, K] would map onto itself anyway)
-        return (1,) * (1 + axis) + (int(np.prod(shape[:-4])),) + tuple(shape[-3 + axis:])
-    return attrs, reshape
+    return images_in_unit_axis(attrs, shapes, trivial, rank=5)
 
 
 def _stage(name, result_avals, rule, batch_major, target=None, **kwargs):

@@ -26,6 +26,7 @@ import functools
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
@@ -215,14 +216,13 @@ def ffi_primitive(
     def make_call(view):
         """The kernel's call on operands (`view` as cpu_view, or None), and its partitioned form."""
         def call_kernel(attrs: Attrs, *operands):
-            avals = result_avals(*(jax.core.ShapedArray(o.shape, o.dtype) for o in operands),
-                                 **dict(attrs))
-            viewed = view(dict(attrs), [o.shape for o in operands]) if view else None
+            attrs = dict(attrs)
+            avals = result_avals(*(jax.core.ShapedArray(o.shape, o.dtype) for o in operands), **attrs)
+            viewed = view(attrs, [o.shape for o in operands]) if view else None
             if viewed:
                 attrs, reshape = viewed
-                attrs = attrs.items()
                 operands = [o.reshape(reshape(o.shape)) for o in operands]
-            kernel_attrs = {name: value for name, value in attrs if name not in host_attrs}
+            kernel_attrs = {name: value for name, value in attrs.items() if name not in host_attrs}
             shapes = [reshape(a.shape) if viewed else a.shape for a in avals]
             results = jax.ffi.ffi_call(
                 target, [jax.ShapeDtypeStruct(shape, a.dtype) for shape, a in zip(shapes, avals)])(
@@ -271,6 +271,31 @@ def ffi_primitive(
     mlir.register_lowering(prim, lowering)
     batching.primitive_batchers[prim] = functools.partial(batch_rule, prim)
     return prim
+
+
+def images_in_unit_axis(attrs, shapes, trivial, rank):
+    """A cpu_view (see ffi_primitive) for stages over pixel arrays [images..., D, H, W, C] in the
+    kernels' 3-D form, whose window does not span D (trivial[0]: one element, unit stride, no
+    padding, D = P = 1) and maybe not H (trivial[1]): the arrays as rank-`rank` ones (4 or 5, leading
+    ones first) with the B = prod(images...) images in D, or in H where that is trivial too (the
+    same bytes; in_d and out_d, or in_h and out_h, become B). XLA:CPU had copied x into the 3-D
+    form's layout, whose unit axis follows the images, on every call. Other arrays (a filter [1, U,
+    V, Cg, K], a bias, a workspace) keep their shapes. None where D is not trivial (a 3-D window) or
+    the image count is symbolic (shape-polymorphic export)."""
+    rows = shapes[0][:-4]
+    if not trivial[0] or not all(isinstance(n, (int, np.integer)) for n in rows):
+        return None
+    images = int(np.prod(rows))
+    if images >= 2**31:
+        return None
+    axis = 1 if trivial[1] else 0  # the unit axis the images take
+    attrs = dict(attrs, **{f"{name}_{'dh'[axis]}": np.int64(images) for name in ("in", "out")})
+
+    def reshape(shape):
+        if len(shape) < 5 or shape[-4] != 1 or (axis == 1 and shape[-3] != 1):
+            return shape  # not a pixel array (a filter [1, U, V, Cg, K] would map onto itself anyway)
+        return (1,) * (rank - 4 + axis) + (int(np.prod(shape[:-4])),) + tuple(shape[-3 + axis:])
+    return attrs, reshape
 
 
 def with_reference_vjp(kernel, reference, *args):

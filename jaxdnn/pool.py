@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
 from jaxdnn import reference
-from jaxdnn._primitive import ffi_primitive, per_row_shard, rows_batch_rule
+from jaxdnn._primitive import ffi_primitive, images_in_unit_axis, per_row_shard, rows_batch_rule
 
 _FLOAT_TYPES = [jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
 _MAX_UINT8_WINDOW = 256  # argmax offsets of larger windows do not fit uint8
@@ -82,26 +82,13 @@ def _unpooled_avals(dy, *argmax, count_include_pad=None, **attrs):
 
 
 def _rows_as_spatial(attrs, shapes):
-    """The CPU's view of a 1-D or 2-D window's arrays (ffi_primitive's cpu_view): [rows..., 1, H, W, C]
-    as [B, H, W, C], the B = prod(rows) images the kernels' D axis, and [rows..., 1, 1, W, C] as [1, B,
-    W, C], the images their H axis (the same bytes; the window takes one element of that axis). The
-    3-D form's unit axis after the rows made XLA:CPU copy x into the layout the call asks for (a pass
-    over x and a fresh buffer's page faults on every call: 3x3/2 max pooling of 16 x 112^2 x 64 took
-    5.5-8.5 ms where the kernel takes 3.4). None for 3-D windows and symbolic row counts."""
+    """The CPU's view of a 1-D or 2-D window's arrays (images_in_unit_axis, in rank 4): [rows..., 1,
+    H, W, C] as [B, H, W, C], the images the kernels' D axis, and [rows..., 1, 1, W, C] as [1, B, W,
+    C]. Without it, 3x3/2 max pooling of 16 x 112^2 x 64 took 5.5-8.5 ms where the kernel takes 3.4."""
     window, stride, pad, ins, outs = (_spatial(attrs, name)
                                       for name in ("window", "stride", "pad", "in", "out"))
-    unit = [window[a] == stride[a] == ins[a] == outs[a] == 1 and pad[a] == 0 for a in range(2)]
-    rows = shapes[0][:-4]
-    if not unit[0] or not all(isinstance(n, (int, np.integer)) for n in rows):  # 3-D, or symbolic rows
-        return None
-    images = int(np.prod(rows))
-    if images >= 2**31:
-        return None
-    axis = "h" if unit[1] else "d"  # the unit axis the images take
-    attrs = dict(attrs, **{f"in_{axis}": np.int64(images), f"out_{axis}": np.int64(images)})
-    if unit[1]:
-        return attrs, lambda shape: (1, int(np.prod(shape[:-4]))) + tuple(shape[-2:])
-    return attrs, lambda shape: (int(np.prod(shape[:-4])),) + tuple(shape[-3:])
+    trivial = [window[a] == stride[a] == ins[a] == outs[a] == 1 and pad[a] == 0 for a in range(2)]
+    return images_in_unit_axis(attrs, shapes, trivial, rank=4)
 
 
 def _stage(name, result_avals, rule):

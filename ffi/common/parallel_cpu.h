@@ -45,6 +45,12 @@ void ParallelChunks(ffi::ThreadPool& pool, int64_t n, int64_t grain, const Fn& f
   ParallelFor(pool, chunks, [&](int64_t c) { fn(n * c / chunks, n * (c + 1) / chunks); });
 }
 
+// The rows of `shape` a chunk of a row-wise kernel's work takes at least: 32768 values (one row at
+// least), far more than a task's scheduling costs.
+inline int64_t RowsPerChunk(RowsFeatures shape) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, shape.features));
+}
+
 // A spinning thread's pause (the x86 `pause`, arm's `yield`: a hint to the core, not a syscall).
 inline void SpinPause() {
 #if defined(__x86_64__) || defined(__i386__)

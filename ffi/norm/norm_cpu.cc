@@ -37,14 +37,12 @@ JAXDNN_ALWAYS_INLINE inline void LoadRow(const T* src, int64_t n, float* dst) {
   for (int64_t j = 0; j < n; ++j) dst[j] = ToFloat(src[j]);
 }
 
-// Rows a chunk (or a backward slice) takes at least: 32768 values, far more than a task costs.
-int64_t GrainRows(RowsFeatures shape) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, shape.features)); }
-
-// The backward's slices of rows: a count fixed by the shape (at most kMaxSlices), not by the threads,
-// so that dscale and dbias, added slice by slice in order, have the same bits on every machine.
+// The backward's slices of rows (of RowsPerChunk at least): a count fixed by the shape (at most
+// kMaxSlices), not by the threads, so that dscale and dbias, added slice by slice in order, have the
+// same bits on every machine.
 constexpr int64_t kMaxSlices = 16;
 int64_t Slices(RowsFeatures shape) {
-  return std::clamp<int64_t>(shape.rows / GrainRows(shape), 1, kMaxSlices);
+  return std::clamp<int64_t>(shape.rows / RowsPerChunk(shape), 1, kMaxSlices);
 }
 
 // kRms: y = x * rstd * scale, rstd = 1/sqrt(mean(x^2) + eps); otherwise
@@ -137,7 +135,7 @@ ffi::Error NormFwdCpu(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     ForActivation<kRms>(act.kind, [&](auto tag) {
-      ParallelChunks(pool, shape.rows, GrainRows(shape), [&](int64_t begin, int64_t end) {
+      ParallelChunks(pool, shape.rows, RowsPerChunk(shape), [&](int64_t begin, int64_t end) {
         NormFwd<T, kRms, decltype(tag)::value>(static_cast<const T*>(x.untyped_data()), scale.typed_data(),
                                                kRms ? nullptr : bias->typed_data(), static_cast<T*>(y->untyped_data()),
                                                kRms ? nullptr : (*mean)->typed_data(), rstd->typed_data(), shape, begin,

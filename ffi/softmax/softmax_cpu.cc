@@ -60,12 +60,10 @@ void SoftmaxBwd(const T* dy, const T* y, T* dx, RowsFeatures shape) {
   });
 }
 
-// Calls fn(first row, shape of the rows) for chunks of rows spread over the pool (at least 32768
-// values a chunk: far more than a task's scheduling costs).
+// Calls fn(first value, shape of the rows) for chunks of rows spread over the pool (RowsPerChunk).
 template <typename Fn>
 void ForRowChunks(ffi::ThreadPool& pool, RowsFeatures shape, const Fn& fn) {
-  const int64_t grain = std::max<int64_t>(1, 32768 / shape.features);
-  ParallelChunks(pool, shape.rows, grain, [&](int64_t begin, int64_t end) {
+  ParallelChunks(pool, shape.rows, RowsPerChunk(shape), [&](int64_t begin, int64_t end) {
     fn(begin * shape.features, RowsFeatures{end - begin, shape.features});
   });
 }
