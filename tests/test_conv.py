@@ -484,10 +484,11 @@ def test_vmap(lhs_axis, rhs_axis, rng):
     assert_close(got[1], want[1], 1e-5, "vmap(grad) rhs")
 
 
-def _kernel_form(*shape):
+def _kernel_form(*shape, platform=None):
     """A 2-D convolution's pixel array [N, 1, H, W, C] as its stages' calls take it, "Nx1xHxWxC"; on
-    the CPU "1xNxHxWxC", the images in the depth axis (_conv_kernels._images_in_unit_axis)."""
-    if jax.default_backend() == "cpu":
+    the CPU "1xNxHxWxC", the images in the depth axis (_conv_kernels._images_in_unit_axis). platform:
+    the one the calls are lowered for, by default jax's default backend."""
+    if (platform or jax.default_backend()) == "cpu":
         shape = (1, shape[0]) + shape[2:]
     return "x".join(map(str, shape))
 
@@ -639,8 +640,9 @@ def test_batch_sharded_runs_per_shard(mesh_kind, channels, devices, rng):
     assert len(calls) == 3, calls
     # Every stage reads or writes lhs's per-shard [2, 1, 9, 10, 8] in the kernels' 3-D form; with 6
     # channels, space-to-depth's [2, 1, 6, 6, 24] (2 x 2 blocks of pixels, the input padded to 12 x 12).
-    x_dims = _kernel_form(2, 1, 9, 10, 8) if channels == 8 else _kernel_form(2, 1, 6, 6, 24)
-    x_shape = f"f32[{x_dims.replace('x', ',')}]"
+    # These tests' devices are CPUs (also on a GPU machine), so in the CPU's form: _kernel_form.
+    dims = (2, 1, 9, 10, 8) if channels == 8 else (2, 1, 6, 6, 24)
+    x_shape = f"f32[{_kernel_form(*dims, platform='cpu').replace('x', ',')}]"
     assert all(x_shape in line for line in calls), calls
     want_y, (want_dlhs, want_drhs) = _oracle(kwargs, np.asarray(lhs), np.asarray(rhs), np.asarray(ct))
     assert_close(y, want_y, 1e-5, "sharded forward")

@@ -239,9 +239,9 @@ def test_batch_sharded_runs_per_shard(name, mesh_kind, devices, rng):
     assert "all-gather" not in hlo
     calls = [line for line in hlo.splitlines() if 'custom_call_target="jaxdnn_' in line]
     assert len(calls) == 2, calls
-    # Every stage reads or writes x's per-shard [2, 1, 9, 10, 16] (the kernels' 3-D form), on the CPU
-    # as [2, 9, 10, 16] (the images in the D axis: pool.py's _rows_as_spatial)
-    shard = "f32[2,9,10,16]" if jax.default_backend() == "cpu" else "f32[2,1,9,10,16]"
+    # Every stage reads or writes x's per-shard [2, 1, 9, 10, 16] (the kernels' 3-D form), which the
+    # CPU devices of these tests take as [2, 9, 10, 16] (the images in the D axis: _rows_as_spatial)
+    shard = "f32[2,9,10,16]"
     assert all(shard in line for line in calls), calls
     want_y, want = _oracle(name, np.asarray(x), (3, 3), (2, 2), "SAME", np.asarray(ct))  # unsharded
     assert_close(y, want_y, 1e-6, "sharded forward")
