@@ -364,7 +364,9 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
 #pragma unroll
   for (int s = 0; s < kCols; ++s) sm90::FenceRegisters(acc[s]);
 
-  // The accumulator's rows are filters k, its columns channels c.
+  // The accumulator's rows are filters k, its columns channels c. Pairs of them stored as 8-byte words
+  // (StoreWords): with C and K at run time the float2 stores had compiled to two 4-byte ones each, and
+  // the wgrad of the 3x3 56^2 64 -> 64 layer took 0.075 ms against 0.065-0.068 with constant sizes.
   constexpr int kTaps = 3 * kTapRows;
   float* at = partial + int64_t(blockIdx.y) * kTaps * channels * filters;
   const int lane = threadIdx.x % 32, row = 16 * (warp % 4) + lane / 4, col = 2 * (lane % 4);
@@ -374,7 +376,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
 #pragma unroll
     for (int j = 0; j < 32; j += 2) {
       const int k = dy_chunk * kChannels + row + 8 * ((j >> 1) & 1), c = x_chunk * kChannels + col + 8 * (j >> 2);
-      *reinterpret_cast<float2*>(at + (k * kTaps + tap) * channels + c) = make_float2(acc[s][j], acc[s][j + 1]);
+      StoreWords(at + (k * kTaps + tap) * channels + c, make_float2(acc[s][j], acc[s][j + 1]));
     }
   }
 }
