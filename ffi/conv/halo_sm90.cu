@@ -475,10 +475,16 @@ __global__ void __launch_bounds__(kPointwiseThreads, 1)
   float* at = partial + int64_t(blockIdx.x) * kChannels * 64 * kWide;
   const int lane = threadIdx.x % 32, row = 16 * (warp % 4) + lane / 4, col = 2 * (lane % 4);
 #pragma unroll
-  for (int j = 0; j < 32 * kWide; ++j) {
-    const int m = row + 8 * ((j >> 1) & 1), n = col + 8 * (j >> 2) + (j & 1);
-    const float sum = acc[j] + exchange[j * kWarpgroup + thread];
-    at[p.narrow_is_x ? n * kChannels + m : m * p.channels + n] = sum;  // [k, c]
+  for (int j = 0; j < 32 * kWide; j += 2) {  // the elements (m, n) and (m, n + 1)
+    const int m = row + 8 * ((j >> 1) & 1), n = col + 8 * (j >> 2);
+    const float2 sum = make_float2(acc[j] + exchange[j * kWarpgroup + thread],
+                                   acc[j + 1] + exchange[(j + 1) * kWarpgroup + thread]);
+    if (p.narrow_is_x) {  // [k, c]: k = n, c = m
+      at[n * kChannels + m] = sum.x;
+      at[(n + 1) * kChannels + m] = sum.y;
+    } else {  // k = m, c = n: one 8-byte word (two 4-byte stores fill half a sector each)
+      StoreWords(at + m * p.channels + n, sum);
+    }
   }
 }
 
