@@ -9,6 +9,11 @@
 # families leave out rnn, attention_memory and the slowest cases; name them to run them.
 # A jaxdnn wheel in .whl/ (built elsewhere for this machine's Python) is installed instead of
 # building from source, which saves the device the CUDA compile.
+# A/B on one machine: JAXDNN_AB=DIR names another source tree (e.g. `git archive REV | tar -x -C .ab`,
+# carried to the device with this one), built beside this one; the benchmarks then run on each build
+# in turn, JAXDNN_AB_ROUNDS times (default 2), into RESULTS_DIR/this-R/ and RESULTS_DIR/other-R/ (the
+# same harness, this tree's run.py, for both; the tests run on this tree's build alone). Machines
+# differ by several percent, so a change measured against the last run's numbers may be the machine.
 # Keeps going after a failure so the benchmarks still run; exits non-zero if any step failed.
 set -uo pipefail
 mkdir -p "${1:?usage: $0 RESULTS_DIR}" && out=$(cd "$1" && pwd) || exit 2
@@ -23,11 +28,18 @@ if compgen -G '.whl/*.whl' >/dev/null; then
   export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+if [ -n "${JAXDNN_AB:-}" ]; then  # the other tree's build, beside this one's (the two compile at once)
+  other=$(mktemp -d)
+  (cd "$JAXDNN_AB" && python3 -m pip install --no-build-isolation --no-deps --target "$other" . \
+    > "$out/build-other.log" 2>&1) &
+  other_build=$!
+fi
 if compgen -G '.whl/jaxdnn-*.whl' >/dev/null; then
   echo "gpu_check: using the carried $(ls .whl/jaxdnn-*.whl)" | tee "$out/build.log"
 else
   python3 -m pip install --no-build-isolation --no-deps -v . 2>&1 | tee "$out/build.log" || failed+=(build)
 fi
+if [ -n "${JAXDNN_AB:-}" ]; then wait "$other_build" || failed+=(build-other); fi
 nvidia-smi
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
 # -P: do not put the cwd (the source folder jaxdnn/) ahead of the installed package on sys.path.
@@ -43,10 +55,20 @@ python3 -P -m pytest ${JAXDNN_TESTS:-tests} -q -p no:cacheprovider "${workers[@]
   || failed+=(tests)
 unset XLA_PYTHON_CLIENT_PREALLOCATE
 families=${JAXDNN_FAMILIES:-norm softmax activation pool batch_norm group_norm dense conv attention}
-if [ "$families" != none ]; then
+bench() {  # bench OUT_DIR: every family (and case) asked for, on the jaxdnn first on the path
   # shellcheck disable=SC2086
-  python3 benchmarks/run.py --family $families ${JAXDNN_CASE:+--case "$JAXDNN_CASE"} --out "$out" 2>&1 \
-    | tee "$out/bench.log" || failed+=(benchmarks)
+  python3 benchmarks/run.py --family $families ${JAXDNN_CASE:+--case "$JAXDNN_CASE"} --out "$1" 2>&1 \
+    | tee -a "$out/bench.log" || failed+=(benchmarks)
+}
+if [ "$families" != none ] && [ -z "${JAXDNN_AB:-}" ]; then
+  bench "$out"
+elif [ "$families" != none ]; then
+  for round in $(seq "${JAXDNN_AB_ROUNDS:-2}"); do
+    echo "gpu_check: round $round, this tree" | tee -a "$out/bench.log"
+    bench "$out/this-$round"
+    echo "gpu_check: round $round, $JAXDNN_AB" | tee -a "$out/bench.log"
+    PYTHONPATH=$other${PYTHONPATH:+:$PYTHONPATH} bench "$out/other-$round"
+  done
 fi
 
 if ((${#failed[@]})); then echo "gpu_check: FAILED: ${failed[*]}" >&2; exit 1; fi
