@@ -1,12 +1,15 @@
 // CPU GroupNorm: the CUDA kernels' decomposition (per-chunk channel sums in the workspace, then
-// per-group reductions over the chunks, then an elementwise pass), one sample at a time, with
-// contiguous loops over the channels. The oracle-checked path CI runs.
+// per-group reductions over the chunks, then an elementwise pass), with contiguous loops over the
+// channels. The oracle-checked path CI runs. The sums and the elementwise passes take the (sample,
+// chunk) items on XLA's intra-op threads: each item's sums have a workspace slot of their own and
+// are added over the chunks in order afterwards, so the results do not depend on the threads.
 #include <algorithm>
 #include <vector>
 
 #include "common/activation.h"
 #include "common/cpu_isa.h"
 #include "common/half_cpu.h"
+#include "common/parallel_cpu.h"
 #include "group_norm/group_norm.h"
 #include "group_norm/group_norm_common.h"
 
@@ -31,99 +34,115 @@ float GroupSum(const float* sample_ws, const GroupNormShape& shape, int64_t grou
   return total;
 }
 
+// fn(n, p) for every chunk p of every sample n, as items on the intra-op threads.
+template <typename Fn>
+void ForChunks(ffi::ThreadPool& pool, const GroupNormShape& shape, const Fn& fn) {
+  ParallelFor(pool, shape.batch * shape.chunks,
+              [&](int64_t item) { fn(item / shape.chunks, item % shape.chunks); });
+}
+
 // Every per-position loop runs in CallVectorized's variant (common/cpu_isa.h), with the activation
 // a compile-time constant and the per-group values spread over the channels first (an integer
-// division by the group size in a loop keeps it scalar).
+// division by the group size in a loop keeps it scalar): arrays [N, C].
 template <typename T, Activation kAct>
-void GroupNormFwd(const T* x, const float* scale, const float* bias, T* y, float* mean,
+void GroupNormFwd(ffi::ThreadPool& pool, const T* x, const float* scale, const float* bias, T* y, float* mean,
                   float* rstd, float* workspace, const GroupNormShape& shape, float epsilon, float param) {
-  const int64_t c_count = shape.channels, k_size = shape.group_size;
-  std::vector<float> shift(c_count), m(c_count), a(c_count);
+  const int64_t c_count = shape.channels, k_size = shape.group_size, sample = shape.spatial * c_count;
+  std::vector<float> shift(shape.batch * c_count), m(shape.batch * c_count), a(shape.batch * c_count);
+  // Each group's shift is its first element (see GroupMoments).
   for (int64_t n = 0; n < shape.batch; ++n) {
-    const T* xn = x + n * shape.spatial * c_count;
-    float* ws = workspace + n * shape.chunks * 2 * c_count;
-    // Each group's shift is its first element (see GroupMoments).
     for (int64_t c = 0; c < c_count; ++c) {
-      shift[c] = shape.spatial > 0 ? ToFloat(xn[(c / k_size) * k_size]) : 0.f;
+      shift[n * c_count + c] = shape.spatial > 0 ? ToFloat(x[n * sample + (c / k_size) * k_size]) : 0.f;
     }
+  }
+  ForChunks(pool, shape, [&](int64_t n, int64_t p) {
+    const T* xn = x + n * sample;
+    const float* shift_n = &shift[n * c_count];
+    float* sums = workspace + (n * shape.chunks + p) * 2 * c_count;
+    float* squares = sums + c_count;
     CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
-      for (int64_t p = 0; p < shape.chunks; ++p) {
-        float* sums = ws + p * 2 * c_count;
-        float* squares = sums + c_count;
-        for (int64_t c = 0; c < c_count; ++c) sums[c] = squares[c] = 0.f;
-        for (int64_t s = ChunkBegin(shape, p); s < ChunkBegin(shape, p + 1); ++s) {
-          const T* row = xn + s * c_count;
-          for (int64_t c = 0; c < c_count; ++c) {
-            const float v = ToFloat(row[c]) - shift[c];
-            sums[c] += v;
-            squares[c] += v * v;
-          }
+      for (int64_t c = 0; c < c_count; ++c) sums[c] = squares[c] = 0.f;
+      for (int64_t s = ChunkBegin(shape, p); s < ChunkBegin(shape, p + 1); ++s) {
+        const T* row = xn + s * c_count;
+        for (int64_t c = 0; c < c_count; ++c) {
+          const float v = ToFloat(row[c]) - shift_n[c];
+          sums[c] += v;
+          squares[c] += v * v;
         }
       }
     });
+  });
+  for (int64_t n = 0; n < shape.batch; ++n) {
+    const float* ws = workspace + n * shape.chunks * 2 * c_count;
     float* mean_n = mean + n * shape.groups;
     float* rstd_n = rstd + n * shape.groups;
     for (int64_t g = 0; g < shape.groups; ++g) {
       GroupMoments(GroupSum(ws, shape, g, 0, nullptr), GroupSum(ws, shape, g, 1, nullptr),
-                   shift[g * k_size], shape.spatial * k_size, epsilon, &mean_n[g], &rstd_n[g]);
+                   shift[n * c_count + g * k_size], shape.spatial * k_size, epsilon, &mean_n[g], &rstd_n[g]);
     }
     // y = act((x - mean) * a + bias) with a = rstd * scale, per channel.
     for (int64_t c = 0; c < c_count; ++c) {
-      m[c] = OfGroup(mean_n, c, k_size);
-      a[c] = OfGroup(rstd_n, c, k_size) * scale[c];
+      m[n * c_count + c] = OfGroup(mean_n, c, k_size);
+      a[n * c_count + c] = OfGroup(rstd_n, c, k_size) * scale[c];
     }
-    T* yn = y + n * shape.spatial * c_count;
+  }
+  ForChunks(pool, shape, [&](int64_t n, int64_t p) {
+    const T* xn = x + n * sample;
+    T* yn = y + n * sample;
+    const float *m_n = &m[n * c_count], *a_n = &a[n * c_count];
     CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
-      for (int64_t s = 0; s < shape.spatial; ++s) {
+      for (int64_t s = ChunkBegin(shape, p); s < ChunkBegin(shape, p + 1); ++s) {
         for (int64_t c = 0; c < c_count; ++c) {
-          const float pre = (ToFloat(xn[s * c_count + c]) - m[c]) * a[c] + bias[c];
+          const float pre = (ToFloat(xn[s * c_count + c]) - m_n[c]) * a_n[c] + bias[c];
           yn[s * c_count + c] = FromFloat<T>(Activate<kAct>(pre, param));
         }
       }
     });
-  }
+  });
 }
 
 // With xhat = (x - mean) * rstd, d = dy * act'(xhat * scale + bias) and g = d * scale, per group:
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),
 // and dscale = sum(d * xhat), dbias = sum(d) over samples and positions.
 template <typename T, Activation kAct>
-void GroupNormBwd(const T* dy, const T* x, const float* scale, const float* bias,
+void GroupNormBwd(ffi::ThreadPool& pool, const T* dy, const T* x, const float* scale, const float* bias,
                   const float* mean, const float* rstd, T* dx, float* dscale, float* dbias,
                   float* workspace, float* group_sums, const GroupNormShape& shape, float param) {
-  const int64_t c_count = shape.channels, k_size = shape.group_size;
-  std::vector<float> mean_c(c_count), rstd_c(c_count), mean_g(shape.groups), mean_g_xhat(shape.groups);
-  std::vector<float> mean_g_c(c_count), mean_g_xhat_c(c_count);
-  // d = dy * act'(xhat * scale + bias) of channel c of the position from element `first`; its xhat
+  const int64_t c_count = shape.channels, k_size = shape.group_size, sample = shape.spatial * c_count;
+  const int64_t per_sample = shape.batch * c_count;
+  std::vector<float> mean_c(per_sample), rstd_c(per_sample), mean_g_c(per_sample), mean_g_xhat_c(per_sample);
+  for (int64_t n = 0; n < shape.batch; ++n) {
+    for (int64_t c = 0; c < c_count; ++c) {
+      mean_c[n * c_count + c] = OfGroup(mean + n * shape.groups, c, k_size);
+      rstd_c[n * c_count + c] = OfGroup(rstd + n * shape.groups, c, k_size);
+    }
+  }
+  // d = dy * act'(xhat * scale + bias) of sample n's channel c at element `e` of the sample; its xhat
   // to *xhat.
-  auto position = [&](int64_t first, int64_t c, float* xhat) JAXDNN_ALWAYS_INLINE {
-    *xhat = (ToFloat(x[first + c]) - mean_c[c]) * rstd_c[c];
-    const float d = ToFloat(dy[first + c]);
+  auto position = [&](int64_t n, int64_t e, int64_t c, float* xhat) JAXDNN_ALWAYS_INLINE {
+    *xhat = (ToFloat(x[n * sample + e]) - mean_c[n * c_count + c]) * rstd_c[n * c_count + c];
+    const float d = ToFloat(dy[n * sample + e]);
     return kAct == Activation::kIdentity ? d : d * ActivateGrad<kAct>(*xhat * scale[c] + bias[c], param);
   };
-  for (int64_t n = 0; n < shape.batch; ++n) {
-    const int64_t offset = n * shape.spatial * c_count;
-    float* ws = workspace + n * shape.chunks * 2 * c_count;
-    for (int64_t c = 0; c < c_count; ++c) {
-      mean_c[c] = OfGroup(mean + n * shape.groups, c, k_size);
-      rstd_c[c] = OfGroup(rstd + n * shape.groups, c, k_size);
-    }
+  ForChunks(pool, shape, [&](int64_t n, int64_t p) {
+    float* d_xhat = workspace + (n * shape.chunks + p) * 2 * c_count;
+    float* d_sum = d_xhat + c_count;
     CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
-      for (int64_t p = 0; p < shape.chunks; ++p) {
-        float* d_xhat = ws + p * 2 * c_count;
-        float* d_sum = d_xhat + c_count;
-        for (int64_t c = 0; c < c_count; ++c) d_xhat[c] = d_sum[c] = 0.f;
-        for (int64_t s = ChunkBegin(shape, p); s < ChunkBegin(shape, p + 1); ++s) {
-          for (int64_t c = 0; c < c_count; ++c) {
-            float xhat;
-            const float d = position(offset + s * c_count, c, &xhat);
-            d_xhat[c] += d * xhat;
-            d_sum[c] += d;
-          }
+      for (int64_t c = 0; c < c_count; ++c) d_xhat[c] = d_sum[c] = 0.f;
+      for (int64_t s = ChunkBegin(shape, p); s < ChunkBegin(shape, p + 1); ++s) {
+        for (int64_t c = 0; c < c_count; ++c) {
+          float xhat;
+          const float d = position(n, s * c_count + c, c, &xhat);
+          d_xhat[c] += d * xhat;
+          d_sum[c] += d;
         }
       }
     });
-    const float count = float(shape.spatial * k_size);
+  });
+  const float count = float(shape.spatial * k_size);
+  std::vector<float> mean_g(shape.groups), mean_g_xhat(shape.groups);
+  for (int64_t n = 0; n < shape.batch; ++n) {
+    const float* ws = workspace + n * shape.chunks * 2 * c_count;
     float* sums_n = group_sums + n * shape.groups * 2;
     for (int64_t g = 0; g < shape.groups; ++g) {
       sums_n[2 * g] = GroupSum(ws, shape, g, 0, scale);      // sum(g * xhat)
@@ -132,19 +151,24 @@ void GroupNormBwd(const T* dy, const T* x, const float* scale, const float* bias
       mean_g[g] = sums_n[2 * g + 1] / count;
     }
     for (int64_t c = 0; c < c_count; ++c) {
-      mean_g_c[c] = OfGroup(mean_g.data(), c, k_size);
-      mean_g_xhat_c[c] = OfGroup(mean_g_xhat.data(), c, k_size);
+      mean_g_c[n * c_count + c] = OfGroup(mean_g.data(), c, k_size);
+      mean_g_xhat_c[n * c_count + c] = OfGroup(mean_g_xhat.data(), c, k_size);
     }
+  }
+  ForChunks(pool, shape, [&](int64_t n, int64_t p) {
+    const float *rstd_n = &rstd_c[n * c_count], *mean_g_n = &mean_g_c[n * c_count];
+    const float* mean_g_xhat_n = &mean_g_xhat_c[n * c_count];
+    T* dx_n = dx + n * sample;
     CallVectorized([&]() JAXDNN_ALWAYS_INLINE {
-      for (int64_t s = 0; s < shape.spatial; ++s) {
+      for (int64_t s = ChunkBegin(shape, p); s < ChunkBegin(shape, p + 1); ++s) {
         for (int64_t c = 0; c < c_count; ++c) {
           float xhat;
-          const float g = position(offset + s * c_count, c, &xhat) * scale[c];
-          dx[offset + s * c_count + c] = FromFloat<T>(rstd_c[c] * (g - mean_g_c[c] - xhat * mean_g_xhat_c[c]));
+          const float g = position(n, s * c_count + c, c, &xhat) * scale[c];
+          dx_n[s * c_count + c] = FromFloat<T>(rstd_n[c] * (g - mean_g_n[c] - xhat * mean_g_xhat_n[c]));
         }
       }
     });
-  }
+  });
   // dscale and dbias: the workspace summed over samples and chunks, in double.
   std::vector<double> dscale_acc(c_count, 0.0), dbias_acc(c_count, 0.0);
   for (int64_t part = 0; part < shape.batch * shape.chunks; ++part) {
@@ -186,7 +210,7 @@ void StoreParam(const std::vector<float>& values, ffi::Result<ffi::AnyBuffer>& o
   }
 }
 
-ffi::Error GroupNormFwdImpl(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> mean,
                             ffi::Result<ffi::Buffer<ffi::F32>> rstd,
                             ffi::Result<ffi::Buffer<ffi::F32>> workspace, float epsilon,
@@ -198,8 +222,8 @@ ffi::Error GroupNormFwdImpl(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuff
     using T = decltype(tag);
     const std::vector<float> scale_f = ParamFloats<T>(scale), bias_f = ParamFloats<T>(bias);
     DispatchActivation(activation, [&](auto act) {
-      GroupNormFwd<T, decltype(act)::value>(static_cast<const T*>(x.untyped_data()), scale_f.data(), bias_f.data(),
-                                            static_cast<T*>(y->untyped_data()), mean->typed_data(),
+      GroupNormFwd<T, decltype(act)::value>(pool, static_cast<const T*>(x.untyped_data()), scale_f.data(),
+                                            bias_f.data(), static_cast<T*>(y->untyped_data()), mean->typed_data(),
                                             rstd->typed_data(), workspace->typed_data(), shape, epsilon,
                                             activation_param);
     });
@@ -207,8 +231,8 @@ ffi::Error GroupNormFwdImpl(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuff
   });
 }
 
-ffi::Error GroupNormBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
-                            ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
+ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer scale,
+                            ffi::AnyBuffer bias, ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
                             ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
                             ffi::Result<ffi::AnyBuffer> dbias,
                             ffi::Result<ffi::Buffer<ffi::F32>> workspace,
@@ -222,7 +246,7 @@ ffi::Error GroupNormBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer 
     std::vector<float> dscale_f(shape.channels), dbias_f(shape.channels);
     const std::vector<float> scale_f = ParamFloats<T>(scale), bias_f = ParamFloats<T>(bias);
     DispatchActivation(activation, [&](auto act) {
-      GroupNormBwd<T, decltype(act)::value>(static_cast<const T*>(dy.untyped_data()),
+      GroupNormBwd<T, decltype(act)::value>(pool, static_cast<const T*>(dy.untyped_data()),
                                             static_cast<const T*>(x.untyped_data()), scale_f.data(), bias_f.data(),
                                             mean.typed_data(), rstd.typed_data(), static_cast<T*>(dx->untyped_data()),
                                             dscale_f.data(), dbias_f.data(), workspace->typed_data(),
@@ -240,6 +264,6 @@ ffi::Error GroupNormBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer 
 namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupNormFwdCpu, jaxdnn::GroupNormFwdImpl,
-                              jaxdnn::BindGroupNormFwd(ffi::Ffi::Bind()));
+                              jaxdnn::BindGroupNormFwd(jaxdnn::BindWithThreadPool()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupNormBwdCpu, jaxdnn::GroupNormBwdImpl,
-                              jaxdnn::BindGroupNormBwd(ffi::Ffi::Bind()));
+                              jaxdnn::BindGroupNormBwd(jaxdnn::BindWithThreadPool()));
