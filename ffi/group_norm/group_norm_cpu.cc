@@ -109,8 +109,8 @@ void GroupNormBwd(ffi::ThreadPool& pool, const T* dy, const T* x, const float* s
                   const float* mean, const float* rstd, T* dx, float* dscale, float* dbias,
                   float* workspace, float* group_sums, const GroupNormShape& shape, float param) {
   const int64_t c_count = shape.channels, k_size = shape.group_size, sample = shape.spatial * c_count;
-  const int64_t per_sample = shape.batch * c_count;
-  std::vector<float> mean_c(per_sample), rstd_c(per_sample), mean_g_c(per_sample), mean_g_xhat_c(per_sample);
+  const int64_t n_c = shape.batch * c_count;  // the [N, C] arrays' size
+  std::vector<float> mean_c(n_c), rstd_c(n_c), mean_g_c(n_c), mean_g_xhat_c(n_c);
   for (int64_t n = 0; n < shape.batch; ++n) {
     for (int64_t c = 0; c < c_count; ++c) {
       mean_c[n * c_count + c] = OfGroup(mean + n * shape.groups, c, k_size);
