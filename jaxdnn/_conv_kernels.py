@@ -159,15 +159,17 @@ def _wgrad_slices(batch, pixels, padded_filter, filters, tile_rows=64):
 def _halo(stage, channels, filters, batch, attrs):
     """halo_sm90.cu's HaloApplies, for wgrad HaloWgradApplies (the dtype and the device checked
     elsewhere): one group of 64 channels to 64 filters (wgrad: or 128 on one side), a 3x3 window on
-    (h, w) with SAME padding or a 1x3 one on w (a 1-D window along the rows), unit strides and
-    dilations; the rows in strips of 64 pixels."""
+    (h, w) with SAME padding or one row of 3, 5 or 7 taps on w (a 1-D window along the rows, SAME),
+    unit strides and dilations; the rows in strips of 64 pixels."""
     d, h, w = _spatial(attrs, "in")
     window = _spatial(attrs, "window")
     units = batch * d * h * -(-w // 64)
     limit = 2**31 - 1 - 128
     sizes = ((64, 64), (64, 128), (128, 64)) if stage == "wgrad" else ((64, 64),)
-    return ((channels, filters) in sizes and int(attrs["groups"]) == 1 and window in ((1, 3, 3), (1, 1, 3))
-            and _spatial(attrs, "stride") == (1, 1, 1) and _spatial(attrs, "pad") == (0, window[1] // 2, 1)
+    windows = ((1, 3, 3), (1, 1, 3), (1, 1, 5), (1, 1, 7))
+    return ((channels, filters) in sizes and int(attrs["groups"]) == 1 and window in windows
+            and _spatial(attrs, "stride") == (1, 1, 1)
+            and _spatial(attrs, "pad") == (0, window[1] // 2, window[2] // 2)
             and _spatial(attrs, "lhs_dilation") == (1, 1, 1) and _spatial(attrs, "rhs_dilation") == (1, 1, 1)
             and _spatial(attrs, "out") == (d, h, w) and 0 < w < limit and 0 < units < limit)
 

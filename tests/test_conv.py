@@ -144,6 +144,12 @@ TENSOR_CORE_CASES = [
     # ... their wgrad with 128 channels on one side (a CTA a 64-channel half): 3x3 64 -> 128, 1-D 128 -> 64
     ((2, 6, 70, 64), (3, 3, 64, 128), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
     ((3, 200, 128), (3, 128, 64), dict(window_strides=(1,), padding="SAME", dimension_numbers=NWC)),
+    # ... rows of 5 and 7 taps (the stages from 2 and 3 pixels before the strip; the wgrad's warpgroups
+    # owning 2 and 3 taps, a 5-tap window's sixth dropped): 1-D over 300 samples, 1x7 over rows of 70,
+    # and a 1-D 5-tap wgrad of 128 -> 64
+    ((3, 300, 64), (5, 64, 64), dict(window_strides=(1,), padding="SAME", dimension_numbers=NWC)),
+    ((2, 4, 70, 64), (1, 7, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
+    ((3, 200, 128), (5, 128, 64), dict(window_strides=(1,), padding="SAME", dimension_numbers=NWC)),
     # 1x1 with 64 channels on one side: the pointwise halo wgrad (CTAs taking ranges of 64-pixel
     # chunks, the last one partial): fewer chunks than CTAs, x or dy the narrow side, 128 or 256
     # wide, and about 5 chunks a CTA (the stage ring wraps)
@@ -873,11 +879,11 @@ def test_conv_fused_tensor_core_shapes(dtype, activation, with_residual, channel
 
 
 @pytest.mark.parametrize("with_residual", [False, True], ids=["bias", "bias+residual"])
-@pytest.mark.parametrize("x_shape,w_shape", [((2, 3, 130, 64), (3, 3, 64, 64)), ((2, 150, 64), (3, 64, 64))],
-                         ids=str)
+@pytest.mark.parametrize("x_shape,w_shape", [((2, 3, 130, 64), (3, 3, 64, 64)), ((2, 150, 64), (3, 64, 64)),
+                                             ((2, 150, 64), (7, 64, 64))], ids=str)
 def test_conv_fused_halo_strips(x_shape, w_shape, with_residual, rng):
     """The halo kernels' epilogue on strips of a row (a residual read and a store clipped at the row's
-    end): a 3x3 layer over rows of 130 pixels and a 1-D one over 150 samples, 64 -> 64."""
+    end): a 3x3 layer over rows of 130 pixels and 1-D ones of 3 and 7 taps over 150 samples, 64 -> 64."""
     test_conv_fused(jnp.bfloat16, "silu", x_shape, w_shape, dict(padding="SAME"), with_residual, rng)
 
 

@@ -1,17 +1,17 @@
 // The halo kernels (see halo_sm90.h) on Hopper's tensor cores (wgmma, TMA).
 //
-// The work comes in units: strips of up to 64 pixels of an image row R = (n, d, h) (a row of at most
-// 64 pixels is one strip), ordered by image, then strip, then row, so that the units before and
-// after a unit are the same strip of rows R - 1 and R + 1. A CTA takes a contiguous range [first,
-// end) of the units and walks it in order. TMA stages every unit of the activations once, through a
-// ring of shared-memory stages, with its halo: stage e holds unit first - 1 + e (3x3 windows; first
-// + e for 1x3 ones) from one pixel before the strip to past its end (staged pixel p is the strip's
-// pixel p - 1; pixels outside the row, and rows outside the array, zero), so output unit first + i
-// finds the strips of rows R - 1, R, R + 1 of its taps in stages i, i + 1, i + 2. A tap (r, s) is then
-// stage i + r read from its pixel s: a wgmma descriptor whose start is moved s 128-byte pixels into
-// the stage (the 128-byte swizzle is a function of the shared-memory address, so a descriptor
-// starting on any pixel reads what TMA wrote there). A row R + r - 1 of another image (h + r - 1
-// outside [0, H)) contributes nothing. Products are 64 x 64 wgmma tiles, float32 sums in registers.
+// The work comes in units: strips of up to 64 pixels of an image row R = (n, d, h) (a row of at most 64
+// pixels is one strip), ordered by image, then strip, then row, so that the units before and after a unit are
+// the same strip of rows R - 1 and R + 1. A CTA takes a contiguous range [first, end) of the units and walks
+// it in order. TMA stages every unit of the activations once, through a ring of shared-memory stages, with
+// its halo: stage e holds unit first - 1 + e (3x3 windows; first + e for one row of S = 3, 5 or 7 taps) from
+// one pixel (S / 2) before the strip to past its end (staged pixel p is the strip's pixel p - 1; pixels
+// outside the row, and rows outside the array, zero), so output unit first + i finds the strips of
+// rows R - 1, R, R + 1 of its taps in stages i, i + 1, i + 2. A tap (r, s) is then stage i + r read from its
+// pixel s: a wgmma descriptor whose start is moved s 128-byte pixels into the stage (the 128-byte swizzle is a
+// function of the shared-memory address, so a descriptor starting on any pixel reads what TMA wrote there). A
+// row R + r - 1 of another image (h + r - 1 outside [0, H)) contributes nothing. Products are 64 x 64 wgmma
+// tiles, float32 sums in registers.
 //
 // - fprop: consumer warpgroups take pairs of output units: y[unit] (64 pixels x 64 filters) = the sum
 //   over the taps of x's shifted strip (K-major A; a zero row for taps outside the image) times
@@ -19,8 +19,8 @@
 //   into a shared-memory tile and a TMA store of the unit's pixels inside the row.
 // - dgrad: the same over dy with w's taps flipped and read K-major (dx[R, q, c] = sum over (r, s, k)
 //   of dy[R + r - 1, q + s - 1, k] w[2 - r, 2 - s, c, k]).
-// - wgrad: a stage also holds dy's unit first + e - 2 (first + e for 1x3; pixels past W zero), and
-//   consumer warpgroup r (0..2) owns the taps (r, s), s = 0..2 (for 1x3: the tap s = r), over every
+// - wgrad: a stage also holds dy's unit first + e - 2 (first + e for one row; pixels past W zero), and
+//   consumer warpgroup r (0..2) owns the taps (r, s), s = 0..2 (for one row: the taps s = r + 3 u), over every
 //   unit: dW[k, r, s, c] += sum over pixels q of dy[R, q, k] x[R + r - 1, q + s - 1, c], dy^T as A
 //   and the shifted x strip as B (both MN-major, the pixels the reduction axis; rows of another image
 //   skipped). Its sums stay in registers (3 x 32 a thread) until the CTA's last unit, then go to the
@@ -151,14 +151,16 @@ __device__ __forceinline__ void StageRow(const float (&acc)[32], const float (&b
 }
 
 // out for the units of this CTA: fprop (kDgrad false) y = epilogue(conv(x, w)) from in = x; dgrad dx
-// from in = dy (no epilogue operands). A window of kTapRows (3 or 1) rows by 3 columns; w [kTapRows, 3,
-// C, K] stays in shared memory throughout. Stage e holds unit first - kTapRows / 2 + e, so that output
-// unit i finds its tap row r in stage i + r.
-template <typename T, bool kDgrad, int kTapRows>
+// from in = dy (no epilogue operands). A window of kTapRows rows by kTapCols columns (3 x 3, or one row
+// of 3, 5 or 7); w [kTapRows, kTapCols, C, K] stays in shared memory throughout. Stage e holds unit
+// first - kTapRows / 2 + e, from kTapCols / 2 pixels before its strip, so that output unit i finds its
+// tap row r in stage i + r and the tap (r, s) of its pixel q at the stage's pixel q + s.
+template <typename T, bool kDgrad, int kTapRows, int kTapCols>
 __global__ void __launch_bounds__(kFpropThreads, 1)
     HaloFpropKernel(const __grid_constant__ CUtensorMap in_map, const __grid_constant__ CUtensorMap w_map,
                     const __grid_constant__ CUtensorMap out_map, Rows rows, int width, ConvEpilogue<T> epilogue) {
-  constexpr int kTaps = 3 * kTapRows, kHalo = kTapRows / 2;
+  constexpr int kTaps = kTapRows * kTapCols, kHalo = kTapRows / 2, kPad = kTapCols / 2;
+  static_assert(kTaps * kTapBytes <= kFilterBytes && kRowPixels + 2 * kPad <= kHaloPixels, "window too wide");
   extern __shared__ uint8_t shared_raw[];
   uint8_t* filter = sm90::AlignedShared(shared_raw);
   uint8_t* stages = filter + kFilterBytes;
@@ -178,16 +180,14 @@ __global__ void __launch_bounds__(kFpropThreads, 1)
   if (warp == kFpropConsumers * 4) {  // the producer
     if (threadIdx.x % 32 == 0) {
       sm90::BarrierArriveExpectTx(filter_full, kTaps * kTapBytes);
-      for (int j = 0; j < kTapRows; ++j) {
-        sm90::TmaLoad4d(filter + j * 3 * kTapBytes, &w_map, filter_full, 0, j * 192, 0, 0);
-      }
+      for (int j = 0; j < kTaps; ++j) sm90::TmaLoad4d(filter + j * kTapBytes, &w_map, filter_full, 0, j * 64, 0, 0);
       // a last group of fewer units waits for them all
       Unit unit(rows, range.first - kHalo);
       for (int e = 0; e < range.count + kFpropRows + kTapRows - 2; ++e, unit.Next(rows)) {
         sm90::WaitEmpty<kFpropStages>(empty, e);
         uint64_t* bar = &full[e % kFpropStages];
         sm90::BarrierArriveExpectTx(bar, kHaloBytes);
-        sm90::TmaLoad4d(stages + e % kFpropStages * kHaloBytes, &in_map, bar, 0, unit.pixel - 1, unit.row, 0);
+        sm90::TmaLoad4d(stages + e % kFpropStages * kHaloBytes, &in_map, bar, 0, unit.pixel - kPad, unit.row, 0);
       }
     }
     return;
@@ -222,8 +222,8 @@ __global__ void __launch_bounds__(kFpropThreads, 1)
 #pragma unroll
     for (int r = 0; r < kTapRows; ++r) {
 #pragma unroll
-      for (int s = 0; s < 3; ++s) {
-        const uint8_t* tap = filter + (kDgrad ? kTaps - 1 - 3 * r - s : 3 * r + s) * kTapBytes;
+      for (int s = 0; s < kTapCols; ++s) {
+        const uint8_t* tap = filter + (kDgrad ? kTaps - 1 - kTapCols * r - s : kTapCols * r + s) * kTapBytes;
 #pragma unroll
         for (int step = 0; step < kRowPixels / 16; ++step) {
           const uint64_t b = kDgrad ? sm90::DescriptorKMajor(tap + step * 32)  // B [C, K]: K the reduction
@@ -284,15 +284,19 @@ constexpr int kWgradShared = kWgradStages * kWgradStageBytes + kHaloBytes + 2 * 
 // partial[blockIdx.y] [K, kTapRows, 3, C] for slice blockIdx.y of the units: the 64 x 64 block of its
 // filters and channels in 64-channel chunk blockIdx.x of the wide side (K or C, when it has 128: the
 // two CTAs of a slice are neighbours, so that x or dy, which both read, comes from L2 the second
-// time). Stage e holds x's unit first - halo + e and dy's unit first - 2 halo + e (halo = kTapRows /
-// 2), so unit i finds its dy in stage i + 2 halo and x for its tap row r in stage i + r. With 3 tap
-// rows, warpgroup r owns the taps (r, 0..2); with 1, warpgroup s owns the tap (0, s) (a chain of 4
-// products a unit: the loads set the pace).
-template <typename T, int kTapRows>
+// time). Stage e holds x's unit first - halo + e (from kTapCols / 2 pixels before its strip) and dy's
+// unit first - 2 halo + e (halo = kTapRows / 2), so unit i finds its dy in stage i + 2 halo and x for
+// its tap row r in stage i + r. With 3 tap rows, warpgroup r owns the taps (r, 0..2); with 1,
+// warpgroup g owns the taps (0, g + 3 u) for u < kCols (a chain of 4 kCols products a unit: the loads
+// set the pace), where a 5-tap window's warpgroup 2 multiplies a sixth tap whose sums it drops.
+template <typename T, int kTapRows, int kTapCols>
 __global__ void __launch_bounds__(kWgradThreads, 1)
     HaloWgradKernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap dy_map, Rows rows,
                     int channels, int filters, float* __restrict__ partial) {
-  constexpr int kHalo = kTapRows / 2, kCols = kTapRows == 3 ? 3 : 1;  // kCols: the taps a warpgroup owns
+  constexpr int kHalo = kTapRows / 2, kPad = kTapCols / 2;
+  constexpr int kCols = kTapRows == 3 ? 3 : (kTapCols + 2) / 3;  // the taps a warpgroup owns
+  static_assert(kTapRows == 1 || kTapCols == 3, "3 x 3, or one row of taps");
+  static_assert(kRowPixels + 3 * kCols - 1 <= kHaloPixels, "a warpgroup's last tap reads past the stage");
   extern __shared__ uint8_t shared_raw[];
   uint8_t* stages = sm90::AlignedShared(shared_raw);
   uint8_t* zeros = stages + kWgradStages * kWgradStageBytes;  // x's row for tap rows outside the image
@@ -315,7 +319,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         uint64_t* bar = &full[e % kWgradStages];
         const bool with_dy = e >= 2 * kHalo;
         sm90::BarrierArriveExpectTx(bar, kHaloBytes + (with_dy ? kRowBytes : 0));
-        sm90::TmaLoad4d(at, &x_map, bar, 0, x_chunk, x_unit.pixel - 1, x_unit.row);
+        sm90::TmaLoad4d(at, &x_map, bar, 0, x_chunk, x_unit.pixel - kPad, x_unit.row);
         x_unit.Next(rows);
         if (with_dy) {
           sm90::TmaLoad4d(at + kHaloBytes, &dy_map, bar, 0, dy_chunk, dy_unit.pixel, dy_unit.row);
@@ -327,7 +331,8 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   }
 
   const int group = sm90::WarpgroupIndex();
-  const int r = kTapRows == 3 ? group : 0, first_col = kTapRows == 3 ? 0 : group;
+  // The column of the warpgroup's u-th tap: u (3 x 3), or group + 3 u (one row of taps).
+  const int r = kTapRows == 3 ? group : 0, first_col = kTapRows == 3 ? 0 : group, col_step = kTapRows == 3 ? 1 : 3;
   float acc[kCols][32];
 #pragma unroll
   for (int s = 0; s < kCols; ++s) {
@@ -350,7 +355,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       const uint64_t a = sm90::DescriptorMNMajor(dy_row + step * 16 * kPixelBytes, 0);
 #pragma unroll
       for (int s = 0; s < kCols; ++s) {
-        const uint64_t b = sm90::DescriptorMNMajor(x_row + (step * 16 + first_col + s) * kPixelBytes, 0);
+        const uint64_t b = sm90::DescriptorMNMajor(x_row + (step * 16 + first_col + col_step * s) * kPixelBytes, 0);
         sm90::Wgmma<64, T>::template SS<1, 1>(acc[s], a, b, 1);
       }
     }
@@ -367,12 +372,13 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   // The accumulator's rows are filters k, its columns channels c. Pairs of them stored as 8-byte words
   // (StoreWords): with C and K at run time the float2 stores had compiled to two 4-byte ones each, and
   // the wgrad of the 3x3 56^2 64 -> 64 layer took 0.075 ms against 0.065-0.068 with constant sizes.
-  constexpr int kTaps = 3 * kTapRows;
+  constexpr int kTaps = kTapRows * kTapCols;
   float* at = partial + int64_t(blockIdx.y) * kTaps * channels * filters;
   const int lane = threadIdx.x % 32, row = 16 * (warp % 4) + lane / 4, col = 2 * (lane % 4);
 #pragma unroll
   for (int s = 0; s < kCols; ++s) {
-    const int tap = r * 3 + first_col + s;
+    const int tap_col = first_col + col_step * s, tap = r * kTapCols + tap_col;
+    if (tap_col >= kTapCols) continue;  // a tap past the window (5 taps: warpgroup 2's second)
 #pragma unroll
     for (int j = 0; j < 32; j += 2) {
       const int k = dy_chunk * kChannels + row + 8 * ((j >> 1) & 1), c = x_chunk * kChannels + col + 8 * (j >> 2);
@@ -685,11 +691,15 @@ Rows RowsOf(const ConvGeometry& g) {
   return Rows{int(g.in[1]), strips, ImageRows(g) * strips};
 }
 
-// f(std::integral_constant<int, tap rows>{}) for g's window: 3 x 3 or 1 x 3.
+// f(std::integral_constant<int, tap rows>{}, std::integral_constant<int, tap columns>{}) for g's
+// window (HaloWindow): 3 x 3, or 1 x 3, 1 x 5 or 1 x 7.
 template <typename F>
-ffi::Error WithTapRows(const ConvGeometry& g, F f) {
-  if (g.window[1] == 3) return f(std::integral_constant<int, 3>{});
-  return f(std::integral_constant<int, 1>{});
+ffi::Error WithWindow(const ConvGeometry& g, F f) {
+  using std::integral_constant;
+  if (g.window[1] == 3) return f(integral_constant<int, 3>{}, integral_constant<int, 3>{});
+  if (g.window[2] == 5) return f(integral_constant<int, 1>{}, integral_constant<int, 5>{});
+  if (g.window[2] == 7) return f(integral_constant<int, 1>{}, integral_constant<int, 7>{});
+  return f(integral_constant<int, 1>{}, integral_constant<int, 3>{});
 }
 
 template <bool kDgrad>
@@ -698,15 +708,15 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType
   const char* stage = kDgrad ? "dgrad" : "fprop";
   const Rows rows = RowsOf(g);
   const int width = int(g.in[2]);
-  CUtensorMap in_map, w_map, out_map;  // w [taps, C, K] as rows of K, 192 (a tap row) a box
+  CUtensorMap in_map, w_map, out_map;  // w [taps, C, K] as rows of K, a tap (64 rows) a box
   if (MakeRowMap(&in_map, in, dtype, ImageRows(g), width, kHaloPixels) != CUDA_SUCCESS ||
-      MakeRowMap(&w_map, w, dtype, 1, g.Taps() * kChannels, 192) != CUDA_SUCCESS ||
+      MakeRowMap(&w_map, w, dtype, 1, g.Taps() * kChannels, kChannels) != CUDA_SUCCESS ||
       MakeRowMap(&out_map, out, dtype, ImageRows(g), width, kRowPixels) != CUDA_SUCCESS) {
     return MapError(stage);
   }
-  auto launch = [&](auto tag, auto tap_rows) {
+  auto launch = [&](auto tag, auto tap_rows, auto tap_cols) {
     using T = decltype(tag);
-    const auto kernel = HaloFpropKernel<T, kDgrad, decltype(tap_rows)::value>;
+    const auto kernel = HaloFpropKernel<T, kDgrad, decltype(tap_rows)::value, decltype(tap_cols)::value>;
     JAXDNN_RETURN_IF_ERROR(
         CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kFpropShared), stage));
     const ConvEpilogue<T> epilogue{static_cast<const T*>(bias), static_cast<const T*>(residual), activation,
@@ -715,15 +725,18 @@ ffi::Error LaunchFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType
     kernel<<<ctas, kFpropThreads, kFpropShared, stream>>>(in_map, w_map, out_map, rows, width, epilogue);
     return LaunchError(stage);
   };
-  return WithTapRows(g, [&](auto tap_rows) {
-    return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}, tap_rows) : launch(__half{}, tap_rows);
+  return WithWindow(g, [&](auto rows, auto cols) {
+    return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}, rows, cols) : launch(__half{}, rows, cols);
   });
 }
 
 // Whether g's window and sizes suit the halo kernels (any channels): a 3x3 window with SAME padding, or
-// a 1x3 one (a 1-D window along the rows), unit strides and dilations, units that int counts.
+// one row of 3, 5 or 7 taps (a 1-D window along the rows, SAME), unit strides and dilations, units that
+// int counts.
 bool HaloWindow(const ConvGeometry& g) {
-  const int64_t window[3] = {1, g.window[1] == 1 ? 1 : 3, 3}, pad[3] = {0, window[1] / 2, 1};
+  const int64_t cols = g.window[1] == 1 ? g.window[2] : 3;
+  if (cols != 3 && cols != 5 && cols != 7) return false;
+  const int64_t window[3] = {1, g.window[1] == 1 ? 1 : 3, cols}, pad[3] = {0, window[1] / 2, cols / 2};
   for (int a = 0; a < 3; ++a) {
     if (g.window[a] != window[a] || g.stride[a] != 1 || g.pad[a] != pad[a] || g.lhs_dilation[a] != 1 ||
         g.rhs_dilation[a] != 1 || g.in[a] != g.out[a]) {
@@ -775,17 +788,17 @@ ffi::Error HaloWgrad(cudaStream_t stream, const ConvGeometry& g, ffi::DataType d
   // 0.080: 3x3 64 -> 128 over 112^2, N 16, H200)
   const int chunks = std::max(channels, filters) / kChannels, slices = kHaloWgradSlices / chunks;
   const dim3 grid(chunks, slices);
-  auto launch = [&](auto tag, auto tap_rows) {
+  auto launch = [&](auto tag, auto tap_rows, auto tap_cols) {
     using T = decltype(tag);
-    const auto kernel = HaloWgradKernel<T, decltype(tap_rows)::value>;
+    const auto kernel = HaloWgradKernel<T, decltype(tap_rows)::value, decltype(tap_cols)::value>;
     JAXDNN_RETURN_IF_ERROR(CudaError(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWgradShared), "conv wgrad (halo)"));
     kernel<<<grid, kWgradThreads, kWgradShared, stream>>>(x_map, dy_map, rows, channels, filters, workspace);
     JAXDNN_RETURN_IF_ERROR(LaunchError("conv wgrad (halo)"));
     return SumPartials(stream, workspace, slices, int(g.Taps()), channels, filters, dw_dtype, dw);
   };
-  return WithTapRows(g, [&](auto tap_rows) {
-    return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}, tap_rows) : launch(__half{}, tap_rows);
+  return WithWindow(g, [&](auto rows, auto cols) {
+    return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}, rows, cols) : launch(__half{}, rows, cols);
   });
 }
 

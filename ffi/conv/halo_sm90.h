@@ -1,10 +1,10 @@
-// The halo kernels: every stage of 64-channel 3x3 convolutions (C = K = 64, stride 1, SAME padding:
-// ResNet's) and of 64-channel 1x3 ones (1-D convolutions along the rows), the wgrad of such layers
-// with 64 channels on one side and 128 on the other, and the wgrad of pointwise ones with 64 channels
-// on one side, on Hopper's tensor cores, from strips of up to 64 pixels of the activations' rows staged
-// in shared memory once, with their halo (halo_sm90.cu). CUTLASS's implicit GEMM re-reads each pixel
-// from L2 for each tap; here a tap is an offset into the staged rows. Its wgrad has no split-K; here
-// the CTAs split the pixels, each keeping its filter gradient block in registers.
+// The halo kernels: every stage of 64-channel 3x3 convolutions (C = K = 64, stride 1, SAME padding: ResNet's)
+// and of 64-channel 1x3, 1x5 and 1x7 ones (1-D convolutions along the rows), the wgrad of such layers with 64
+// channels on one side and 128 on the other, and the wgrad of pointwise ones with 64 channels on one side, on
+// Hopper's tensor cores, from strips of up to 64 pixels of the activations' rows staged in shared memory
+// once, with their halo (halo_sm90.cu). CUTLASS's implicit GEMM re-reads each pixel from L2 for each tap;
+// here a tap is an offset into the staged rows. Its wgrad has no split-K; here the CTAs split the pixels,
+// each keeping its filter gradient block in registers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,8 +16,8 @@
 
 namespace jaxdnn {
 
-// Whether the halo kernels take g with 16-bit operands of `dtype`: a 3x3 (SAME) or 1x3 window with unit
-// strides and dilations, 64 -> 64 channels; for HaloWgrad also 64 -> 128 and 128 -> 64.
+// Whether the halo kernels take g with 16-bit operands of `dtype`: a 3x3 (SAME) or 1x3, 1x5, 1x7 window with
+// unit strides and dilations, 64 -> 64 channels; for HaloWgrad also 64 -> 128 and 128 -> 64.
 bool HaloApplies(const ConvGeometry& g, ffi::DataType dtype);
 bool HaloWgradApplies(const ConvGeometry& g, ffi::DataType dtype);
 
