@@ -8,12 +8,16 @@
 //   the reduction (K-major): dx[h, w] = sum over (r, s, k) of dy[h + lower + r d, w + lower + s d, k]
 //   w[R - 1 - r, S - 1 - s, c, k], lower = pad - (R - 1) d, as CUTLASS's dgrad runs it.
 //
-// A CTA owns kRows consecutive output positions and kN output channels. One thread of a producer
-// warpgroup fills a ring of stages: A = TMA im2col boxes of 128 positions x 64 channels (the copy engine walks the
+// A tile is kRows consecutive output positions x kN output channels. The CTAs are persistent (one
+// an SM) and take the tiles in turn. One thread of a producer warpgroup fills a ring of stages that
+// runs across tiles: A = TMA im2col boxes of 128 positions x 64 channels (the copy engine walks the
 // positions across rows and images, padding zero-filled), B = the tap's 64 x kN slice of w; two
 // consumer warpgroups each multiply their half of A's rows (kBlocks m64 blocks) by B, float32 sums
-// in registers. The epilogue (bias, residual, activation) goes through a shared-memory tile in the
-// stages' place and a TMA store.
+// in registers. The epilogue (bias, residual, activation) goes through a shared-memory tile of its
+// own and a TMA store, which completes while the next tile's products run; the producer loads the
+// next tile's first stages during the epilogue. (One CTA a tile, with the result in the stages'
+// place, paid each tile's pipeline fill and epilogue in full: a 3x3 64 -> 128 layer's tile has only
+// 9 steps.)
 //
 // As in halo_sm90.cu: no wgmma under a branch on a thread-derived value (sm90::WarpgroupIndex), and
 // the first product overwrites its accumulators, so that ptxas does not serialize them.
@@ -22,6 +26,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <climits>
 #include <string>
 
@@ -39,7 +44,7 @@ constexpr int kChunkBytes = kChunk * 2;
 constexpr int kWarpgroup = 128;
 constexpr int kConsumers = 2;
 constexpr int kThreads = (kConsumers + 1) * kWarpgroup;  // and a producer warpgroup (one thread issues)
-constexpr int kStages = 4;
+constexpr int kStages = 3;  // and the result tile: 208 KiB of shared memory
 // Registers a thread: the producer gives its own up to the consumers, whose 128 accumulators and
 // epilogue need more than the 168 an even split leaves (which spilled 104-120 bytes). A kernel with
 // wgmma gets registers for whole warpgroups, so a lone producer warp would not save any.
@@ -59,8 +64,8 @@ struct Tile {
   static constexpr int kRows = kConsumers * kGroupRows;  // output positions a CTA
   static constexpr int kABytes = kRows * kChunkBytes;
   static constexpr int kStageBytes = kABytes + kN * kChunkBytes;
-  static constexpr int kShared = kStages * kStageBytes + 2 * kStages * 8 + 1024;
-  static_assert(kRows * kN * 2 <= kStages * kStageBytes, "the result tiles fit where the stages were");
+  static constexpr int kResultBytes = kRows * kN * 2;
+  static constexpr int kShared = kStages * kStageBytes + kResultBytes + 2 * kStages * 8 + 1024;
   static_assert(kRows % kBoxPixels == 0, "whole im2col boxes");
 };
 
@@ -147,22 +152,28 @@ __device__ __forceinline__ void StageBlock(const float (&acc)[kN / 2], const Con
 template <typename T, int kN, bool kDgrad>
 __global__ void __launch_bounds__(kThreads, 1)
     Im2colKernel(const __grid_constant__ CUtensorMap in_map, const __grid_constant__ CUtensorMap w_map,
-                 const __grid_constant__ CUtensorMap out_map, Gather g, ConvEpilogue<T> epilogue) {
+                 const __grid_constant__ CUtensorMap out_map, Gather g, ConvEpilogue<T> epilogue, int row_tiles,
+                 int tiles) {
   using Shape = Tile<kN>;
   extern __shared__ uint8_t shared_raw[];
   uint8_t* stages = sm90::AlignedShared(shared_raw);
-  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * Shape::kStageBytes);
+  uint8_t* result = stages + kStages * Shape::kStageBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(result + Shape::kResultBytes);
   uint64_t* empty = full + kStages;
-  const int first_position = blockIdx.x * Shape::kRows, first_feature = blockIdx.y * kN;
   const int chunks = g.in_c / kChunk, taps = g.taps_h * g.taps_w, steps = taps * chunks;
   const int warp = threadIdx.x / 32;
   if (threadIdx.x == 0) sm90::InitRing<kStages>(full, empty, kConsumers);
   __syncthreads();
+  // Tile t: output positions from (t % row_tiles) kRows, output channels from (t / row_tiles) kN.
+  // e counts stage uses across the CTA's tiles (the ring's phases).
 
   if (warp >= kConsumers * 4) {  // the producer warpgroup
     sm90::RegistersDecrease<kProducerRegisters>();
-    if (threadIdx.x == kConsumers * kWarpgroup) {
-      constexpr int kBoxes = Shape::kRows / kBoxPixels;
+    if (threadIdx.x != kConsumers * kWarpgroup) return;
+    constexpr int kBoxes = Shape::kRows / kBoxPixels;
+    int e = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const int first_position = t % row_tiles * Shape::kRows, first_feature = t / row_tiles * kN;
       int box_w[kBoxes], box_h[kBoxes], box_n[kBoxes];  // where each box's first window starts
 #pragma unroll
       for (int i = 0; i < kBoxes; ++i) {
@@ -172,12 +183,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         box_h[i] = g.lower_h + p * g.stride_h;
         box_w[i] = g.lower_w + q * g.stride_w;
       }
-      for (int e = 0; e < steps; ++e) {
+      for (int step = 0; step < steps; ++step, ++e) {
         sm90::WaitEmpty<kStages>(empty, e);
         uint8_t* a = stages + e % kStages * Shape::kStageBytes;
         uint8_t* b = a + Shape::kABytes;
         uint64_t* bar = &full[e % kStages];
-        const int tap = e / chunks, chunk = e - tap * chunks;
+        const int tap = step / chunks, chunk = step - tap * chunks;
         const int r = tap / g.taps_w, s = tap - r * g.taps_w;
         sm90::BarrierArriveExpectTx(bar, Shape::kStageBytes);
 #pragma unroll
@@ -201,54 +212,61 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   sm90::RegistersIncrease<kConsumerRegisters>();
   const int group = sm90::WarpgroupIndex();
-  float acc[Shape::kBlocks][kN / 2];  // set by the first product (accumulate off)
-  for (int e = 0; e < steps; ++e) {
-    sm90::WaitFull<kStages>(full, e);
-    const uint8_t* a = stages + e % kStages * Shape::kStageBytes + group * Shape::kGroupRows * kChunkBytes;
-    const uint8_t* b = stages + e % kStages * Shape::kStageBytes + Shape::kABytes;
-    sm90::WgmmaFence();
+  const bool leader = threadIdx.x % kWarpgroup == 0;  // releases stages, issues the result's stores
+  uint8_t* tile = result + group * Shape::kGroupRows * kN * 2;  // this warpgroup's rows of the result
+  const int lane = threadIdx.x % 32, row = 16 * (warp % 4) + lane / 4, col = 2 * (lane % 4);
+  int e = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int first_position = t % row_tiles * Shape::kRows, first_feature = t / row_tiles * kN;
+    float acc[Shape::kBlocks][kN / 2];  // set by the tile's first product (accumulate off)
+    for (int step = 0; step < steps; ++step, ++e) {
+      sm90::WaitFull<kStages>(full, e);
+      const uint8_t* a = stages + e % kStages * Shape::kStageBytes + group * Shape::kGroupRows * kChunkBytes;
+      const uint8_t* b = stages + e % kStages * Shape::kStageBytes + Shape::kABytes;
+      sm90::WgmmaFence();
 #pragma unroll
-    for (int step = 0; step < kChunk / 16; ++step) {
-      const uint64_t bd = kDgrad ? sm90::DescriptorKMajor(b + step * 32)
-                                 : sm90::DescriptorMNMajor(b + step * 16 * kChunkBytes, kChunk * kChunkBytes);
+      for (int k = 0; k < kChunk / 16; ++k) {
+        const uint64_t bd = kDgrad ? sm90::DescriptorKMajor(b + k * 32)
+                                   : sm90::DescriptorMNMajor(b + k * 16 * kChunkBytes, kChunk * kChunkBytes);
 #pragma unroll
-      for (int block = 0; block < Shape::kBlocks; ++block) {
-        const uint64_t ad = sm90::DescriptorKMajor(a + block * 64 * kChunkBytes + step * 32);
-        sm90::Wgmma<kN, T>::template SS<kDgrad ? 0 : 1>(acc[block], ad, bd, e + step > 0);
+        for (int block = 0; block < Shape::kBlocks; ++block) {
+          const uint64_t ad = sm90::DescriptorKMajor(a + block * 64 * kChunkBytes + k * 32);
+          sm90::Wgmma<kN, T>::template SS<kDgrad ? 0 : 1>(acc[block], ad, bd, step + k > 0);
+        }
+      }
+      sm90::WgmmaCommit();
+#pragma unroll
+      for (int block = 0; block < Shape::kBlocks; ++block) sm90::FenceRegisters(acc[block]);
+      sm90::WgmmaWait<1>();  // the previous use's products are done: its stage may be refilled
+#pragma unroll
+      for (int block = 0; block < Shape::kBlocks; ++block) sm90::FenceRegisters(acc[block]);
+      if (step > 0 && leader) sm90::BarrierArrive(&empty[(e - 1) % kStages]);
+    }
+    sm90::WgmmaWait<0>();
+#pragma unroll
+    for (int block = 0; block < Shape::kBlocks; ++block) sm90::FenceRegisters(acc[block]);
+    if (leader) {
+      sm90::BarrierArrive(&empty[(e - 1) % kStages]);  // the tile's last stage
+      sm90::BulkWaitReads();  // the previous tile's stores have read the result tile
+    }
+    sm90::NamedBarrierSync(2 + group, kWarpgroup);
+    const int group_position = first_position + group * Shape::kGroupRows;
+#pragma unroll
+    for (int block = 0; block < Shape::kBlocks; ++block) {
+      StageBlock<T, kN>(acc[block], epilogue, g.pixels, g.out_c, group_position + block * 64, first_feature, row, col,
+                        Shape::kGroupRows, tile + block * 64 * kChunkBytes);
+    }
+    sm90::FenceProxyAsync();
+    sm90::NamedBarrierSync(2 + group, kWarpgroup);
+    if (leader) {
+#pragma unroll
+      for (int j = 0; j < kN / 64; ++j) {
+        sm90::TmaStore4d(&out_map, tile + j * Shape::kGroupRows * kChunkBytes, 0, first_feature / 64 + j,
+                         group_position, 0);
       }
     }
-    sm90::WgmmaCommit();
-#pragma unroll
-    for (int block = 0; block < Shape::kBlocks; ++block) sm90::FenceRegisters(acc[block]);
-    sm90::WgmmaWait<1>();  // step e - 1's products are done: its stage may be refilled
-#pragma unroll
-    for (int block = 0; block < Shape::kBlocks; ++block) sm90::FenceRegisters(acc[block]);
-    if (e > 0 && threadIdx.x % kWarpgroup == 0) sm90::BarrierArrive(&empty[(e - 1) % kStages]);
   }
-  sm90::WgmmaWait<0>();
-#pragma unroll
-  for (int block = 0; block < Shape::kBlocks; ++block) sm90::FenceRegisters(acc[block]);
-
-  // The result tiles take the stages' place once both warpgroups are done with them.
-  sm90::NamedBarrierSync(1, kConsumers * kWarpgroup);
-  uint8_t* tile = stages + group * Shape::kGroupRows * kN * 2;
-  const int lane = threadIdx.x % 32, row = 16 * (warp % 4) + lane / 4, col = 2 * (lane % 4);
-  const int group_position = first_position + group * Shape::kGroupRows;
-#pragma unroll
-  for (int block = 0; block < Shape::kBlocks; ++block) {
-    StageBlock<T, kN>(acc[block], epilogue, g.pixels, g.out_c, group_position + block * 64, first_feature, row, col,
-                      Shape::kGroupRows, tile + block * 64 * kChunkBytes);
-  }
-  sm90::FenceProxyAsync();
-  sm90::NamedBarrierSync(2 + group, kWarpgroup);
-  if (threadIdx.x % kWarpgroup == 0) {
-#pragma unroll
-    for (int j = 0; j < kN / 64; ++j) {
-      sm90::TmaStore4d(&out_map, tile + j * Shape::kGroupRows * kChunkBytes, 0, first_feature / 64 + j,
-                       group_position, 0);
-    }
-    sm90::BulkWaitAll();
-  }
+  if (leader) sm90::BulkWaitAll();
 }
 
 // --- launchers -----------------------------------------------------------------------------------
@@ -288,8 +306,9 @@ ffi::Error Launch(cudaStream_t stream, const ConvGeometry& cg, ffi::DataType dty
         CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kShared), stage));
     const ConvEpilogue<T> epilogue{static_cast<const T*>(bias), static_cast<const T*>(residual), activation,
                                    activation_param};
-    const dim3 grid(unsigned((g.pixels + Shape::kRows - 1) / Shape::kRows), unsigned(g.out_c / kN));
-    kernel<<<grid, kThreads, Shape::kShared, stream>>>(in_map, w_map, out_map, g, epilogue);
+    const int row_tiles = (g.pixels + Shape::kRows - 1) / Shape::kRows, tiles = row_tiles * (g.out_c / kN);
+    const int ctas = std::min(tiles, ResidentBlocks(kernel, kThreads, Shape::kShared));
+    kernel<<<ctas, kThreads, Shape::kShared, stream>>>(in_map, w_map, out_map, g, epilogue, row_tiles, tiles);
     return LaunchError(stage);
   };
   return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}) : launch(__half{});
