@@ -178,6 +178,16 @@ def test_tensor_core_shapes(dtype, lhs_shape, rhs_shape, kwargs, rng):
     test_forward_and_grad(dtype, lhs_shape, rhs_shape, kwargs, rng)
 
 
+@pytest.mark.parametrize("lhs_shape,rhs_shape",
+                         [((4, 96, 96, 64), (3, 3, 64, 256)), ((8, 96, 96, 128), (3, 3, 128, 64))], ids=str)
+def test_im2col_more_tiles_than_ctas(lhs_shape, rhs_shape, rng):
+    """The persistent im2col kernels with two or three tiles a CTA on a 132-SM GPU: the forward of
+    64 -> 256 (288 tiles of 128 positions) and the dgrad of 128 -> 64 (288 tiles of 256), so the stage
+    ring runs across tiles and each result tile is refilled once its store has read it."""
+    kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)
+    test_forward_and_grad(jnp.bfloat16, lhs_shape, rhs_shape, kwargs, rng)
+
+
 @pytest.mark.parametrize("window,strides,dgrad_strides", [((3, 3), (2, 2), (1, 1)), ((2, 3), (2, 3), (1, 1)),
                                                          ((1, 1), (2, 2), (2, 2))])
 def test_strided_dgrad_runs_on_space_to_depth(window, strides, dgrad_strides, rng, blocks_on_cpu):
