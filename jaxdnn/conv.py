@@ -117,6 +117,8 @@ def _operand_names(fn):
 
 
 def _check_operands(fn, lhs, rhs, preferred_element_type):
+    """Checks the operands' dtypes, ranks and `preferred_element_type`; returns the result's dtype:
+    the operands', or a preferred float type at least as wide (lax's rules)."""
     lhs_name, rhs_name = _operand_names(fn)
     for name, a in ((lhs_name, lhs), (rhs_name, rhs)):
         if a.dtype not in _FLOAT_TYPES:
@@ -124,13 +126,19 @@ def _check_operands(fn, lhs, rhs, preferred_element_type):
     if lhs.dtype != rhs.dtype:
         raise TypeError(f"{fn}: {lhs_name} and {rhs_name} must have the same dtype, got {lhs.dtype} and "
                         f"{rhs.dtype}")
-    if preferred_element_type is not None and jnp.dtype(preferred_element_type) != lhs.dtype:
-        raise TypeError(f"{fn}: preferred_element_type must be None or the operands' dtype {lhs.dtype} (the "
-                        f"kernels accumulate in float32 and write the operands' dtype), got "
-                        f"{jnp.dtype(preferred_element_type)}")
     if lhs.ndim != rhs.ndim or not 3 <= lhs.ndim <= 5:
         raise ValueError(f"{fn}: {lhs_name} and {rhs_name} must have the same rank, 3 to 5 (1 to 3 spatial "
                          f"axes), got shapes {lhs.shape} and {rhs.shape}")
+    if preferred_element_type is None:
+        return lhs.dtype
+    preferred = jnp.dtype(preferred_element_type)
+    if preferred not in _FLOAT_TYPES:
+        raise TypeError(f"{fn}: preferred_element_type must be None, float32, bfloat16 or float16 for "
+                        f"{lhs.dtype} operands, got {preferred}")
+    if preferred.itemsize < lhs.dtype.itemsize:
+        raise TypeError(f"{fn}: preferred_element_type must not be narrower than the operands' dtype "
+                        f"{lhs.dtype}, got {preferred}")
+    return preferred
 
 
 def _check_groups(fn, x, w, feature_groups, batch_groups, lhs_shape, rhs_shape):
@@ -163,9 +171,17 @@ def _permute(a, perm):
 def _prepare(fn, lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
              feature_group_count, batch_group_count, preferred_element_type, precision):
     """Validates a convolution's arguments. Returns (x [N, D, H, W, C], w [T, U, V, Cg, K], its Conv,
-    finish), where finish maps the kernels' y [N, P, Q, R, K] back to the caller's layout."""
+    finish), where finish maps the kernels' y [N, P, Q, R, K] back to the caller's layout and dtype.
+
+    A `preferred_element_type` other than the 16-bit operands' dtype runs the float32 kernels on the
+    operands widened to float32, with TF32 products, which are exact for 16-bit values (TF32 keeps
+    their 8 or 5 exponent bits and 10 mantissa bits): the float32 sums, rounded once to the
+    preferred type. The gradients come back in the operands' dtype, as lax's."""
     lhs, rhs = (a if hasattr(a, "shape") and hasattr(a, "dtype") else jnp.asarray(a) for a in (lhs, rhs))
-    _check_operands(fn, lhs, rhs, preferred_element_type)
+    out_dtype = _check_operands(fn, lhs, rhs, preferred_element_type)
+    widened = out_dtype != lhs.dtype
+    if widened:
+        lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
     numbers = _dimension_numbers(fn, lhs, rhs, dimension_numbers)
     spatial = lhs.ndim - 2
     feature_groups = _count(fn, "feature_group_count", feature_group_count)
@@ -203,13 +219,14 @@ def _prepare(fn, lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, 
                 window=ones + tuple(window), strides=ones + strides,
                 pads=(0,) * missing + tuple(lo for lo, _ in pads), lhs_dilation=ones + lhs_dilation,
                 rhs_dilation=ones + rhs_dilation, groups=feature_groups * batch_groups,
-                tf32=bool(x.dtype == jnp.float32 and allows_tf32(precision)))
+                tf32=bool(x.dtype == jnp.float32 and (widened or allows_tf32(precision))))
     x = x.reshape(x.shape[:1] + conv.in_spatial + x.shape[-1:])
     w = w.reshape(conv.window + w.shape[-2:])
 
     def finish(y):
         y = y.reshape(y.shape[:1] + tuple(out_spatial) + y.shape[-1:])
-        return _permute(y, np.argsort(out_perm))
+        y = _permute(y, np.argsort(out_perm))
+        return y.astype(out_dtype) if widened else y
     return x, w, conv, finish
 
 
@@ -240,10 +257,14 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
         otherwise), DEFAULT or HIGH let a GPU multiply them as TF32 on the tensor cores (as XLA's
         float32 convolutions do); HIGHEST (or a float32-accurate dot algorithm) keeps the products
         exact. 16-bit operands are multiplied exactly either way; sums are float32.
-      preferred_element_type: None or the operands' dtype (the result's dtype is the operands').
+      preferred_element_type: None (the operands' dtype) or the result's float dtype, at least as
+        wide as the operands' (lax's rules). For 16-bit operands and a float32 (or the other 16-bit)
+        result, the float32 kernels run on the operands widened to float32 (exact products, float32
+        sums rounded once): twice the bytes, and on a GPU the TF32 rate.
 
     Returns:
-      The convolution in the layout of `dimension_numbers`' output spec, the operands' dtype.
+      The convolution in the layout of `dimension_numbers`' output spec, in `preferred_element_type`
+      (the operands' dtype by default); gradients in the operands' dtype.
       Differentiable with `jax.grad`/`jax.vjp` to any order; `jax.jvp` is not supported.
     """
     x, w, conv, finish = _prepare("conv_general_dilated", lhs, rhs, window_strides, padding, lhs_dilation,

@@ -787,11 +787,14 @@ LF, RF = (L, jnp.float32), (R, jnp.float32)
      "string padding 'SAME' is not supported with lhs_dilation"),
     (LF, RF, dict(feature_group_count=0), ValueError, "feature_group_count must be >= 1"),
     (LF, RF, dict(preferred_element_type=jnp.bfloat16), TypeError,
-     "preferred_element_type must be None or the operands' dtype float32"),
+     "preferred_element_type must not be narrower than the operands' dtype float32, got bfloat16"),
+    (LF, RF, dict(preferred_element_type=jnp.int32), TypeError,
+     "preferred_element_type must be None, float32, bfloat16 or float16 for float32 operands, got int32"),
 ], ids=["int", "float64", "mixed-dtypes", "channels", "groups-channels", "groups-filters", "batch-groups",
         "both-groups", "window-too-large", "dilated-window-too-large", "dimension-numbers-length",
         "dimension-numbers-letters", "rank", "strides-length", "zero-stride", "zero-dilation", "padding-name",
-        "padding-pairs", "padding-type", "string-padding-dilated-lhs", "zero-groups", "preferred-type"])
+        "padding-pairs", "padding-type", "string-padding-dilated-lhs", "zero-groups", "preferred-narrower",
+        "preferred-int"])
 def test_bad_input(lhs, rhs, kwargs, error, message):
     kwargs = dict(dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC), **kwargs)
     with pytest.raises(error, match=message):
@@ -808,6 +811,31 @@ def test_precision_and_preferred_type_are_accepted(rng):
     reference = jaxdnn.reference.conv_general_dilated(lhs, rhs, **kwargs)
     assert reference.dtype == jnp.bfloat16
     assert_close(reference, _oracle(kwargs, lhs, rhs)[0], tolerance(jnp.bfloat16), "reference")
+
+
+@pytest.mark.parametrize("dtype,preferred", [(jnp.bfloat16, jnp.float32), (jnp.float16, jnp.float32),
+                                             (jnp.bfloat16, jnp.float16)], ids=str)
+@pytest.mark.parametrize("x_shape,w_shape", [((2, 9, 10, 16), (3, 3, 16, 24)),
+                                             ((2, 9, 10, 64), (3, 3, 64, 128))], ids=str)
+def test_preferred_element_type_wider(dtype, preferred, x_shape, w_shape, rng):
+    """A preferred float type at least as wide as the 16-bit operands: the result in it, its values
+    the exact products' float32 sums (float32's tolerance where the result is float32), and the
+    gradients in the operands' dtype, as lax's (the 64 -> 128 case is one the 16-bit tensor-core
+    kernels would take)."""
+    x, w = normal(rng, x_shape, dtype), normal(rng, w_shape, dtype, scale=0.5)
+    kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)
+    op = _op(functools.partial(jaxdnn.conv_general_dilated, preferred_element_type=preferred), kwargs)
+    y = jax.jit(op)(x, w)
+    want_y, pullback = jax.vjp(_op(lax.conv_general_dilated, kwargs), f64(x), f64(w))
+    lax_y = lax.conv_general_dilated(x, w, preferred_element_type=preferred, **kwargs)
+    assert y.dtype == lax_y.dtype == jnp.dtype(preferred)
+    assert_close(y, want_y, tolerance(preferred), "forward")
+    cotangent = normal(rng, y.shape, preferred)
+    dx, dw = _vjp(op, x, w, cotangent)
+    assert dx.dtype == dw.dtype == jnp.dtype(dtype)
+    want_dx, want_dw = pullback(f64(cotangent))
+    assert_close(dx, want_dx, GRAD_FACTOR * tolerance(dtype), "grad lhs")
+    assert_close(dw, want_dw, GRAD_FACTOR * tolerance(dtype), "grad rhs")
 
 
 # (lhs shape, rhs shape, kwargs of conv_transpose).
