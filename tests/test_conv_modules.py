@@ -197,6 +197,20 @@ def test_nnx_conv_matches_stock(rng, shape, kw):
     _check_against(apply(graph), apply(stock_graph), params, x, rng)
 
 
+def test_nnx_conv_preferred_element_type_matches_stock(rng):
+    """bf16 computation with float32 results (preferred_element_type), as the stock module's."""
+    nnx = pytest.importorskip("flax.nnx")
+    from jaxdnn.flax import nnx as jnnx
+
+    kw = dict(in_features=16, out_features=8, kernel_size=(3, 3), dtype=jnp.bfloat16,
+              preferred_element_type=jnp.float32)
+    ours, stock = jnnx.Conv(**kw, rngs=nnx.Rngs(0)), nnx.Conv(**kw, rngs=nnx.Rngs(0))
+    x = normal(rng, (2, 7, 6, 16), jnp.bfloat16)
+    y, want = ours(x), stock(x)
+    assert y.dtype == want.dtype == jnp.float32
+    assert_close(y, want, tolerance(jnp.bfloat16))
+
+
 def test_nnx_conv_bad_options_raise(rng):
     nnx = pytest.importorskip("flax.nnx")
     from jaxdnn.flax import nnx as jnnx

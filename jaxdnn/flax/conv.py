@@ -101,11 +101,12 @@ def check_kernel(module: str, inputs, groups: int, kernel_shape, mask) -> None:
 
 
 def conv_with_bias(inputs, kernel, bias, strides, padding, input_dilation, kernel_dilation, groups,
-                   precision):
+                   precision, preferred_element_type=None):
     """jaxdnn.conv_general_dilated on inputs (N, *spatial, C) and kernel (*window, C/G, K), + bias (K,)."""
     y = jaxdnn.conv_general_dilated(inputs, kernel, strides, padding, lhs_dilation=input_dilation,
                                     rhs_dilation=kernel_dilation, dimension_numbers=_LAYOUTS[kernel.ndim - 2],
-                                    feature_group_count=groups, precision=precision)
+                                    feature_group_count=groups, precision=precision,
+                                    preferred_element_type=preferred_element_type)
     return _add_bias(y, bias)
 
 

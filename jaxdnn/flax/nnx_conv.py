@@ -6,9 +6,10 @@ nnx.state(stock_conv))`` loads stock weights. Only ``__call__`` differs; it shar
 module's input handling (batch flattening, "CIRCULAR"/"REFLECT"/"CAUSAL" padding) from
 ``jaxdnn.flax.conv``. Kept out of that file because ``flax.nnx`` is imported only on demand.
 
-``conv_general_dilated`` must be left at its default (or be ``jaxdnn.conv_general_dilated``),
-``out_sharding`` must be None, and ``preferred_element_type`` None or the computation dtype;
-``precision`` is ``jaxdnn.conv_general_dilated``'s (float32 as TF32 on a GPU unless HIGHEST).
+``conv_general_dilated`` must be left at its default (or be ``jaxdnn.conv_general_dilated``), and
+``out_sharding`` None; ``precision`` and ``preferred_element_type`` are
+``jaxdnn.conv_general_dilated``'s (float32 as TF32 on a GPU unless HIGHEST; a preferred type at least
+as wide as the computation dtype).
 """
 
 from __future__ import annotations
@@ -47,10 +48,7 @@ class Conv(nnx.Conv):
             kernel = kernel * self.mask
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        if self.preferred_element_type not in (None, inputs.dtype):
-            raise ValueError(f"jaxdnn {module}: preferred_element_type must be None or {inputs.dtype}, got "
-                             f"{self.preferred_element_type}")
         y = conv_with_bias(inputs, kernel, bias, _per_axis(self.strides, spatial), padding,
                            _per_axis(self.input_dilation, spatial), kernel_dilation, self.feature_group_count,
-                           self.precision)
+                           self.precision, self.preferred_element_type)
         return restore(y)
