@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec
 from jaxdnn import _conv_few_channels as few_channels
 from jaxdnn._conv_kernels import (Conv, Epilogue, fprop, fused, runs_as_dgrad, stack_features,
                                   transposed_by_dgrad)
-from jaxdnn._precision import allows_tf32
+from jaxdnn._precision import allows_tf32, result_dtype
 from jaxdnn._primitive import explicit_row_sharding, match_varying, per_row_shard
 from jaxdnn.activation import epilogue
 
@@ -129,16 +129,7 @@ def _check_operands(fn, lhs, rhs, preferred_element_type):
     if lhs.ndim != rhs.ndim or not 3 <= lhs.ndim <= 5:
         raise ValueError(f"{fn}: {lhs_name} and {rhs_name} must have the same rank, 3 to 5 (1 to 3 spatial "
                          f"axes), got shapes {lhs.shape} and {rhs.shape}")
-    if preferred_element_type is None:
-        return lhs.dtype
-    preferred = jnp.dtype(preferred_element_type)
-    if preferred not in _FLOAT_TYPES:
-        raise TypeError(f"{fn}: preferred_element_type must be None, float32, bfloat16 or float16 for "
-                        f"{lhs.dtype} operands, got {preferred}")
-    if preferred.itemsize < lhs.dtype.itemsize:
-        raise TypeError(f"{fn}: preferred_element_type must not be narrower than the operands' dtype "
-                        f"{lhs.dtype}, got {preferred}")
-    return preferred
+    return result_dtype(fn, lhs.dtype, preferred_element_type)
 
 
 def _check_groups(fn, x, w, feature_groups, batch_groups, lhs_shape, rhs_shape):
@@ -174,9 +165,8 @@ def _prepare(fn, lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, 
     finish), where finish maps the kernels' y [N, P, Q, R, K] back to the caller's layout and dtype.
 
     A `preferred_element_type` other than the 16-bit operands' dtype runs the float32 kernels on the
-    operands widened to float32, with TF32 products, which are exact for 16-bit values (TF32 keeps
-    their 8 or 5 exponent bits and 10 mantissa bits): the float32 sums, rounded once to the
-    preferred type. The gradients come back in the operands' dtype, as lax's."""
+    operands widened to float32 with TF32 products (exact for them: _precision.result_dtype). The
+    gradients come back in the operands' dtype, as lax's."""
     lhs, rhs = (a if hasattr(a, "shape") and hasattr(a, "dtype") else jnp.asarray(a) for a in (lhs, rhs))
     out_dtype = _check_operands(fn, lhs, rhs, preferred_element_type)
     widened = out_dtype != lhs.dtype

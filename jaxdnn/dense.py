@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdnn import _autotune, _ffi  # noqa: F401  (_ffi registers the FFI targets)
-from jaxdnn._precision import allows_tf32
+from jaxdnn._precision import allows_tf32, result_dtype
 from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front, per_row_shard
 from jaxdnn.activation import KIND_NAMES, _activation, epilogue, epilogue_attrs
 from jaxdnn.reference.activation import FUNCTIONS
@@ -253,7 +253,7 @@ def _check(x, w, bias):
     return x, w, bias.astype(_F32)
 
 
-def dense(x, w, bias=None, *, activation=None, precision=None):
+def dense(x, w, bias=None, *, activation=None, precision=None, preferred_element_type=None):
     """act(x @ w + bias) on the GEMM kernel, the bias and activation fused into its epilogue.
 
     Args:
@@ -268,9 +268,14 @@ def dense(x, w, bias=None, *, activation=None, precision=None):
         operands to TF32 on tensor cores, as XLA's float32 dots do; HIGHEST (or a float32-accurate
         dot algorithm) keeps exact float32 products. The CPU kernel's are always exact; 16-bit
         operands are exact products in any case.
+      preferred_element_type: None (x's dtype) or the result's float dtype, at least as wide as x's
+        (`lax.dot_general`'s rule). For 16-bit x and w and a float32 (or the other 16-bit) result,
+        the float32 kernels run on the operands widened to float32 (exact products, float32 sums
+        and epilogue, rounded once): twice the bytes, and on a GPU the TF32 rate.
 
     Returns:
-      [..., N] in x's dtype, accumulated in float32 and rounded once.
+      [..., N] in `preferred_element_type` (x's dtype by default), accumulated in float32 and
+      rounded once; gradients in x's and w's dtype.
 
     Differentiable with `jax.grad`/`jax.vjp` to any order; `jax.jvp` is not supported. Under
     differentiation the forward writes z = x @ w + bias and applies the activation with its own
@@ -279,7 +284,11 @@ def dense(x, w, bias=None, *, activation=None, precision=None):
     """
     kind, param = epilogue("dense", activation)
     x, w, bias = _check(x, w, bias)
-    tf32 = int(x.dtype == jnp.dtype(_F32) and allows_tf32(precision))
+    out_dtype = result_dtype("dense", x.dtype, preferred_element_type)
+    widened = out_dtype != x.dtype
+    if widened:
+        x, w = x.astype(_F32), w.astype(_F32)
+    tf32 = int(x.dtype == jnp.dtype(_F32) and (widened or allows_tf32(precision)))
 
     def run(x, w, bias):
         w, bias = match_varying(x, w, bias)
@@ -287,5 +296,7 @@ def dense(x, w, bias=None, *, activation=None, precision=None):
         y = _dense(rows, w[None], jnp.zeros((0,), _F32) if bias is None else bias, kind, param, tf32)
         return y.reshape(x.shape[:-1] + w.shape[1:])
     if bias is None:
-        return per_row_shard(lambda x, w: run(x, w, None), x, w)
-    return per_row_shard(run, x, w, bias)
+        y = per_row_shard(lambda x, w: run(x, w, None), x, w)
+    else:
+        y = per_row_shard(run, x, w, bias)
+    return y.astype(out_dtype) if widened else y

@@ -113,6 +113,26 @@ def test_weight_gradient_split_over_rows(dtype, rng):
     _check("gelu", x, w, bias, rng, grad_tol=2 * tolerance(dtype, grad=True))
 
 
+@pytest.mark.parametrize("dtype,preferred", [(jnp.bfloat16, jnp.float32), (jnp.float16, jnp.float32),
+                                             (jnp.bfloat16, jnp.float16)], ids=str)
+def test_preferred_element_type_wider(dtype, preferred, rng):
+    """A preferred float type at least as wide as 16-bit x and w: the result in it (the float32
+    kernels on the widened operands: exact products, float32 sums and epilogue, rounded once), the
+    gradients in the operands' dtypes."""
+    x, w, bias = _inputs(rng, (3, 40, 64), 48, dtype, bias_dtype=dtype)
+
+    def op(x, w, bias):
+        return jaxdnn.dense(x, w, bias, activation="gelu", preferred_element_type=preferred)
+    y, vjp = jax.vjp(jax.jit(op), x, w, bias)
+    want, oracle_vjp = jax.vjp(_oracle("gelu"), f64(x), f64(w), f64(bias))
+    assert y.dtype == jnp.dtype(preferred)
+    assert_close(y, want, tolerance(preferred), "forward")
+    ct = normal(rng, y.shape, preferred)
+    for name, g, want_g, primal in zip(("dx", "dw", "dbias"), vjp(ct), oracle_vjp(f64(ct)), (x, w, bias)):
+        assert g.dtype == primal.dtype, name
+        assert_close(g, want_g, tolerance(dtype, grad=True), name)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_bias_in_x_dtype(dtype, rng):
     x, w, bias = _inputs(rng, (6, 11), 13, dtype, bias_dtype=dtype)
@@ -431,8 +451,12 @@ X, W = ((4, 6), jnp.float32), ((6, 3), jnp.float32)
      r"dense: w must have shape \[K, N\] \(rank 2\), got shape"),
     (((), jnp.float32), W, None, {}, ValueError, r"dense: x must have shape \[\.\.\., K\] \(rank >= 1\)"),
     (X, W, None, dict(activation="swish"), ValueError, "dense: activation must be None or one of"),
+    (X, W, None, dict(preferred_element_type=jnp.bfloat16), TypeError,
+     "dense: preferred_element_type must not be narrower than the operands' dtype float32, got bfloat16"),
+    (X, W, None, dict(preferred_element_type=jnp.int32), TypeError,
+     "dense: preferred_element_type must be None, float32, bfloat16 or float16 for float32 operands"),
 ], ids=["k-mismatch", "bias-shape", "bias-rank", "int", "float64", "mixed-dtypes", "bias-dtype", "w-rank",
-        "x-rank0", "activation"])
+        "x-rank0", "activation", "preferred-narrower", "preferred-int"])
 @pytest.mark.parametrize("under_jit", [False, True], ids=["eager", "jit"])
 def test_bad_input(x, w, bias, kwargs, error, message, under_jit):
     args = [None if spec is None else jnp.ones(*spec) for spec in (x, w, bias)]

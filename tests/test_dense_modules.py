@@ -87,6 +87,16 @@ def test_nnx_linear_matches_stock(rng, shape, features, use_bias, activation):
     _check_against(apply(graph), _then(activation, apply(stock_graph)), params, x, rng)
 
 
+def test_nnx_linear_preferred_element_type_matches_stock(rng):
+    """bf16 computation with float32 results (preferred_element_type), as the stock module's."""
+    kw = dict(in_features=24, out_features=16, dtype=jnp.bfloat16, preferred_element_type=jnp.float32)
+    ours, stock = jnnx.Linear(**kw, rngs=nnx.Rngs(0)), nnx.Linear(**kw, rngs=nnx.Rngs(0))
+    x = normal(rng, (5, 24), jnp.bfloat16)
+    y, want = ours(x), stock(x)
+    assert y.dtype == want.dtype == jnp.float32
+    assert_close(y, want, tolerance(jnp.bfloat16))
+
+
 def test_nnx_linear_bad_options_raise(rng):
     linear = jnnx.Linear(4, 2, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="in_features"):

@@ -6,11 +6,11 @@ attributes ``kernel`` ``(C, K)`` and ``bias`` ``(K,)``, so ``nnx.update(jaxdnn_l
 nnx.state(stock_linear))`` loads stock weights. Only ``__call__`` differs: one GEMM kernel call.
 Kept out of ``jaxdnn.flax.dense`` because ``flax.nnx`` is imported only on demand.
 
-``dot_general`` must be left at its default (``lax.dot_general``), ``out_sharding`` None and
-``preferred_element_type`` None or the computation dtype (each a ``ValueError`` otherwise);
-``precision`` is ``jaxdnn.dense``'s (float32 operands as TF32 on a GPU unless it asks for HIGHEST,
-as stock ``Linear`` under XLA). Reverse-mode autodiff works to any order; forward-mode ``jvp`` does
-not.
+``dot_general`` must be left at its default (``lax.dot_general``) and ``out_sharding`` None (each a
+``ValueError`` otherwise); ``precision`` and ``preferred_element_type`` are ``jaxdnn.dense``'s
+(float32 operands as TF32 on a GPU unless it asks for HIGHEST, as stock ``Linear`` under XLA; a
+preferred type at least as wide as the computation dtype). Reverse-mode autodiff works to any
+order; forward-mode ``jvp`` does not.
 """
 
 from __future__ import annotations
@@ -46,7 +46,5 @@ class Linear(nnx.Linear):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        if self.preferred_element_type not in (None, inputs.dtype):
-            raise ValueError(f"{module}: preferred_element_type must be None or {inputs.dtype}, got "
-                             f"{self.preferred_element_type}")
-        return jaxdnn.dense(inputs, kernel, bias, activation=self.activation, precision=self.precision)
+        return jaxdnn.dense(inputs, kernel, bias, activation=self.activation, precision=self.precision,
+                            preferred_element_type=self.preferred_element_type)
