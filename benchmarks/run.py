@@ -743,8 +743,10 @@ def _long_row_cases(quick: bool) -> list[Case]:
 # forward and dgrad on the im2col kernels, the wgrad on the halo one) and the 1-D 3-tap layer.
 _STAGE_CONVS = [
     ("3x3", 128, (56, 56), 64, 64, (3, 3)),
+    ("3x3", 128, (14, 14), 256, 256, (3, 3)),  # ResNet-50's lowest fwd+bwd against cuDNN (0.90-0.91x)
     ("VGG-16 conv2_1", 32, (112, 112), 64, 128, (3, 3)),
     ("1-D temporal", 32, (16000,), 64, 64, (3,)),
+    ("1-D temporal", 32, (16000,), 128, 128, (3,)),  # 0.80x cuDNN fwd+bwd in a one-off probe
 ]
 
 
