@@ -82,6 +82,16 @@ def test_flax_conv_transpose_matches_stock(rng, shape, kw):
     _check_against(jflax.ConvTranspose(**kw).apply, nn.ConvTranspose(**kw).apply, params, x, rng)
 
 
+def test_flax_conv_transpose_preferred_element_type(rng):
+    """bf16 computation with float32 results (preferred_element_type), as stock ConvTranspose's."""
+    kw = dict(features=4, kernel_size=(3, 3), strides=(2, 2), dtype=jnp.bfloat16, preferred_element_type=F32)
+    x = normal(rng, (2, 5, 4, 6), jnp.bfloat16)
+    params = nn.ConvTranspose(**kw).init(jax.random.key(0), x)
+    y, want = jflax.ConvTranspose(**kw).apply(params, x), nn.ConvTranspose(**kw).apply(params, x)
+    assert y.dtype == want.dtype == F32
+    assert_close(y, want, tolerance(jnp.bfloat16))
+
+
 def test_flax_conv_dtype_promotion(rng):
     """bfloat16 inputs with float32 params compute in float32, as stock Flax; dtype= sets it."""
     x = normal(rng, (2, 6, 6, 3), jnp.bfloat16)

@@ -155,8 +155,8 @@ class ConvTranspose(nn.ConvTranspose):
 
     Attributes: those of ``flax.linen.ConvTranspose`` (features K, kernel_size, strides, padding,
     kernel_dilation, use_bias, mask, dtype, param_dtype, precision, kernel_init,
-    bias_init, transpose_kernel, promote_dtype, preferred_element_type (None or the computation
-    dtype)). padding="CIRCULAR" is not supported.
+    bias_init, transpose_kernel, promote_dtype, preferred_element_type (None or a float type at
+    least as wide as the computation dtype)). padding="CIRCULAR" is not supported.
     """
 
     @nn.compact
