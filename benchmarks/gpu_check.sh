@@ -6,8 +6,8 @@
 # JAXDNN_FAMILIES="pool batch_norm" narrow the tests and the benchmarks (JAXDNN_TESTS=none: no
 # tests, JAXDNN_FAMILIES=none: no benchmarks); JAXDNN_CASE="REGEX" narrows the cases;
 # JAXDNN_TEST_WORKERS=N runs the tests in N processes (pytest-xdist, each without JAX's up-front
-# allocation of the GPU's memory). The default
-# families leave out rnn, attention_memory and the slowest cases; name them to run them.
+# allocation of the GPU's memory). The default families leave out rnn, attention_memory and the
+# slowest cases; name them to run them.
 # A jaxdnn wheel in .whl/ (built elsewhere for this machine's Python) is installed instead of
 # building from source, which saves the device the CUDA compile.
 # A/B on one machine: JAXDNN_AB=DIR names another source tree (e.g. `git archive REV | tar -x -C .ab`,

@@ -739,14 +739,17 @@ def _long_row_cases(quick: bool) -> list[Case]:
 
 
 # Convolutions timed a stage at a time (label, batch, spatial shape, C, K, window): ResNet-50's 56^2
-# 64 -> 64 layer (all three stages on the halo kernels), VGG-16's conv2_1 (112^2, 64 -> 128: the
-# forward and dgrad on the im2col kernels, the wgrad on the halo one) and the 1-D 3-tap layer.
+# 64 -> 64 layer (all three stages on the halo kernels) and its 14^2 256 -> 256 one (its lowest
+# fwd+bwd against cuDNN, 0.90-0.91x), VGG-16's conv2_1 (112^2, 64 -> 128: the forward on the im2col
+# kernels, the dgrad on CUTLASS's, dx's 64 channels being fewer than an im2col tile's 128, the wgrad
+# on the halo one), and 1-D 3-tap layers of 64 and 128 channels (the latter 0.80x cuDNN fwd+bwd in a
+# one-off probe).
 _STAGE_CONVS = [
     ("3x3", 128, (56, 56), 64, 64, (3, 3)),
-    ("3x3", 128, (14, 14), 256, 256, (3, 3)),  # ResNet-50's lowest fwd+bwd against cuDNN (0.90-0.91x)
+    ("3x3", 128, (14, 14), 256, 256, (3, 3)),
     ("VGG-16 conv2_1", 32, (112, 112), 64, 128, (3, 3)),
     ("1-D temporal", 32, (16000,), 64, 64, (3,)),
-    ("1-D temporal", 32, (16000,), 128, 128, (3,)),  # 0.80x cuDNN fwd+bwd in a one-off probe
+    ("1-D temporal", 32, (16000,), 128, 128, (3,)),
 ]
 
 
