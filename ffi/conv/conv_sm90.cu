@@ -220,8 +220,8 @@ bool UsesHalo(const ConvGeometry& g, ffi::DataType dtype, int64_t algorithm) {
 // kernels wherever they apply (on an H200 they matched or beat CUTLASS's tiles on every ResNet 3x3
 // layer, 2026-11-26), with the tile Im2colAutoTile picks.
 int Im2colTile(const ConvGeometry& g, ffi::DataType dtype, bool dgrad, int64_t algorithm) {
-  if (algorithm == kConvIm2col || algorithm == kConvIm2colWide) {
-    const int tile = algorithm == kConvIm2col ? 128 : 256;
+  if (algorithm == kConvIm2col || algorithm == kConvIm2colWide || algorithm == kConvIm2colNarrow) {
+    const int tile = algorithm == kConvIm2col ? 128 : algorithm == kConvIm2colWide ? 256 : 64;
     return Im2colApplies(g, dtype, dgrad, tile) ? tile : 0;
   }
   return algorithm == kConvAuto ? Im2colAutoTile(g, dtype, dgrad) : 0;

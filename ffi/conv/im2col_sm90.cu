@@ -57,8 +57,8 @@ constexpr int kMaxOffset = 255;             // ... and its per-tap offsets: uint
 
 // A tile of kN output channels x kRows output positions: each warpgroup takes kBlocks m64 blocks,
 // 32 kBlocks kN / 64 accumulators a thread (128 in the tiles of 256 x 128 and 128 x 256, 64 in
-// 128 x 128). The ring has as many stages as fit beside the result tile, at most 6 (3 of 48 KiB in
-// the large tiles, 6 of 32 KiB in 128 x 128).
+// 128 x 128 and 256 x 64). The ring has as many stages as fit beside the result tile, at most 6 (3
+// of 48 KiB in the large tiles, 6 of 32 KiB in 128 x 128, 4 of 40 KiB in 256 x 64).
 template <int kN, int kBlocks>
 struct Tile {
   static constexpr int kGroupRows = 64 * kBlocks;
@@ -350,6 +350,9 @@ ffi::Error LaunchTile(cudaStream_t stream, const ConvGeometry& cg, ffi::DataType
   if (tile_features == 256) {
     return Launch<kDgrad, 256, 1>(stream, cg, dtype, in, w, bias, residual, activation, activation_param, out);
   }
+  if (tile_features == 64) {
+    return Launch<kDgrad, 64, 2>(stream, cg, dtype, in, w, bias, residual, activation, activation_param, out);
+  }
   if (NarrowRows(MakeGather(cg, kDgrad), SmCount())) {
     return Launch<kDgrad, 128, 1>(stream, cg, dtype, in, w, bias, residual, activation, activation_param, out);
   }
@@ -360,7 +363,7 @@ ffi::Error LaunchTile(cudaStream_t stream, const ConvGeometry& cg, ffi::DataType
 
 bool Im2colApplies(const ConvGeometry& g, ffi::DataType dtype, bool dgrad, int tile_features) {
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
-  if (tile_features != 128 && tile_features != 256) return false;
+  if (tile_features != 64 && tile_features != 128 && tile_features != 256) return false;
   if (g.groups != 1 || g.window[0] != 1 || g.stride[0] != 1 || g.pad[0] != 0 || g.in[0] != g.out[0]) return false;
   const int64_t in_c = dgrad ? g.filters : g.channels, out_c = dgrad ? g.channels : g.filters;
   if (in_c <= 0 || in_c % kChunk != 0 || out_c % tile_features != 0) return false;  // no empty reduction

@@ -15,7 +15,8 @@
 namespace jaxdnn {
 
 // Output features a CTA tile of the im2col kernels spans: 128 (tiles of 256 positions, or of 128
-// where that leaves fewer SMs idle in the last round) or 256 (tiles of 128).
+// where that leaves fewer SMs idle in the last round), 256 (tiles of 128) or 64 (tiles of 256; only
+// when autotuning asks for it: not yet measured against CUTLASS's tiles of 64 features).
 bool Im2colApplies(const ConvGeometry& g, ffi::DataType dtype, bool dgrad, int tile_features);
 
 // The heuristic's tile for a problem the im2col kernels take (0 where they take none): 256 features
