@@ -630,8 +630,9 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
 }
 
 #define JAXDNN_INSTANTIATE(T)                                                                                  \
-  template std::optional<ffi::Error> ClusterForward<T>(cudaStream_t, const GroupNormShape&, bool, const T*, Param<T>,   \
-                                                       Param<T>, float, int64_t, float, T*, float*, float*);        \
+  template std::optional<ffi::Error> ClusterForward<T>(cudaStream_t, const GroupNormShape&, bool, const T*,          \
+                                                       Param<T>, Param<T>, float, int64_t, float, T*, float*,       \
+                                                       float*);                                                      \
   template std::optional<ffi::Error> OnChipBackward<T>(cudaStream_t, const GroupNormShape&, bool, const T*, const T*, \
                                                        Param<T>, Param<T>, const float*, const float*,               \
                                                        int64_t, float, T*, float*, float*);
