@@ -226,7 +226,8 @@ def _grouped_wgrad_slices(width, filters, taps, out_pixels):
 
 
 # The `algorithm` attribute's kernels (ffi/conv/conv.h's ConvAlgorithm) that autotuning times.
-_GEMM, _TILE_WIDE, _TILE_TALL, _TILE_SMALL, _HALO, _IM2COL, _IM2COL_WIDE = 1, 2, 3, 4, 5, 6, 7
+_GEMM, _TILE_WIDE, _TILE_TALL, _TILE_SMALL, _HALO = 1, 2, 3, 4, 5
+_IM2COL, _IM2COL_WIDE, _IM2COL_NARROW = 6, 7, 8  # tiles of 128, 256 and 64 output features
 
 
 def _im2col(stage, channels, filters, attrs, tile):
@@ -256,7 +257,7 @@ def _candidates(stage, dtype, channels, filters, batch, attrs):
     sixteen_bit = jnp.dtype(dtype).itemsize == 2  # the halo and im2col kernels' only operands
     halo = sixteen_bit and (_halo(stage, channels, filters, batch, attrs)
                             or _halo_pointwise(stage, channels, filters, batch, attrs))
-    im2col = tuple(a for a, tile in ((_IM2COL, 128), (_IM2COL_WIDE, 256))
+    im2col = tuple(a for a, tile in ((_IM2COL, 128), (_IM2COL_WIDE, 256), (_IM2COL_NARROW, 64))
                    if sixteen_bit and _im2col(stage, channels, filters, attrs, tile))
     return gemm + tiles + ((_HALO,) if halo else ()) + im2col
 

@@ -20,14 +20,14 @@ from test_dense import TF32_TOLERANCE, _check as check_dense, _inputs as dense_i
 
 # (lhs shape, rhs shape, kwargs): a 64-channel 3x3 (the tall and small tiles' case, and the halo
 # kernels'), a strided one (dgrad on zero-inserted dy), a pointwise one (the GEMM is a candidate), a
-# 128 -> 256 3x3 (the im2col kernels' two tiles).
+# 128 -> 256 3x3 (the im2col kernels' tiles; forced, the tile of 64 features takes the 64 -> 64 one too).
 CONV_CASES = [
     ((2, 10, 9, 64), (3, 3, 64, 64), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
     ((2, 11, 12, 16), (3, 3, 16, 136), dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)),
     ((2, 7, 6, 32), (1, 1, 32, 72), dict(window_strides=(1, 1), padding="VALID", dimension_numbers=NHWC)),
     ((2, 9, 11, 128), (3, 3, 128, 256), dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)),
 ]
-CONV_ALGORITHMS = (0, 1, 2, 3, 4, 5, 6, 7)  # ffi/conv/conv.h's ConvAlgorithm
+CONV_ALGORITHMS = (0, 1, 2, 3, 4, 5, 6, 7, 8)  # ffi/conv/conv.h's ConvAlgorithm
 GEMM_ALGORITHMS = (0, 1, 2, 3)  # ffi/dense/dense.h's GemmAlgorithm
 
 
@@ -114,13 +114,14 @@ def test_times_once_caches_on_disk_and_reuses(tuning, monkeypatch, rng):
     monkeypatch.setattr(_autotune, "time_candidates", timed)
     x, w = _conv_args(rng)
     assert _algorithm_in(_conv_fn().lower(x, w).as_text()) == 3
-    assert calls == [(2, 3, 4, 5)]  # the forward's tiles and the halo kernel; no GEMM for a 3x3 window
+    # the forward's tiles, the halo kernel and the im2col kernels' tile of 64 features; no GEMM (3x3)
+    assert calls == [(2, 3, 4, 5, 8)]
     _conv_fn().lower(x, w)  # the same problem again: no timing
     assert len(calls) == 1
     entries = json.loads(tuning.read_text())
     (key, entry), = entries.items()
     assert jax.devices()[0].device_kind in key and "|jaxdnn_conv_fprop|" in key and "[2, 1, 8, 8, 64]" in key
-    assert entry["algorithm"] == 3 and set(entry["ms"]) == {"2", "3", "4", "5"}
+    assert entry["algorithm"] == 3 and set(entry["ms"]) == {"2", "3", "4", "5", "8"}
     # A new process (memory cleared) reads the file and does not time.
     _autotune.clear_memory()
     monkeypatch.setattr(_autotune, "time_candidates", lambda *args: pytest.fail("timed again"))

@@ -178,12 +178,15 @@ def test_tensor_core_shapes(dtype, lhs_shape, rhs_shape, kwargs, rng):
     test_forward_and_grad(dtype, lhs_shape, rhs_shape, kwargs, rng)
 
 
-@pytest.mark.parametrize("lhs_shape,rhs_shape",
-                         [((4, 96, 96, 64), (3, 3, 64, 256)), ((8, 96, 96, 128), (3, 3, 128, 64))], ids=str)
+@pytest.mark.parametrize("lhs_shape,rhs_shape", [((4, 88, 96, 64), (3, 3, 64, 256)),
+                                                 ((8, 88, 96, 128), (3, 3, 128, 64)),
+                                                 ((4, 112, 76, 64), (3, 3, 64, 128))], ids=str)
 def test_im2col_more_tiles_than_ctas(lhs_shape, rhs_shape, rng):
-    """The persistent im2col kernels with two or three tiles a CTA on a 132-SM GPU: the forward of
-    64 -> 256 (288 tiles of 128 positions) and the dgrad of 128 -> 64 (288 tiles of 256), so the stage
-    ring runs across tiles and each result tile is refilled once its store has read it."""
+    """The persistent im2col kernels with several tiles a CTA on a 132-SM GPU, one case for each of
+    the heuristic's tiles: the forward of 64 -> 256 on 264 tiles of 128 x 256, the dgrad of 128 -> 64
+    on 264 of 256 x 128 (two whole rounds each, which the smaller tiles do not beat), the forward of
+    64 -> 128 on 266 of 128 x 128 (133 of 256 x 128 would leave a round almost empty). The stage ring
+    runs across tiles, and each result tile is refilled once its store has read it."""
     kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)
     test_forward_and_grad(jnp.bfloat16, lhs_shape, rhs_shape, kwargs, rng)
 

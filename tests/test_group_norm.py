@@ -23,12 +23,16 @@ FWD_TARGET, BWD_TARGET = "jaxdnn_group_norm_fwd_v1", "jaxdnn_group_norm_bwd_v1"
 # backward (group_norm_sm90.cu) takes most of them; the last ones are for it: more items than
 # blocks (300 samples x 2 slabs), items of several chunks cycling through its rings of shared
 # memory, an item of 11 chunks (the last of 40 positions), one of 16 (a full ring but one slot),
-# and one too long for it (24 chunks: the two-pass kernels).
+# and one too long for it (24 chunks: the two-pass kernels). The 16-bit forward runs on the cluster
+# kernel (group_norm_sm90.cu) where C is a multiple of 64 and K divides 64 (33 positions, K = 2; 8
+# slabs of K = 16; 4096 positions): also 63 positions of two slabs of one group each, and the most
+# positions a cluster holds (7168, instance norm).
 CASES = [
     ((1, 1), 1), ((3, 16), 4), ((2, 5, 7, 12), 3), ((0, 4, 8), 2), ((2, 0, 8), 2), ((5, 9, 1), 1),
     ((2, 3, 3, 96), 32), ((4, 33, 64), 32), ((2, 9, 130), 13), ((2, 17, 24), 24), ((2, 300, 48), 1),
     ((1, 2, 40, 512), 32), ((3, 2, 2, 2, 40), 8),
     ((300, 9, 32), 2), ((150, 600, 16), 1), ((3, 2600, 16), 1), ((1, 4096, 64), 4), ((2, 6000, 16), 1),
+    ((3, 7, 9, 128), 2), ((1, 7168, 64), 64),
 ]
 case_param = pytest.mark.parametrize("shape,groups", CASES, ids=str)
 

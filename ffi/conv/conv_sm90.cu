@@ -218,16 +218,13 @@ bool UsesHalo(const ConvGeometry& g, ffi::DataType dtype, int64_t algorithm) {
 // The output features of the im2col kernels' tile that runs a problem (fprop, or dgrad with unit
 // strides), or 0 where they do not: the one `algorithm` asks for, or the heuristic's: the im2col
 // kernels wherever they apply (on an H200 they matched or beat CUTLASS's tiles on every ResNet 3x3
-// layer, 2026-11-26), 256 features a tile where the output channels allow (14x14 256 -> 256: 0.0565
-// against 0.0586 ms; 7x7 512 -> 512: 0.0502 against 0.0533).
+// layer, 2026-11-26), with the tile Im2colAutoTile picks.
 int Im2colTile(const ConvGeometry& g, ffi::DataType dtype, bool dgrad, int64_t algorithm) {
-  if (algorithm == kConvIm2col || algorithm == kConvIm2colWide) {
-    const int tile = algorithm == kConvIm2col ? 128 : 256;
+  if (algorithm == kConvIm2col || algorithm == kConvIm2colWide || algorithm == kConvIm2colNarrow) {
+    const int tile = algorithm == kConvIm2col ? 128 : algorithm == kConvIm2colWide ? 256 : 64;
     return Im2colApplies(g, dtype, dgrad, tile) ? tile : 0;
   }
-  if (algorithm != kConvAuto) return 0;
-  if (Im2colApplies(g, dtype, dgrad, 256)) return 256;
-  return Im2colApplies(g, dtype, dgrad, 128) ? 128 : 0;
+  return algorithm == kConvAuto ? Im2colAutoTile(g, dtype, dgrad) : 0;
 }
 
 }  // namespace

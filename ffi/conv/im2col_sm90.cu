@@ -44,7 +44,7 @@ constexpr int kChunkBytes = kChunk * 2;
 constexpr int kWarpgroup = 128;
 constexpr int kConsumers = 2;
 constexpr int kThreads = (kConsumers + 1) * kWarpgroup;  // and a producer warpgroup (one thread issues)
-constexpr int kStages = 3;  // and the result tile: 208 KiB of shared memory
+constexpr int kMaxShared = 227 * 1024;      // an SM's shared memory for one block
 // Registers a thread: the producer gives its own up to the consumers, whose 128 accumulators and
 // epilogue need more than the 168 an even split leaves (which spilled 104-120 bytes). A kernel with
 // wgmma gets registers for whole warpgroups, so a lone producer warp would not save any.
@@ -55,17 +55,21 @@ constexpr int kBoxPixels = 128;             // output positions of one im2col bo
 constexpr int kMaxCorner = 127;             // TMA's im2col bounding box corners of a 2-D window: int8
 constexpr int kMaxOffset = 255;             // ... and its per-tap offsets: uint8
 
-// A CTA tile of kN output channels: each warpgroup takes kBlocks m64 blocks (128 accumulators a
-// thread either way).
-template <int kN>
+// A tile of kN output channels x kRows output positions: each warpgroup takes kBlocks m64 blocks,
+// 32 kBlocks kN / 64 accumulators a thread (128 in the tiles of 256 x 128 and 128 x 256, 64 in
+// 128 x 128 and 256 x 64). The ring has as many stages as fit beside the result tile, at most 6 (3
+// of 48 KiB in the large tiles, 6 of 32 KiB in 128 x 128, 4 of 40 KiB in 256 x 64).
+template <int kN, int kBlocks>
 struct Tile {
-  static constexpr int kBlocks = 256 / kN;
   static constexpr int kGroupRows = 64 * kBlocks;
   static constexpr int kRows = kConsumers * kGroupRows;  // output positions a CTA
   static constexpr int kABytes = kRows * kChunkBytes;
   static constexpr int kStageBytes = kABytes + kN * kChunkBytes;
   static constexpr int kResultBytes = kRows * kN * 2;
-  static constexpr int kShared = kStages * kStageBytes + kResultBytes + 2 * kStages * 8 + 1024;
+  static constexpr int kBarrierBytes = 2 * 6 * 8 + 1024;  // the ring's barriers and the alignment's slack
+  static constexpr int kStages = std::min(6, (kMaxShared - kResultBytes - kBarrierBytes) / kStageBytes);
+  static constexpr int kShared = kStages * kStageBytes + kResultBytes + kBarrierBytes;
+  static_assert(kStages >= 3, "a ring of at least 3 stages");
   static_assert(kRows % kBoxPixels == 0, "whole im2col boxes");
 };
 
@@ -149,12 +153,13 @@ __device__ __forceinline__ void StageBlock(const float (&acc)[kN / 2], const Con
   }
 }
 
-template <typename T, int kN, bool kDgrad>
+template <typename T, int kN, int kBlocks, bool kDgrad>
 __global__ void __launch_bounds__(kThreads, 1)
     Im2colKernel(const __grid_constant__ CUtensorMap in_map, const __grid_constant__ CUtensorMap w_map,
                  const __grid_constant__ CUtensorMap out_map, Gather g, ConvEpilogue<T> epilogue, int row_tiles,
                  int tiles) {
-  using Shape = Tile<kN>;
+  using Shape = Tile<kN, kBlocks>;
+  constexpr int kStages = Shape::kStages;
   extern __shared__ uint8_t shared_raw[];
   uint8_t* stages = sm90::AlignedShared(shared_raw);
   uint8_t* result = stages + kStages * Shape::kStageBytes;
@@ -218,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int e = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int first_position = t % row_tiles * Shape::kRows, first_feature = t / row_tiles * kN;
-    float acc[Shape::kBlocks][kN / 2];  // set by the tile's first product (accumulate off)
+    float acc[kBlocks][kN / 2];  // set by the tile's first product (accumulate off)
     for (int step = 0; step < steps; ++step, ++e) {
       sm90::WaitFull<kStages>(full, e);
       const uint8_t* a = stages + e % kStages * Shape::kStageBytes + group * Shape::kGroupRows * kChunkBytes;
@@ -229,22 +234,22 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint64_t bd = kDgrad ? sm90::DescriptorKMajor(b + k * 32)
                                    : sm90::DescriptorMNMajor(b + k * 16 * kChunkBytes, kChunk * kChunkBytes);
 #pragma unroll
-        for (int block = 0; block < Shape::kBlocks; ++block) {
+        for (int block = 0; block < kBlocks; ++block) {
           const uint64_t ad = sm90::DescriptorKMajor(a + block * 64 * kChunkBytes + k * 32);
           sm90::Wgmma<kN, T>::template SS<kDgrad ? 0 : 1>(acc[block], ad, bd, step + k > 0);
         }
       }
       sm90::WgmmaCommit();
 #pragma unroll
-      for (int block = 0; block < Shape::kBlocks; ++block) sm90::FenceRegisters(acc[block]);
+      for (int block = 0; block < kBlocks; ++block) sm90::FenceRegisters(acc[block]);
       sm90::WgmmaWait<1>();  // the previous use's products are done: its stage may be refilled
 #pragma unroll
-      for (int block = 0; block < Shape::kBlocks; ++block) sm90::FenceRegisters(acc[block]);
+      for (int block = 0; block < kBlocks; ++block) sm90::FenceRegisters(acc[block]);
       if (step > 0 && leader) sm90::BarrierArrive(&empty[(e - 1) % kStages]);
     }
     sm90::WgmmaWait<0>();
 #pragma unroll
-    for (int block = 0; block < Shape::kBlocks; ++block) sm90::FenceRegisters(acc[block]);
+    for (int block = 0; block < kBlocks; ++block) sm90::FenceRegisters(acc[block]);
     if (leader) {
       sm90::BarrierArrive(&empty[(e - 1) % kStages]);  // the tile's last stage
       sm90::BulkWaitReads();  // the previous tile's stores have read the result tile
@@ -252,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::NamedBarrierSync(2 + group, kWarpgroup);
     const int group_position = first_position + group * Shape::kGroupRows;
 #pragma unroll
-    for (int block = 0; block < Shape::kBlocks; ++block) {
+    for (int block = 0; block < kBlocks; ++block) {
       StageBlock<T, kN>(acc[block], epilogue, g.pixels, g.out_c, group_position + block * 64, first_feature, row, col,
                         Shape::kGroupRows, tile + block * 64 * kChunkBytes);
     }
@@ -285,10 +290,10 @@ CUresult MakeIm2colMap(CUtensorMap* map, const void* data, ffi::DataType dtype, 
                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
-template <bool kDgrad, int kN>
+template <bool kDgrad, int kN, int kBlocks>
 ffi::Error Launch(cudaStream_t stream, const ConvGeometry& cg, ffi::DataType dtype, const void* in, const void* w,
                   const void* bias, const void* residual, int64_t activation, float activation_param, void* out) {
-  using Shape = Tile<kN>;
+  using Shape = Tile<kN, kBlocks>;
   const char* stage = kDgrad ? "conv dgrad (im2col)" : "conv fprop (im2col)";
   const Gather g = MakeGather(cg, kDgrad);
   const int taps = g.taps_h * g.taps_w;
@@ -301,7 +306,7 @@ ffi::Error Launch(cudaStream_t stream, const ConvGeometry& cg, ffi::DataType dty
   }
   auto launch = [&](auto tag) {
     using T = decltype(tag);
-    const auto kernel = Im2colKernel<T, kN, kDgrad>;
+    const auto kernel = Im2colKernel<T, kN, kBlocks, kDgrad>;
     JAXDNN_RETURN_IF_ERROR(
         CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kShared), stage));
     const ConvEpilogue<T> epilogue{static_cast<const T*>(bias), static_cast<const T*>(residual), activation,
@@ -314,20 +319,51 @@ ffi::Error Launch(cudaStream_t stream, const ConvGeometry& cg, ffi::DataType dty
   return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}) : launch(__half{});
 }
 
+int SmCount() {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms > 0 ? sms : 1;
+}
+
+// The heuristic's cost of a tile shape: the rounds of persistent CTAs (one an SM) the tiles take,
+// times a tile's outputs. A tile's time is about proportional to its outputs, and the last round
+// runs whether it is full or not (ResNet's 14x14 256 -> 256: 196 tiles of 128 x 256 on 132 SMs
+// take two rounds, 392 of 128 x 128 three rounds of half the work).
+int64_t TileCost(const Gather& g, int rows, int features, int sms) {
+  const int64_t tiles = (int64_t(g.pixels) + rows - 1) / rows * (g.out_c / features);
+  return (tiles + sms - 1) / sms * rows * features;
+}
+
+// Whether cost a is at least 10% below cost b: the smaller tile must win by that much, since the
+// larger one's products run at a higher rate (a 1-D layer of 512000 positions, 128 -> 128: 2000
+// tiles of 256 x 128 cost 3% more than 4000 of 128 x 128).
+bool Cheaper(int64_t a, int64_t b) { return 10 * a < 9 * b; }
+
+// Whether a tile of 128 features takes 128 positions rather than 256.
+bool NarrowRows(const Gather& g, int sms) { return Cheaper(TileCost(g, 128, 128, sms), TileCost(g, 256, 128, sms)); }
+
 template <bool kDgrad>
-ffi::Error LaunchTile(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, int tile_features,
+ffi::Error LaunchTile(cudaStream_t stream, const ConvGeometry& cg, ffi::DataType dtype, int tile_features,
                       const void* in, const void* w, const void* bias, const void* residual, int64_t activation,
                       float activation_param, void* out) {
-  return tile_features == 256
-             ? Launch<kDgrad, 256>(stream, g, dtype, in, w, bias, residual, activation, activation_param, out)
-             : Launch<kDgrad, 128>(stream, g, dtype, in, w, bias, residual, activation, activation_param, out);
+  if (tile_features == 256) {
+    return Launch<kDgrad, 256, 1>(stream, cg, dtype, in, w, bias, residual, activation, activation_param, out);
+  }
+  if (tile_features == 64) {
+    return Launch<kDgrad, 64, 2>(stream, cg, dtype, in, w, bias, residual, activation, activation_param, out);
+  }
+  if (NarrowRows(MakeGather(cg, kDgrad), SmCount())) {
+    return Launch<kDgrad, 128, 1>(stream, cg, dtype, in, w, bias, residual, activation, activation_param, out);
+  }
+  return Launch<kDgrad, 128, 2>(stream, cg, dtype, in, w, bias, residual, activation, activation_param, out);
 }
 
 }  // namespace
 
 bool Im2colApplies(const ConvGeometry& g, ffi::DataType dtype, bool dgrad, int tile_features) {
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) return false;
-  if (tile_features != 128 && tile_features != 256) return false;
+  if (tile_features != 64 && tile_features != 128 && tile_features != 256) return false;
   if (g.groups != 1 || g.window[0] != 1 || g.stride[0] != 1 || g.pad[0] != 0 || g.in[0] != g.out[0]) return false;
   const int64_t in_c = dgrad ? g.filters : g.channels, out_c = dgrad ? g.channels : g.filters;
   if (in_c <= 0 || in_c % kChunk != 0 || out_c % tile_features != 0) return false;  // no empty reduction
@@ -345,6 +381,15 @@ bool Im2colApplies(const ConvGeometry& g, ffi::DataType dtype, bool dgrad, int t
     if (corner < -kMaxCorner - 1 || corner > kMaxCorner) return false;
   }
   return IsHopper();
+}
+
+int Im2colAutoTile(const ConvGeometry& g, ffi::DataType dtype, bool dgrad) {
+  if (!Im2colApplies(g, dtype, dgrad, 128)) return 0;  // (a multiple of 256 output channels is one of 128)
+  if (!Im2colApplies(g, dtype, dgrad, 256)) return 128;
+  const Gather v = MakeGather(g, dgrad);
+  const int sms = SmCount();
+  const int64_t narrow = TileCost(v, NarrowRows(v, sms) ? 128 : 256, 128, sms);
+  return Cheaper(narrow, TileCost(v, 128, 256, sms)) ? 128 : 256;
 }
 
 ffi::Error Im2colFprop(cudaStream_t stream, const ConvGeometry& g, ffi::DataType dtype, int tile_features,

@@ -25,6 +25,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <climits>
 #include <type_traits>
 
 #include "common/activation.h"
@@ -359,6 +360,171 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
+// The cluster forward (see group_norm_sm90.h): a cluster of kClusterBlocks CTAs holds one sample's
+// positions of a slab of 64 channels (a 128-byte row a position), each CTA an eighth of them in
+// shared memory, all its copies issued at once (cp.async). The group sums are exchanged through
+// distributed shared memory in rank order, twice: the sums (mean), then the squares centred on the
+// mean (exact two-pass variance, from shared memory); each CTA then writes its positions of y.
+// HBM traffic: x and y once each, where group_norm.cu's forward reads x twice.
+
+constexpr int kClusterBlocks = 8;                    // a portable cluster size
+constexpr int kFwdThreads = 256;
+constexpr int kSlabChannels = 64;                    // a 128-byte row a position
+constexpr int kRowPacks = kSlabChannels / 8;         // its 16-byte packs
+constexpr int kRowStep = kFwdThreads / kRowPacks;    // rows the block covers at once: 32
+constexpr int kMaxHeldRows = 896;                    // positions a CTA holds: 112 KiB, two CTAs an SM
+
+struct ClusterPlan {
+  int64_t spatial, channels, groups;  // S, C, G
+  int group_size;                     // K, a divisor of 64
+  int slabs;                          // C / 64
+  float epsilon;
+};
+
+// This CTA's per-group sums of `acc` (thread t's 8 channels (t % 8) 8 .. + 7 of the slab), over its
+// threads in a fixed order, into out[g] for the slab's 64 / K groups g.
+__device__ __forceinline__ void BlockGroupSums(float (&acc)[8], int group_size, float (*warp_part)[kSlabChannels],
+                                               float* channel_sum, float* out) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {  // lanes of one pack: lane % 8
+    acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 8);
+    acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 16);
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane < kRowPacks) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) warp_part[warp][lane * 8 + k] = acc[k];
+  }
+  __syncthreads();
+  if (threadIdx.x < kSlabChannels) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kFwdThreads / 32; ++w) sum += warp_part[w][threadIdx.x];
+    channel_sum[threadIdx.x] = sum;
+  }
+  __syncthreads();
+  if (threadIdx.x < kSlabChannels / group_size) {
+    float sum = 0.f;
+    for (int c = 0; c < group_size; ++c) sum += channel_sum[threadIdx.x * group_size + c];
+    out[threadIdx.x] = sum;
+  }
+}
+
+// The sum over the cluster's CTAs, in rank order, of their `part` (the same shared-memory variable
+// in each): the same value, with the same bits, in every CTA.
+__device__ __forceinline__ float ClusterTotal(const float* part) {
+  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(part));
+  float total = 0.f;
+#pragma unroll
+  for (int rank = 0; rank < kClusterBlocks; ++rank) {
+    uint32_t remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    total += v;
+  }
+  return total;
+}
+
+__device__ __forceinline__ void ClusterArrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+
+template <typename T, bool kAct>
+__global__ void __launch_bounds__(kFwdThreads, 2)
+    ClusterFwdKernel(const T* __restrict__ x, Param<T> scale, Param<T> bias, T* __restrict__ y,
+                     float* __restrict__ mean_out, float* __restrict__ rstd_out, ClusterPlan p, int64_t activation,
+                     float activation_param) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Vec = Pack<T, 8>;
+  extern __shared__ uint4 held_raw[];
+  Vec* held = reinterpret_cast<Vec*>(held_raw);  // [rows][kRowPacks]: this CTA's positions of the slab
+  __shared__ float warp_part[kFwdThreads / 32][kSlabChannels];
+  __shared__ float channel_sum[kSlabChannels];
+  __shared__ float group_part[2][kSlabChannels];  // read by the cluster: sums, centred squares
+  __shared__ float channel_stats[2][kSlabChannels];  // mean, rstd of each channel's group
+  const int rank = int(blockIdx.x % kClusterBlocks);  // the CTA's rank in its (1-D) cluster
+  const int64_t item = blockIdx.x / kClusterBlocks;
+  const int64_t n = item / p.slabs;
+  const int slab = int(item % p.slabs);
+  const int64_t begin = p.spatial * rank / kClusterBlocks;
+  const int rows = int(p.spatial * (rank + 1) / kClusterBlocks - begin);
+  const int pack = threadIdx.x % kRowPacks, row0 = threadIdx.x / kRowPacks;
+  const int64_t channel0 = int64_t(slab) * kSlabChannels + pack * 8;
+  const int64_t first = (n * p.spatial + begin) * p.channels + channel0;  // this thread's row 0
+  for (int r = row0; r < rows; r += kRowStep) CpAsync16(&held[r * kRowPacks + pack], x + first + r * p.channels);
+  CpAsyncCommit();
+  CpAsyncWait<0>();  // this thread's own copies: each thread reads only the packs it copied
+
+  float acc[8] = {};
+  for (int r = row0; r < rows; r += kRowStep) {
+    const Vec v = held[r * kRowPacks + pack];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] += ToFloat(v.v[k]);
+  }
+  BlockGroupSums(acc, p.group_size, warp_part, channel_sum, group_part[0]);
+  __syncwarp();
+  ClusterArrive();
+  ClusterWait();  // every CTA's group_part[0]
+  const float count = float(p.spatial) * float(p.group_size);
+  if (threadIdx.x < kSlabChannels) {
+    channel_stats[0][threadIdx.x] = ClusterTotal(&group_part[0][threadIdx.x / p.group_size]) / count;
+  }
+  __syncthreads();
+  float mean[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    mean[k] = channel_stats[0][pack * 8 + k];
+    acc[k] = 0.f;
+  }
+  for (int r = row0; r < rows; r += kRowStep) {
+    const Vec v = held[r * kRowPacks + pack];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float d = ToFloat(v.v[k]) - mean[k];
+      acc[k] += d * d;
+    }
+  }
+  BlockGroupSums(acc, p.group_size, warp_part, channel_sum, group_part[1]);
+  __syncwarp();
+  ClusterArrive();
+  ClusterWait();  // every CTA's group_part[1]
+  if (threadIdx.x < kSlabChannels) {
+    const int g = threadIdx.x / p.group_size;
+    const float rstd = rsqrtf(fmaxf(ClusterTotal(&group_part[1][g]) / count, 0.f) + p.epsilon);
+    channel_stats[1][threadIdx.x] = rstd;
+    if (rank == 0 && threadIdx.x % p.group_size == 0) {
+      const int64_t index = n * p.groups + (int64_t(slab) * kSlabChannels + threadIdx.x) / p.group_size;
+      mean_out[index] = channel_stats[0][threadIdx.x];
+      rstd_out[index] = rstd;
+    }
+  }
+  __syncwarp();
+  ClusterArrive();  // this CTA's reads of the others' group_part are done (waited for at the end)
+  __syncthreads();
+  float a[8], b[8];  // pre-activation = (x - mean) a + b
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    a[k] = channel_stats[1][pack * 8 + k] * scale[channel0 + k];
+    b[k] = bias[channel0 + k];
+  }
+  for (int r = row0; r < rows; r += kRowStep) {
+    const Vec v = held[r * kRowPacks + pack];
+    float pre[8];
+    Vec out;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) pre[k] = (ToFloat(v.v[k]) - mean[k]) * a[k] + b[k];
+    if constexpr (kAct) ActivateKindN(activation, pre, activation_param);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) out.v[k] = FromFloat<T>(pre[k]);
+    StoreWords(y + first + r * p.channels, out);
+  }
+  ClusterWait();  // no CTA exits while another may still read its group_part
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host
 
 template <typename T>
@@ -415,7 +581,58 @@ std::optional<ffi::Error> OnChipBackward(cudaStream_t stream, const GroupNormSha
   return launch(OnChipBwdKernel<T, false>);
 }
 
+template <typename T>
+std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormShape& shape, bool aligned, const T* x,
+                                         Param<T> scale, Param<T> bias, float epsilon, int64_t activation,
+                                         float activation_param, T* y, float* mean, float* rstd) {
+  if constexpr (sizeof(T) != 2) {
+    return std::nullopt;
+  } else {
+    int device = 0, major = 0;
+    const int64_t rows = (shape.spatial + kClusterBlocks - 1) / kClusterBlocks;
+    if (!aligned || shape.batch < 1 || shape.spatial < kClusterBlocks || rows > kMaxHeldRows ||
+        shape.channels % kSlabChannels != 0 || kSlabChannels % shape.group_size != 0 ||
+        shape.batch * (shape.channels / kSlabChannels) * kClusterBlocks > INT_MAX ||
+        cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9) {
+      return std::nullopt;
+    }
+    const ClusterPlan plan{shape.spatial, shape.channels, shape.groups, int(shape.group_size),
+                           int(shape.channels / kSlabChannels), epsilon};
+    const size_t smem = size_t(rows) * kSlabChannels * sizeof(T);
+    auto launch = [&](auto kernel) -> std::optional<ffi::Error> {
+      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess) {
+        return std::nullopt;
+      }
+      cudaLaunchAttribute cluster;
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = kClusterBlocks;
+      cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(unsigned(shape.batch * plan.slabs * kClusterBlocks));
+      config.blockDim = dim3(kFwdThreads);
+      config.dynamicSmemBytes = smem;
+      config.stream = stream;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1) {
+        cudaGetLastError();  // the query's error, if any, is not the call's
+        return std::nullopt;
+      }
+      return CudaError(cudaLaunchKernelEx(&config, kernel, x, scale, bias, y, mean, rstd, plan, activation,
+                                          activation_param),
+                       "group_norm forward (cluster)");
+    };
+    if (activation != int64_t(Activation::kIdentity)) return launch(ClusterFwdKernel<T, true>);
+    return launch(ClusterFwdKernel<T, false>);
+  }
+}
+
 #define JAXDNN_INSTANTIATE(T)                                                                                  \
+  template std::optional<ffi::Error> ClusterForward<T>(cudaStream_t, const GroupNormShape&, bool, const T*,          \
+                                                       Param<T>, Param<T>, float, int64_t, float, T*, float*,       \
+                                                       float*);                                                      \
   template std::optional<ffi::Error> OnChipBackward<T>(cudaStream_t, const GroupNormShape&, bool, const T*, const T*, \
                                                        Param<T>, Param<T>, const float*, const float*,               \
                                                        int64_t, float, T*, float*, float*);
