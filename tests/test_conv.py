@@ -185,8 +185,9 @@ def test_im2col_more_tiles_than_ctas(lhs_shape, rhs_shape, rng):
     """The persistent im2col kernels with several tiles a CTA on a 132-SM GPU, one case for each of
     the heuristic's tiles: the forward of 64 -> 256 on 264 tiles of 128 x 256, the dgrad of 128 -> 64
     on 264 of 256 x 128 (two whole rounds each, which the smaller tiles do not beat), the forward of
-    64 -> 128 on 266 of 128 x 128 (133 of 256 x 128 would leave a round almost empty). The stage ring
-    runs across tiles, and each result tile is refilled once its store has read it."""
+    64 -> 128 on 266 of 128 x 128 (133 of 256 x 128 would leave a round almost empty); the tile of
+    256 x 64 takes the forward of 128 -> 64 (264 tiles) and the dgrad of 64 -> 128 (133). The stage
+    ring runs across tiles, and each result tile is refilled once its store has read it."""
     kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)
     test_forward_and_grad(jnp.bfloat16, lhs_shape, rhs_shape, kwargs, rng)
 

@@ -51,7 +51,7 @@ enum ConvAlgorithm : int64_t {
   kConvHalo = 5,       // the halo kernels (conv/halo_sm90.h): 64-channel 3x3 layers, 64-channel 1x1 ones
   kConvIm2col = 6,     // the im2col kernels (conv/im2col_sm90.h), 256 (or 128) x 128 tiles (fprop, unit-stride dgrad)
   kConvIm2colWide = 7, // the im2col kernels, 128 x 256 tiles
-  kConvIm2colNarrow = 8,  // the im2col kernels, 256 x 64 tiles (autotuning's alone: not yet measured)
+  kConvIm2colNarrow = 8,  // the im2col kernels, 256 x 64 tiles
 };
 
 // Whether `algorithm` lets the halo kernels take a problem they can: the heuristic's, or asked for.

@@ -384,7 +384,9 @@ bool Im2colApplies(const ConvGeometry& g, ffi::DataType dtype, bool dgrad, int t
 }
 
 int Im2colAutoTile(const ConvGeometry& g, ffi::DataType dtype, bool dgrad) {
-  if (!Im2colApplies(g, dtype, dgrad, 128)) return 0;  // (a multiple of 256 output channels is one of 128)
+  // (a multiple of 256 output channels is one of 128; 64 is left for the rest, with windows of more
+  // than one tap: the fused 1x1 forwards, on CUTLASS's tiles, have not been measured against it)
+  if (!Im2colApplies(g, dtype, dgrad, 128)) return g.Taps() > 1 && Im2colApplies(g, dtype, dgrad, 64) ? 64 : 0;
   if (!Im2colApplies(g, dtype, dgrad, 256)) return 128;
   const Gather v = MakeGather(g, dgrad);
   const int sms = SmCount();

@@ -15,8 +15,7 @@
 namespace jaxdnn {
 
 // Output features a CTA tile of the im2col kernels spans: 128 (tiles of 256 positions, or of 128
-// where that leaves fewer SMs idle in the last round), 256 (tiles of 128) or 64 (tiles of 256; only
-// when autotuning asks for it: not yet measured against CUTLASS's tiles of 64 features).
+// where that leaves fewer SMs idle in the last round), 256 (tiles of 128) or 64 (tiles of 256).
 bool Im2colApplies(const ConvGeometry& g, ffi::DataType dtype, bool dgrad, int tile_features);
 
 // The heuristic's tile for a problem the im2col kernels take (0 where they take none): 256 features
@@ -24,7 +23,9 @@ bool Im2colApplies(const ConvGeometry& g, ffi::DataType dtype, bool dgrad, int t
 // it runs) costs at least 10% less, counting the rounds of tiles on the GPU's SMs (the last round
 // runs whole however few tiles it has). Between tiles of the same outputs 256 features ran faster
 // on an H200 (14x14 256 -> 256, 196 tiles either way: 0.0565 against 0.0586 ms; 7x7 512 -> 512:
-// 0.0502 against 0.0533).
+// 0.0502 against 0.0533). Output channels that no tile of 128 features divides (an odd multiple of
+// 64) take the tile of 64 where the window has more than one tap: VGG-16 conv2_1's dgrad (128 -> 64 channels, 112x112) ran in 0.142 ms on
+// it against 0.171 on CUTLASS's best tile (H200, autotuning's times, 2026-11-30).
 int Im2colAutoTile(const ConvGeometry& g, ffi::DataType dtype, bool dgrad);
 
 // y [N, D, H, W, K] = act(conv(x, w) + bias + residual) for x [N, D, H, W, C] and w [R, S, C, K]

@@ -431,11 +431,10 @@ __device__ __forceinline__ void ClusterArrive() {
 }
 __device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 
-template <typename T, bool kAct>
+template <typename T>
 __global__ void __launch_bounds__(kFwdThreads, 2)
     ClusterFwdKernel(const T* __restrict__ x, Param<T> scale, Param<T> bias, T* __restrict__ y,
-                     float* __restrict__ mean_out, float* __restrict__ rstd_out, ClusterPlan p, int64_t activation,
-                     float activation_param) {
+                     float* __restrict__ mean_out, float* __restrict__ rstd_out, ClusterPlan p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Vec = Pack<T, 8>;
   extern __shared__ uint4 held_raw[];
@@ -503,7 +502,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
   __syncwarp();
   ClusterArrive();  // this CTA's reads of the others' group_part are done (waited for at the end)
   __syncthreads();
-  float a[8], b[8];  // pre-activation = (x - mean) a + b
+  float a[8], b[8];  // y = (x - mean) a + b
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     a[k] = channel_stats[1][pack * 8 + k] * scale[channel0 + k];
@@ -511,13 +510,9 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
   }
   for (int r = row0; r < rows; r += kRowStep) {
     const Vec v = held[r * kRowPacks + pack];
-    float pre[8];
     Vec out;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) pre[k] = (ToFloat(v.v[k]) - mean[k]) * a[k] + b[k];
-    if constexpr (kAct) ActivateKindN(activation, pre, activation_param);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) out.v[k] = FromFloat<T>(pre[k]);
+    for (int k = 0; k < 8; ++k) out.v[k] = FromFloat<T>((ToFloat(v.v[k]) - mean[k]) * a[k] + b[k]);
     StoreWords(y + first + r * p.channels, out);
   }
   ClusterWait();  // no CTA exits while another may still read its group_part
@@ -583,8 +578,8 @@ std::optional<ffi::Error> OnChipBackward(cudaStream_t stream, const GroupNormSha
 
 template <typename T>
 std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormShape& shape, bool aligned, const T* x,
-                                         Param<T> scale, Param<T> bias, float epsilon, int64_t activation,
-                                         float activation_param, T* y, float* mean, float* rstd) {
+                                         Param<T> scale, Param<T> bias, float epsilon, T* y, float* mean,
+                                         float* rstd) {
   if constexpr (sizeof(T) != 2) {
     return std::nullopt;
   } else {
@@ -620,19 +615,16 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
         cudaGetLastError();  // the query's error, if any, is not the call's
         return std::nullopt;
       }
-      return CudaError(cudaLaunchKernelEx(&config, kernel, x, scale, bias, y, mean, rstd, plan, activation,
-                                          activation_param),
+      return CudaError(cudaLaunchKernelEx(&config, kernel, x, scale, bias, y, mean, rstd, plan),
                        "group_norm forward (cluster)");
     };
-    if (activation != int64_t(Activation::kIdentity)) return launch(ClusterFwdKernel<T, true>);
-    return launch(ClusterFwdKernel<T, false>);
+    return launch(ClusterFwdKernel<T>);
   }
 }
 
 #define JAXDNN_INSTANTIATE(T)                                                                                  \
   template std::optional<ffi::Error> ClusterForward<T>(cudaStream_t, const GroupNormShape&, bool, const T*,          \
-                                                       Param<T>, Param<T>, float, int64_t, float, T*, float*,       \
-                                                       float*);                                                      \
+                                                       Param<T>, Param<T>, float, T*, float*, float*);              \
   template std::optional<ffi::Error> OnChipBackward<T>(cudaStream_t, const GroupNormShape&, bool, const T*, const T*, \
                                                        Param<T>, Param<T>, const float*, const float*,               \
                                                        int64_t, float, T*, float*, float*);
