@@ -1,7 +1,7 @@
-// The group norm backward of GPUs with TMA (compute capability >= 9) for problems whose (sample,
-// slab of groups) blocks fit in one SM's shared memory (group_norm_sm90.cu): x and dy are read from
-// HBM once, where group_norm.cu's kernels read them twice. group_norm.cu's backward handler tries
-// it first and keeps its own kernels for the problems it does not take.
+// The group norm forward and backward of GPUs with TMA and clusters (compute capability >= 9) for
+// problems whose items fit in shared memory (group_norm_sm90.cu): x (and dy) are read from HBM once,
+// where group_norm.cu's kernels read them twice. group_norm.cu's handlers try them first and keep
+// their own kernels for the problems they do not take.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,13 +14,6 @@
 
 namespace jaxdnn {
 
-// dx as group_norm.cu's backward, with the group sums of g * xhat and g (g = d * scale) in
-// group_sums[N, G, 2] and each sample's per-channel sums of d * xhat and d in the workspace's first
-// N * 2 * C floats, as [N, 2, C] (the caller sums them over the samples into dscale and dbias).
-// Returns nothing, launching nothing, unless it takes the problem on the current device: at least
-// one position, a slab of whole groups (at most 256 channels) whose channels make a multiple of 16
-// bytes, a slab's S positions in at most 136 KiB (4352 positions of 16 bf16 channels), `aligned`
-// operands (16 bytes), and a GPU of compute capability >= 9.
 // y, mean and rstd as group_norm.cu's forward without an activation, for 16-bit x where a cluster of
 // 8 CTAs holds a sample's positions of a slab of 64 channels (C a multiple of 64, K dividing 64, 8 to
 // 7168 positions) on a GPU of compute capability >= 9: x is read once. Returns nothing, launching
@@ -33,6 +26,13 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
                                          Param<T> scale, Param<T> bias, float epsilon, T* y, float* mean,
                                          float* rstd);
 
+// dx as group_norm.cu's backward, with the group sums of g * xhat and g (g = d * scale) in
+// group_sums[N, G, 2] and each sample's per-channel sums of d * xhat and d in the workspace's first
+// N * 2 * C floats, as [N, 2, C] (the caller sums them over the samples into dscale and dbias).
+// Returns nothing, launching nothing, unless it takes the problem on the current device: at least
+// one position, a slab of whole groups (at most 256 channels) whose channels make a multiple of 16
+// bytes, a slab's S positions in at most 136 KiB (4352 positions of 16 bf16 channels), `aligned`
+// operands (16 bytes), and a GPU of compute capability >= 9.
 template <typename T>
 std::optional<ffi::Error> OnChipBackward(cudaStream_t stream, const GroupNormShape& shape, bool aligned, const T* dy,
                                          const T* x, Param<T> scale, Param<T> bias, const float* mean,
