@@ -912,8 +912,8 @@ def test_conv_fused(dtype, activation, x_shape, w_shape, kwargs, with_residual, 
 
 @pytest.mark.parametrize("dtype,activation", [(jnp.bfloat16, "gelu"), (jnp.float16, "relu")], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["bias", "bias+residual"])
-@pytest.mark.parametrize("channels,filters", [(16, 24), (64, 64), (64, 128), (128, 256), (128, 64), (128, 192)],
-                         ids=str)
+@pytest.mark.parametrize("channels,filters",
+                         [(16, 24), (64, 64), (64, 128), (128, 256), (128, 64), (128, 192)], ids=str)
 def test_conv_fused_tensor_core_shapes(dtype, activation, with_residual, channels, filters, rng):
     """The epilogue of the tensor-core forward (16-bit, channels multiples of 8 on a GPU; 64 -> 64 on the
     halo kernel, 64 -> 128 and 128 -> 256 on the im2col kernels' tiles of 128 and 256 features, 128 ->
