@@ -19,12 +19,13 @@ Conventions (see ARCHITECTURE.md, "Benchmarks"):
   = a bf16 8192^3 matmul, 2*M*N*K FLOPs. `ceiling_fraction` = value / the ceiling of the same metric.
 - Memory-bound families report GB/s of compulsory traffic (each family documents its byte count).
 - Results: `<out>/<device>-<date>.json` (`-autotune`, `-quick` are appended for `--autotune` and
-  `--quick` runs), a JSON list of records {"family", "case", "dtype", "jaxdnn_ms", "peer", "peer_ms",
-  "speedup" (peer_ms / jaxdnn_ms), "metric", "value", "ceiling_fraction", "jax", "device", "date",
-  "autotune"}; the ceilings are records of family "ceiling" with null peer fields. A table is printed
-  at the end. `--autotune` runs with jaxdnn.config.autotune on (candidates timed while a case is
-  compiled, outside its timing), its choices kept in `<out>/autotune.json`. `--nondeterministic` runs
-  with jaxdnn.config.deterministic off (`-nondeterministic` appended to the file name; the records'
+  `--quick` runs; rewritten after every case, so a run cut short keeps what it measured), a JSON
+  list of records {"family", "case", "dtype", "jaxdnn_ms", "peer", "peer_ms", "speedup" (peer_ms /
+  jaxdnn_ms), "metric", "value", "ceiling_fraction", "jax", "device", "date", "autotune"}; the
+  ceilings are records of family "ceiling" with null peer fields. A table is printed at the end.
+  `--autotune` runs with jaxdnn.config.autotune on (candidates timed while a case is compiled,
+  outside its timing), its choices kept in `<out>/autotune.json`. `--nondeterministic` runs with
+  jaxdnn.config.deterministic off (`-nondeterministic` appended to the file name; the records'
   "deterministic" field says which).
 
 Adding a family: write `def <family>_cases(quick) -> list[Case]` and add it to `FAMILIES` (a family
@@ -1112,11 +1113,25 @@ def main() -> int:
     for r in records:
         print(f"{r['case']}: {r['value']:.1f} {r['metric']}", flush=True)
 
+    os.makedirs(args.out, exist_ok=True)
+    suffix = (("-autotune" if args.autotune else "") + ("-nondeterministic" if args.nondeterministic else "")
+              + ("-quick" if args.quick else ""))
+    path = os.path.join(args.out, f"{device}-{date}{suffix}.json")
     failures = 0
     other_records = []
+
+    def write():
+        """The records so far, rewritten whole after every case, so that a run cut short (a device
+        call's time limit) leaves the cases it finished; renamed into place, never half written."""
+        with open(path + ".tmp", "w") as f:
+            json.dump(records + other_records, f, indent=1)
+            f.write("\n")
+        os.replace(path + ".tmp", path)
+
     for family in [*FAMILIES, *OTHER_FAMILIES] if "all" in args.family else dict.fromkeys(args.family):
         if family in OTHER_FAMILIES:
             other_records += [dict(record, **common) for record in OTHER_FAMILIES[family](args.quick)]
+            write()
             continue
         # (fn, arg_sets) -> ms: cases against several peers time jaxdnn's call once. Per family: the
         # ids are those of the family's cases, alive until its loop ends.
@@ -1164,14 +1179,9 @@ def main() -> int:
             )
             peer_text = "-" if peer_ms is None else f"{peer_ms:.4f}"
             print(f"{case.name}: {ms:.4f} ms (peer {peer_text} ms)", flush=True)
+            write()
 
-    os.makedirs(args.out, exist_ok=True)
-    suffix = (("-autotune" if args.autotune else "") + ("-nondeterministic" if args.nondeterministic else "")
-              + ("-quick" if args.quick else ""))
-    path = os.path.join(args.out, f"{device}-{date}{suffix}.json")
-    with open(path, "w") as f:
-        json.dump(records + other_records, f, indent=1)
-        f.write("\n")
+    write()
     print_table(records)
     print(f"\nwrote {path}" + (f"; {failures} case(s) FAILED" if failures else ""))
     return 1 if failures else 0
