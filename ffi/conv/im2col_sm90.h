@@ -1,5 +1,5 @@
 // The im2col kernels: the forward (with the fused epilogue) and the unit-stride backward-data
-// convolution of 16-bit 2-D layers with a multiple of 64 input and of 128 output channels, as
+// convolution of 16-bit 2-D layers with a multiple of 64 input and output channels, as
 // implicit GEMMs on Hopper's tensor cores written on sm90_async.cuh (im2col_sm90.cu). TMA's im2col
 // mode gathers each tap's window pixels; two consumer warpgroups share a CTA's tile (CUTLASS's
 // Hopper convolution runs one).
