@@ -24,8 +24,9 @@ bool Im2colApplies(const ConvGeometry& g, ffi::DataType dtype, bool dgrad, int t
 // runs whole however few tiles it has). Between tiles of the same outputs 256 features ran faster
 // on an H200 (14x14 256 -> 256, 196 tiles either way: 0.0565 against 0.0586 ms; 7x7 512 -> 512:
 // 0.0502 against 0.0533). Output channels that no tile of 128 features divides (an odd multiple of
-// 64) take the tile of 64 where the window has more than one tap: VGG-16 conv2_1's dgrad (128 -> 64 channels, 112x112) ran in 0.142 ms on
-// it against 0.171 on CUTLASS's best tile (H200, autotuning's times, 2026-11-30).
+// 64) take the tile of 64 where the window has more than one tap: VGG-16 conv2_1's dgrad (128 -> 64
+// channels, 112x112) ran in 0.142 ms on it against 0.171 on CUTLASS's best tile (H200, autotuning's
+// times, 2026-11-30).
 int Im2colAutoTile(const ConvGeometry& g, ffi::DataType dtype, bool dgrad);
 
 // y [N, D, H, W, K] = act(conv(x, w) + bias + residual) for x [N, D, H, W, C] and w [R, S, C, K]
