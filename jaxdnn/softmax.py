@@ -1,7 +1,8 @@
 """Softmax and log-softmax with `jax.nn`'s signatures.
 
-Shapes: x [..., D, ...], normalized over `axis` (D). The kernels work on the last axis; another
-axis is moved there and back (two transposes, which XLA may fuse with neighbours). Sums and
+Shapes: x [..., D, ...], normalized over `axis` (D), or over several axes or all of them (axis a
+tuple, or None), as jax.nn's. The kernels work on the last axis; other axes are moved there and back
+(two transposes, which XLA may fuse with neighbours), several of them merged into one. Sums and
 exponentials are float32; outputs have x's dtype.
 
 `where` (a boolean mask broadcastable to x, as jax.nn's) is applied around the kernels: entries
@@ -17,6 +18,7 @@ implementation, so grad of grad works; forward-mode `jax.jvp` is not provided (c
 from __future__ import annotations
 
 import functools
+import math
 import operator
 
 import jax
@@ -111,31 +113,42 @@ def _check(fn, x, axis, where):
             broadcast = None
         if broadcast != x.shape:
             raise ValueError(f"{fn}: where of shape {jnp.shape(where)} must broadcast to x's shape {x.shape}")
-    if isinstance(axis, (tuple, list)):
-        if len(axis) != 1:
-            raise ValueError(f"{fn}: axis must be a single axis, got {axis} for x of shape {x.shape}")
-        axis = axis[0]
-    try:
-        axis = operator.index(axis)
-    except TypeError:
-        raise TypeError(f"{fn}: axis must be an int, got {axis!r}") from None
-    if not -x.ndim <= axis < x.ndim:
-        raise ValueError(f"{fn}: axis {axis} is out of range for x of shape {x.shape}")
-    axis %= x.ndim
-    if x.shape[axis] == 0:
-        raise ValueError(f"{fn}: the normalized axis {axis} of x (shape {x.shape}) must be non-empty")
-    return x, axis
+    if axis is None:
+        listed = tuple(range(x.ndim))
+    else:
+        listed = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    axes = []
+    for a in listed:
+        try:
+            a = operator.index(a)
+        except TypeError:
+            raise TypeError(f"{fn}: axis must be an int, a tuple of ints or None, got {axis!r}") from None
+        if not -x.ndim <= a < x.ndim:
+            raise ValueError(f"{fn}: axis {a} is out of range for x of shape {x.shape}")
+        axes.append(a % x.ndim)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"{fn}: axis {axis} repeats an axis of x (shape {x.shape})")
+    for a in axes:
+        if x.shape[a] == 0:
+            raise ValueError(f"{fn}: the normalized axis {a} of x (shape {x.shape}) must be non-empty")
+    return x, tuple(axes)
 
 
-def _apply(x, axis, where, log):
+def _apply(x, axes, where, log):
+    """The op over `axes` (distinct, non-negative; none: each entry alone, a row of one)."""
     if where is not None:  # see the module's docstring
         lowest = jnp.asarray(jnp.finfo(x.dtype).min, x.dtype)
-        y = _apply(jnp.where(where, x, lowest), axis, None, log)
+        y = _apply(jnp.where(where, x, lowest), axes, None, log)
         return jnp.where(where, y, jnp.asarray(-jnp.inf if log else 0, x.dtype))
-    last = x.ndim - 1
-    x = jnp.moveaxis(x, axis, last) if axis != last else x
-    y = per_row_shard(lambda x: _softmax(x, log), x)
-    return jnp.moveaxis(y, last, axis) if axis != last else y
+    trailing = tuple(range(x.ndim - len(axes), x.ndim))
+    moved = jnp.moveaxis(x, axes, trailing) if axes != trailing else x
+    if len(axes) == 1:
+        y = per_row_shard(lambda x: _softmax(x, log), moved)
+    else:  # the axes merged into one row (a row of one entry for no axes)
+        rows = moved.shape[:moved.ndim - len(axes)]
+        flat = moved.reshape(rows + (math.prod(moved.shape[len(rows):]),))
+        y = per_row_shard(lambda x: _softmax(x, log), flat).reshape(moved.shape)
+    return jnp.moveaxis(y, trailing, axes) if axes != trailing else y
 
 
 def softmax(x, axis=-1, where=None):
@@ -143,7 +156,8 @@ def softmax(x, axis=-1, where=None):
 
     Args:
       x: float32, bfloat16 or float16 array of rank >= 1.
-      axis: the axis to normalize over (one axis; a non-last axis costs two transposes).
+      axis: the axis to normalize over, a tuple of axes, or None (all axes), as jax.nn's (axes other
+        than the last cost two transposes).
       where: optional mask broadcastable to x's shape: normalize over the entries where it is True;
         the others give 0 (as `jax.nn.softmax`'s `where`).
 

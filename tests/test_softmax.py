@@ -47,13 +47,32 @@ def test_forward_and_grad(op, oracle, log, dtype, shape, rng):
 
 
 @op_param
-@pytest.mark.parametrize("axis", [0, 1, -2, (1,)], ids=str)
+@pytest.mark.parametrize("axis", [0, 1, -2, (1,), (0, 2), (2, 0), (-1, 1), (0, 1, 2), None, ()], ids=str)
 def test_any_axis(op, oracle, log, axis, rng):
+    """One axis, several (merged into one row: (0, 2) and (2, 0) are the same rows), all (None), or
+    none (each entry its own row), as jax.nn's."""
     x = normal(rng, (6, 5, 130), jnp.float32, scale=2.0)
     cotangent = normal(rng, x.shape)
     assert_close(op(x, axis), oracle(f64(x), axis), tolerance(jnp.float32), "forward")
     dx = jax.vjp(lambda x: op(x, axis), x)[1](cotangent)[0]
     assert_close(dx, _oracle_vjp(oracle, x, axis, cotangent), tolerance(jnp.float32, grad=True), "grad")
+
+
+@op_param
+def test_where_over_several_axes(op, oracle, log, rng):
+    """`where` with axes (0, 2) merged into rows: the lane at index 0 of axis 1 has no entry inside."""
+    x = normal(rng, (5, 3, 40), jnp.float32, scale=3.0)
+    mask = rng.random(x.shape) < 0.6
+    mask[:, 0, :] = False
+    mask = jnp.asarray(mask)
+    y = jax.jit(lambda x, m: op(x, (0, 2), where=m))(x, mask)
+    want = oracle(f64(x), (0, 2), where=mask)
+    np.testing.assert_array_equal(np.asarray(y)[~np.asarray(mask)], -np.inf if log else 0.0)
+    assert_close(jnp.where(mask, y, 0), jnp.where(mask, want, 0), tolerance(jnp.float32), "forward")
+    cotangent = jnp.where(mask, normal(rng, x.shape), 0)
+    dx = jax.vjp(lambda x: op(x, (0, 2), where=mask), x)[1](cotangent)[0]
+    want_dx = jax.vjp(lambda x: oracle(x, (0, 2), where=mask), f64(x))[1](f64(cotangent))[0]
+    assert_close(dx, want_dx, tolerance(jnp.float32, grad=True), "grad")
 
 
 @op_param
@@ -181,8 +200,12 @@ def test_bad_options(op, oracle, log):
     x = jnp.ones((3, 4), jnp.float32)
     with pytest.raises(ValueError, match=r"axis 2 is out of range for x of shape \(3, 4\)"):
         op(x, axis=2)
-    with pytest.raises(ValueError, match="single axis"):
-        op(x, axis=(0, 1))
+    with pytest.raises(ValueError, match=r"axis \(1, -1\) repeats an axis of x \(shape \(3, 4\)\)"):
+        op(x, axis=(1, -1))
+    with pytest.raises(ValueError, match=r"axis -3 is out of range"):
+        op(x, axis=(0, -3))
+    with pytest.raises(TypeError, match="axis must be an int, a tuple of ints or None"):
+        op(x, axis=1.0)
     with pytest.raises(ValueError, match=r"where of shape \(2, 4\) must broadcast to x's shape \(3, 4\)"):
         op(x, where=jnp.ones((2, 4), bool))
     with pytest.raises(ValueError, match=r"where of shape \(3, 4, 1\) must broadcast"):
