@@ -224,7 +224,7 @@ def _prepare(fn, lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, 
 
 def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
                          dimension_numbers=None, feature_group_count=1, batch_group_count=1, precision=None,
-                         preferred_element_type=None):
+                         preferred_element_type=None, out_sharding=None):
     """A general dilated convolution, as `jax.lax.conv_general_dilated` (same arguments, same result).
 
     Args:
@@ -251,6 +251,8 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
         wide as the operands' (lax's rules). For 16-bit operands and a float32 (or the other 16-bit)
         result, the float32 kernels run on the operands widened to float32 (exact products, float32
         sums rounded once): twice the bytes, and on a GPU the TF32 rate.
+      out_sharding: None, or the result's sharding (a `NamedSharding`, or a `PartitionSpec` under an
+        Explicit mesh), as lax's: the result is resharded to it (`jax.sharding.reshard`).
 
     Returns:
       The convolution in the layout of `dimension_numbers`' output spec, in `preferred_element_type`
@@ -260,7 +262,8 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
     x, w, conv, finish = _prepare("conv_general_dilated", lhs, rhs, window_strides, padding, lhs_dilation,
                                   rhs_dilation, dimension_numbers, feature_group_count, batch_group_count,
                                   preferred_element_type, precision)
-    return finish(per_row_shard(lambda x, w: _forward(x, w, conv), x, w, whole_axes=4))
+    y = finish(per_row_shard(lambda x, w: _forward(x, w, conv), x, w, whole_axes=4))
+    return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
 
 
 def _forward(x, w, geometry, bias=None, residual=None, activation=None):

@@ -671,6 +671,28 @@ def test_batch_sharded_runs_per_shard(mesh_kind, channels, devices, rng):
     assert y.sharding.spec[0] == "b" and dlhs.sharding.spec[0] == "b"
 
 
+@pytest.mark.parametrize("out_spec", [P("b"), P(), P(None, None, "b")], ids=["batch", "replicated", "width"])
+def test_out_sharding(out_spec, devices, rng):
+    """lax's out_sharding under an Explicit mesh: the result in that sharding, as lax's, and the
+    gradients of the batch-sharded operands as theirs."""
+    kwargs = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)
+    mesh = batch_mesh("explicit", devices)
+    lhs = jax.device_put(normal(rng, (8, 6, 8, 4)), NamedSharding(mesh, P("b")))
+    rhs = jax.device_put(normal(rng, (3, 3, 4, 5)), NamedSharding(mesh, P()))
+    with jax.set_mesh(mesh):
+        y = jax.jit(lambda x, w: jaxdnn.conv_general_dilated(x, w, **kwargs, out_sharding=out_spec))(lhs, rhs)
+        want = jax.jit(lambda x, w: lax.conv_general_dilated(x, w, **kwargs, out_sharding=out_spec))(lhs, rhs)
+        dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(
+            jaxdnn.conv_general_dilated(x, w, **kwargs, out_sharding=out_spec) ** 2), (0, 1)))(lhs, rhs)
+    assert y.sharding.is_equivalent_to(want.sharding, y.ndim)
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, out_spec), y.ndim)
+    assert dx.sharding.spec[0] == "b"
+    want_y, (want_dx, want_dw) = _oracle(kwargs, np.asarray(lhs), np.asarray(rhs), 2 * np.asarray(want))
+    assert_close(y, want_y, 1e-5, "forward")
+    assert_close(dx, want_dx, 1e-4, "grad lhs")
+    assert_close(dw, want_dw, 1e-4, "grad rhs")
+
+
 @pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", [
     ((8, 9, 10, 16), (3, 3, 16, 8), dict(window_strides=(2, 2), dimension_numbers=NHWC)),
     ((8, 4, 6, 5, 8), (3, 3, 3, 8, 8), dict(window_strides=(1, 1, 1), dimension_numbers=_CHANNELS_LAST[5])),
