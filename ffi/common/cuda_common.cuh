@@ -27,14 +27,27 @@ inline ffi::Error CudaError(cudaError_t status, const char* where) {
 // After a kernel launch: reports a bad launch configuration (or an earlier asynchronous error).
 inline ffi::Error LaunchError(const char* kernel) { return CudaError(cudaGetLastError(), kernel); }
 
+// The current device's SMs (1 if the query fails).
+inline int SmCount() {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms > 0 ? sms : 1;
+}
+
+// Whether the current device has compute capability 9 or more (TMA, clusters, programmatic launch).
+inline bool Sm90OrLater() {
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+}
+
 // Blocks of `kernel` (with `block` threads and `smem` bytes) that fit on the device at once.
 template <typename Kernel>
 inline int ResidentBlocks(Kernel kernel, int block, size_t smem) {
-  int device = 0, sms = 0, per_sm = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  int per_sm = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, smem);
-  return per_sm > 0 && sms > 0 ? per_sm * sms : 1;
+  return per_sm > 0 ? per_sm * SmCount() : 1;
 }
 
 __device__ __forceinline__ float ToFloat(float v) { return v; }
@@ -179,10 +192,7 @@ __device__ __forceinline__ void LetNextKernelLaunch() {
 template <typename... Params, typename... Args>
 cudaError_t LaunchEarly(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
                         Args&&... args) {
-  int device = 0, major = 0;
-  const bool early = cudaGetDevice(&device) == cudaSuccess &&
-                     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                     major >= 9;
+  const bool early = Sm90OrLater();
   cudaLaunchAttribute attribute;
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;

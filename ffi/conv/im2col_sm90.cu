@@ -319,13 +319,6 @@ ffi::Error Launch(cudaStream_t stream, const ConvGeometry& cg, ffi::DataType dty
   return dtype == ffi::DataType::BF16 ? launch(__nv_bfloat16{}) : launch(__half{});
 }
 
-int SmCount() {
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return sms > 0 ? sms : 1;
-}
-
 // The heuristic's cost of a tile shape: the rounds of persistent CTAs (one an SM) the tiles take,
 // times a tile's outputs. A tile's time is about proportional to its outputs, and the last round
 // runs whether it is full or not (ResNet's 14x14 256 -> 256: 196 tiles of 128 x 256 on 132 SMs

@@ -99,13 +99,6 @@ Stride PackedStride(int64_t contiguous, int64_t batch_stride) {
   return stride;
 }
 
-inline int SmCount() {
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return sms;
-}
-
 template <class Element, class LayoutA, class LayoutB, class Config, bool kColumnD>
 ffi::Error Run(const GemmProblem& p, cudaStream_t stream) {
   using Adapter = typename Gemm<Element, LayoutA, LayoutB, Config, kColumnD>::Adapter;

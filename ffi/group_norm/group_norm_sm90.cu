@@ -557,9 +557,7 @@ std::optional<ffi::Error> OnChipBackward(cudaStream_t stream, const GroupNormSha
                                          const float* rstd, int64_t activation, float activation_param, T* dx,
                                          float* workspace, float* group_sums) {
   OnChipPlan plan;
-  int device = 0, major = 0;
-  if (!aligned || !MakePlan(shape, sizeof(T), &plan) || cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9) {
+  if (!aligned || !MakePlan(shape, sizeof(T), &plan) || !Sm90OrLater()) {
     return std::nullopt;
   }
   CUtensorMap x_map, dy_map, dx_map;
@@ -586,13 +584,10 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
   if constexpr (sizeof(T) != 2) {
     return std::nullopt;
   } else {
-    int device = 0, major = 0;
     const int64_t rows = (shape.spatial + kClusterBlocks - 1) / kClusterBlocks;
     if (!aligned || shape.batch < 1 || shape.spatial < kClusterBlocks || rows > kMaxHeldRows ||
         shape.channels % kSlabChannels != 0 || kSlabChannels % shape.group_size != 0 ||
-        shape.batch * (shape.channels / kSlabChannels) * kClusterBlocks > INT_MAX ||
-        cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9) {
+        shape.batch * (shape.channels / kSlabChannels) * kClusterBlocks > INT_MAX || !Sm90OrLater()) {
       return std::nullopt;
     }
     const ClusterPlan plan{shape.spatial, shape.channels, shape.groups, int(shape.group_size),
