@@ -88,6 +88,28 @@ def test_forward_and_grad(dtype, shape, groups, rng):
            epsilon=1.0 if per_group == 1 else 1e-5)
 
 
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=dtype_id)
+def test_cluster_forward_many_items(dtype, activation, rng):
+    """The 16-bit cluster forward (group_norm_sm90.cu) on a GPU with more clusters than are resident
+    at once: 800 items of 16 positions, with and without an activation, checked with its gradients
+    (which read the forward's mean and rstd)."""
+    shape = (200, 16, 256)
+    x = normal(rng, shape, dtype, loc=2.0, scale=3.0)
+    scale, bias = _params(rng, shape[-1])
+    _check(x, 32, scale, bias, normal(rng, shape, dtype), dtype, activation=activation)
+
+
+def test_cluster_forward_most_positions(rng):
+    """The most positions the cluster forward holds, nearly: 7000 of 7168 (875 rows a CTA, 109 KiB
+    of shared memory, two CTAs an SM), in 40 items."""
+    shape, groups = (40, 7000, 64), 8
+    x = normal(rng, shape, jnp.bfloat16, loc=2.0, scale=3.0)
+    scale, bias = _params(rng, shape[-1])
+    y = jax.jit(lambda x, s, b: jaxdnn.group_norm(x, groups, s, b))(x, scale, bias)
+    assert_close(y, _oracle(x, groups, scale, bias), tolerance(jnp.bfloat16), "forward")
+
+
 def test_matches_flax_group_norm_math(rng):
     """The reference (and so the kernels) compute what flax.linen.GroupNorm computes."""
     nn = pytest.importorskip("flax.linen")

@@ -514,11 +514,10 @@ ffi::Error GroupNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x.untyped_data());
     T* yp = static_cast<T*>(y->untyped_data());
-    if (activation == int64_t(Activation::kIdentity)) {
-      if (auto status = ClusterForward<T>(stream, shape, Aligned16(xp) && Aligned16(yp), xp, ParamOf<T>(scale),
-                                          ParamOf<T>(bias), epsilon, yp, mean->typed_data(), rstd->typed_data())) {
-        return std::move(*status);
-      }
+    if (auto status = ClusterForward<T>(stream, shape, Aligned16(xp) && Aligned16(yp), xp, ParamOf<T>(scale),
+                                        ParamOf<T>(bias), epsilon, activation, activation_param, yp,
+                                        mean->typed_data(), rstd->typed_data())) {
+      return std::move(*status);
     }
     const Tiling t = MakeTiling<T>(shape, Aligned16(xp) && Aligned16(yp));
     int64_t blocks, group_blocks;

@@ -22,7 +22,7 @@
 // (group sums exchanged through distributed shared memory), which let the next item load whole
 // during this one, made both directions slower (104-151 us forward). The cluster forward kept
 // (below) is not persistent and streams nothing: a launch of one cluster an item, each CTA copying
-// its eighth of the item at once by cp.async, two or three CTAs an SM: 51 us (2026-11-30).
+// its eighth of the item at once by cp.async, two or three CTAs an SM.
 #include "group_norm/group_norm_sm90.h"
 
 #include <cuda.h>
@@ -363,12 +363,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// The cluster forward (see group_norm_sm90.h): a cluster of kClusterBlocks CTAs holds one sample's
-// positions of a slab of 64 channels (a 128-byte row a position), each CTA an eighth of them in
-// shared memory, all its copies issued at once (cp.async). The group sums are exchanged through
-// distributed shared memory in rank order, twice: the sums (mean), then the squares centred on the
-// mean (exact two-pass variance, from shared memory); each CTA then writes its positions of y.
-// HBM traffic: x and y once each, where group_norm.cu's forward reads x twice.
+// The cluster forward (see group_norm_sm90.h): a cluster of kClusterBlocks CTAs holds one item, a
+// sample's positions of a slab of 64 channels (a 128-byte row a position), each CTA an eighth of them
+// in shared memory, all its copies issued at once (cp.async). The group sums of x and x^2, both
+// about each group's first element (as group_norm.cu's two passes), are exchanged through
+// distributed shared memory in rank order, once; each CTA then writes its positions of y (with the
+// activation). HBM traffic: x and y once each, where group_norm.cu's forward reads x twice.
+// Three CTAs an SM (64 KiB each for 4096 positions): with two (the activation's registers) and an
+// exchange of the sums and then of the centred squares, the forward took 51 us, 68 with silu, where
+// this one takes 49 and 58 (H200, 2026-11-30, N16 64x64 C512 G32 bf16). Persistent clusters, which
+// loaded their next item while reducing this one, lost: 70 us with two buffers (one CTA an SM), 49
+// with one.
 
 constexpr int kClusterBlocks = 8;                    // a portable cluster size
 constexpr int kFwdThreads = 256;
@@ -434,17 +439,18 @@ __device__ __forceinline__ void ClusterArrive() {
 }
 __device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 
-template <typename T>
-__global__ void __launch_bounds__(kFwdThreads, 2)
+template <typename T, bool kAct>
+__global__ void __launch_bounds__(kFwdThreads, 3)
     ClusterFwdKernel(const T* __restrict__ x, Param<T> scale, Param<T> bias, T* __restrict__ y,
-                     float* __restrict__ mean_out, float* __restrict__ rstd_out, ClusterPlan p) {
+                     float* __restrict__ mean_out, float* __restrict__ rstd_out, ClusterPlan p, int64_t activation,
+                     float activation_param) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Vec = Pack<T, 8>;
   extern __shared__ uint4 held_raw[];
   Vec* held = reinterpret_cast<Vec*>(held_raw);  // [rows][kRowPacks]: this CTA's positions of the slab
   __shared__ float warp_part[kFwdThreads / 32][kSlabChannels];
   __shared__ float channel_sum[kSlabChannels];
-  __shared__ float group_part[2][kSlabChannels];  // read by the cluster: sums, centred squares
+  __shared__ float group_part[2][kSlabChannels];  // read by the cluster: shifted sums, squares
   __shared__ float channel_stats[2][kSlabChannels];  // mean, rstd of each channel's group
   const int rank = int(blockIdx.x % kClusterBlocks);  // the CTA's rank in its (1-D) cluster
   const int64_t item = blockIdx.x / kClusterBlocks;
@@ -457,65 +463,60 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
   const int64_t first = (n * p.spatial + begin) * p.channels + channel0;  // this thread's row 0
   for (int r = row0; r < rows; r += kRowStep) CpAsync16(&held[r * kRowPacks + pack], x + first + r * p.channels);
   CpAsyncCommit();
-  CpAsyncWait<0>();  // this thread's own copies: each thread reads only the packs it copied
 
-  float acc[8] = {};
-  for (int r = row0; r < rows; r += kRowStep) {
-    const Vec v = held[r * kRowPacks + pack];
+  // The sums are about each group's first element (x at position 0), as group_norm.cu's two passes
+  // take them (GroupMoments): one exchange gives both moments.
+  const T* x_item = x + n * p.spatial * p.channels + int64_t(slab) * kSlabChannels;
+  float shift[8], sum[8] = {}, squares[8] = {};
 #pragma unroll
-    for (int k = 0; k < 8; ++k) acc[k] += ToFloat(v.v[k]);
-  }
-  BlockGroupSums(acc, p.group_size, warp_part, channel_sum, group_part[0]);
-  __syncwarp();
-  ClusterArrive();
-  ClusterWait();  // every CTA's group_part[0]
-  const float count = float(p.spatial) * float(p.group_size);
-  if (threadIdx.x < kSlabChannels) {
-    channel_stats[0][threadIdx.x] = ClusterTotal(&group_part[0][threadIdx.x / p.group_size]) / count;
-  }
-  __syncthreads();
-  float mean[8];
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    mean[k] = channel_stats[0][pack * 8 + k];
-    acc[k] = 0.f;
-  }
+  for (int k = 0; k < 8; ++k) shift[k] = ToFloat(x_item[(pack * 8 + k) / p.group_size * p.group_size]);
+  CpAsyncWait<0>();  // this thread's own copies: each thread reads only the packs it copied
   for (int r = row0; r < rows; r += kRowStep) {
     const Vec v = held[r * kRowPacks + pack];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      const float d = ToFloat(v.v[k]) - mean[k];
-      acc[k] += d * d;
+      const float d = ToFloat(v.v[k]) - shift[k];
+      sum[k] += d;
+      squares[k] += d * d;
     }
   }
-  BlockGroupSums(acc, p.group_size, warp_part, channel_sum, group_part[1]);
+  BlockGroupSums(sum, p.group_size, warp_part, channel_sum, group_part[0]);
+  BlockGroupSums(squares, p.group_size, warp_part, channel_sum, group_part[1]);
   __syncwarp();
   ClusterArrive();
-  ClusterWait();  // every CTA's group_part[1]
+  ClusterWait();  // every CTA's group_part
   if (threadIdx.x < kSlabChannels) {
     const int g = threadIdx.x / p.group_size;
-    const float rstd = rsqrtf(fmaxf(ClusterTotal(&group_part[1][g]) / count, 0.f) + p.epsilon);
-    channel_stats[1][threadIdx.x] = rstd;
+    float group_mean, group_rstd;
+    GroupMoments(ClusterTotal(&group_part[0][g]), ClusterTotal(&group_part[1][g]), ToFloat(x_item[g * p.group_size]),
+                 p.spatial * p.group_size, p.epsilon, &group_mean, &group_rstd);
+    channel_stats[0][threadIdx.x] = group_mean;
+    channel_stats[1][threadIdx.x] = group_rstd;
     if (rank == 0 && threadIdx.x % p.group_size == 0) {
       const int64_t index = n * p.groups + (int64_t(slab) * kSlabChannels + threadIdx.x) / p.group_size;
-      mean_out[index] = channel_stats[0][threadIdx.x];
-      rstd_out[index] = rstd;
+      mean_out[index] = group_mean;
+      rstd_out[index] = group_rstd;
     }
   }
   __syncwarp();
   ClusterArrive();  // this CTA's reads of the others' group_part are done (waited for at the end)
   __syncthreads();
-  float a[8], b[8];  // y = (x - mean) a + b
+  float mean[8], a[8], b[8];  // pre-activation = (x - mean) a + b
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
+    mean[k] = channel_stats[0][pack * 8 + k];
     a[k] = channel_stats[1][pack * 8 + k] * scale[channel0 + k];
     b[k] = bias[channel0 + k];
   }
   for (int r = row0; r < rows; r += kRowStep) {
     const Vec v = held[r * kRowPacks + pack];
+    float pre[8];
     Vec out;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) out.v[k] = FromFloat<T>((ToFloat(v.v[k]) - mean[k]) * a[k] + b[k]);
+    for (int k = 0; k < 8; ++k) pre[k] = (ToFloat(v.v[k]) - mean[k]) * a[k] + b[k];
+    if constexpr (kAct) ActivateKindN(activation, pre, activation_param);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) out.v[k] = FromFloat<T>(pre[k]);
     StoreWords(y + first + r * p.channels, out);
   }
   ClusterWait();  // no CTA exits while another may still read its group_part
@@ -579,8 +580,8 @@ std::optional<ffi::Error> OnChipBackward(cudaStream_t stream, const GroupNormSha
 
 template <typename T>
 std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormShape& shape, bool aligned, const T* x,
-                                         Param<T> scale, Param<T> bias, float epsilon, T* y, float* mean,
-                                         float* rstd) {
+                                         Param<T> scale, Param<T> bias, float epsilon, int64_t activation,
+                                         float activation_param, T* y, float* mean, float* rstd) {
   if constexpr (sizeof(T) != 2) {
     return std::nullopt;
   } else {
@@ -593,36 +594,38 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
     const ClusterPlan plan{shape.spatial, shape.channels, shape.groups, int(shape.group_size),
                            int(shape.channels / kSlabChannels), epsilon};
     const size_t smem = size_t(rows) * kSlabChannels * sizeof(T);
-    auto launch = [&](auto kernel) -> std::optional<ffi::Error> {
-      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess) {
-        return std::nullopt;
-      }
-      cudaLaunchAttribute cluster;
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = kClusterBlocks;
-      cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(unsigned(shape.batch * plan.slabs * kClusterBlocks));
-      config.blockDim = dim3(kFwdThreads);
-      config.dynamicSmemBytes = smem;
-      config.stream = stream;
-      config.attrs = &cluster;
-      config.numAttrs = 1;
-      int clusters = 0;
-      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1) {
-        cudaGetLastError();  // the query's error, if any, is not the call's
-        return std::nullopt;
-      }
-      return CudaError(cudaLaunchKernelEx(&config, kernel, x, scale, bias, y, mean, rstd, plan),
-                       "group_norm forward (cluster)");
-    };
-    return launch(ClusterFwdKernel<T>);
+    const auto kernel = activation != int64_t(Activation::kIdentity) ? ClusterFwdKernel<T, true>
+                                                                      : ClusterFwdKernel<T, false>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess) {
+      cudaGetLastError();
+      return std::nullopt;
+    }
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = kClusterBlocks;
+    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(unsigned(shape.batch * plan.slabs * kClusterBlocks));
+    config.blockDim = dim3(kFwdThreads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1) {
+      cudaGetLastError();  // the query's error, if any, is not the call's
+      return std::nullopt;
+    }
+    return CudaError(cudaLaunchKernelEx(&config, kernel, x, scale, bias, y, mean, rstd, plan, activation,
+                                        activation_param),
+                     "group_norm forward (cluster)");
   }
 }
 
 #define JAXDNN_INSTANTIATE(T)                                                                                  \
   template std::optional<ffi::Error> ClusterForward<T>(cudaStream_t, const GroupNormShape&, bool, const T*,          \
-                                                       Param<T>, Param<T>, float, T*, float*, float*);              \
+                                                       Param<T>, Param<T>, float, int64_t, float, T*, float*,       \
+                                                       float*);                                                      \
   template std::optional<ffi::Error> OnChipBackward<T>(cudaStream_t, const GroupNormShape&, bool, const T*, const T*, \
                                                        Param<T>, Param<T>, const float*, const float*,               \
                                                        int64_t, float, T*, float*, float*);

@@ -14,17 +14,16 @@
 
 namespace jaxdnn {
 
-// y, mean and rstd as group_norm.cu's forward without an activation, for 16-bit x where a cluster of
+// y, mean and rstd as group_norm.cu's forward (with its activation), for 16-bit x where a cluster of
 // 8 CTAs holds a sample's positions of a slab of 64 channels (C a multiple of 64, K dividing 64, 8 to
 // 7168 positions) on a GPU of compute capability >= 9: x is read once. Returns nothing, launching
 // nothing, for the problems it does not take (then the workspace is not written either way it is
-// not read). Not with an activation: on an H200 (2026-11-30, N16 64x64 C512 G32 bf16) it ran the
-// plain forward in 0.051 ms against the two-pass kernels' 0.067, but with silu 0.071 against 0.068
-// (the 2 SFU operations an element come after the statistics, where nothing overlaps them).
+// not read). On an H200 (2026-11-30, N16 64x64 C512 G32 bf16) it runs the forward in 0.049 ms, 0.058
+// with silu, against the two-pass kernels' 0.067 and 0.068.
 template <typename T>
 std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormShape& shape, bool aligned, const T* x,
-                                         Param<T> scale, Param<T> bias, float epsilon, T* y, float* mean,
-                                         float* rstd);
+                                         Param<T> scale, Param<T> bias, float epsilon, int64_t activation,
+                                         float activation_param, T* y, float* mean, float* rstd);
 
 // dx as group_norm.cu's backward, with the group sums of g * xhat and g (g = d * scale) in
 // group_sums[N, G, 2] and each sample's per-channel sums of d * xhat and d in the workspace's first
