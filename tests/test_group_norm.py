@@ -110,6 +110,34 @@ def test_cluster_forward_most_positions(rng):
     assert_close(y, _oracle(x, groups, scale, bias), tolerance(jnp.bfloat16), "forward")
 
 
+@pytest.mark.parametrize("shape, groups", [
+    ((2, 4096, 320), 32),  # Stable Diffusion's groups of 10: 40-channel slabs
+    ((3, 33, 640), 32),    # groups of 20
+    ((2, 64, 1280), 32),   # groups of 40
+    ((2, 100, 96), 8),     # groups of 12: 48-channel slabs
+    ((3, 9, 24), 8),       # groups of 3: one 24-channel slab
+    ((2, 50, 48), 3),      # groups of 16 on 48 channels
+])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_cluster_forward_any_slab(shape, groups, activation, rng):
+    """Groups that do not tile 64 channels, or channels not a multiple of 64: on an sm_90 GPU the
+    cluster forward's narrower slabs (whole groups, a multiple of 8 channels); checked with the
+    gradients, which read its mean and rstd."""
+    x = normal(rng, shape, jnp.bfloat16, loc=2.0, scale=3.0)
+    scale, bias = _params(rng, shape[-1])
+    _check(x, groups, scale, bias, normal(rng, shape, jnp.bfloat16), jnp.bfloat16, activation=activation)
+
+
+def test_cluster_forward_any_slab_most_positions(rng):
+    """The most positions a 40-channel slab holds, nearly: 9800 (1225 rows a CTA and the reduction's
+    scratch, 112 KiB of shared memory), float16."""
+    shape, groups = (2, 9800, 40), 4
+    x = normal(rng, shape, jnp.float16, loc=2.0, scale=3.0)
+    scale, bias = _params(rng, shape[-1])
+    y = jax.jit(lambda x, s, b: jaxdnn.group_norm(x, groups, s, b))(x, scale, bias)
+    assert_close(y, _oracle(x, groups, scale, bias), tolerance(jnp.float16), "forward")
+
+
 def test_matches_flax_group_norm_math(rng):
     """The reference (and so the kernels) compute what flax.linen.GroupNorm computes."""
     nn = pytest.importorskip("flax.linen")

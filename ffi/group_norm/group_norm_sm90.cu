@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <numeric>
 #include <type_traits>
 
 #include "common/activation.h"
@@ -364,11 +365,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---------------------------------------------------------------------------------------------
 // The cluster forward (see group_norm_sm90.h): a cluster of kClusterBlocks CTAs holds one item, a
-// sample's positions of a slab of 64 channels (a 128-byte row a position), each CTA an eighth of them
-// in shared memory, all its copies issued at once (cp.async). The group sums of x and x^2, both
-// about each group's first element (as group_norm.cu's two passes), are exchanged through
-// distributed shared memory in rank order, once; each CTA then writes its positions of y (with the
-// activation). HBM traffic: x and y once each, where group_norm.cu's forward reads x twice.
+// sample's positions of a slab of whole groups (64 channels, a 128-byte row a position, where the
+// groups tile them; else 8 to 56), each CTA an eighth of them in shared memory, all its copies issued
+// at once (cp.async). The group sums of x and x^2, both about each group's first element (as
+// group_norm.cu's two passes), are exchanged through distributed shared memory in rank order, once;
+// each CTA then writes its positions of y (with the activation). HBM traffic: x and y once each,
+// where group_norm.cu's forward reads x twice.
 // Three CTAs an SM (64 KiB each for 4096 positions): with two (the activation's registers) and an
 // exchange of the sums and then of the centred squares, the forward took 51 us, 68 with silu, where
 // this one takes 49 and 58 (H200, 2026-11-30, N16 64x64 C512 G32 bf16). Persistent clusters, which
@@ -377,21 +379,35 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 constexpr int kClusterBlocks = 8;                    // a portable cluster size
 constexpr int kFwdThreads = 256;
-constexpr int kSlabChannels = 64;                    // a 128-byte row a position
-constexpr int kRowPacks = kSlabChannels / 8;         // its 16-byte packs
-constexpr int kRowStep = kFwdThreads / kRowPacks;    // rows the block covers at once: 32
-constexpr int kMaxHeldRows = 896;                    // positions a CTA holds: 112 KiB, two CTAs an SM
+constexpr int kMaxFwdSlab = 64;                         // a slab's channels: a 128-byte row a position
+constexpr int kMaxHeldBytes = 112 * 1024;            // a CTA's rows (and scratch): two CTAs an SM
+constexpr size_t kScratchBytes = 2 * kFwdThreads * 8 * sizeof(float);  // the any-slab reduction's
 
 struct ClusterPlan {
   int64_t spatial, channels, groups;  // S, C, G
-  int group_size;                     // K, a divisor of 64
-  int slabs;                          // C / 64
+  int group_size;                     // K, a divisor of the slab
+  int slab;                           // W: channels an item covers, a multiple of 8 up to 64
+  int slabs;                          // C / W
   float epsilon;
 };
 
-// This CTA's per-group sums of `acc` (thread t's 8 channels (t % 8) 8 .. + 7 of the slab), over its
-// threads in a fixed order, into out[g] for the slab's 64 / K groups g.
-__device__ __forceinline__ void BlockGroupSums(float (&acc)[8], int group_size, float (*warp_part)[kSlabChannels],
+// A thread's part of the CTA's rows: 16-byte pack `pack` (channels 8 pack .. + 7 of the slab) of
+// rows row0, row0 + row_step, ... below `rows` (none for the threads past packs x row_step).
+// kPacks: the packs a row, 8 (64 channels) or 0 (W / 8, read at run time).
+template <int kPacks>
+struct SlabPart {
+  int packs, row_step, pack, row0;
+  __device__ __forceinline__ explicit SlabPart(int slab) : packs(kPacks ? kPacks : slab / 8) {
+    row_step = kFwdThreads / packs;
+    pack = int(threadIdx.x) % packs;
+    row0 = int(threadIdx.x) / packs;
+  }
+  __device__ __forceinline__ int RowsOf(int rows) const { return row0 < row_step ? rows : 0; }
+};
+
+// The 64-channel slab's per-group sums of `acc` (thread t's 8 channels (t % 8) 8 .. + 7 of the slab),
+// over its threads in a fixed order, into out[g] for the slab's 64 / K groups g.
+__device__ __forceinline__ void BlockGroupSums(float (&acc)[8], int group_size, float (*warp_part)[kMaxFwdSlab],
                                                float* channel_sum, float* out) {
 #pragma unroll
   for (int k = 0; k < 8; ++k) {  // lanes of one pack: lane % 8
@@ -399,22 +415,54 @@ __device__ __forceinline__ void BlockGroupSums(float (&acc)[8], int group_size, 
     acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 16);
   }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane < kRowPacks) {
+  if (lane < 8) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) warp_part[warp][lane * 8 + k] = acc[k];
   }
   __syncthreads();
-  if (threadIdx.x < kSlabChannels) {
+  if (threadIdx.x < kMaxFwdSlab) {
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < kFwdThreads / 32; ++w) sum += warp_part[w][threadIdx.x];
     channel_sum[threadIdx.x] = sum;
   }
   __syncthreads();
-  if (threadIdx.x < kSlabChannels / group_size) {
+  if (threadIdx.x < kMaxFwdSlab / group_size) {
     float sum = 0.f;
     for (int c = 0; c < group_size; ++c) sum += channel_sum[threadIdx.x * group_size + c];
     out[threadIdx.x] = sum;
+  }
+}
+
+// Any slab's per-group sums of the threads' shifted sums and squares, into out[0][g] and out[1][g]:
+// the threads' values through `scratch` ([2][kFwdThreads][8] floats), each channel's added in row
+// order by one thread, then each group's channels. (The rows of a warp do not line up with the
+// packs of a row, which the 64-channel slab's shuffles need.)
+__device__ __forceinline__ void AnySlabGroupSums(const float (&sum)[8], const float (&squares)[8],
+                                                 const SlabPart<0>& part, int slab, int group_size, float* scratch,
+                                                 float (*channel_sum)[kMaxFwdSlab], float (*out)[kMaxFwdSlab]) {
+  float4* mine = reinterpret_cast<float4*>(scratch) + threadIdx.x * 2;
+  float4* mine_squares = mine + kFwdThreads * 2;
+  mine[0] = make_float4(sum[0], sum[1], sum[2], sum[3]);
+  mine[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
+  mine_squares[0] = make_float4(squares[0], squares[1], squares[2], squares[3]);
+  mine_squares[1] = make_float4(squares[4], squares[5], squares[6], squares[7]);
+  __syncthreads();
+  if (threadIdx.x < 2 * slab) {
+    const int value = threadIdx.x / slab, c = threadIdx.x % slab;
+    const float* column = scratch + value * kFwdThreads * 8 + c;  // thread (row r, pack c / 8): r * slab
+    float total = 0.f;
+#pragma unroll 4
+    for (int r = 0; r < part.row_step; ++r) total += column[r * slab];
+    channel_sum[value][c] = total;
+  }
+  __syncthreads();
+  const int groups = slab / group_size;
+  if (threadIdx.x < 2 * groups) {
+    const int value = threadIdx.x / groups, g = threadIdx.x % groups;
+    float total = 0.f;
+    for (int c = 0; c < group_size; ++c) total += channel_sum[value][g * group_size + c];
+    out[value][g] = total;
   }
 }
 
@@ -439,7 +487,8 @@ __device__ __forceinline__ void ClusterArrive() {
 }
 __device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 
-template <typename T, bool kAct>
+// kPacks: 8 for 64-channel slabs, 0 for any (see SlabPart).
+template <typename T, bool kAct, int kPacks>
 __global__ void __launch_bounds__(kFwdThreads, 3)
     ClusterFwdKernel(const T* __restrict__ x, Param<T> scale, Param<T> bias, T* __restrict__ y,
                      float* __restrict__ mean_out, float* __restrict__ rstd_out, ClusterPlan p, int64_t activation,
@@ -447,32 +496,36 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Vec = Pack<T, 8>;
   extern __shared__ uint4 held_raw[];
-  Vec* held = reinterpret_cast<Vec*>(held_raw);  // [rows][kRowPacks]: this CTA's positions of the slab
-  __shared__ float warp_part[kFwdThreads / 32][kSlabChannels];
-  __shared__ float channel_sum[kSlabChannels];
-  __shared__ float group_part[2][kSlabChannels];  // read by the cluster: shifted sums, squares
-  __shared__ float channel_stats[2][kSlabChannels];  // mean, rstd of each channel's group
+  Vec* held = reinterpret_cast<Vec*>(held_raw);  // [rows][packs]: this CTA's positions of the slab
+  __shared__ float warp_part[kPacks ? kFwdThreads / 32 : 1][kMaxFwdSlab];
+  __shared__ float channel_sum[kPacks ? 1 : 2][kMaxFwdSlab];
+  __shared__ float group_part[2][kMaxFwdSlab];  // read by the cluster: shifted sums, squares
+  __shared__ float channel_stats[2][kMaxFwdSlab];  // mean, rstd of each channel's group
+  const SlabPart<kPacks> part(p.slab);
+  const int slab = kPacks ? kPacks * 8 : p.slab;
   const int rank = int(blockIdx.x % kClusterBlocks);  // the CTA's rank in its (1-D) cluster
   const int64_t item = blockIdx.x / kClusterBlocks;
   const int64_t n = item / p.slabs;
-  const int slab = int(item % p.slabs);
+  const int64_t slab_channel0 = item % p.slabs * slab;
   const int64_t begin = p.spatial * rank / kClusterBlocks;
-  const int rows = int(p.spatial * (rank + 1) / kClusterBlocks - begin);
-  const int pack = threadIdx.x % kRowPacks, row0 = threadIdx.x / kRowPacks;
-  const int64_t channel0 = int64_t(slab) * kSlabChannels + pack * 8;
+  const int held_rows = int(p.spatial * (rank + 1) / kClusterBlocks - begin);
+  const int rows = part.RowsOf(held_rows);  // this thread's
+  const int64_t channel0 = slab_channel0 + part.pack * 8;
   const int64_t first = (n * p.spatial + begin) * p.channels + channel0;  // this thread's row 0
-  for (int r = row0; r < rows; r += kRowStep) CpAsync16(&held[r * kRowPacks + pack], x + first + r * p.channels);
+  for (int r = part.row0; r < rows; r += part.row_step) {
+    CpAsync16(&held[r * part.packs + part.pack], x + first + r * p.channels);
+  }
   CpAsyncCommit();
 
   // The sums are about each group's first element (x at position 0), as group_norm.cu's two passes
   // take them (GroupMoments): one exchange gives both moments.
-  const T* x_item = x + n * p.spatial * p.channels + int64_t(slab) * kSlabChannels;
+  const T* x_item = x + n * p.spatial * p.channels + slab_channel0;
   float shift[8], sum[8] = {}, squares[8] = {};
 #pragma unroll
-  for (int k = 0; k < 8; ++k) shift[k] = ToFloat(x_item[(pack * 8 + k) / p.group_size * p.group_size]);
+  for (int k = 0; k < 8; ++k) shift[k] = ToFloat(x_item[(part.pack * 8 + k) / p.group_size * p.group_size]);
   CpAsyncWait<0>();  // this thread's own copies: each thread reads only the packs it copied
-  for (int r = row0; r < rows; r += kRowStep) {
-    const Vec v = held[r * kRowPacks + pack];
+  for (int r = part.row0; r < rows; r += part.row_step) {
+    const Vec v = held[r * part.packs + part.pack];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const float d = ToFloat(v.v[k]) - shift[k];
@@ -480,12 +533,17 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
       squares[k] += d * d;
     }
   }
-  BlockGroupSums(sum, p.group_size, warp_part, channel_sum, group_part[0]);
-  BlockGroupSums(squares, p.group_size, warp_part, channel_sum, group_part[1]);
+  if constexpr (kPacks == 8) {
+    BlockGroupSums(sum, p.group_size, warp_part, channel_sum[0], group_part[0]);
+    BlockGroupSums(squares, p.group_size, warp_part, channel_sum[0], group_part[1]);
+  } else {
+    float* scratch = reinterpret_cast<float*>(held_raw + held_rows * part.packs);
+    AnySlabGroupSums(sum, squares, part, slab, p.group_size, scratch, channel_sum, group_part);
+  }
   __syncwarp();
   ClusterArrive();
   ClusterWait();  // every CTA's group_part
-  if (threadIdx.x < kSlabChannels) {
+  if (threadIdx.x < slab) {
     const int g = threadIdx.x / p.group_size;
     float group_mean, group_rstd;
     GroupMoments(ClusterTotal(&group_part[0][g]), ClusterTotal(&group_part[1][g]), ToFloat(x_item[g * p.group_size]),
@@ -493,7 +551,7 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
     channel_stats[0][threadIdx.x] = group_mean;
     channel_stats[1][threadIdx.x] = group_rstd;
     if (rank == 0 && threadIdx.x % p.group_size == 0) {
-      const int64_t index = n * p.groups + (int64_t(slab) * kSlabChannels + threadIdx.x) / p.group_size;
+      const int64_t index = n * p.groups + (slab_channel0 + threadIdx.x) / p.group_size;
       mean_out[index] = group_mean;
       rstd_out[index] = group_rstd;
     }
@@ -504,12 +562,12 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
   float mean[8], a[8], b[8];  // pre-activation = (x - mean) a + b
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
-    mean[k] = channel_stats[0][pack * 8 + k];
-    a[k] = channel_stats[1][pack * 8 + k] * scale[channel0 + k];
+    mean[k] = channel_stats[0][part.pack * 8 + k];
+    a[k] = channel_stats[1][part.pack * 8 + k] * scale[channel0 + k];
     b[k] = bias[channel0 + k];
   }
-  for (int r = row0; r < rows; r += kRowStep) {
-    const Vec v = held[r * kRowPacks + pack];
+  for (int r = part.row0; r < rows; r += part.row_step) {
+    const Vec v = held[r * part.packs + part.pack];
     float pre[8];
     Vec out;
 #pragma unroll
@@ -550,6 +608,17 @@ CUresult MakeMap(CUtensorMap* map, const T* data, const GroupNormShape& s, const
 // Dynamic shared memory: the two rings, and 1024 bytes to align them.
 constexpr size_t kDynamicShared = size_t(kXSlots + kDySlots) * kSlotBytes + 1024;
 
+// The cluster forward's slab: 64 channels where the groups tile them (the fast reduction), else the
+// widest multiple of 8 channels and of K, up to 64, that divides C; 0 where none does.
+int SlabChannels(const GroupNormShape& s) {
+  if (s.channels % kMaxFwdSlab == 0 && kMaxFwdSlab % s.group_size == 0) return kMaxFwdSlab;
+  const int64_t unit = std::lcm<int64_t>(s.group_size, 8);
+  for (int64_t slab = kMaxFwdSlab / unit * unit; slab >= unit; slab -= unit) {
+    if (s.channels % slab == 0) return int(slab);
+  }
+  return 0;
+}
+
 }  // namespace
 
 template <typename T>
@@ -585,17 +654,20 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
   if constexpr (sizeof(T) != 2) {
     return std::nullopt;
   } else {
-    const int64_t rows = (shape.spatial + kClusterBlocks - 1) / kClusterBlocks;
-    if (!aligned || shape.batch < 1 || shape.spatial < kClusterBlocks || rows > kMaxHeldRows ||
-        shape.channels % kSlabChannels != 0 || kSlabChannels % shape.group_size != 0 ||
-        shape.batch * (shape.channels / kSlabChannels) * kClusterBlocks > INT_MAX || !Sm90OrLater()) {
+    const int slab = SlabChannels(shape);
+    if (!aligned || slab == 0 || shape.batch < 1 || shape.spatial < kClusterBlocks || !Sm90OrLater() ||
+        shape.batch * (shape.channels / slab) * kClusterBlocks > INT_MAX) {
       return std::nullopt;
     }
-    const ClusterPlan plan{shape.spatial, shape.channels, shape.groups, int(shape.group_size),
-                           int(shape.channels / kSlabChannels), epsilon};
-    const size_t smem = size_t(rows) * kSlabChannels * sizeof(T);
-    const auto kernel = activation != int64_t(Activation::kIdentity) ? ClusterFwdKernel<T, true>
-                                                                      : ClusterFwdKernel<T, false>;
+    const int64_t rows = (shape.spatial + kClusterBlocks - 1) / kClusterBlocks;
+    const bool any_slab = slab != kMaxFwdSlab;
+    const size_t smem = size_t(rows) * slab * sizeof(T) + (any_slab ? kScratchBytes : 0);
+    if (smem > size_t(kMaxHeldBytes)) return std::nullopt;
+    const ClusterPlan plan{shape.spatial, shape.channels, shape.groups, int(shape.group_size), slab,
+                           int(shape.channels / slab), epsilon};
+    const bool act = activation != int64_t(Activation::kIdentity);
+    const auto kernel = any_slab ? (act ? ClusterFwdKernel<T, true, 0> : ClusterFwdKernel<T, false, 0>)
+                                 : (act ? ClusterFwdKernel<T, true, 8> : ClusterFwdKernel<T, false, 8>);
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess) {
       cudaGetLastError();
       return std::nullopt;

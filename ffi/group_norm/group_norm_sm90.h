@@ -15,11 +15,14 @@
 namespace jaxdnn {
 
 // y, mean and rstd as group_norm.cu's forward (with its activation), for 16-bit x where a cluster of
-// 8 CTAs holds a sample's positions of a slab of 64 channels (C a multiple of 64, K dividing 64, 8 to
-// 7168 positions) on a GPU of compute capability >= 9: x is read once. Returns nothing, launching
-// nothing, for the problems it does not take (then the workspace is not written either way it is
-// not read). On an H200 (2026-11-30, N16 64x64 C512 G32 bf16) it runs the forward in 0.049 ms, 0.058
-// with silu, against the two-pass kernels' 0.067 and 0.068.
+// 8 CTAs holds a sample's positions of a slab of whole groups on a GPU of compute capability >= 9:
+// x is read once. The slab is 64 channels where C is a multiple of 64 and K divides 64 (8 to 7168
+// positions), else the widest multiple of 8 channels and of K up to 64 that divides C (K = 10, 20,
+// 40 of Stable Diffusion's 320, 640, 1280 channels in 32 groups: 40 channels; 8 to about 9800
+// positions for 40). Returns nothing, launching nothing, for the problems it does not take (then
+// the workspace is not written either way it is not read). On an H200 (2026-11-30, N16 64x64 C512
+// G32 bf16) it runs the forward in 0.049 ms, 0.058 with silu, against the two-pass kernels' 0.067
+// and 0.068.
 template <typename T>
 std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormShape& shape, bool aligned, const T* x,
                                          Param<T> scale, Param<T> bias, float epsilon, int64_t activation,
