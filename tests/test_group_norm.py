@@ -138,6 +138,19 @@ def test_cluster_forward_any_slab_most_positions(rng):
     assert_close(y, _oracle(x, groups, scale, bias), tolerance(jnp.float16), "forward")
 
 
+@pytest.mark.parametrize("shape, groups, dtype, activation", [
+    ((2, 2000, 128), 2, jnp.bfloat16, "silu"),  # a 64-channel slab too long for the on-chip ring
+    ((2, 2000, 128), 2, jnp.bfloat16, "gelu"),
+    ((1, 4900, 40), 4, jnp.float16, None),      # the most positions of a 40-channel slab, nearly
+], ids=["64ch-silu", "64ch-gelu", "40ch-most"])
+def test_cluster_backward(shape, groups, dtype, activation, rng):
+    """Samples whose slab is too long for the on-chip backward's ring: on an sm_90 GPU the cluster
+    backward (x and dy held by a cluster's 8 CTAs); dx, dscale and dbias against the reference."""
+    x = normal(rng, shape, dtype, loc=2.0, scale=3.0)
+    scale, bias = _params(rng, shape[-1])
+    _check(x, groups, scale, bias, normal(rng, shape, dtype), dtype, activation=activation)
+
+
 def test_matches_flax_group_norm_math(rng):
     """The reference (and so the kernels) compute what flax.linen.GroupNorm computes."""
     nn = pytest.importorskip("flax.linen")

@@ -405,6 +405,27 @@ struct SlabPart {
   __device__ __forceinline__ int RowsOf(int rows) const { return row0 < row_step ? rows : 0; }
 };
 
+// A CTA's share of its cluster's item (a sample's slab): positions begin .. begin + held_rows - 1 of
+// sample n, channels from slab_channel0; `rows` are the thread's (see SlabPart), `first` its row 0 (its
+// pack) in x, y, dy and dx.
+struct ClusterShare {
+  int rank, held_rows, rows;
+  int64_t n, slab_channel0, channel0, first;
+
+  template <int kPacks>
+  __device__ __forceinline__ ClusterShare(const ClusterPlan& p, const SlabPart<kPacks>& part, int slab) {
+    rank = int(blockIdx.x % kClusterBlocks);  // the CTA's rank in its (1-D) cluster
+    const int64_t item = blockIdx.x / kClusterBlocks;
+    n = item / p.slabs;
+    slab_channel0 = item % p.slabs * slab;
+    const int64_t begin = p.spatial * rank / kClusterBlocks;
+    held_rows = int(p.spatial * (rank + 1) / kClusterBlocks - begin);
+    rows = part.RowsOf(held_rows);
+    channel0 = slab_channel0 + part.pack * 8;
+    first = (n * p.spatial + begin) * p.channels + channel0;
+  }
+};
+
 // The 64-channel slab's per-group sums of `acc` (thread t's 8 channels (t % 8) 8 .. + 7 of the slab),
 // over its threads in a fixed order, into out[g] for the slab's 64 / K groups g.
 __device__ __forceinline__ void BlockGroupSums(float (&acc)[8], int group_size, float (*warp_part)[kMaxFwdSlab],
@@ -434,19 +455,18 @@ __device__ __forceinline__ void BlockGroupSums(float (&acc)[8], int group_size, 
   }
 }
 
-// Any slab's per-group sums of the threads' shifted sums and squares, into out[0][g] and out[1][g]:
-// the threads' values through `scratch` ([2][kFwdThreads][8] floats), each channel's added in row
-// order by one thread, then each group's channels. (The rows of a warp do not line up with the
-// packs of a row, which the 64-channel slab's shuffles need.)
-__device__ __forceinline__ void AnySlabGroupSums(const float (&sum)[8], const float (&squares)[8],
-                                                 const SlabPart<0>& part, int slab, int group_size, float* scratch,
-                                                 float (*channel_sum)[kMaxFwdSlab], float (*out)[kMaxFwdSlab]) {
-  float4* mine = reinterpret_cast<float4*>(scratch) + threadIdx.x * 2;
-  float4* mine_squares = mine + kFwdThreads * 2;
-  mine[0] = make_float4(sum[0], sum[1], sum[2], sum[3]);
-  mine[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
-  mine_squares[0] = make_float4(squares[0], squares[1], squares[2], squares[3]);
-  mine_squares[1] = make_float4(squares[4], squares[5], squares[6], squares[7]);
+// Any slab's per-channel sums of two values over the CTA's threads (a[k], b[k] of channel 8 pack + k),
+// into channel_sum[0][c] and [1][c]: the threads' values through `scratch` ([2][kFwdThreads][8]
+// floats), each channel's added in row order by one thread. (The rows of a warp do not line up with
+// the packs of a row, which the 64-channel slab's shuffles need.) Ends with a __syncthreads.
+__device__ __forceinline__ void BlockChannelSums(const float (&a)[8], const float (&b)[8], const SlabPart<0>& part,
+                                                 int slab, float* scratch, float (*channel_sum)[kMaxFwdSlab]) {
+  float4* mine_a = reinterpret_cast<float4*>(scratch) + threadIdx.x * 2;
+  float4* mine_b = mine_a + kFwdThreads * 2;
+  mine_a[0] = make_float4(a[0], a[1], a[2], a[3]);
+  mine_a[1] = make_float4(a[4], a[5], a[6], a[7]);
+  mine_b[0] = make_float4(b[0], b[1], b[2], b[3]);
+  mine_b[1] = make_float4(b[4], b[5], b[6], b[7]);
   __syncthreads();
   if (threadIdx.x < 2 * slab) {
     const int value = threadIdx.x / slab, c = threadIdx.x % slab;
@@ -457,6 +477,13 @@ __device__ __forceinline__ void AnySlabGroupSums(const float (&sum)[8], const fl
     channel_sum[value][c] = total;
   }
   __syncthreads();
+}
+
+// Any slab's per-group sums of the threads' shifted sums and squares, into out[0][g] and out[1][g].
+__device__ __forceinline__ void AnySlabGroupSums(const float (&sum)[8], const float (&squares)[8],
+                                                 const SlabPart<0>& part, int slab, int group_size, float* scratch,
+                                                 float (*channel_sum)[kMaxFwdSlab], float (*out)[kMaxFwdSlab]) {
+  BlockChannelSums(sum, squares, part, slab, scratch, channel_sum);
   const int groups = slab / group_size;
   if (threadIdx.x < 2 * groups) {
     const int value = threadIdx.x / groups, g = threadIdx.x % groups;
@@ -503,15 +530,9 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
   __shared__ float channel_stats[2][kMaxFwdSlab];  // mean, rstd of each channel's group
   const SlabPart<kPacks> part(p.slab);
   const int slab = kPacks ? kPacks * 8 : p.slab;
-  const int rank = int(blockIdx.x % kClusterBlocks);  // the CTA's rank in its (1-D) cluster
-  const int64_t item = blockIdx.x / kClusterBlocks;
-  const int64_t n = item / p.slabs;
-  const int64_t slab_channel0 = item % p.slabs * slab;
-  const int64_t begin = p.spatial * rank / kClusterBlocks;
-  const int held_rows = int(p.spatial * (rank + 1) / kClusterBlocks - begin);
-  const int rows = part.RowsOf(held_rows);  // this thread's
-  const int64_t channel0 = slab_channel0 + part.pack * 8;
-  const int64_t first = (n * p.spatial + begin) * p.channels + channel0;  // this thread's row 0
+  const ClusterShare share(p, part, slab);
+  const int rank = share.rank, rows = share.rows;
+  const int64_t n = share.n, slab_channel0 = share.slab_channel0, channel0 = share.channel0, first = share.first;
   for (int r = part.row0; r < rows; r += part.row_step) {
     CpAsync16(&held[r * part.packs + part.pack], x + first + r * p.channels);
   }
@@ -537,7 +558,7 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
     BlockGroupSums(sum, p.group_size, warp_part, channel_sum[0], group_part[0]);
     BlockGroupSums(squares, p.group_size, warp_part, channel_sum[0], group_part[1]);
   } else {
-    float* scratch = reinterpret_cast<float*>(held_raw + held_rows * part.packs);
+    float* scratch = reinterpret_cast<float*>(held_raw + share.held_rows * part.packs);
     AnySlabGroupSums(sum, squares, part, slab, p.group_size, scratch, channel_sum, group_part);
   }
   __syncwarp();
@@ -581,6 +602,117 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
 #endif
 }
 
+// The cluster backward (see group_norm_sm90.h): the forward's clusters and slabs, each CTA holding
+// its positions of x and dy (all copies issued at once), so that x and dy are read from HBM once,
+// for the problems the on-chip backward does not take (a sample's slab too long for its ring). With
+// xhat = (x - mean) rstd, d = dy act'(xhat scale + bias), g = d scale:
+//   dx = rstd (g - mean(g) - xhat mean(g xhat)) per (n, group);
+// the cluster exchanges its CTAs' per-channel sums of d xhat and d once (rank order), which give the
+// sample's workspace row (for SumParts: dscale, dbias) and the group sums of g xhat and g.
+template <typename T, bool kAct>
+__global__ void __launch_bounds__(kFwdThreads, 2)
+    ClusterBwdKernel(const T* __restrict__ dy, const T* __restrict__ x, Param<T> scale, Param<T> bias,
+                     const float* __restrict__ mean_in, const float* __restrict__ rstd_in, T* __restrict__ dx,
+                     float* __restrict__ workspace, float* __restrict__ group_sums, ClusterPlan p,
+                     int64_t activation, float activation_param) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Vec = Pack<T, 8>;
+  extern __shared__ uint4 held_raw[];
+  __shared__ float channel_sum[2][kMaxFwdSlab];    // this CTA's, read by the cluster: d xhat, d
+  __shared__ float channel_total[2][kMaxFwdSlab];  // the cluster's
+  __shared__ float group_total[2][kMaxFwdSlab];    // g xhat, g
+  const SlabPart<0> part(p.slab);
+  const int slab = p.slab;
+  const ClusterShare share(p, part, slab);
+  const int most_rows = int((p.spatial + kClusterBlocks - 1) / kClusterBlocks);
+  Vec* held_x = reinterpret_cast<Vec*>(held_raw);  // [rows][packs]: this CTA's positions of the slab
+  Vec* held_dy = held_x + most_rows * part.packs;
+  float* scratch = reinterpret_cast<float*>(held_dy + most_rows * part.packs);
+  for (int r = part.row0; r < share.rows; r += part.row_step) {
+    CpAsync16(&held_x[r * part.packs + part.pack], x + share.first + r * p.channels);
+    CpAsync16(&held_dy[r * part.packs + part.pack], dy + share.first + r * p.channels);
+  }
+  CpAsyncCommit();
+
+  const int64_t group0 = share.n * p.groups + share.slab_channel0 / p.group_size;  // the slab's first
+  float mean[8], rstd[8], gamma[8], beta[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int64_t g = group0 + (part.pack * 8 + k) / p.group_size;
+    mean[k] = mean_in[g];
+    rstd[k] = rstd_in[g];
+    gamma[k] = scale[share.channel0 + k];
+    beta[k] = bias[share.channel0 + k];
+  }
+  // xhat and d of the thread's channels at held row r.
+  auto grad_in = [&](int r, float (&xhat)[8], float (&d)[8]) {
+    const Vec xv = held_x[r * part.packs + part.pack], dyv = held_dy[r * part.packs + part.pack];
+    float pre[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      xhat[k] = (ToFloat(xv.v[k]) - mean[k]) * rstd[k];
+      d[k] = ToFloat(dyv.v[k]);
+      pre[k] = xhat[k] * gamma[k] + beta[k];
+    }
+    if constexpr (kAct) ActivateGradKindN(activation, pre, d, activation_param);
+  };
+  CpAsyncWait<0>();  // this thread's own copies: each thread reads only the packs it copied
+  float d_xhat[8] = {}, d_sum[8] = {};
+  for (int r = part.row0; r < share.rows; r += part.row_step) {
+    float xhat[8], d[8];
+    grad_in(r, xhat, d);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      d_xhat[k] += d[k] * xhat[k];
+      d_sum[k] += d[k];
+    }
+  }
+  BlockChannelSums(d_xhat, d_sum, part, slab, scratch, channel_sum);
+  __syncwarp();
+  ClusterArrive();
+  ClusterWait();  // every CTA's channel_sum
+  if (threadIdx.x < 2 * slab) {
+    const int value = threadIdx.x / slab, c = threadIdx.x % slab;
+    const float total = ClusterTotal(&channel_sum[value][c]);
+    channel_total[value][c] = total;
+    if (share.rank == 0) workspace[(share.n * 2 + value) * p.channels + share.slab_channel0 + c] = total;
+  }
+  __syncwarp();
+  ClusterArrive();  // this CTA's reads of the others' channel_sum are done (waited for at the end)
+  __syncthreads();
+  const int groups = slab / p.group_size;
+  if (threadIdx.x < 2 * groups) {
+    const int value = threadIdx.x / groups, g = threadIdx.x % groups;
+    float total = 0.f;
+    for (int c = g * p.group_size; c < (g + 1) * p.group_size; ++c) {
+      total += scale[share.slab_channel0 + c] * channel_total[value][c];
+    }
+    group_total[value][g] = total;
+    if (share.rank == 0) group_sums[2 * (group0 + g) + value] = total;
+  }
+  __syncthreads();
+  const float count = float(p.spatial * p.group_size);
+  float mean_g_xhat[8], mean_g[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int g = (part.pack * 8 + k) / p.group_size;
+    mean_g_xhat[k] = group_total[0][g] / count;
+    mean_g[k] = group_total[1][g] / count;
+  }
+  for (int r = part.row0; r < share.rows; r += part.row_step) {
+    float xhat[8], d[8];
+    grad_in(r, xhat, d);
+    Vec out;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      out.v[k] = FromFloat<T>(rstd[k] * (gamma[k] * d[k] - mean_g[k] - xhat[k] * mean_g_xhat[k]));
+    }
+    StoreWords(dx + share.first + r * p.channels, out);
+  }
+  ClusterWait();  // no CTA exits while another may still read its channel_sum
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Host
 
@@ -608,8 +740,8 @@ CUresult MakeMap(CUtensorMap* map, const T* data, const GroupNormShape& s, const
 // Dynamic shared memory: the two rings, and 1024 bytes to align them.
 constexpr size_t kDynamicShared = size_t(kXSlots + kDySlots) * kSlotBytes + 1024;
 
-// The cluster forward's slab: 64 channels where the groups tile them (the fast reduction), else the
-// widest multiple of 8 channels and of K, up to 64, that divides C; 0 where none does.
+// The cluster kernels' slab: 64 channels where the groups tile them (the forward's fast reduction),
+// else the widest multiple of 8 channels and of K, up to 64, that divides C; 0 where none does.
 int SlabChannels(const GroupNormShape& s) {
   if (s.channels % kMaxFwdSlab == 0 && kMaxFwdSlab % s.group_size == 0) return kMaxFwdSlab;
   const int64_t unit = std::lcm<int64_t>(s.group_size, 8);
@@ -617,6 +749,51 @@ int SlabChannels(const GroupNormShape& s) {
     if (s.channels % slab == 0) return int(slab);
   }
   return 0;
+}
+
+// The cluster kernels' plan for 16-bit x, and their dynamic shared memory: `arrays` arrays (x; x and
+// dy) of a CTA's positions of the slab, and the any-slab reduction's scratch where `scratch`; false
+// for the problems they do not take.
+bool MakeClusterPlan(const GroupNormShape& shape, float epsilon, int arrays, bool scratch, ClusterPlan* plan,
+                     size_t* smem) {
+  const int slab = SlabChannels(shape);
+  if (slab == 0 || shape.batch < 1 || shape.spatial < kClusterBlocks || !Sm90OrLater() ||
+      shape.batch * (shape.channels / slab) * kClusterBlocks > INT_MAX) {
+    return false;
+  }
+  const int64_t rows = (shape.spatial + kClusterBlocks - 1) / kClusterBlocks;
+  *smem = size_t(arrays * rows * slab * 2) + (scratch ? kScratchBytes : 0);
+  *plan = {shape.spatial, shape.channels, shape.groups, int(shape.group_size), slab, int(shape.channels / slab),
+           epsilon};
+  return *smem <= size_t(kMaxHeldBytes);
+}
+
+// Launches `kernel` in clusters of kClusterBlocks CTAs, one a (sample, slab); nothing (and no error)
+// where the GPU cannot hold a cluster of them.
+template <typename Kernel, typename... Args>
+std::optional<ffi::Error> LaunchClusters(Kernel kernel, const ClusterPlan& plan, int64_t batch, size_t smem,
+                                         cudaStream_t stream, const char* what, Args... args) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess) {
+    cudaGetLastError();
+    return std::nullopt;
+  }
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kClusterBlocks;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(batch * plan.slabs * kClusterBlocks));
+  config.blockDim = dim3(kFwdThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1) {
+    cudaGetLastError();  // the query's error, if any, is not the call's
+    return std::nullopt;
+  }
+  return CudaError(cudaLaunchKernelEx(&config, kernel, args...), what);
 }
 
 }  // namespace
@@ -654,43 +831,33 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
   if constexpr (sizeof(T) != 2) {
     return std::nullopt;
   } else {
-    const int slab = SlabChannels(shape);
-    if (!aligned || slab == 0 || shape.batch < 1 || shape.spatial < kClusterBlocks || !Sm90OrLater() ||
-        shape.batch * (shape.channels / slab) * kClusterBlocks > INT_MAX) {
-      return std::nullopt;
-    }
-    const int64_t rows = (shape.spatial + kClusterBlocks - 1) / kClusterBlocks;
-    const bool any_slab = slab != kMaxFwdSlab;
-    const size_t smem = size_t(rows) * slab * sizeof(T) + (any_slab ? kScratchBytes : 0);
-    if (smem > size_t(kMaxHeldBytes)) return std::nullopt;
-    const ClusterPlan plan{shape.spatial, shape.channels, shape.groups, int(shape.group_size), slab,
-                           int(shape.channels / slab), epsilon};
+    const bool any_slab = SlabChannels(shape) != kMaxFwdSlab;
+    ClusterPlan plan;
+    size_t smem;
+    if (!aligned || !MakeClusterPlan(shape, epsilon, 1, any_slab, &plan, &smem)) return std::nullopt;
     const bool act = activation != int64_t(Activation::kIdentity);
     const auto kernel = any_slab ? (act ? ClusterFwdKernel<T, true, 0> : ClusterFwdKernel<T, false, 0>)
                                  : (act ? ClusterFwdKernel<T, true, 8> : ClusterFwdKernel<T, false, 8>);
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess) {
-      cudaGetLastError();
-      return std::nullopt;
-    }
-    cudaLaunchAttribute cluster;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = kClusterBlocks;
-    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(shape.batch * plan.slabs * kClusterBlocks));
-    config.blockDim = dim3(kFwdThreads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1) {
-      cudaGetLastError();  // the query's error, if any, is not the call's
-      return std::nullopt;
-    }
-    return CudaError(cudaLaunchKernelEx(&config, kernel, x, scale, bias, y, mean, rstd, plan, activation,
-                                        activation_param),
-                     "group_norm forward (cluster)");
+    return LaunchClusters(kernel, plan, shape.batch, smem, stream, "group_norm forward (cluster)", x, scale, bias, y,
+                          mean, rstd, plan, activation, activation_param);
+  }
+}
+
+template <typename T>
+std::optional<ffi::Error> ClusterBackward(cudaStream_t stream, const GroupNormShape& shape, bool aligned, const T* dy,
+                                          const T* x, Param<T> scale, Param<T> bias, const float* mean,
+                                          const float* rstd, int64_t activation, float activation_param, T* dx,
+                                          float* workspace, float* group_sums) {
+  if constexpr (sizeof(T) != 2) {
+    return std::nullopt;
+  } else {
+    ClusterPlan plan;
+    size_t smem;
+    if (!aligned || !MakeClusterPlan(shape, 0.f, 2, true, &plan, &smem)) return std::nullopt;
+    const auto kernel = activation != int64_t(Activation::kIdentity) ? ClusterBwdKernel<T, true>
+                                                                      : ClusterBwdKernel<T, false>;
+    return LaunchClusters(kernel, plan, shape.batch, smem, stream, "group_norm backward (cluster)", dy, x, scale,
+                          bias, mean, rstd, dx, workspace, group_sums, plan, activation, activation_param);
   }
 }
 
@@ -700,7 +867,10 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
                                                        float*);                                                      \
   template std::optional<ffi::Error> OnChipBackward<T>(cudaStream_t, const GroupNormShape&, bool, const T*, const T*, \
                                                        Param<T>, Param<T>, const float*, const float*,               \
-                                                       int64_t, float, T*, float*, float*);
+                                                       int64_t, float, T*, float*, float*);                          \
+  template std::optional<ffi::Error> ClusterBackward<T>(cudaStream_t, const GroupNormShape&, bool, const T*,         \
+                                                        const T*, Param<T>, Param<T>, const float*, const float*,    \
+                                                        int64_t, float, T*, float*, float*);
 JAXDNN_INSTANTIATE(float)
 JAXDNN_INSTANTIATE(__nv_bfloat16)
 JAXDNN_INSTANTIATE(__half)

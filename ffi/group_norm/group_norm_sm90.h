@@ -41,4 +41,15 @@ std::optional<ffi::Error> OnChipBackward(cudaStream_t stream, const GroupNormSha
                                          const float* rstd, int64_t activation, float activation_param, T* dx,
                                          float* workspace, float* group_sums);
 
+// The same as OnChipBackward for 16-bit x on the cluster forward's slabs, each of a cluster's 8 CTAs
+// holding its eighth of a sample's positions of x and dy (x and dy read once): for the problems
+// OnChipBackward does not take whose two arrays and the reduction's scratch fit in 112 KiB a CTA
+// (about 4900 positions of a 40-channel slab, 3000 of a 64-channel one). Returns nothing, launching
+// nothing, otherwise.
+template <typename T>
+std::optional<ffi::Error> ClusterBackward(cudaStream_t stream, const GroupNormShape& shape, bool aligned, const T* dy,
+                                          const T* x, Param<T> scale, Param<T> bias, const float* mean,
+                                          const float* rstd, int64_t activation, float activation_param, T* dx,
+                                          float* workspace, float* group_sums);
+
 }  // namespace jaxdnn
