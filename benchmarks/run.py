@@ -437,10 +437,11 @@ def group_norm_cases(quick: bool) -> list[Case]:
         silu_peer = lambda x, scale, bias: jax.nn.silu(_group_norm_xla(x, scale, bias, groups))
         cases.append(Case("group_norm", f"{name} fwd", fn, "xla", peer, primal_sets, fwd_bytes, "GB/s"))
         if every_form:
-            cases.append(Case("group_norm", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer), fwd_bwd_sets,
-                              bwd_bytes, "GB/s"))
+            cases.append(Case("group_norm", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer),
+                              fwd_bwd_sets, bwd_bytes, "GB/s"))
             cases.append(_bwd_case("group_norm", f"{name} bwd", fn, peer, primal_sets, dys, bwd_bytes))
-        cases.append(Case("group_norm", f"{name} +silu fwd", silu, "xla", silu_peer, primal_sets, fwd_bytes, "GB/s"))
+        cases.append(Case("group_norm", f"{name} +silu fwd", silu, "xla", silu_peer, primal_sets, fwd_bytes,
+                          "GB/s"))
         cases.append(Case("group_norm", f"{name} +silu fwd+bwd", _fwd_bwd(silu), "xla", _fwd_bwd(silu_peer),
                           fwd_bwd_sets, bwd_bytes, "GB/s"))
     return cases
