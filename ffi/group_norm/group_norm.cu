@@ -14,14 +14,15 @@
 // Backward: where a sample's slab of groups fits in shared memory on a GPU with TMA, the on-chip
 // kernel of group_norm_sm90.cu (x and dy read once; it leaves per-sample channel sums for SumParts);
 // else, for 16-bit x whose slab's positions fit in a cluster's shared memory, its cluster backward
-// (the same, x and dy held by 8 CTAs). Otherwise 4 launches: BwdChannelSums reads x and dy and writes per-(n, p) channel sums of
-// d * xhat and d (d = dy * act'); ReduceGroups turns them into the per-(n, g) sums of g * xhat and
-// g (g = d * scale) that dx needs; SumParts reduces them over (n, p) into dscale/dbias; Dx reads x
-// and dy again and writes dx. Traffic: x and dy twice + dx. All reductions run in a fixed order,
-// so every result has the same bits on every run. ReduceGroups, Normalize, SumParts and the on-chip
-// backward are launched early (LaunchEarly: their launch overlaps the end of the kernel before them;
-// Normalize issues its first loads of x before it waits for the statistics). scale and bias are
-// float32 or x's dtype (Param), and dscale and dbias are stored in theirs.
+// (the same, x and dy held by 8 CTAs). Otherwise 4 launches: BwdChannelSums reads x and dy and writes
+// per-(n, p) channel sums of d * xhat and d (d = dy * act'); ReduceGroups turns them into the
+// per-(n, g) sums of g * xhat and g (g = d * scale) that dx needs; SumParts reduces them over (n, p)
+// into dscale/dbias; Dx reads x and dy again and writes dx. Traffic: x and dy twice + dx. All
+// reductions run in a fixed order, so every result has the same bits on every run. ReduceGroups,
+// Normalize, SumParts and the on-chip backward are launched early (LaunchEarly: their launch overlaps
+// the end of the kernel before them; Normalize issues its first loads of x before it waits for the
+// statistics). scale and bias are float32 or x's dtype (Param), and dscale and dbias are stored in
+// theirs.
 //
 // Normalize and Dx visit the blocks in reverse order: what the sums pass read last (its last wave's
 // blocks) is the part of x (and dy) still in L2 when the second pass starts. The forward's grids run

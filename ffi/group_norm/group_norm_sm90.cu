@@ -377,11 +377,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 // loaded their next item while reducing this one, lost: 70 us with two buffers (one CTA an SM), 49
 // with one.
 
-constexpr int kClusterBlocks = 8;                    // a portable cluster size
-constexpr int kFwdThreads = 256;
-constexpr int kMaxFwdSlab = 64;                         // a slab's channels: a 128-byte row a position
-constexpr int kMaxHeldBytes = 112 * 1024;            // a CTA's rows (and scratch): two CTAs an SM
-constexpr size_t kScratchBytes = 2 * kFwdThreads * 8 * sizeof(float);  // the any-slab reduction's
+constexpr int kClusterBlocks = 8;      // a portable cluster size
+constexpr int kClusterThreads = 256;
+constexpr int kMaxClusterSlab = 64;    // a slab's channels: a 128-byte row a position
+constexpr int kMaxHeldBytes = 112 * 1024;  // a CTA's rows (and scratch): two CTAs an SM
+constexpr size_t kScratchBytes = 2 * kClusterThreads * 8 * sizeof(float);  // the any-slab reduction's
 
 struct ClusterPlan {
   int64_t spatial, channels, groups;  // S, C, G
@@ -398,7 +398,7 @@ template <int kPacks>
 struct SlabPart {
   int packs, row_step, pack, row0;
   __device__ __forceinline__ explicit SlabPart(int slab) : packs(kPacks ? kPacks : slab / 8) {
-    row_step = kFwdThreads / packs;
+    row_step = kClusterThreads / packs;
     pack = int(threadIdx.x) % packs;
     row0 = int(threadIdx.x) / packs;
   }
@@ -428,7 +428,7 @@ struct ClusterShare {
 
 // The 64-channel slab's per-group sums of `acc` (thread t's 8 channels (t % 8) 8 .. + 7 of the slab),
 // over its threads in a fixed order, into out[g] for the slab's 64 / K groups g.
-__device__ __forceinline__ void BlockGroupSums(float (&acc)[8], int group_size, float (*warp_part)[kMaxFwdSlab],
+__device__ __forceinline__ void BlockGroupSums(float (&acc)[8], int group_size, float (*warp_part)[kMaxClusterSlab],
                                                float* channel_sum, float* out) {
 #pragma unroll
   for (int k = 0; k < 8; ++k) {  // lanes of one pack: lane % 8
@@ -441,14 +441,14 @@ __device__ __forceinline__ void BlockGroupSums(float (&acc)[8], int group_size, 
     for (int k = 0; k < 8; ++k) warp_part[warp][lane * 8 + k] = acc[k];
   }
   __syncthreads();
-  if (threadIdx.x < kMaxFwdSlab) {
+  if (threadIdx.x < kMaxClusterSlab) {
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kFwdThreads / 32; ++w) sum += warp_part[w][threadIdx.x];
+    for (int w = 0; w < kClusterThreads / 32; ++w) sum += warp_part[w][threadIdx.x];
     channel_sum[threadIdx.x] = sum;
   }
   __syncthreads();
-  if (threadIdx.x < kMaxFwdSlab / group_size) {
+  if (threadIdx.x < kMaxClusterSlab / group_size) {
     float sum = 0.f;
     for (int c = 0; c < group_size; ++c) sum += channel_sum[threadIdx.x * group_size + c];
     out[threadIdx.x] = sum;
@@ -456,13 +456,13 @@ __device__ __forceinline__ void BlockGroupSums(float (&acc)[8], int group_size, 
 }
 
 // Any slab's per-channel sums of two values over the CTA's threads (a[k], b[k] of channel 8 pack + k),
-// into channel_sum[0][c] and [1][c]: the threads' values through `scratch` ([2][kFwdThreads][8]
+// into channel_sum[0][c] and [1][c]: the threads' values through `scratch` ([2][kClusterThreads][8]
 // floats), each channel's added in row order by one thread. (The rows of a warp do not line up with
 // the packs of a row, which the 64-channel slab's shuffles need.) Ends with a __syncthreads.
 __device__ __forceinline__ void BlockChannelSums(const float (&a)[8], const float (&b)[8], const SlabPart<0>& part,
-                                                 int slab, float* scratch, float (*channel_sum)[kMaxFwdSlab]) {
+                                                 int slab, float* scratch, float (*channel_sum)[kMaxClusterSlab]) {
   float4* mine_a = reinterpret_cast<float4*>(scratch) + threadIdx.x * 2;
-  float4* mine_b = mine_a + kFwdThreads * 2;
+  float4* mine_b = mine_a + kClusterThreads * 2;
   mine_a[0] = make_float4(a[0], a[1], a[2], a[3]);
   mine_a[1] = make_float4(a[4], a[5], a[6], a[7]);
   mine_b[0] = make_float4(b[0], b[1], b[2], b[3]);
@@ -470,7 +470,7 @@ __device__ __forceinline__ void BlockChannelSums(const float (&a)[8], const floa
   __syncthreads();
   if (threadIdx.x < 2 * slab) {
     const int value = threadIdx.x / slab, c = threadIdx.x % slab;
-    const float* column = scratch + value * kFwdThreads * 8 + c;  // thread (row r, pack c / 8): r * slab
+    const float* column = scratch + value * kClusterThreads * 8 + c;  // thread (row r, pack c / 8): r * slab
     float total = 0.f;
 #pragma unroll 4
     for (int r = 0; r < part.row_step; ++r) total += column[r * slab];
@@ -482,7 +482,7 @@ __device__ __forceinline__ void BlockChannelSums(const float (&a)[8], const floa
 // Any slab's per-group sums of the threads' shifted sums and squares, into out[0][g] and out[1][g].
 __device__ __forceinline__ void AnySlabGroupSums(const float (&sum)[8], const float (&squares)[8],
                                                  const SlabPart<0>& part, int slab, int group_size, float* scratch,
-                                                 float (*channel_sum)[kMaxFwdSlab], float (*out)[kMaxFwdSlab]) {
+                                                 float (*channel_sum)[kMaxClusterSlab], float (*out)[kMaxClusterSlab]) {
   BlockChannelSums(sum, squares, part, slab, scratch, channel_sum);
   const int groups = slab / group_size;
   if (threadIdx.x < 2 * groups) {
@@ -516,7 +516,7 @@ __device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wa
 
 // kPacks: 8 for 64-channel slabs, 0 for any (see SlabPart).
 template <typename T, bool kAct, int kPacks>
-__global__ void __launch_bounds__(kFwdThreads, 3)
+__global__ void __launch_bounds__(kClusterThreads, 3)
     ClusterFwdKernel(const T* __restrict__ x, Param<T> scale, Param<T> bias, T* __restrict__ y,
                      float* __restrict__ mean_out, float* __restrict__ rstd_out, ClusterPlan p, int64_t activation,
                      float activation_param) {
@@ -524,10 +524,10 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
   using Vec = Pack<T, 8>;
   extern __shared__ uint4 held_raw[];
   Vec* held = reinterpret_cast<Vec*>(held_raw);  // [rows][packs]: this CTA's positions of the slab
-  __shared__ float warp_part[kPacks ? kFwdThreads / 32 : 1][kMaxFwdSlab];
-  __shared__ float channel_sum[kPacks ? 1 : 2][kMaxFwdSlab];
-  __shared__ float group_part[2][kMaxFwdSlab];  // read by the cluster: shifted sums, squares
-  __shared__ float channel_stats[2][kMaxFwdSlab];  // mean, rstd of each channel's group
+  __shared__ float warp_part[kPacks ? kClusterThreads / 32 : 1][kMaxClusterSlab];
+  __shared__ float channel_sum[kPacks ? 1 : 2][kMaxClusterSlab];
+  __shared__ float group_part[2][kMaxClusterSlab];  // read by the cluster: shifted sums, squares
+  __shared__ float channel_stats[2][kMaxClusterSlab];  // mean, rstd of each channel's group
   const SlabPart<kPacks> part(p.slab);
   const int slab = kPacks ? kPacks * 8 : p.slab;
   const ClusterShare share(p, part, slab);
@@ -610,7 +610,7 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
 // the cluster exchanges its CTAs' per-channel sums of d xhat and d once (rank order), which give the
 // sample's workspace row (for SumParts: dscale, dbias) and the group sums of g xhat and g.
 template <typename T, bool kAct>
-__global__ void __launch_bounds__(kFwdThreads, 2)
+__global__ void __launch_bounds__(kClusterThreads, 2)
     ClusterBwdKernel(const T* __restrict__ dy, const T* __restrict__ x, Param<T> scale, Param<T> bias,
                      const float* __restrict__ mean_in, const float* __restrict__ rstd_in, T* __restrict__ dx,
                      float* __restrict__ workspace, float* __restrict__ group_sums, ClusterPlan p,
@@ -618,9 +618,9 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Vec = Pack<T, 8>;
   extern __shared__ uint4 held_raw[];
-  __shared__ float channel_sum[2][kMaxFwdSlab];    // this CTA's, read by the cluster: d xhat, d
-  __shared__ float channel_total[2][kMaxFwdSlab];  // the cluster's
-  __shared__ float group_total[2][kMaxFwdSlab];    // g xhat, g
+  __shared__ float channel_sum[2][kMaxClusterSlab];    // this CTA's, read by the cluster: d xhat, d
+  __shared__ float channel_total[2][kMaxClusterSlab];  // the cluster's
+  __shared__ float group_total[2][kMaxClusterSlab];    // g xhat, g
   const SlabPart<0> part(p.slab);
   const int slab = p.slab;
   const ClusterShare share(p, part, slab);
@@ -743,9 +743,9 @@ constexpr size_t kDynamicShared = size_t(kXSlots + kDySlots) * kSlotBytes + 1024
 // The cluster kernels' slab: 64 channels where the groups tile them (the forward's fast reduction),
 // else the widest multiple of 8 channels and of K, up to 64, that divides C; 0 where none does.
 int SlabChannels(const GroupNormShape& s) {
-  if (s.channels % kMaxFwdSlab == 0 && kMaxFwdSlab % s.group_size == 0) return kMaxFwdSlab;
+  if (s.channels % kMaxClusterSlab == 0 && kMaxClusterSlab % s.group_size == 0) return kMaxClusterSlab;
   const int64_t unit = std::lcm<int64_t>(s.group_size, 8);
-  for (int64_t slab = kMaxFwdSlab / unit * unit; slab >= unit; slab -= unit) {
+  for (int64_t slab = kMaxClusterSlab / unit * unit; slab >= unit; slab -= unit) {
     if (s.channels % slab == 0) return int(slab);
   }
   return 0;
@@ -783,7 +783,7 @@ std::optional<ffi::Error> LaunchClusters(Kernel kernel, const ClusterPlan& plan,
   cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(unsigned(batch * plan.slabs * kClusterBlocks));
-  config.blockDim = dim3(kFwdThreads);
+  config.blockDim = dim3(kClusterThreads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = &cluster;
@@ -831,7 +831,7 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
   if constexpr (sizeof(T) != 2) {
     return std::nullopt;
   } else {
-    const bool any_slab = SlabChannels(shape) != kMaxFwdSlab;
+    const bool any_slab = SlabChannels(shape) != kMaxClusterSlab;
     ClusterPlan plan;
     size_t smem;
     if (!aligned || !MakeClusterPlan(shape, epsilon, 1, any_slab, &plan, &smem)) return std::nullopt;
