@@ -23,10 +23,13 @@ FWD_TARGET, BWD_TARGET = "jaxdnn_group_norm_fwd_v1", "jaxdnn_group_norm_bwd_v1"
 # backward (group_norm_sm90.cu) takes most of them; the last ones are for it: more items than
 # blocks (300 samples x 2 slabs), items of several chunks cycling through its rings of shared
 # memory, an item of 11 chunks (the last of 40 positions), one of 16 (a full ring but one slot),
-# and one too long for it (24 chunks: the two-pass kernels). The 16-bit forward runs on the cluster
-# kernel (group_norm_sm90.cu) where C is a multiple of 64 and K divides 64 (33 positions, K = 2; 8
-# slabs of K = 16; 4096 positions): also 63 positions of two slabs of one group each, and the most
-# positions a cluster holds (7168, instance norm).
+# and one too long for it (24 chunks: the two-pass kernels in float32, the cluster backward in
+# 16 bits).
+# The 16-bit forward runs on the cluster kernel (group_norm_sm90.cu) where a slab of whole groups,
+# a multiple of 8 channels up to 64, divides C: 64-channel slabs (33 positions, K = 2; 8 slabs of
+# K = 16; 4096 positions; 63 positions of two slabs of one group each; 7168 positions, instance
+# norm) and narrower ones (48 channels for K = 3 and 48, 24 for K = 1, 40 for K = 5, 16 for K = 16);
+# 130 channels in groups of 10 have none (the two-pass kernels).
 CASES = [
     ((1, 1), 1), ((3, 16), 4), ((2, 5, 7, 12), 3), ((0, 4, 8), 2), ((2, 0, 8), 2), ((5, 9, 1), 1),
     ((2, 3, 3, 96), 32), ((4, 33, 64), 32), ((2, 9, 130), 13), ((2, 17, 24), 24), ((2, 300, 48), 1),
@@ -119,11 +122,12 @@ def test_cluster_forward_any_slab(shape, groups, activation, rng):
 
 
 @pytest.mark.parametrize("shape, groups, dtype", [
-    ((40, 7000, 64), 8, jnp.bfloat16),  # 7000 of 7168 positions: 875 rows a CTA, 109 KiB
-    ((2, 9800, 40), 4, jnp.float16),    # a 40-channel slab: 1225 rows a CTA and the scratch, 112 KiB
-], ids=["64ch", "40ch"])
+    ((40, 7000, 64), 8, jnp.bfloat16),   # 875 rows a CTA: 109 KiB, two CTAs an SM
+    ((2, 12700, 64), 8, jnp.bfloat16),   # 1588 of 1600 rows a CTA: 199 KiB, one CTA an SM
+    ((1, 18800, 40), 4, jnp.float16),    # a 40-channel slab: 2350 rows a CTA and the scratch, 200 KiB
+], ids=["64ch-two-ctas", "64ch-most", "40ch-most"])
 def test_cluster_forward_most_positions(shape, groups, dtype, rng):
-    """Nearly the most positions the cluster forward holds (two CTAs an SM)."""
+    """Nearly the most positions the cluster forward holds (200 KiB a CTA)."""
     x = normal(rng, shape, dtype, loc=2.0, scale=3.0)
     scale, bias = _params(rng, shape[-1])
     y = jax.jit(lambda x, s, b: jaxdnn.group_norm(x, groups, s, b))(x, scale, bias)
@@ -133,7 +137,7 @@ def test_cluster_forward_most_positions(shape, groups, dtype, rng):
 @pytest.mark.parametrize("shape, groups, dtype, activation", [
     ((2, 2000, 128), 2, jnp.bfloat16, "silu"),  # a 64-channel slab too long for the on-chip ring
     ((2, 2000, 128), 2, jnp.bfloat16, "gelu"),
-    ((1, 4900, 40), 4, jnp.float16, None),      # the most positions of a 40-channel slab, nearly
+    ((1, 9400, 40), 4, jnp.float16, None),      # the most positions of a 40-channel slab, nearly
 ], ids=["64ch-silu", "64ch-gelu", "40ch-most"])
 def test_cluster_backward(shape, groups, dtype, activation, rng):
     """Samples whose slab is too long for the on-chip backward's ring: on an sm_90 GPU the cluster

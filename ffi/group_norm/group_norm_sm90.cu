@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 constexpr int kClusterBlocks = 8;      // a portable cluster size
 constexpr int kClusterThreads = 256;
 constexpr int kMaxClusterSlab = 64;    // a slab's channels: a 128-byte row a position
-constexpr int kMaxHeldBytes = 112 * 1024;  // a CTA's rows (and scratch): two CTAs an SM
+constexpr int kMaxHeldBytes = 200 * 1024;  // a CTA's rows (and scratch): one CTA an SM past 112 KiB
 constexpr size_t kScratchBytes = 2 * kClusterThreads * 8 * sizeof(float);  // the any-slab reduction's
 
 struct ClusterPlan {
