@@ -402,7 +402,8 @@ def group_norm_cases(quick: bool) -> list[Case]:
     """group_norm (channels last, 32 groups) against Flax's GroupNorm formulas in XLA, bf16; and
     group_norm with its fused silu against XLA's group norm followed by jax.nn.silu. The issue's shape
     (16 x 64 x 64 x 512) in every form; Stable Diffusion's UNet levels at batch 8 (320, 640 and 1280
-    channels: groups of 10, 20 and 40) as their forwards and with silu.
+    channels: groups of 10, 20 and 40) and SDXL's first (128 x 128 x 320, batch 2) as their forwards
+    and with silu.
 
     Bytes of compulsory traffic, as for the row-wise families: fwd = read x + write y + the params;
     fwd+bwd and bwd = read x + read dy + write dx + the params and their grads (the kernels read x,
@@ -414,7 +415,7 @@ def group_norm_cases(quick: bool) -> list[Case]:
         shapes = [((2, 16, 16, 512), True), ((2, 8, 8, 320), False)]
     else:
         shapes = [((16, 64, 64, 512), True), ((8, 64, 64, 320), False), ((8, 32, 32, 640), False),
-                  ((8, 16, 16, 1280), False)]
+                  ((8, 16, 16, 1280), False), ((2, 128, 128, 320), False)]
     key = jax.random.key(0)
     cases = []
     for shape, every_form in shapes:
