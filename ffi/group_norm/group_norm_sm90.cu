@@ -434,11 +434,6 @@ __device__ __forceinline__ float ClusterTotal(const float* part) {
   return total;
 }
 
-__device__ __forceinline__ void ClusterArrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
-
 template <typename T, bool kAct>
 __global__ void __launch_bounds__(kFwdThreads, 3)
     ClusterFwdKernel(const T* __restrict__ x, Param<T> scale, Param<T> bias, T* __restrict__ y,
@@ -482,9 +477,8 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
   }
   BlockGroupSums(sum, p.group_size, warp_part, channel_sum, group_part[0]);
   BlockGroupSums(squares, p.group_size, warp_part, channel_sum, group_part[1]);
-  __syncwarp();
-  ClusterArrive();
-  ClusterWait();  // every CTA's group_part
+  sm90::ClusterArrive();
+  sm90::ClusterWait();  // every CTA's group_part
   if (threadIdx.x < kSlabChannels) {
     const int g = threadIdx.x / p.group_size;
     float group_mean, group_rstd;
@@ -498,8 +492,7 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
       rstd_out[index] = group_rstd;
     }
   }
-  __syncwarp();
-  ClusterArrive();  // this CTA's reads of the others' group_part are done (waited for at the end)
+  sm90::ClusterArrive();  // this CTA's reads of the others' group_part are done (waited for at the end)
   __syncthreads();
   float mean[8], a[8], b[8];  // pre-activation = (x - mean) a + b
 #pragma unroll
@@ -519,7 +512,7 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
     for (int k = 0; k < 8; ++k) out.v[k] = FromFloat<T>(pre[k]);
     StoreWords(y + first + r * p.channels, out);
   }
-  ClusterWait();  // no CTA exits while another may still read its group_part
+  sm90::ClusterWait();  // no CTA exits while another may still read its group_part
 #endif
 }
 
@@ -600,23 +593,14 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
       cudaGetLastError();
       return std::nullopt;
     }
-    cudaLaunchAttribute cluster;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = kClusterBlocks;
-    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(shape.batch * plan.slabs * kClusterBlocks));
-    config.blockDim = dim3(kFwdThreads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
+    const ClusterLaunch launch(kClusterBlocks, dim3(unsigned(shape.batch * plan.slabs * kClusterBlocks)),
+                               dim3(kFwdThreads), smem, stream);
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1) {
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config) != cudaSuccess || clusters < 1) {
       cudaGetLastError();  // the query's error, if any, is not the call's
       return std::nullopt;
     }
-    return CudaError(cudaLaunchKernelEx(&config, kernel, x, scale, bias, y, mean, rstd, plan, activation,
+    return CudaError(cudaLaunchKernelEx(&launch.config, kernel, x, scale, bias, y, mean, rstd, plan, activation,
                                         activation_param),
                      "group_norm forward (cluster)");
   }
