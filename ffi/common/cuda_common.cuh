@@ -42,6 +42,28 @@ inline bool Sm90OrLater() {
          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
 }
 
+// The configuration of a launch (cudaLaunchKernelEx) of `grid` blocks in 1-D clusters of
+// `cluster_blocks`, for cudaOccupancyMaxActiveClusters too. Not copyable: `config` points at
+// `attribute`.
+struct ClusterLaunch {
+  cudaLaunchAttribute attribute;
+  cudaLaunchConfig_t config = {};
+
+  ClusterLaunch(unsigned cluster_blocks, dim3 grid, dim3 block, size_t smem, cudaStream_t stream) {
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = cluster_blocks;
+    attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
 // Blocks of `kernel` (with `block` threads and `smem` bytes) that fit on the device at once.
 template <typename Kernel>
 inline int ResidentBlocks(Kernel kernel, int block, size_t smem) {

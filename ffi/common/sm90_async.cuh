@@ -1,6 +1,6 @@
 // Hopper (sm_90a) building blocks for tensor-core kernels written without CUTLASS's templates:
 // mbarriers, TMA tile loads, wgmma (warpgroup matrix multiply) with its shared-memory descriptors,
-// register reallocation and named barriers. Everything here is a thin wrapper over one PTX
+// register reallocation, named barriers and cluster barriers. Everything here is a thin wrapper over one PTX
 // instruction; the kernels compose them (ffi/attention/attention_sm90*.cu).
 //
 // Shared-memory tiles: a tile of R rows x 64 16-bit columns (128 bytes a row) written by TMA with
@@ -202,6 +202,21 @@ __device__ __forceinline__ void BulkWaitReads() {
 // Orders this thread's generic-proxy global accesses with its async-proxy (bulk) ones.
 __device__ __forceinline__ void FenceProxyAsyncGlobal() {
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+// --- clusters ------------------------------------------------------------------------------------
+
+// The cluster-wide barrier in its two halves: every thread of every CTA of the cluster arrives
+// (releasing its shared-memory writes to the cluster), then waits for all of them (acquiring the
+// others'). Work may go between the halves. The .aligned forms want the warp converged.
+__device__ __forceinline__ void ClusterArrive() {
+  __syncwarp();
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void ClusterSync() {
+  ClusterArrive();
+  ClusterWait();
 }
 
 // --- wgmma ---------------------------------------------------------------------------------------

@@ -509,11 +509,6 @@ __device__ __forceinline__ float ClusterTotal(const float* part) {
   return total;
 }
 
-__device__ __forceinline__ void ClusterArrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
-
 // kPacks: 8 for 64-channel slabs, 0 for any (see SlabPart).
 template <typename T, bool kAct, int kPacks>
 __global__ void __launch_bounds__(kClusterThreads, 3)
@@ -561,9 +556,8 @@ __global__ void __launch_bounds__(kClusterThreads, 3)
     float* scratch = reinterpret_cast<float*>(held_raw + share.held_rows * part.packs);
     AnySlabGroupSums(sum, squares, part, slab, p.group_size, scratch, channel_sum, group_part);
   }
-  __syncwarp();
-  ClusterArrive();
-  ClusterWait();  // every CTA's group_part
+  sm90::ClusterArrive();
+  sm90::ClusterWait();  // every CTA's group_part
   if (threadIdx.x < slab) {
     const int g = threadIdx.x / p.group_size;
     float group_mean, group_rstd;
@@ -577,8 +571,7 @@ __global__ void __launch_bounds__(kClusterThreads, 3)
       rstd_out[index] = group_rstd;
     }
   }
-  __syncwarp();
-  ClusterArrive();  // this CTA's reads of the others' group_part are done (waited for at the end)
+  sm90::ClusterArrive();  // this CTA's reads of the others' group_part are done (waited for at the end)
   __syncthreads();
   float mean[8], a[8], b[8];  // pre-activation = (x - mean) a + b
 #pragma unroll
@@ -598,7 +591,7 @@ __global__ void __launch_bounds__(kClusterThreads, 3)
     for (int k = 0; k < 8; ++k) out.v[k] = FromFloat<T>(pre[k]);
     StoreWords(y + first + r * p.channels, out);
   }
-  ClusterWait();  // no CTA exits while another may still read its group_part
+  sm90::ClusterWait();  // no CTA exits while another may still read its group_part
 #endif
 }
 
@@ -668,17 +661,15 @@ __global__ void __launch_bounds__(kClusterThreads, 2)
     }
   }
   BlockChannelSums(d_xhat, d_sum, part, slab, scratch, channel_sum);
-  __syncwarp();
-  ClusterArrive();
-  ClusterWait();  // every CTA's channel_sum
+  sm90::ClusterArrive();
+  sm90::ClusterWait();  // every CTA's channel_sum
   if (threadIdx.x < 2 * slab) {
     const int value = threadIdx.x / slab, c = threadIdx.x % slab;
     const float total = ClusterTotal(&channel_sum[value][c]);
     channel_total[value][c] = total;
     if (share.rank == 0) workspace[(share.n * 2 + value) * p.channels + share.slab_channel0 + c] = total;
   }
-  __syncwarp();
-  ClusterArrive();  // this CTA's reads of the others' channel_sum are done (waited for at the end)
+  sm90::ClusterArrive();  // this CTA's reads of the others' channel_sum are done (waited for at the end)
   __syncthreads();
   const int groups = slab / p.group_size;
   if (threadIdx.x < 2 * groups) {
@@ -709,7 +700,7 @@ __global__ void __launch_bounds__(kClusterThreads, 2)
     }
     StoreWords(dx + share.first + r * p.channels, out);
   }
-  ClusterWait();  // no CTA exits while another may still read its channel_sum
+  sm90::ClusterWait();  // no CTA exits while another may still read its channel_sum
 #endif
 }
 
@@ -777,23 +768,14 @@ std::optional<ffi::Error> LaunchClusters(Kernel kernel, const ClusterPlan& plan,
     cudaGetLastError();
     return std::nullopt;
   }
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = kClusterBlocks;
-  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(batch * plan.slabs * kClusterBlocks));
-  config.blockDim = dim3(kClusterThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
+  const ClusterLaunch launch(kClusterBlocks, dim3(unsigned(batch * plan.slabs * kClusterBlocks)),
+                             dim3(kClusterThreads), smem, stream);
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1) {
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config) != cudaSuccess || clusters < 1) {
     cudaGetLastError();  // the query's error, if any, is not the call's
     return std::nullopt;
   }
-  return CudaError(cudaLaunchKernelEx(&config, kernel, args...), what);
+  return CudaError(cudaLaunchKernelEx(&launch.config, kernel, args...), what);
 }
 
 }  // namespace

@@ -1158,11 +1158,6 @@ __device__ __forceinline__ void SendToBlock(float v, uint32_t at, uint32_t bar, 
   }
 }
 
-__device__ __forceinline__ void ClusterSync() {
-  __syncwarp();  // the .aligned barrier wants the warp converged
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
 // Thread 0's setup of the two exchange barriers (exchange x of a launch's `count`, x = 0, 1, ...,
 // completes barrier x % 2): one arrival (its own, announcing an exchange's bytes) and the
 // transaction bytes; armed for exchanges 0 and 1.
@@ -1222,7 +1217,7 @@ __global__ void __launch_bounds__(kNarrow, 1)
     if (mine) LoadGatesX(cell, s, row, j, step, len, rev, g);
   };
   load_gates_x(0, gx);
-  ClusterSync();  // w, in and every block's barriers are ready before any block sends
+  sm90::ClusterSync();  // w, in and every block's barriers are ready before any block sends
   auto w_row = [&](int i, int q) { return w + (q * U + warp + kClusterWarps * i) * K; };
   const uint32_t to = sm90::SharedAddress(in) + uint32_t(j0 + warp) * sizeof(float);
   // Steps past the row's end (len < T) write zeros and send nothing; the other blocks stop there too.
@@ -1249,7 +1244,7 @@ __global__ void __launch_bounds__(kNarrow, 1)
     for (int q = 0; q < kGates; ++q) gx[q] = gx_next[q];
   }
   if (mine) cell.Final(s, row, j, len == 0 ? -1 : StepTime(len - 1, len, rev));
-  ClusterSync();  // no block leaves while another may still send to it
+  sm90::ClusterSync();  // no block leaves while another may still send to it
 #endif
 }
 
@@ -1295,7 +1290,7 @@ __global__ void __launch_bounds__(kNarrow, 1)
     cell.Init(s, row, j, state, 1);
     if (len > 0) operands = load(len - 1);
   }
-  ClusterSync();  // wt, in and every block's barriers are ready before any block sends
+  sm90::ClusterSync();  // wt, in and every block's barriers are ready before any block sends
   auto w_row = [&](int i, int) { return wt + (warp + kClusterWarps * i) * K; };
   const uint32_t to = sm90::SharedAddress(in) + uint32_t(j0 + warp) * sizeof(float);
   for (int64_t step = T - 1; step >= len; --step) {  // past the row's end: zero gate gradients
@@ -1321,7 +1316,7 @@ __global__ void __launch_bounds__(kNarrow, 1)
     if (mine) state[0] = dh[0] + (Cell<Io>::kBypass ? state[1] : 0.f);
   }
   if (mine) cell.Final(s, row, j, state, 1);
-  ClusterSync();  // no block leaves while another may still send to it
+  sm90::ClusterSync();  // no block leaves while another may still send to it
 #endif
 }
 
@@ -1406,7 +1401,7 @@ __global__ void __launch_bounds__(kWide, 1)
     if (mine) LoadGatesX(cell, s, row, j, step, len, rev, g);
   };
   load_gates_x(0, gx);
-  ClusterSync();  // w, in and every block's barriers are ready before any block sends
+  sm90::ClusterSync();  // w, in and every block's barriers are ready before any block sends
   const int chunks = B * U / 4;  // 16-byte pieces of this block's h a step
   for (int64_t step = 0; step < T; ++step) {
     const int slot = int(step & 1);
@@ -1438,7 +1433,7 @@ __global__ void __launch_bounds__(kWide, 1)
     for (int q = 0; q < kGates; ++q) gx[q] = gx_next[q];
   }
   if (mine) cell.Final(s, row, j, len == 0 ? -1 : StepTime(len - 1, len, rev));
-  ClusterSync();  // no block leaves while another may still send to it
+  sm90::ClusterSync();  // no block leaves while another may still send to it
 #endif
 }
 
@@ -1490,7 +1485,7 @@ __global__ void __launch_bounds__(kWide, 1)
     cell.Init(s, row, j, state, 1);
     if (len > 0) operands = load(len - 1);
   }
-  ClusterSync();  // wt, in, dg and every block's barriers are ready before any block sends
+  sm90::ClusterSync();  // wt, in, dg and every block's barriers are ready before any block sends
   const int tiles = H / kMmaN, k_blocks = (R + kKBlock - 1) / kKBlock;
   for (int64_t step = T - 1; step >= 0; --step) {
     const int64_t x = T - 1 - step;
@@ -1558,7 +1553,7 @@ __global__ void __launch_bounds__(kWide, 1)
     }
   }
   if (mine) cell.Final(s, row, j, state, 1);
-  ClusterSync();  // no block leaves while another may still send to it
+  sm90::ClusterSync();  // no block leaves while another may still send to it
 #endif
 }
 
@@ -1688,22 +1683,13 @@ ffi::Error LaunchCluster(cudaStream_t stream, const W* w_hh, const int32_t* seq_
         "cudaFuncSetAttribute"));
     JAXDNN_RETURN_IF_ERROR(CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
                                      "cudaFuncSetAttribute"));
-    cudaLaunchAttribute cluster;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = unsigned(plan.blocks);
-    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(s.directions * plan.blocks));
-    config.blockDim = dim3(unsigned(plan.threads));
-    config.dynamicSmemBytes = plan.smem_bytes;
-    config.stream = stream;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
+    const ClusterLaunch launch(unsigned(plan.blocks), dim3(unsigned(s.directions * plan.blocks)),
+                               dim3(unsigned(plan.threads)), plan.smem_bytes, stream);
     int clusters = 0;  // a direction's cluster each, all resident at once
-    JAXDNN_RETURN_IF_ERROR(CudaError(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "occupancy"));
+    JAXDNN_RETURN_IF_ERROR(CudaError(cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config), "occupancy"));
     if (clusters < s.directions) continue;
     JAXDNN_RETURN_IF_ERROR(CudaError(
-        cudaLaunchKernelEx(&config, kernel, Cell<Io>{io}, w_hh, seq_lengths, s, reverse, plan), "rnn cluster"));
+        cudaLaunchKernelEx(&launch.config, kernel, Cell<Io>{io}, w_hh, seq_lengths, s, reverse, plan), "rnn cluster"));
     *launched = true;
     return ffi::Error::Success();
   }
