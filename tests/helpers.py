@@ -72,6 +72,20 @@ def f64(a):
     return None if a is None else jnp.asarray(a, jnp.float64)
 
 
+# The kinks of the piecewise-linear activations (the kernels' kind names).
+KINKS = {"relu": (0.0,), "leaky_relu": (0.0,), "relu6": (0.0, 6.0), "hard_tanh": (-1.0, 1.0)}
+
+
+def off_kinks(cotangent, pre_activation, kind: str, margin: float = 1e-5):
+    """`cotangent` zeroed where the float64 `pre_activation` lies within `margin` of a kink of the
+    activation `kind`: there the kernel's float32 sums may put it on the other side of the kink than
+    the float64 oracle, and that element's gradient then rightly differs (dy or 0, not a rounding)."""
+    near = jnp.zeros(jnp.shape(pre_activation), bool)
+    for kink in KINKS.get(kind, ()):
+        near = near | (jnp.abs(pre_activation - kink) < margin)
+    return jnp.where(near, jnp.zeros((), cotangent.dtype), cotangent)
+
+
 def batch_mesh(kind, devices):
     """A 4-device mesh with one axis "b": a plain Mesh ("mesh"), or Auto / Explicit axis types."""
     if kind == "mesh":
