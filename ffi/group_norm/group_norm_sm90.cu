@@ -365,23 +365,25 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---------------------------------------------------------------------------------------------
 // The cluster forward (see group_norm_sm90.h): a cluster of kClusterBlocks CTAs holds one item, a
-// sample's positions of a slab of whole groups (64 channels, a 128-byte row a position, where the
-// groups tile them; else 8 to 56), each CTA an eighth of them in shared memory, all its copies issued
-// at once (cp.async). The group sums of x and x^2, both about each group's first element (as
-// group_norm.cu's two passes), are exchanged through distributed shared memory in rank order, once;
-// each CTA then writes its positions of y (with the activation). HBM traffic: x and y once each,
-// where group_norm.cu's forward reads x twice.
+// sample's positions of a slab of 64 channels (a 128-byte row a position), each CTA an eighth of them
+// in shared memory, all its copies issued at once (cp.async). The group sums of x and x^2, both
+// about each group's first element (as group_norm.cu's two passes), are exchanged through
+// distributed shared memory in rank order, once; each CTA then writes its positions of y (with the
+// activation). HBM traffic: x and y once each, where group_norm.cu's forward reads x twice.
 // Three CTAs an SM (64 KiB each for 4096 positions): with two (the activation's registers) and an
 // exchange of the sums and then of the centred squares, the forward took 51 us, 68 with silu, where
 // this one takes 49 and 58 (H200, 2026-11-30, N16 64x64 C512 G32 bf16). Persistent clusters, which
 // loaded their next item while reducing this one, lost: 70 us with two buffers (one CTA an SM), 49
-// with one.
+// with one. Slabs narrower than 64 channels (groups that do not tile them) lost to the two passes
+// on Stable Diffusion's levels (8 x 40-channel slabs of 64x64 positions: 27.6 us against 26.7;
+// 16x16: 33 against 22), as did one CTA an SM with up to 200 KiB (2 x 128x128 x 320: 37 us against
+// 28): the forward takes 64-channel slabs in up to 112 KiB a CTA.
 
 constexpr int kClusterBlocks = 8;      // a portable cluster size
 constexpr int kClusterThreads = 256;
 constexpr int kMaxClusterSlab = 64;    // a slab's channels: a 128-byte row a position
-constexpr int kMaxHeldBytes = 200 * 1024;  // a CTA's rows (and scratch): one CTA an SM past 112 KiB
-constexpr size_t kScratchBytes = 2 * kClusterThreads * 8 * sizeof(float);  // the any-slab reduction's
+constexpr int kMaxHeldBytes = 112 * 1024;  // a CTA's rows (and scratch): two CTAs an SM
+constexpr size_t kScratchBytes = 2 * kClusterThreads * 8 * sizeof(float);  // BlockChannelSums'
 
 struct ClusterPlan {
   int64_t spatial, channels, groups;  // S, C, G
@@ -405,11 +407,11 @@ struct SlabPart {
   __device__ __forceinline__ int RowsOf(int rows) const { return row0 < row_step ? rows : 0; }
 };
 
-// A CTA's share of its cluster's item (a sample's slab): positions begin .. begin + held_rows - 1 of
-// sample n, channels from slab_channel0; `rows` are the thread's (see SlabPart), `first` its row 0 (its
-// pack) in x, y, dy and dx.
+// A CTA's share of its cluster's item (a sample's slab): its rank's eighth of sample n's positions,
+// channels from slab_channel0; `rows` are the thread's (see SlabPart), `first` its row 0 (its pack)
+// in x, y, dy and dx.
 struct ClusterShare {
-  int rank, held_rows, rows;
+  int rank, rows;
   int64_t n, slab_channel0, channel0, first;
 
   template <int kPacks>
@@ -419,8 +421,7 @@ struct ClusterShare {
     n = item / p.slabs;
     slab_channel0 = item % p.slabs * slab;
     const int64_t begin = p.spatial * rank / kClusterBlocks;
-    held_rows = int(p.spatial * (rank + 1) / kClusterBlocks - begin);
-    rows = part.RowsOf(held_rows);
+    rows = part.RowsOf(int(p.spatial * (rank + 1) / kClusterBlocks - begin));
     channel0 = slab_channel0 + part.pack * 8;
     first = (n * p.spatial + begin) * p.channels + channel0;
   }
@@ -479,20 +480,6 @@ __device__ __forceinline__ void BlockChannelSums(const float (&a)[8], const floa
   __syncthreads();
 }
 
-// Any slab's per-group sums of the threads' shifted sums and squares, into out[0][g] and out[1][g].
-__device__ __forceinline__ void AnySlabGroupSums(const float (&sum)[8], const float (&squares)[8],
-                                                 const SlabPart<0>& part, int slab, int group_size, float* scratch,
-                                                 float (*channel_sum)[kMaxClusterSlab], float (*out)[kMaxClusterSlab]) {
-  BlockChannelSums(sum, squares, part, slab, scratch, channel_sum);
-  const int groups = slab / group_size;
-  if (threadIdx.x < 2 * groups) {
-    const int value = threadIdx.x / groups, g = threadIdx.x % groups;
-    float total = 0.f;
-    for (int c = 0; c < group_size; ++c) total += channel_sum[value][g * group_size + c];
-    out[value][g] = total;
-  }
-}
-
 // The sum over the cluster's CTAs, in rank order, of their `part` (the same shared-memory variable
 // in each): the same value, with the same bits, in every CTA.
 __device__ __forceinline__ float ClusterTotal(const float* part) {
@@ -509,8 +496,7 @@ __device__ __forceinline__ float ClusterTotal(const float* part) {
   return total;
 }
 
-// kPacks: 8 for 64-channel slabs, 0 for any (see SlabPart).
-template <typename T, bool kAct, int kPacks>
+template <typename T, bool kAct>
 __global__ void __launch_bounds__(kClusterThreads, 3)
     ClusterFwdKernel(const T* __restrict__ x, Param<T> scale, Param<T> bias, T* __restrict__ y,
                      float* __restrict__ mean_out, float* __restrict__ rstd_out, ClusterPlan p, int64_t activation,
@@ -519,12 +505,12 @@ __global__ void __launch_bounds__(kClusterThreads, 3)
   using Vec = Pack<T, 8>;
   extern __shared__ uint4 held_raw[];
   Vec* held = reinterpret_cast<Vec*>(held_raw);  // [rows][packs]: this CTA's positions of the slab
-  __shared__ float warp_part[kPacks ? kClusterThreads / 32 : 1][kMaxClusterSlab];
-  __shared__ float channel_sum[kPacks ? 1 : 2][kMaxClusterSlab];
+  __shared__ float warp_part[kClusterThreads / 32][kMaxClusterSlab];
+  __shared__ float channel_sum[kMaxClusterSlab];
   __shared__ float group_part[2][kMaxClusterSlab];  // read by the cluster: shifted sums, squares
   __shared__ float channel_stats[2][kMaxClusterSlab];  // mean, rstd of each channel's group
-  const SlabPart<kPacks> part(p.slab);
-  const int slab = kPacks ? kPacks * 8 : p.slab;
+  constexpr int slab = kMaxClusterSlab;
+  const SlabPart<slab / 8> part(slab);
   const ClusterShare share(p, part, slab);
   const int rank = share.rank, rows = share.rows;
   const int64_t n = share.n, slab_channel0 = share.slab_channel0, channel0 = share.channel0, first = share.first;
@@ -549,13 +535,8 @@ __global__ void __launch_bounds__(kClusterThreads, 3)
       squares[k] += d * d;
     }
   }
-  if constexpr (kPacks == 8) {
-    BlockGroupSums(sum, p.group_size, warp_part, channel_sum[0], group_part[0]);
-    BlockGroupSums(squares, p.group_size, warp_part, channel_sum[0], group_part[1]);
-  } else {
-    float* scratch = reinterpret_cast<float*>(held_raw + share.held_rows * part.packs);
-    AnySlabGroupSums(sum, squares, part, slab, p.group_size, scratch, channel_sum, group_part);
-  }
+  BlockGroupSums(sum, p.group_size, warp_part, channel_sum, group_part[0]);
+  BlockGroupSums(squares, p.group_size, warp_part, channel_sum, group_part[1]);
   sm90::ClusterArrive();
   sm90::ClusterWait();  // every CTA's group_part
   if (threadIdx.x < slab) {
@@ -595,10 +576,10 @@ __global__ void __launch_bounds__(kClusterThreads, 3)
 #endif
 }
 
-// The cluster backward (see group_norm_sm90.h): the forward's clusters and slabs, each CTA holding
-// its positions of x and dy (all copies issued at once), so that x and dy are read from HBM once,
-// for the problems the on-chip backward does not take (a sample's slab too long for its ring). With
-// xhat = (x - mean) rstd, d = dy act'(xhat scale + bias), g = d scale:
+// The cluster backward (see group_norm_sm90.h): the forward's clusters on any slab (SlabChannels),
+// each CTA holding its positions of x and dy (all copies issued at once), so that x and dy are read
+// from HBM once, for the problems the on-chip backward does not take (a sample's slab too long for
+// its ring). With xhat = (x - mean) rstd, d = dy act'(xhat scale + bias), g = d scale:
 //   dx = rstd (g - mean(g) - xhat mean(g xhat)) per (n, group);
 // the cluster exchanges its CTAs' per-channel sums of d xhat and d once (rank order), which give the
 // sample's workspace row (for SumParts: dscale, dbias) and the group sums of g xhat and g.
@@ -731,8 +712,9 @@ CUresult MakeMap(CUtensorMap* map, const T* data, const GroupNormShape& s, const
 // Dynamic shared memory: the two rings, and 1024 bytes to align them.
 constexpr size_t kDynamicShared = size_t(kXSlots + kDySlots) * kSlotBytes + 1024;
 
-// The cluster kernels' slab: 64 channels where the groups tile them (the forward's fast reduction),
-// else the widest multiple of 8 channels and of K, up to 64, that divides C; 0 where none does.
+// The cluster kernels' slab: 64 channels where the groups tile them (the forward's only slab, for its
+// shuffle reduction), else the widest multiple of 8 channels and of K, up to 64, that divides C (the
+// backward's); 0 where none does.
 int SlabChannels(const GroupNormShape& s) {
   if (s.channels % kMaxClusterSlab == 0 && kMaxClusterSlab % s.group_size == 0) return kMaxClusterSlab;
   const int64_t unit = std::lcm<int64_t>(s.group_size, 8);
@@ -743,7 +725,7 @@ int SlabChannels(const GroupNormShape& s) {
 }
 
 // The cluster kernels' plan for 16-bit x, and their dynamic shared memory: `arrays` arrays (x; x and
-// dy) of a CTA's positions of the slab, and the any-slab reduction's scratch where `scratch`; false
+// dy) of a CTA's positions of the slab, and BlockChannelSums' scratch where `scratch`; false
 // for the problems they do not take.
 bool MakeClusterPlan(const GroupNormShape& shape, float epsilon, int arrays, bool scratch, ClusterPlan* plan,
                      size_t* smem) {
@@ -813,13 +795,13 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
   if constexpr (sizeof(T) != 2) {
     return std::nullopt;
   } else {
-    const bool any_slab = SlabChannels(shape) != kMaxClusterSlab;
     ClusterPlan plan;
     size_t smem;
-    if (!aligned || !MakeClusterPlan(shape, epsilon, 1, any_slab, &plan, &smem)) return std::nullopt;
-    const bool act = activation != int64_t(Activation::kIdentity);
-    const auto kernel = any_slab ? (act ? ClusterFwdKernel<T, true, 0> : ClusterFwdKernel<T, false, 0>)
-                                 : (act ? ClusterFwdKernel<T, true, 8> : ClusterFwdKernel<T, false, 8>);
+    if (!aligned || SlabChannels(shape) != kMaxClusterSlab || !MakeClusterPlan(shape, epsilon, 1, false, &plan, &smem)) {
+      return std::nullopt;
+    }
+    const auto kernel = activation != int64_t(Activation::kIdentity) ? ClusterFwdKernel<T, true>
+                                                                      : ClusterFwdKernel<T, false>;
     return LaunchClusters(kernel, plan, shape.batch, smem, stream, "group_norm forward (cluster)", x, scale, bias, y,
                           mean, rstd, plan, activation, activation_param);
   }
