@@ -23,10 +23,11 @@ FWD_TARGET, BWD_TARGET = "jaxdnn_group_norm_fwd_v1", "jaxdnn_group_norm_bwd_v1"
 # backward (group_norm_sm90.cu) takes most of them; the last ones are for it: more items than
 # blocks (300 samples x 2 slabs), items of several chunks cycling through its rings of shared
 # memory, an item of 11 chunks (the last of 40 positions), one of 16 (a full ring but one slot),
-# and one too long for it (24 chunks: the two-pass kernels). The 16-bit forward runs on the cluster
-# kernel (group_norm_sm90.cu) where C is a multiple of 64 and K divides 64 (33 positions, K = 2; 8
-# slabs of K = 16; 4096 positions): also 63 positions of two slabs of one group each, and the most
-# positions a cluster holds (7168, instance norm).
+# and one too long for it (24 chunks: the two-pass kernels in float32, the cluster backward in
+# 16 bits).
+# The 16-bit forward runs on the cluster kernel (group_norm_sm90.cu) where C is a multiple of 64 and
+# K divides 64 (33 positions, K = 2; 8 slabs of K = 16; 4096 positions): also 63 positions of two
+# slabs of one group each, and the most positions a cluster holds (7168, instance norm).
 CASES = [
     ((1, 1), 1), ((3, 16), 4), ((2, 5, 7, 12), 3), ((0, 4, 8), 2), ((2, 0, 8), 2), ((5, 9, 1), 1),
     ((2, 3, 3, 96), 32), ((4, 33, 64), 32), ((2, 9, 130), 13), ((2, 17, 24), 24), ((2, 300, 48), 1),
@@ -108,6 +109,25 @@ def test_cluster_forward_most_positions(rng):
     scale, bias = _params(rng, shape[-1])
     y = jax.jit(lambda x, s, b: jaxdnn.group_norm(x, groups, s, b))(x, scale, bias)
     assert_close(y, _oracle(x, groups, scale, bias), tolerance(jnp.bfloat16), "forward")
+
+
+@pytest.mark.parametrize("shape, groups, dtype, activation", [
+    ((2, 4096, 320), 32, jnp.bfloat16, "silu"),  # Stable Diffusion's groups of 10: 40-channel slabs
+    ((2, 1800, 640), 32, jnp.bfloat16, None),    # groups of 20: 40-channel slabs
+    ((2, 3000, 96), 8, jnp.float16, "silu"),     # groups of 12: 48-channel slabs
+    ((1, 3000, 24), 8, jnp.bfloat16, None),      # groups of 3: one 24-channel slab
+    ((2, 2000, 128), 2, jnp.bfloat16, "silu"),   # 64-channel slabs
+    ((2, 2000, 128), 2, jnp.bfloat16, "gelu"),
+    ((1, 3000, 64), 1, jnp.float16, None),       # the most positions of a 64-channel slab, nearly
+    ((1, 4900, 40), 4, jnp.float16, None),       # of a 40-channel slab, nearly (with the scratch)
+], ids=["sd-40ch-silu", "40ch", "48ch-silu", "24ch", "64ch-silu", "64ch-gelu", "64ch-most", "40ch-most"])
+def test_cluster_backward(shape, groups, dtype, activation, rng):
+    """Samples whose slab is too long for the on-chip backward's ring (more than 17 chunks of 8 KiB):
+    on an sm_90 GPU the cluster backward (x and dy held by a cluster's 8 CTAs, up to 112 KiB each);
+    dx, dscale and dbias against the reference."""
+    x = normal(rng, shape, dtype, loc=2.0, scale=3.0)
+    scale, bias = _params(rng, shape[-1])
+    _check(x, groups, scale, bias, normal(rng, shape, dtype), dtype, activation=activation)
 
 
 def test_matches_flax_group_norm_math(rng):

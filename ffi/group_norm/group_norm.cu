@@ -12,15 +12,17 @@
 // the chunks and the group's channels in a fixed order and writes mean/rstd; Normalize reads x again
 // and writes y. HBM traffic: x twice + y, plus the workspace (2 * 4 * C bytes per (n, p)).
 // Backward: where a sample's slab of groups fits in shared memory on a GPU with TMA, the on-chip
-// kernel of group_norm_sm90.cu (x and dy read once; it leaves per-sample channel sums for SumParts).
-// Otherwise 4 launches: BwdChannelSums reads x and dy and writes per-(n, p) channel sums of
-// d * xhat and d (d = dy * act'); ReduceGroups turns them into the per-(n, g) sums of g * xhat and
-// g (g = d * scale) that dx needs; SumParts reduces them over (n, p) into dscale/dbias; Dx reads x
-// and dy again and writes dx. Traffic: x and dy twice + dx. All reductions run in a fixed order,
-// so every result has the same bits on every run. ReduceGroups, Normalize, SumParts and the on-chip
-// backward are launched early (LaunchEarly: their launch overlaps the end of the kernel before them;
-// Normalize issues its first loads of x before it waits for the statistics). scale and bias are
-// float32 or x's dtype (Param), and dscale and dbias are stored in theirs.
+// kernel of group_norm_sm90.cu (x and dy read once; it leaves per-sample channel sums for SumParts);
+// else, for 16-bit x whose slab's positions fit in a cluster's shared memory, its cluster backward
+// (the same, x and dy held by 8 CTAs). Otherwise 4 launches: BwdChannelSums reads x and dy and writes
+// per-(n, p) channel sums of d * xhat and d (d = dy * act'); ReduceGroups turns them into the
+// per-(n, g) sums of g * xhat and g (g = d * scale) that dx needs; SumParts reduces them over (n, p)
+// into dscale/dbias; Dx reads x and dy again and writes dx. Traffic: x and dy twice + dx. All
+// reductions run in a fixed order, so every result has the same bits on every run. ReduceGroups,
+// Normalize, SumParts and the on-chip backward are launched early (LaunchEarly: their launch overlaps
+// the end of the kernel before them; Normalize issues its first loads of x before it waits for the
+// statistics). scale and bias are float32 or x's dtype (Param), and dscale and dbias are stored in
+// theirs.
 //
 // Normalize and Dx visit the blocks in reverse order: what the sums pass read last (its last wave's
 // blocks) is the part of x (and dy) still in L2 when the second pass starts. The forward's grids run
@@ -566,9 +568,14 @@ ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
     float* sums = group_sums->typed_data();
     const bool aligned = Aligned16(dyp) && Aligned16(xp) && Aligned16(dxp);
     const Param<T> scale_p = ParamOf<T>(scale), bias_p = ParamOf<T>(bias);
-    if (auto status = OnChipBackward<T>(stream, shape, aligned, dyp, xp, scale_p, bias_p,
-                                        mean.typed_data(), rstd.typed_data(), activation, activation_param, dxp, ws,
-                                        sums)) {
+    std::optional<ffi::Error> status = OnChipBackward<T>(stream, shape, aligned, dyp, xp, scale_p, bias_p,
+                                                         mean.typed_data(), rstd.typed_data(), activation,
+                                                         activation_param, dxp, ws, sums);
+    if (!status) {
+      status = ClusterBackward<T>(stream, shape, aligned, dyp, xp, scale_p, bias_p, mean.typed_data(),
+                                  rstd.typed_data(), activation, activation_param, dxp, ws, sums);
+    }
+    if (status) {
       JAXDNN_RETURN_IF_ERROR(std::move(*status));
       return LaunchSumParts<T>(stream, ws, shape.batch, shape.channels, dscale, dbias);
     }

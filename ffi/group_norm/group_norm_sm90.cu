@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <numeric>
 #include <type_traits>
 
 #include "common/activation.h"
@@ -373,25 +374,62 @@ __global__ void __launch_bounds__(kThreads, 1)
 // exchange of the sums and then of the centred squares, the forward took 51 us, 68 with silu, where
 // this one takes 49 and 58 (H200, 2026-11-30, N16 64x64 C512 G32 bf16). Persistent clusters, which
 // loaded their next item while reducing this one, lost: 70 us with two buffers (one CTA an SM), 49
-// with one.
+// with one. Slabs narrower than 64 channels (groups that do not tile them) lost to the two passes
+// on Stable Diffusion's levels (8 x 40-channel slabs of 64x64 positions: 27.6 us against 26.7;
+// 16x16: 33 against 22), as did one CTA an SM with up to 200 KiB (2 x 128x128 x 320: 37 us against
+// 28): the forward takes 64-channel slabs in up to 112 KiB a CTA.
 
-constexpr int kClusterBlocks = 8;                    // a portable cluster size
-constexpr int kFwdThreads = 256;
-constexpr int kSlabChannels = 64;                    // a 128-byte row a position
-constexpr int kRowPacks = kSlabChannels / 8;         // its 16-byte packs
-constexpr int kRowStep = kFwdThreads / kRowPacks;    // rows the block covers at once: 32
-constexpr int kMaxHeldRows = 896;                    // positions a CTA holds: 112 KiB, two CTAs an SM
+constexpr int kClusterBlocks = 8;      // a portable cluster size
+constexpr int kClusterThreads = 256;
+constexpr int kMaxClusterSlab = 64;    // a slab's channels: a 128-byte row a position
+constexpr int kMaxHeldBytes = 112 * 1024;  // a CTA's rows (and scratch): two CTAs an SM
+constexpr size_t kScratchBytes = 2 * kClusterThreads * 8 * sizeof(float);  // BlockChannelSums'
 
 struct ClusterPlan {
   int64_t spatial, channels, groups;  // S, C, G
-  int group_size;                     // K, a divisor of 64
-  int slabs;                          // C / 64
+  int group_size;                     // K, a divisor of the slab
+  int slab;                           // W: channels an item covers, a multiple of 8 up to 64
+  int slabs;                          // C / W
   float epsilon;
 };
 
-// This CTA's per-group sums of `acc` (thread t's 8 channels (t % 8) 8 .. + 7 of the slab), over its
-// threads in a fixed order, into out[g] for the slab's 64 / K groups g.
-__device__ __forceinline__ void BlockGroupSums(float (&acc)[8], int group_size, float (*warp_part)[kSlabChannels],
+// A thread's part of the CTA's rows: 16-byte pack `pack` (channels 8 pack .. + 7 of the slab) of
+// rows row0, row0 + row_step, ... below `rows` (none for the threads past packs x row_step).
+// kPacks: the packs a row, 8 (64 channels) or 0 (W / 8, read at run time).
+template <int kPacks>
+struct SlabPart {
+  int packs, row_step, pack, row0;
+  __device__ __forceinline__ explicit SlabPart(int slab) : packs(kPacks ? kPacks : slab / 8) {
+    row_step = kClusterThreads / packs;
+    pack = int(threadIdx.x) % packs;
+    row0 = int(threadIdx.x) / packs;
+  }
+  __device__ __forceinline__ int RowsOf(int rows) const { return row0 < row_step ? rows : 0; }
+};
+
+// A CTA's share of its cluster's item (a sample's slab): its rank's eighth of sample n's positions,
+// channels from slab_channel0; `rows` are the thread's (see SlabPart), `first` its row 0 (its pack)
+// in x, y, dy and dx.
+struct ClusterShare {
+  int rank, rows;
+  int64_t n, slab_channel0, channel0, first;
+
+  template <int kPacks>
+  __device__ __forceinline__ ClusterShare(const ClusterPlan& p, const SlabPart<kPacks>& part, int slab) {
+    rank = int(blockIdx.x % kClusterBlocks);  // the CTA's rank in its (1-D) cluster
+    const int64_t item = blockIdx.x / kClusterBlocks;
+    n = item / p.slabs;
+    slab_channel0 = item % p.slabs * slab;
+    const int64_t begin = p.spatial * rank / kClusterBlocks;
+    rows = part.RowsOf(int(p.spatial * (rank + 1) / kClusterBlocks - begin));
+    channel0 = slab_channel0 + part.pack * 8;
+    first = (n * p.spatial + begin) * p.channels + channel0;
+  }
+};
+
+// The 64-channel slab's per-group sums of `acc` (thread t's 8 channels (t % 8) 8 .. + 7 of the slab),
+// over its threads in a fixed order, into out[g] for the slab's 64 / K groups g.
+__device__ __forceinline__ void BlockGroupSums(float (&acc)[8], int group_size, float (*warp_part)[kMaxClusterSlab],
                                                float* channel_sum, float* out) {
 #pragma unroll
   for (int k = 0; k < 8; ++k) {  // lanes of one pack: lane % 8
@@ -399,23 +437,47 @@ __device__ __forceinline__ void BlockGroupSums(float (&acc)[8], int group_size, 
     acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], 16);
   }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane < kRowPacks) {
+  if (lane < 8) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) warp_part[warp][lane * 8 + k] = acc[k];
   }
   __syncthreads();
-  if (threadIdx.x < kSlabChannels) {
+  if (threadIdx.x < kMaxClusterSlab) {
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kFwdThreads / 32; ++w) sum += warp_part[w][threadIdx.x];
+    for (int w = 0; w < kClusterThreads / 32; ++w) sum += warp_part[w][threadIdx.x];
     channel_sum[threadIdx.x] = sum;
   }
   __syncthreads();
-  if (threadIdx.x < kSlabChannels / group_size) {
+  if (threadIdx.x < kMaxClusterSlab / group_size) {
     float sum = 0.f;
     for (int c = 0; c < group_size; ++c) sum += channel_sum[threadIdx.x * group_size + c];
     out[threadIdx.x] = sum;
   }
+}
+
+// Any slab's per-channel sums of two values over the CTA's threads (a[k], b[k] of channel 8 pack + k),
+// into channel_sum[0][c] and [1][c]: the threads' values through `scratch` ([2][kClusterThreads][8]
+// floats), each channel's added in row order by one thread. (The rows of a warp do not line up with
+// the packs of a row, which the 64-channel slab's shuffles need.) Ends with a __syncthreads.
+__device__ __forceinline__ void BlockChannelSums(const float (&a)[8], const float (&b)[8], const SlabPart<0>& part,
+                                                 int slab, float* scratch, float (*channel_sum)[kMaxClusterSlab]) {
+  float4* mine_a = reinterpret_cast<float4*>(scratch) + threadIdx.x * 2;
+  float4* mine_b = mine_a + kClusterThreads * 2;
+  mine_a[0] = make_float4(a[0], a[1], a[2], a[3]);
+  mine_a[1] = make_float4(a[4], a[5], a[6], a[7]);
+  mine_b[0] = make_float4(b[0], b[1], b[2], b[3]);
+  mine_b[1] = make_float4(b[4], b[5], b[6], b[7]);
+  __syncthreads();
+  if (threadIdx.x < 2 * slab) {
+    const int value = threadIdx.x / slab, c = threadIdx.x % slab;
+    const float* column = scratch + value * kClusterThreads * 8 + c;  // thread (row r, pack c / 8): r * slab
+    float total = 0.f;
+#pragma unroll 4
+    for (int r = 0; r < part.row_step; ++r) total += column[r * slab];
+    channel_sum[value][c] = total;
+  }
+  __syncthreads();
 }
 
 // The sum over the cluster's CTAs, in rank order, of their `part` (the same shared-memory variable
@@ -435,39 +497,37 @@ __device__ __forceinline__ float ClusterTotal(const float* part) {
 }
 
 template <typename T, bool kAct>
-__global__ void __launch_bounds__(kFwdThreads, 3)
+__global__ void __launch_bounds__(kClusterThreads, 3)
     ClusterFwdKernel(const T* __restrict__ x, Param<T> scale, Param<T> bias, T* __restrict__ y,
                      float* __restrict__ mean_out, float* __restrict__ rstd_out, ClusterPlan p, int64_t activation,
                      float activation_param) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Vec = Pack<T, 8>;
   extern __shared__ uint4 held_raw[];
-  Vec* held = reinterpret_cast<Vec*>(held_raw);  // [rows][kRowPacks]: this CTA's positions of the slab
-  __shared__ float warp_part[kFwdThreads / 32][kSlabChannels];
-  __shared__ float channel_sum[kSlabChannels];
-  __shared__ float group_part[2][kSlabChannels];  // read by the cluster: shifted sums, squares
-  __shared__ float channel_stats[2][kSlabChannels];  // mean, rstd of each channel's group
-  const int rank = int(blockIdx.x % kClusterBlocks);  // the CTA's rank in its (1-D) cluster
-  const int64_t item = blockIdx.x / kClusterBlocks;
-  const int64_t n = item / p.slabs;
-  const int slab = int(item % p.slabs);
-  const int64_t begin = p.spatial * rank / kClusterBlocks;
-  const int rows = int(p.spatial * (rank + 1) / kClusterBlocks - begin);
-  const int pack = threadIdx.x % kRowPacks, row0 = threadIdx.x / kRowPacks;
-  const int64_t channel0 = int64_t(slab) * kSlabChannels + pack * 8;
-  const int64_t first = (n * p.spatial + begin) * p.channels + channel0;  // this thread's row 0
-  for (int r = row0; r < rows; r += kRowStep) CpAsync16(&held[r * kRowPacks + pack], x + first + r * p.channels);
+  Vec* held = reinterpret_cast<Vec*>(held_raw);  // [rows][packs]: this CTA's positions of the slab
+  __shared__ float warp_part[kClusterThreads / 32][kMaxClusterSlab];
+  __shared__ float channel_sum[kMaxClusterSlab];
+  __shared__ float group_part[2][kMaxClusterSlab];  // read by the cluster: shifted sums, squares
+  __shared__ float channel_stats[2][kMaxClusterSlab];  // mean, rstd of each channel's group
+  constexpr int slab = kMaxClusterSlab;
+  const SlabPart<slab / 8> part(slab);
+  const ClusterShare share(p, part, slab);
+  const int rank = share.rank, rows = share.rows;
+  const int64_t n = share.n, slab_channel0 = share.slab_channel0, channel0 = share.channel0, first = share.first;
+  for (int r = part.row0; r < rows; r += part.row_step) {
+    CpAsync16(&held[r * part.packs + part.pack], x + first + r * p.channels);
+  }
   CpAsyncCommit();
 
   // The sums are about each group's first element (x at position 0), as group_norm.cu's two passes
   // take them (GroupMoments): one exchange gives both moments.
-  const T* x_item = x + n * p.spatial * p.channels + int64_t(slab) * kSlabChannels;
+  const T* x_item = x + n * p.spatial * p.channels + slab_channel0;
   float shift[8], sum[8] = {}, squares[8] = {};
 #pragma unroll
-  for (int k = 0; k < 8; ++k) shift[k] = ToFloat(x_item[(pack * 8 + k) / p.group_size * p.group_size]);
+  for (int k = 0; k < 8; ++k) shift[k] = ToFloat(x_item[(part.pack * 8 + k) / p.group_size * p.group_size]);
   CpAsyncWait<0>();  // this thread's own copies: each thread reads only the packs it copied
-  for (int r = row0; r < rows; r += kRowStep) {
-    const Vec v = held[r * kRowPacks + pack];
+  for (int r = part.row0; r < rows; r += part.row_step) {
+    const Vec v = held[r * part.packs + part.pack];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const float d = ToFloat(v.v[k]) - shift[k];
@@ -479,7 +539,7 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
   BlockGroupSums(squares, p.group_size, warp_part, channel_sum, group_part[1]);
   sm90::ClusterArrive();
   sm90::ClusterWait();  // every CTA's group_part
-  if (threadIdx.x < kSlabChannels) {
+  if (threadIdx.x < slab) {
     const int g = threadIdx.x / p.group_size;
     float group_mean, group_rstd;
     GroupMoments(ClusterTotal(&group_part[0][g]), ClusterTotal(&group_part[1][g]), ToFloat(x_item[g * p.group_size]),
@@ -487,7 +547,7 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
     channel_stats[0][threadIdx.x] = group_mean;
     channel_stats[1][threadIdx.x] = group_rstd;
     if (rank == 0 && threadIdx.x % p.group_size == 0) {
-      const int64_t index = n * p.groups + (int64_t(slab) * kSlabChannels + threadIdx.x) / p.group_size;
+      const int64_t index = n * p.groups + (slab_channel0 + threadIdx.x) / p.group_size;
       mean_out[index] = group_mean;
       rstd_out[index] = group_rstd;
     }
@@ -497,12 +557,12 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
   float mean[8], a[8], b[8];  // pre-activation = (x - mean) a + b
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
-    mean[k] = channel_stats[0][pack * 8 + k];
-    a[k] = channel_stats[1][pack * 8 + k] * scale[channel0 + k];
+    mean[k] = channel_stats[0][part.pack * 8 + k];
+    a[k] = channel_stats[1][part.pack * 8 + k] * scale[channel0 + k];
     b[k] = bias[channel0 + k];
   }
-  for (int r = row0; r < rows; r += kRowStep) {
-    const Vec v = held[r * kRowPacks + pack];
+  for (int r = part.row0; r < rows; r += part.row_step) {
+    const Vec v = held[r * part.packs + part.pack];
     float pre[8];
     Vec out;
 #pragma unroll
@@ -513,6 +573,115 @@ __global__ void __launch_bounds__(kFwdThreads, 3)
     StoreWords(y + first + r * p.channels, out);
   }
   sm90::ClusterWait();  // no CTA exits while another may still read its group_part
+#endif
+}
+
+// The cluster backward (see group_norm_sm90.h): the forward's clusters on any slab (SlabChannels),
+// each CTA holding its positions of x and dy (all copies issued at once), so that x and dy are read
+// from HBM once, for the problems the on-chip backward does not take (a sample's slab too long for
+// its ring). With xhat = (x - mean) rstd, d = dy act'(xhat scale + bias), g = d scale:
+//   dx = rstd (g - mean(g) - xhat mean(g xhat)) per (n, group);
+// the cluster exchanges its CTAs' per-channel sums of d xhat and d once (rank order), which give the
+// sample's workspace row (for SumParts: dscale, dbias) and the group sums of g xhat and g.
+template <typename T, bool kAct>
+__global__ void __launch_bounds__(kClusterThreads, 2)
+    ClusterBwdKernel(const T* __restrict__ dy, const T* __restrict__ x, Param<T> scale, Param<T> bias,
+                     const float* __restrict__ mean_in, const float* __restrict__ rstd_in, T* __restrict__ dx,
+                     float* __restrict__ workspace, float* __restrict__ group_sums, ClusterPlan p,
+                     int64_t activation, float activation_param) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Vec = Pack<T, 8>;
+  extern __shared__ uint4 held_raw[];
+  __shared__ float channel_sum[2][kMaxClusterSlab];    // this CTA's, read by the cluster: d xhat, d
+  __shared__ float channel_total[2][kMaxClusterSlab];  // the cluster's
+  __shared__ float group_total[2][kMaxClusterSlab];    // g xhat, g
+  const SlabPart<0> part(p.slab);
+  const int slab = p.slab;
+  const ClusterShare share(p, part, slab);
+  const int most_rows = int((p.spatial + kClusterBlocks - 1) / kClusterBlocks);
+  Vec* held_x = reinterpret_cast<Vec*>(held_raw);  // [rows][packs]: this CTA's positions of the slab
+  Vec* held_dy = held_x + most_rows * part.packs;
+  float* scratch = reinterpret_cast<float*>(held_dy + most_rows * part.packs);
+  for (int r = part.row0; r < share.rows; r += part.row_step) {
+    CpAsync16(&held_x[r * part.packs + part.pack], x + share.first + r * p.channels);
+    CpAsync16(&held_dy[r * part.packs + part.pack], dy + share.first + r * p.channels);
+  }
+  CpAsyncCommit();
+
+  const int64_t group0 = share.n * p.groups + share.slab_channel0 / p.group_size;  // the slab's first
+  float mean[8], rstd[8], gamma[8], beta[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int64_t g = group0 + (part.pack * 8 + k) / p.group_size;
+    mean[k] = mean_in[g];
+    rstd[k] = rstd_in[g];
+    gamma[k] = scale[share.channel0 + k];
+    beta[k] = bias[share.channel0 + k];
+  }
+  // xhat and d of the thread's channels at held row r.
+  auto grad_in = [&](int r, float (&xhat)[8], float (&d)[8]) {
+    const Vec xv = held_x[r * part.packs + part.pack], dyv = held_dy[r * part.packs + part.pack];
+    float pre[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      xhat[k] = (ToFloat(xv.v[k]) - mean[k]) * rstd[k];
+      d[k] = ToFloat(dyv.v[k]);
+      pre[k] = xhat[k] * gamma[k] + beta[k];
+    }
+    if constexpr (kAct) ActivateGradKindN(activation, pre, d, activation_param);
+  };
+  CpAsyncWait<0>();  // this thread's own copies: each thread reads only the packs it copied
+  float d_xhat[8] = {}, d_sum[8] = {};
+  for (int r = part.row0; r < share.rows; r += part.row_step) {
+    float xhat[8], d[8];
+    grad_in(r, xhat, d);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      d_xhat[k] += d[k] * xhat[k];
+      d_sum[k] += d[k];
+    }
+  }
+  BlockChannelSums(d_xhat, d_sum, part, slab, scratch, channel_sum);
+  sm90::ClusterArrive();
+  sm90::ClusterWait();  // every CTA's channel_sum
+  if (threadIdx.x < 2 * slab) {
+    const int value = threadIdx.x / slab, c = threadIdx.x % slab;
+    const float total = ClusterTotal(&channel_sum[value][c]);
+    channel_total[value][c] = total;
+    if (share.rank == 0) workspace[(share.n * 2 + value) * p.channels + share.slab_channel0 + c] = total;
+  }
+  sm90::ClusterArrive();  // this CTA's reads of the others' channel_sum are done (waited for at the end)
+  __syncthreads();
+  const int groups = slab / p.group_size;
+  if (threadIdx.x < 2 * groups) {
+    const int value = threadIdx.x / groups, g = threadIdx.x % groups;
+    float total = 0.f;
+    for (int c = g * p.group_size; c < (g + 1) * p.group_size; ++c) {
+      total += scale[share.slab_channel0 + c] * channel_total[value][c];
+    }
+    group_total[value][g] = total;
+    if (share.rank == 0) group_sums[2 * (group0 + g) + value] = total;
+  }
+  __syncthreads();
+  const float count = float(p.spatial * p.group_size);
+  float mean_g_xhat[8], mean_g[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int g = (part.pack * 8 + k) / p.group_size;
+    mean_g_xhat[k] = group_total[0][g] / count;
+    mean_g[k] = group_total[1][g] / count;
+  }
+  for (int r = part.row0; r < share.rows; r += part.row_step) {
+    float xhat[8], d[8];
+    grad_in(r, xhat, d);
+    Vec out;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      out.v[k] = FromFloat<T>(rstd[k] * (gamma[k] * d[k] - mean_g[k] - xhat[k] * mean_g_xhat[k]));
+    }
+    StoreWords(dx + share.first + r * p.channels, out);
+  }
+  sm90::ClusterWait();  // no CTA exits while another may still read its channel_sum
 #endif
 }
 
@@ -542,6 +711,54 @@ CUresult MakeMap(CUtensorMap* map, const T* data, const GroupNormShape& s, const
 
 // Dynamic shared memory: the two rings, and 1024 bytes to align them.
 constexpr size_t kDynamicShared = size_t(kXSlots + kDySlots) * kSlotBytes + 1024;
+
+// The cluster kernels' slab: 64 channels where the groups tile them (the forward's only slab, for its
+// shuffle reduction), else the widest multiple of 8 channels and of K, up to 64, that divides C (the
+// backward's); 0 where none does.
+int SlabChannels(const GroupNormShape& s) {
+  if (s.channels % kMaxClusterSlab == 0 && kMaxClusterSlab % s.group_size == 0) return kMaxClusterSlab;
+  const int64_t unit = std::lcm<int64_t>(s.group_size, 8);
+  for (int64_t slab = kMaxClusterSlab / unit * unit; slab >= unit; slab -= unit) {
+    if (s.channels % slab == 0) return int(slab);
+  }
+  return 0;
+}
+
+// The cluster kernels' plan for 16-bit x, and their dynamic shared memory: `arrays` arrays (x; x and
+// dy) of a CTA's positions of the slab, and BlockChannelSums' scratch where `scratch`; false
+// for the problems they do not take.
+bool MakeClusterPlan(const GroupNormShape& shape, float epsilon, int arrays, bool scratch, ClusterPlan* plan,
+                     size_t* smem) {
+  const int slab = SlabChannels(shape);
+  if (slab == 0 || shape.batch < 1 || shape.spatial < kClusterBlocks || !Sm90OrLater() ||
+      shape.batch * (shape.channels / slab) * kClusterBlocks > INT_MAX) {
+    return false;
+  }
+  const int64_t rows = (shape.spatial + kClusterBlocks - 1) / kClusterBlocks;
+  *smem = size_t(arrays * rows * slab * 2) + (scratch ? kScratchBytes : 0);
+  *plan = {shape.spatial, shape.channels, shape.groups, int(shape.group_size), slab, int(shape.channels / slab),
+           epsilon};
+  return *smem <= size_t(kMaxHeldBytes);
+}
+
+// Launches `kernel` in clusters of kClusterBlocks CTAs, one a (sample, slab); nothing (and no error)
+// where the GPU cannot hold a cluster of them.
+template <typename Kernel, typename... Args>
+std::optional<ffi::Error> LaunchClusters(Kernel kernel, const ClusterPlan& plan, int64_t batch, size_t smem,
+                                         cudaStream_t stream, const char* what, Args... args) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess) {
+    cudaGetLastError();
+    return std::nullopt;
+  }
+  const ClusterLaunch launch(kClusterBlocks, dim3(unsigned(batch * plan.slabs * kClusterBlocks)),
+                             dim3(kClusterThreads), smem, stream);
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config) != cudaSuccess || clusters < 1) {
+    cudaGetLastError();  // the query's error, if any, is not the call's
+    return std::nullopt;
+  }
+  return CudaError(cudaLaunchKernelEx(&launch.config, kernel, args...), what);
+}
 
 }  // namespace
 
@@ -578,31 +795,33 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
   if constexpr (sizeof(T) != 2) {
     return std::nullopt;
   } else {
-    const int64_t rows = (shape.spatial + kClusterBlocks - 1) / kClusterBlocks;
-    if (!aligned || shape.batch < 1 || shape.spatial < kClusterBlocks || rows > kMaxHeldRows ||
-        shape.channels % kSlabChannels != 0 || kSlabChannels % shape.group_size != 0 ||
-        shape.batch * (shape.channels / kSlabChannels) * kClusterBlocks > INT_MAX || !Sm90OrLater()) {
+    ClusterPlan plan;
+    size_t smem;
+    if (!aligned || SlabChannels(shape) != kMaxClusterSlab || !MakeClusterPlan(shape, epsilon, 1, false, &plan, &smem)) {
       return std::nullopt;
     }
-    const ClusterPlan plan{shape.spatial, shape.channels, shape.groups, int(shape.group_size),
-                           int(shape.channels / kSlabChannels), epsilon};
-    const size_t smem = size_t(rows) * kSlabChannels * sizeof(T);
     const auto kernel = activation != int64_t(Activation::kIdentity) ? ClusterFwdKernel<T, true>
                                                                       : ClusterFwdKernel<T, false>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess) {
-      cudaGetLastError();
-      return std::nullopt;
-    }
-    const ClusterLaunch launch(kClusterBlocks, dim3(unsigned(shape.batch * plan.slabs * kClusterBlocks)),
-                               dim3(kFwdThreads), smem, stream);
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config) != cudaSuccess || clusters < 1) {
-      cudaGetLastError();  // the query's error, if any, is not the call's
-      return std::nullopt;
-    }
-    return CudaError(cudaLaunchKernelEx(&launch.config, kernel, x, scale, bias, y, mean, rstd, plan, activation,
-                                        activation_param),
-                     "group_norm forward (cluster)");
+    return LaunchClusters(kernel, plan, shape.batch, smem, stream, "group_norm forward (cluster)", x, scale, bias, y,
+                          mean, rstd, plan, activation, activation_param);
+  }
+}
+
+template <typename T>
+std::optional<ffi::Error> ClusterBackward(cudaStream_t stream, const GroupNormShape& shape, bool aligned, const T* dy,
+                                          const T* x, Param<T> scale, Param<T> bias, const float* mean,
+                                          const float* rstd, int64_t activation, float activation_param, T* dx,
+                                          float* workspace, float* group_sums) {
+  if constexpr (sizeof(T) != 2) {
+    return std::nullopt;
+  } else {
+    ClusterPlan plan;
+    size_t smem;
+    if (!aligned || !MakeClusterPlan(shape, 0.f, 2, true, &plan, &smem)) return std::nullopt;
+    const auto kernel = activation != int64_t(Activation::kIdentity) ? ClusterBwdKernel<T, true>
+                                                                      : ClusterBwdKernel<T, false>;
+    return LaunchClusters(kernel, plan, shape.batch, smem, stream, "group_norm backward (cluster)", dy, x, scale,
+                          bias, mean, rstd, dx, workspace, group_sums, plan, activation, activation_param);
   }
 }
 
@@ -612,7 +831,10 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
                                                        float*);                                                      \
   template std::optional<ffi::Error> OnChipBackward<T>(cudaStream_t, const GroupNormShape&, bool, const T*, const T*, \
                                                        Param<T>, Param<T>, const float*, const float*,               \
-                                                       int64_t, float, T*, float*, float*);
+                                                       int64_t, float, T*, float*, float*);                          \
+  template std::optional<ffi::Error> ClusterBackward<T>(cudaStream_t, const GroupNormShape&, bool, const T*,         \
+                                                        const T*, Param<T>, Param<T>, const float*, const float*,    \
+                                                        int64_t, float, T*, float*, float*);
 JAXDNN_INSTANTIATE(float)
 JAXDNN_INSTANTIATE(__nv_bfloat16)
 JAXDNN_INSTANTIATE(__half)
