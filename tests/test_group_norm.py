@@ -25,6 +25,8 @@ FWD_TARGET, BWD_TARGET = "jaxdnn_group_norm_fwd_v1", "jaxdnn_group_norm_bwd_v1"
 # memory, an item of 11 chunks (the last of 40 positions), one of 16 (a full ring but one slot),
 # and one too long for it (24 chunks: the two-pass kernels in float32, the cluster backward in
 # 16 bits).
+# On a GPU the two-pass kernels split the channels into tiles where samples x chunks make fewer than
+# 512 blocks, as in most of these cases (tiles of 8 lanes and more, the last one's lanes past C idle).
 # The 16-bit forward runs on the cluster kernel (group_norm_sm90.cu) where C is a multiple of 64 and
 # K divides 64 (33 positions, K = 2; 8 slabs of K = 16; 4096 positions): also 63 positions of two
 # slabs of one group each, and the most positions a cluster holds (7168, instance norm).
@@ -109,6 +111,15 @@ def test_cluster_forward_most_positions(rng):
     scale, bias = _params(rng, shape[-1])
     y = jax.jit(lambda x, s, b: jaxdnn.group_norm(x, groups, s, b))(x, scale, bias)
     assert_close(y, _oracle(x, groups, scale, bias), tolerance(jnp.bfloat16), "forward")
+
+
+def test_channel_tiles(rng):
+    """Stable Diffusion's 16x16 level (few positions, 1280 channels in groups of 40): on a GPU the
+    two-pass forward in 4 tiles of 40 lanes x 6 rows, with silu and the gradients."""
+    shape = (8, 16, 16, 1280)
+    x = normal(rng, shape, jnp.bfloat16, loc=2.0, scale=3.0)
+    scale, bias = _params(rng, shape[-1])
+    _check(x, 32, scale, bias, normal(rng, shape, jnp.bfloat16), jnp.bfloat16, activation="silu")
 
 
 @pytest.mark.parametrize("shape, groups, dtype, activation", [
