@@ -70,8 +70,9 @@ Tiling MakeTiling(const GroupNormShape& shape, bool aligned) {
   const int64_t vectors = shape.channels / t.vec;
   const int64_t items = std::max<int64_t>(1, shape.batch * shape.chunks);
   const int64_t want_tiles = (kTargetBlocks + items - 1) / items;
-  const int64_t lanes = std::min<int64_t>(vectors, kThreads);
-  t.lanes = int(std::max(std::min(lanes, (vectors + want_tiles - 1) / want_tiles), std::min<int64_t>(lanes, kMinLanes)));
+  const int64_t widest = std::min<int64_t>(vectors, kThreads);
+  const int64_t lanes = std::min(widest, (vectors + want_tiles - 1) / want_tiles);
+  t.lanes = int(std::max(lanes, std::min<int64_t>(widest, kMinLanes)));
   t.rows = kThreads / t.lanes;
   t.tiles = (vectors + t.lanes - 1) / t.lanes;
   return t;

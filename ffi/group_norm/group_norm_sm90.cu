@@ -797,7 +797,8 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
   } else {
     ClusterPlan plan;
     size_t smem;
-    if (!aligned || SlabChannels(shape) != kMaxClusterSlab || !MakeClusterPlan(shape, epsilon, 1, false, &plan, &smem)) {
+    if (!aligned || SlabChannels(shape) != kMaxClusterSlab ||
+        !MakeClusterPlan(shape, epsilon, 1, false, &plan, &smem)) {
       return std::nullopt;
     }
     const auto kernel = activation != int64_t(Activation::kIdentity) ? ClusterFwdKernel<T, true>
