@@ -1,5 +1,5 @@
-// The on-chip group norm backward and the cluster forward (see group_norm_sm90.h): x (and dy) read
-// from HBM once. The backward first:
+// The on-chip group norm backward, the cluster forward and the cluster backward (see
+// group_norm_sm90.h): x (and dy) read from HBM once. The on-chip backward first:
 //
 // Work is cut into items: an item is one sample's S positions of a slab of whole groups (the
 // fewest groups whose channels make a multiple of 16 bytes: one group of 16 bf16 channels for C =
@@ -22,7 +22,8 @@
 // (group sums exchanged through distributed shared memory), which let the next item load whole
 // during this one, made both directions slower (104-151 us forward). The cluster forward kept
 // (below) is not persistent and streams nothing: a launch of one cluster an item, each CTA copying
-// its eighth of the item at once by cp.async, two or three CTAs an SM.
+// its eighth of the item at once by cp.async, two or three CTAs an SM. The cluster backward (below
+// it) does the same with x and dy, for the 16-bit slabs too long for the on-chip backward's ring.
 #include "group_norm/group_norm_sm90.h"
 
 #include <cuda.h>
