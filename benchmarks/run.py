@@ -417,6 +417,10 @@ def group_norm_cases(quick: bool) -> list[Case]:
         shapes = [((16, 64, 64, 512), True), ((8, 64, 64, 320), False), ((8, 32, 32, 640), False),
                   ((8, 16, 16, 1280), False), ((2, 128, 128, 320), False)]
     key = jax.random.key(0)
+    fn = lambda x, scale, bias: jaxdnn.group_norm(x, groups, scale, bias)
+    peer = lambda x, scale, bias: _group_norm_xla(x, scale, bias, groups)
+    silu = lambda x, scale, bias: jaxdnn.group_norm(x, groups, scale, bias, activation="silu")
+    silu_peer = lambda x, scale, bias: jax.nn.silu(_group_norm_xla(x, scale, bias, groups))
     cases = []
     for shape, every_form in shapes:
         primal_sets, dys = [], []
@@ -426,16 +430,12 @@ def group_norm_cases(quick: bool) -> list[Case]:
                                 _normal(ks, shape[-1:], dtype, mean=1.0, std=0.1),
                                 _normal(kb, shape[-1:], dtype, std=0.1)))
             dys.append(_normal(kdy, shape, dtype))
-        fn = lambda x, scale, bias: jaxdnn.group_norm(x, groups, scale, bias)
-        peer = lambda x, scale, bias: _group_norm_xla(x, scale, bias, groups)
         array_bytes = math.prod(shape) * jnp.dtype(dtype).itemsize
         param_bytes = shape[-1] * jnp.dtype(dtype).itemsize
         fwd_bytes = 2 * array_bytes + 2 * param_bytes
         name = f"group_norm N{shape[0]} HW{shape[1]}x{shape[2]} C{shape[3]} G{groups}"
         fwd_bwd_sets = [(*primals, dy) for primals, dy in zip(primal_sets, dys)]
         bwd_bytes = 3 * array_bytes + 4 * param_bytes
-        silu = lambda x, scale, bias: jaxdnn.group_norm(x, groups, scale, bias, activation="silu")
-        silu_peer = lambda x, scale, bias: jax.nn.silu(_group_norm_xla(x, scale, bias, groups))
         cases.append(Case("group_norm", f"{name} fwd", fn, "xla", peer, primal_sets, fwd_bytes, "GB/s"))
         if every_form:
             cases.append(Case("group_norm", f"{name} fwd+bwd", _fwd_bwd(fn), "xla", _fwd_bwd(peer),

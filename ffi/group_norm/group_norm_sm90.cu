@@ -798,8 +798,8 @@ std::optional<ffi::Error> ClusterForward(cudaStream_t stream, const GroupNormSha
   } else {
     ClusterPlan plan;
     size_t smem;
-    if (!aligned || SlabChannels(shape) != kMaxClusterSlab ||
-        !MakeClusterPlan(shape, epsilon, 1, false, &plan, &smem)) {
+    // 64-channel slabs alone: the forward's reduction is shuffles over whole 128-byte rows.
+    if (!aligned || !MakeClusterPlan(shape, epsilon, 1, false, &plan, &smem) || plan.slab != kMaxClusterSlab) {
       return std::nullopt;
     }
     const auto kernel = activation != int64_t(Activation::kIdentity) ? ClusterFwdKernel<T, true>
