@@ -484,21 +484,25 @@ def test_jacrev(rng):
         assert_close(g, e, 1e-4, "jacrev")
 
 
-def test_dropout_matches_reference_with_the_same_mask(rng):
+@pytest.mark.parametrize("broadcast", [False, True], ids=["per-head", "broadcast"])
+def test_dropout_matches_reference_with_the_same_mask(broadcast, rng):
     """The kernels' dropout mask is a hash of (seed, n, t, s) that the reference recomputes: forward
-    and VJP (q, k, v, bias) against the reference in float64 with the same seed."""
+    and VJP (q, k, v, bias) against the reference in float64 with the same seed. broadcast_dropout:
+    one seed for the batch and head 0's hash for every head, so identical rows of q, k and v across
+    the batch and the heads give identical outputs, where masks per batch element and head do not."""
     q, k, v = _inputs(rng, 2, 19, 37, 4, 2, 16)
     bias = normal(rng, (1, 4, 19, 37))
     key = jax.random.key(int(rng.integers(1 << 31)))
-    seed = jax.random.bits(key, (2, 2), jnp.uint32)
+    seed = jnp.broadcast_to(jax.random.bits(key, (1 if broadcast else 2, 2), jnp.uint32), (2, 2))
     kw = dict(is_causal=True, key_value_seq_lengths=jnp.array([37, 20], jnp.int32))
 
     def ours(q, k, v, b):
-        return jaxdnn.dot_product_attention(q, k, v, b, dropout_rate=0.3, dropout_rng=key, **kw)
+        return jaxdnn.dot_product_attention(q, k, v, b, dropout_rate=0.3, dropout_rng=key,
+                                            broadcast_dropout=broadcast, **kw)
 
     def oracle(q, k, v, b):
         return jaxdnn.reference.attention.dot_product_attention(
-            q, k, v, b, dropout_rate=0.3, dropout_seed=seed, **kw)
+            q, k, v, b, dropout_rate=0.3, dropout_seed=seed, dropout_heads=not broadcast, **kw)
 
     assert_close(ours(q, k, v, bias), oracle(f64(q), f64(k), f64(v), f64(bias)), 1e-5, "forward")
     ct = normal(rng, q.shape)
@@ -509,45 +513,17 @@ def test_dropout_matches_reference_with_the_same_mask(rng):
     undropped = jaxdnn.dot_product_attention(q, k, v, bias, **kw)
     assert rel_err(ours(q, k, v, bias), undropped) > 0.1  # dropout did something
     np.testing.assert_array_equal(ours(q, k, v, bias), ours(q, k, v, bias))  # same key, same mask
-    other = jaxdnn.dot_product_attention(q, k, v, bias, dropout_rate=0.3, dropout_rng=jax.random.key(7), **kw)
+    other = jaxdnn.dot_product_attention(q, k, v, bias, dropout_rate=0.3, dropout_rng=jax.random.key(7),
+                                         broadcast_dropout=broadcast, **kw)
     assert rel_err(other, ours(q, k, v, bias)) > 0.1
-    same_inputs = [jnp.broadcast_to(x[:1], x.shape) for x in (q, k, v)]
-    out = jaxdnn.dot_product_attention(*same_inputs, dropout_rate=0.3, dropout_rng=key)
-    assert rel_err(out[1], out[0]) > 0.1  # each batch element has a mask of its own
-
-
-def test_broadcast_dropout_one_mask(rng):
-    """broadcast_dropout=True: one [T, S] mask for every batch element and head (the hash of head 0
-    with one seed), forward and VJP against the reference in float64; identical rows of q, k and v
-    across the batch and the heads then give identical outputs, where a mask per head does not."""
-    q, k, v = _inputs(rng, 2, 19, 37, 4, 2, 16)
-    bias = normal(rng, (1, 4, 19, 37))
-    key = jax.random.key(int(rng.integers(1 << 31)))
-    seed = jnp.broadcast_to(jax.random.bits(key, (1, 2), jnp.uint32), (2, 2))
-    kw = dict(is_causal=True, key_value_seq_lengths=jnp.array([37, 20], jnp.int32))
-
-    def ours(q, k, v, b):
-        return jaxdnn.dot_product_attention(q, k, v, b, dropout_rate=0.3, dropout_rng=key,
-                                            broadcast_dropout=True, **kw)
-
-    def oracle(q, k, v, b):
-        return jaxdnn.reference.attention.dot_product_attention(
-            q, k, v, b, dropout_rate=0.3, dropout_seed=seed, dropout_heads=False, **kw)
-
-    assert_close(ours(q, k, v, bias), oracle(f64(q), f64(k), f64(v), f64(bias)), 1e-5, "forward")
-    ct = normal(rng, q.shape)
-    got = vjp(ours, [q, k, v, bias], ct)
-    want = vjp(oracle, [f64(q), f64(k), f64(v), f64(bias)], f64(ct))
-    for name, g, e in zip(("dq", "dk", "dv", "dbias"), got, want):
-        assert_close(g, e, 1e-4, name)
-    assert rel_err(ours(q, k, v, bias), jaxdnn.dot_product_attention(q, k, v, bias, **kw)) > 0.1
 
     q1, k1 = normal(rng, (1, 19, 1, 16)), normal(rng, (1, 37, 1, 16))
     same = [jnp.broadcast_to(x, (2, x.shape[1], 4, 16)) for x in (q1, k1, k1)]  # every b, n alike
-    shared = jaxdnn.dot_product_attention(*same, dropout_rate=0.3, dropout_rng=key, broadcast_dropout=True)
-    np.testing.assert_array_equal(shared, jnp.broadcast_to(shared[:1, :, :1], shared.shape))
-    per_head = jaxdnn.dot_product_attention(*same, dropout_rate=0.3, dropout_rng=key)
-    assert rel_err(per_head[:, :, 1], per_head[:, :, 0]) > 0.1 and rel_err(per_head[1], per_head[0]) > 0.1
+    out = jaxdnn.dot_product_attention(*same, dropout_rate=0.3, dropout_rng=key, broadcast_dropout=broadcast)
+    if broadcast:
+        np.testing.assert_array_equal(out, jnp.broadcast_to(out[:1, :, :1], out.shape))
+    else:
+        assert rel_err(out[:, :, 1], out[:, :, 0]) > 0.1 and rel_err(out[1], out[0]) > 0.1
 
 
 def _reference(q, k, v, bias, mask, **kw):
