@@ -99,11 +99,11 @@ def _stage_primitive(stage: str, optional_specs: tuple, bias_grad: bool):
     opt = ", ".join(optional_specs)
     if stage == "fwd":
         rule = f"{q}, {kv}, {kv}, {opt} -> {q}, {stat}"
-        return ffi_primitive("jaxdnn_attention_fwd", "jaxdnn_attention_fwd_v1", result_avals=_fwd_avals,
+        return ffi_primitive("jaxdnn_attention_fwd", "jaxdnn_attention_fwd_v2", result_avals=_fwd_avals,
                              sharding_rule=rule, batch_rule=_batch_rule)
     dbias = "... n t s" if bias_grad else "zb"
     rule = f"{q}, {q}, {kv}, {kv}, {q}, {stat}, {opt} -> {q}, {kv}, {kv}, {dbias}"
-    return ffi_primitive("jaxdnn_attention_bwd", "jaxdnn_attention_bwd_v2", result_avals=_bwd_avals,
+    return ffi_primitive("jaxdnn_attention_bwd", "jaxdnn_attention_bwd_v3", result_avals=_bwd_avals,
                          sharding_rule=rule, batch_rule=_batch_rule, scratch_results=3,
                          host_attrs=("deterministic",))
 
@@ -158,7 +158,8 @@ def _attrs(options: AttentionOptions, optional):
         window_left=np.int64(-1 if options.window_left is None else options.window_left),
         window_right=np.int64(-1 if options.window_right is None else options.window_right),
         present=np.int64(present),
-        dropout_keep=np.int64(options.dropout_keep))
+        dropout_keep=np.int64(options.dropout_keep),
+        dropout_heads=np.int64(options.dropout_heads))
 
 
 def _operands(q, optional):
@@ -312,7 +313,8 @@ def _static_number(name, value):
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                           query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                           implementation=None, return_residual=False, q_segment_ids=None,
-                          kv_segment_ids=None, logits_soft_cap=None, dropout_rate=0.0, dropout_rng=None):
+                          kv_segment_ids=None, logits_soft_cap=None, dropout_rate=0.0, dropout_rng=None,
+                          broadcast_dropout=False):
     """Scaled dot-product attention, as `jax.nn.dot_product_attention`, on jaxdnn's fused kernels.
 
     softmax(scale q.k^T + bias) v per query head, with memory linear in T and S (the [B, N, T, S]
@@ -343,6 +345,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       dropout_rng: a `jax.random` key, required when dropout_rate > 0. The mask is a hash of two
         words per batch element drawn from it and of (head, query, key): the same key gives the
         same mask, in the backward too (which regenerates it rather than storing it).
+      broadcast_dropout: False: a mask per batch element and head; True: one [T, S] mask shared by
+        every batch element and head (Flax's `broadcast_dropout=True`, its default).
 
     Every masking option combines with the others. A query row with no key left to attend gives
     0 (jax.nn's "xla" path instead averages every value there, and reports a finite logsumexp where
@@ -425,16 +429,21 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     rate = _static_number("dropout_rate", dropout_rate)
     if not 0.0 <= rate < 1.0:
         raise ValueError(_WHO + f"dropout_rate must be in [0, 1), got {dropout_rate!r}")
+    if not isinstance(broadcast_dropout, (bool, np.bool_)):
+        raise TypeError(_WHO + f"broadcast_dropout must be a bool, got {broadcast_dropout!r}")
+    broadcast = bool(broadcast_dropout)
     seed = None
     if rate > 0.0:
         if dropout_rng is None:
             raise ValueError(_WHO + "dropout_rate > 0 needs a dropout_rng key")
-        # One seed per batch element (the hash leaves b out, so a shard's local b does not matter).
-        seed = jax.random.bits(dropout_rng, (b, 2), jnp.uint32)
+        # One seed per batch element (the hash leaves b out, so a shard's local b does not matter),
+        # or one for all of them.
+        seed = jax.random.bits(dropout_rng, (1 if broadcast else b, 2), jnp.uint32)
+        seed = jnp.broadcast_to(seed, (b, 2))
     options = AttentionOptions(
         scale=float(1.0 / np.sqrt(h)) if scale is None else _static_number("scale", scale),
         is_causal=bool(is_causal), window_left=left, window_right=right, logits_soft_cap=cap,
-        dropout_keep=_ref.dropout_keep(rate))
+        dropout_keep=_ref.dropout_keep(rate), dropout_heads=not broadcast)
     # The kernels read the bias as float32; its gradient comes back in its own dtype through astype.
     optional = (None if bias is None else bias.astype(_F32), mask, q_lens, kv_lens, q_seg, kv_seg, seed)
     o, lse = _per_batch_shard(lambda *args: _attention(*args, options), q, k, v, optional)

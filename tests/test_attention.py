@@ -236,7 +236,7 @@ def test_transforms(rng):
 def test_hlo_holds_the_custom_calls(rng):
     q, k, v = _inputs(rng, 1, 8, 8, 2, 2, 16)
     hlo = jax.jit(jax.grad(lambda q: jnp.sum(jaxdnn.dot_product_attention(q, k, v) * q))).lower(q).as_text()
-    assert "jaxdnn_attention_fwd_v1" in hlo and "jaxdnn_attention_bwd_v2" in hlo
+    assert "jaxdnn_attention_fwd_v2" in hlo and "jaxdnn_attention_bwd_v3" in hlo
     assert "dot_general" not in hlo  # no T x S matmul: nothing falls back to XLA's attention
 
 
@@ -336,6 +336,8 @@ BAD = [
     (lambda: (_Q, _KV, _KV), dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError,
      r"dropout_rate must be in \[0, 1\)"),
     (lambda: (_Q, _KV, _KV), dict(implementation="xla", dropout_rate=0.1), ValueError, "has no dropout"),
+    (lambda: (_Q, _KV, _KV), dict(dropout_rate=0.1, dropout_rng=jax.random.key(0), broadcast_dropout=1),
+     TypeError, "broadcast_dropout must be a bool"),
     (lambda: (_Q, _KV, _KV), dict(implementation="flash"), ValueError, "implementation must be"),
     (lambda: (_Q, _KV, _KV), dict(implementation="xla", logits_soft_cap=1.0), ValueError, "does not take"),
     (lambda: (_Q, _KV, _KV), dict(is_causal=1), TypeError, "is_causal must be a bool"),
@@ -396,16 +398,14 @@ def test_flax_attention_fn_matches_stock(rng):
     # (all leaves at once: the key projection's bias has gradient 0, by the softmax's shift invariance)
     flat = [jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)]) for t in (grads, want_grads)]
     assert_close(*flat, 1e-4, "linen grads")
-    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-    with pytest.raises(ValueError, match="broadcast_dropout=False"):
-        nn.MultiHeadDotProductAttention(num_heads=4, dropout_rate=0.1, deterministic=False,
-                                        attention_fn=jaxdnn.flax.dot_product_attention).init(rngs, x)
-    dropping = nn.MultiHeadDotProductAttention(
-        num_heads=4, qkv_features=64, dropout_rate=0.2, deterministic=False, broadcast_dropout=False,
-        attention_fn=jaxdnn.flax.dot_product_attention)
-    dropped = [dropping.apply(params, x, mask=mask, rngs={"dropout": jax.random.key(2)}) for _ in range(2)]
-    assert np.all(np.isfinite(dropped[0])) and rel_err(dropped[0], want) > 0.05
-    np.testing.assert_array_equal(*dropped)  # the same key, the same mask
+    for broadcast in (True, False):  # Flax's default: one mask for every batch element and head
+        dropping = nn.MultiHeadDotProductAttention(
+            num_heads=4, qkv_features=64, dropout_rate=0.2, deterministic=False, broadcast_dropout=broadcast,
+            attention_fn=jaxdnn.flax.dot_product_attention)
+        rngs = {"dropout": jax.random.key(2)}
+        dropped = [dropping.apply(params, x, mask=mask, rngs=rngs) for _ in range(2)]
+        assert np.all(np.isfinite(dropped[0])) and rel_err(dropped[0], want) > 0.05
+        np.testing.assert_array_equal(*dropped)  # the same key, the same mask
 
     y = normal(rng, (2, 7, 16))
     stock_nnx = nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False, rngs=nnx.Rngs(0))
@@ -484,21 +484,25 @@ def test_jacrev(rng):
         assert_close(g, e, 1e-4, "jacrev")
 
 
-def test_dropout_matches_reference_with_the_same_mask(rng):
+@pytest.mark.parametrize("broadcast", [False, True], ids=["per-head", "broadcast"])
+def test_dropout_matches_reference_with_the_same_mask(broadcast, rng):
     """The kernels' dropout mask is a hash of (seed, n, t, s) that the reference recomputes: forward
-    and VJP (q, k, v, bias) against the reference in float64 with the same seed."""
+    and VJP (q, k, v, bias) against the reference in float64 with the same seed. broadcast_dropout:
+    one seed for the batch and head 0's hash for every head, so identical rows of q, k and v across
+    the batch and the heads give identical outputs, where masks per batch element and head do not."""
     q, k, v = _inputs(rng, 2, 19, 37, 4, 2, 16)
     bias = normal(rng, (1, 4, 19, 37))
     key = jax.random.key(int(rng.integers(1 << 31)))
-    seed = jax.random.bits(key, (2, 2), jnp.uint32)
+    seed = jnp.broadcast_to(jax.random.bits(key, (1 if broadcast else 2, 2), jnp.uint32), (2, 2))
     kw = dict(is_causal=True, key_value_seq_lengths=jnp.array([37, 20], jnp.int32))
 
     def ours(q, k, v, b):
-        return jaxdnn.dot_product_attention(q, k, v, b, dropout_rate=0.3, dropout_rng=key, **kw)
+        return jaxdnn.dot_product_attention(q, k, v, b, dropout_rate=0.3, dropout_rng=key,
+                                            broadcast_dropout=broadcast, **kw)
 
     def oracle(q, k, v, b):
         return jaxdnn.reference.attention.dot_product_attention(
-            q, k, v, b, dropout_rate=0.3, dropout_seed=seed, **kw)
+            q, k, v, b, dropout_rate=0.3, dropout_seed=seed, dropout_heads=not broadcast, **kw)
 
     assert_close(ours(q, k, v, bias), oracle(f64(q), f64(k), f64(v), f64(bias)), 1e-5, "forward")
     ct = normal(rng, q.shape)
@@ -509,11 +513,17 @@ def test_dropout_matches_reference_with_the_same_mask(rng):
     undropped = jaxdnn.dot_product_attention(q, k, v, bias, **kw)
     assert rel_err(ours(q, k, v, bias), undropped) > 0.1  # dropout did something
     np.testing.assert_array_equal(ours(q, k, v, bias), ours(q, k, v, bias))  # same key, same mask
-    other = jaxdnn.dot_product_attention(q, k, v, bias, dropout_rate=0.3, dropout_rng=jax.random.key(7), **kw)
+    other = jaxdnn.dot_product_attention(q, k, v, bias, dropout_rate=0.3, dropout_rng=jax.random.key(7),
+                                         broadcast_dropout=broadcast, **kw)
     assert rel_err(other, ours(q, k, v, bias)) > 0.1
-    same_inputs = [jnp.broadcast_to(x[:1], x.shape) for x in (q, k, v)]
-    out = jaxdnn.dot_product_attention(*same_inputs, dropout_rate=0.3, dropout_rng=key)
-    assert rel_err(out[1], out[0]) > 0.1  # each batch element has a mask of its own
+
+    q1, k1 = normal(rng, (1, 19, 1, 16)), normal(rng, (1, 37, 1, 16))
+    same = [jnp.broadcast_to(x, (2, x.shape[1], 4, 16)) for x in (q1, k1, k1)]  # every b, n alike
+    out = jaxdnn.dot_product_attention(*same, dropout_rate=0.3, dropout_rng=key, broadcast_dropout=broadcast)
+    if broadcast:
+        np.testing.assert_array_equal(out, jnp.broadcast_to(out[:1, :, :1], out.shape))
+    else:
+        assert rel_err(out[:, :, 1], out[:, :, 0]) > 0.1 and rel_err(out[1], out[0]) > 0.1
 
 
 def _reference(q, k, v, bias, mask, **kw):

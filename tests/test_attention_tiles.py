@@ -27,7 +27,10 @@ def _check(rng, q, k, v, bias=None, mask=None, **kw):
     dtype = q.dtype
     ref_kw = dict(kw)
     if "dropout_rng" in ref_kw:  # the reference takes the kernels' per-batch seeds drawn from the key
-        ref_kw["dropout_seed"] = jax.random.bits(ref_kw.pop("dropout_rng"), (q.shape[0], 2), jnp.uint32)
+        shared = ref_kw.pop("broadcast_dropout", False)  # one seed for the batch, head 0's mask
+        seeds = jax.random.bits(ref_kw.pop("dropout_rng"), (1 if shared else q.shape[0], 2), jnp.uint32)
+        ref_kw["dropout_seed"] = jnp.broadcast_to(seeds, (q.shape[0], 2))
+        ref_kw["dropout_heads"] = not shared
 
     def reference(q, k, v, bias, mask):
         return jaxdnn.reference.attention.dot_product_attention(q, k, v, bias, mask, **ref_kw)
@@ -80,6 +83,15 @@ def test_general_rules_across_tiles(dtype, rng):
     kv_seg = jnp.asarray(np.sort(rng.integers(0, 3, (b, s)), axis=1), jnp.int32)
     _check(rng, q, k, v, bias, mask, q_segment_ids=q_seg, kv_segment_ids=kv_seg, logits_soft_cap=3.0,
            is_causal=True, dropout_rate=0.25, dropout_rng=jax.random.key(5))
+
+
+@pytest.mark.parametrize("h", [64, 96], ids=["h64", "h96-fused"])
+def test_broadcast_dropout_across_tiles(h, rng):
+    """One dropout mask shared by the batch and the heads (broadcast_dropout) over many tiles, on
+    the general kernels and (16-bit, H 65-128) the fused backward."""
+    q, k, v = _inputs(rng, 2, 200, 300, 4, 2, h, jnp.bfloat16)
+    _check(rng, q, k, v, is_causal=True, dropout_rate=0.25, dropout_rng=jax.random.key(6),
+           broadcast_dropout=True)
 
 
 @dtype_param

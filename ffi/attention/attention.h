@@ -6,13 +6,14 @@
 // Logits s = scale q.k, then cap tanh(s / cap) when logits_soft_cap > 0, then + bias; a logit is
 // dropped (probability 0) when the causal / window / length / mask / segment rules exclude it.
 // A query row with every logit dropped has output 0 and logsumexp -inf. With dropout, each
-// probability is then kept (scaled by 1 / keep) or zeroed by a hash of (seed, n, t, s)
-// (attention_problem.h), so the backward regenerates the forward's mask; lse is undropped.
+// probability is then kept (scaled by 1 / keep) or zeroed by a hash of (seed, n, t, s), or of
+// (seed, t, s) where the heads share one mask (attention_problem.h), so the backward regenerates
+// the forward's mask; lse is undropped.
 //
 // Targets (versioned: the ABI of exported programs):
-//   jaxdnn_attention_fwd_v1 (q, k, v, bias, mask, q_lens, kv_lens, q_seg, kv_seg, dropout_seed)
+//   jaxdnn_attention_fwd_v2 (q, k, v, bias, mask, q_lens, kv_lens, q_seg, kv_seg, dropout_seed)
 //       -> (o [B, T, N, H], lse [B, N, T] float32)
-//   jaxdnn_attention_bwd_v2 (do, q, k, v, o, lse, bias, mask, q_lens, kv_lens, q_seg, kv_seg,
+//   jaxdnn_attention_bwd_v3 (do, q, k, v, o, lse, bias, mask, q_lens, kv_lens, q_seg, kv_seg,
 //                            dropout_seed)
 //       -> (dq, dk, dv, dbias [B, N, T, S] float32 or [0], workspace delta [B, N, T] float32,
 //           workspace dq_accum [B, T, N, H] float32 or [0], workspace semaphores int32 or [0])
@@ -30,7 +31,8 @@
 //   dropout_seed [B, 2] uint32 (per batch element, so vmap over keys folds into B).
 // attrs: scale, logits_soft_cap (0 = off) float32; is_causal (s <= t), window_left, window_right
 // (t - left <= s <= t + right; -1 = unbounded), present, dropout_keep int64 (a probability is kept
-// when its 24-bit hash is below it: 2^24 keeps all); the backward also bias_grad int64.
+// when its 24-bit hash is below it: 2^24 keeps all), dropout_heads int64 (1: a mask per head; 0:
+// one mask shared by the heads, Flax's broadcast_dropout); the backward also bias_grad int64.
 #pragma once
 
 #include <utility>
@@ -61,7 +63,8 @@ auto BindAttentionAttrs(Binding binding) {
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
       .template Attr<int64_t>("present")
-      .template Attr<int64_t>("dropout_keep");
+      .template Attr<int64_t>("dropout_keep")
+      .template Attr<int64_t>("dropout_heads");
 }
 
 template <typename Binding>

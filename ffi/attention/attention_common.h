@@ -59,7 +59,7 @@ struct AttentionInputs {
   const ffi::Buffer<ffi::S32>* kv_seg;
   const ffi::Buffer<ffi::U32>* dropout_seed;
   float scale, soft_cap;
-  int64_t causal, window_left, window_right, present, dropout_keep;
+  int64_t causal, window_left, window_right, present, dropout_keep, dropout_heads;
 };
 
 inline ffi::Error MakeAttentionProblem(const AttentionInputs& in, AttentionProblem* p) {
@@ -88,6 +88,9 @@ inline ffi::Error MakeAttentionProblem(const AttentionInputs& in, AttentionProbl
   if (in.present < 0 || in.present > 127) return InvalidArgument("attention: bad `present` attribute");
   if (in.dropout_keep < 1 || in.dropout_keep > kAttnKeepAll) {
     return InvalidArgument("attention: dropout_keep must be in [1, 2^24]");
+  }
+  if (in.dropout_heads != 0 && in.dropout_heads != 1) {
+    return InvalidArgument("attention: dropout_heads must be 0 or 1");
   }
   if (in.window_left < -1 || in.window_right < -1) {
     return InvalidArgument("attention: window sizes must be >= 0 (or -1 for unbounded)");
@@ -144,6 +147,7 @@ inline ffi::Error MakeAttentionProblem(const AttentionInputs& in, AttentionProbl
     JAXDNN_RETURN_IF_ERROR(ExpectDims("dropout_seed", in.dropout_seed->dimensions(), {p->batch, 2}));
     p->dropout_seed = in.dropout_seed->typed_data();
     p->dropout_keep = static_cast<uint32_t>(in.dropout_keep);
+    p->dropout_head_mask = in.dropout_heads ? ~0u : 0u;
   } else {
     JAXDNN_RETURN_IF_ERROR(absent("dropout_seed", in.dropout_seed->dimensions()));
   }

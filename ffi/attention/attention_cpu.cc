@@ -366,11 +366,11 @@ ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
                             ffi::Result<ffi::AnyBuffer> o,
                             ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale, float soft_cap,
                             int64_t causal, int64_t window_left, int64_t window_right, int64_t present,
-                            int64_t dropout_keep) {
+                            int64_t dropout_keep, int64_t dropout_heads) {
   AttentionProblem p;
   JAXDNN_RETURN_IF_ERROR(MakeAttentionProblem(
       {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, &dropout_seed, scale, soft_cap, causal,
-       window_left, window_right, present, dropout_keep}, &p));
+       window_left, window_right, present, dropout_keep, dropout_heads}, &p));
   JAXDNN_RETURN_IF_ERROR(ExpectLike("o", *o, q));
   JAXDNN_RETURN_IF_ERROR(ExpectStat("lse", lse->dimensions(), p));
   if (ElementCount(q.dimensions()) == 0) return ffi::Error::Success();
@@ -394,11 +394,12 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer d_out, ffi::Any
                             ffi::Result<ffi::Buffer<ffi::F32>> /*dq_accum: CUDA only*/,
                             ffi::Result<ffi::Buffer<ffi::S32>> /*semaphores: CUDA only*/, float scale,
                             float soft_cap, int64_t causal, int64_t window_left, int64_t window_right,
-                            int64_t present, int64_t dropout_keep, int64_t bias_grad) {
+                            int64_t present, int64_t dropout_keep, int64_t dropout_heads,
+                            int64_t bias_grad) {
   AttentionProblem p;
   JAXDNN_RETURN_IF_ERROR(MakeAttentionProblem(
       {&q, &k, &v, &bias, &mask, &q_lens, &kv_lens, &q_seg, &kv_seg, &dropout_seed, scale, soft_cap, causal,
-       window_left, window_right, present, dropout_keep}, &p));
+       window_left, window_right, present, dropout_keep, dropout_heads}, &p));
   JAXDNN_RETURN_IF_ERROR(CheckAttentionBwd(p, d_out, q, k, o, lse.dimensions(), *dq, *dk, *dv, dbias->dimensions(),
                                            delta->dimensions(), bias_grad));
   if (dbias->element_count() > 0) std::memset(dbias->typed_data(), 0, dbias->size_bytes());

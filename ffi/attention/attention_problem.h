@@ -68,6 +68,7 @@ struct AttentionProblem {
   const int32_t* kv_seg = nullptr;  // [B, S]
   const uint32_t* dropout_seed = nullptr;  // [B, 2]
   uint32_t dropout_keep = uint32_t(kAttnKeepAll);
+  uint32_t dropout_head_mask = ~0u;  // 0: the heads share one mask (the hash sees head 0)
 
   JAXDNN_ATTN_HD int64_t Group() const { return heads / kv_heads; }
   // Offsets of row (b, t, n) of q/o/do and of row (b, s, kh) of k/v, in elements.
@@ -156,10 +157,11 @@ struct AttentionProblem {
 };
 
 // Dropout of (b, n, t, s): 0 for a dropped probability, 1 / keep for a kept one (1 without
-// dropout). jaxdnn/reference/attention.py computes the same hash.
+// dropout); with dropout_head_mask 0, every head's is head 0's. jaxdnn/reference/attention.py
+// computes the same hash.
 JAXDNN_ATTN_HD float DropoutScale(const AttentionProblem& p, int64_t b, int64_t n, int64_t t, int64_t s) {
   if (p.dropout_seed == nullptr) return 1.f;
-  uint32_t h = MixBits(p.dropout_seed[2 * b] ^ uint32_t(n));
+  uint32_t h = MixBits(p.dropout_seed[2 * b] ^ (uint32_t(n) & p.dropout_head_mask));
   h = MixBits(h ^ uint32_t(t));
   h = MixBits((h + uint32_t(s) * 0x9e3779b9u) ^ p.dropout_seed[2 * b + 1]);
   return (h >> 8) < p.dropout_keep ? float(kAttnKeepAll) / float(p.dropout_keep) : 0.f;

@@ -20,7 +20,7 @@ ffi::Error AttentionFwdSm90(cudaStream_t stream, const AttentionProblem& p, ffi:
                             const void* k, const void* v, void* o, float* lse);
 
 // Whether the backward of this problem may run the fused kernel, which needs the workspaces of
-// jaxdnn_attention_bwd_v2: dq_accum (float32, q's shape) and semaphores, FusedBackwardSemaphores
+// jaxdnn_attention_bwd_v3: dq_accum (float32, q's shape) and semaphores, FusedBackwardSemaphores
 // int32 that order the kernel's adds to dq_accum (deterministic), or none (unordered adds: dq's
 // bits may differ between runs). The separate kernels (head sizes up to 64 and 256, decoding shapes)
 // need neither.

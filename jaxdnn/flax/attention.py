@@ -29,9 +29,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     Args:
       query: [batch..., T, N, H]; key, value: [batch..., S, K, H] (K dividing N).
       bias, mask: None or broadcastable to [batch..., N, T, S] (mask: nonzero attends).
-      dropout_rate, dropout_rng, deterministic: dropout as jaxdnn.dot_product_attention's (a mask per
-        batch element and head); needs broadcast_dropout=False, since jaxdnn has no mask shared
-        across the heads (Flax's broadcast_dropout=True) and raises rather than ignore it.
+      broadcast_dropout, dropout_rate, dropout_rng, deterministic: dropout as
+        jaxdnn.dot_product_attention's: one [T, S] mask shared by every batch element and head
+        (broadcast_dropout=True, Flax's default), or a mask per batch element and head. The masks
+        are jaxdnn's hash of the key, not Flax's `random.bernoulli` draws.
       dtype: None or the dtype to compute in (q, k, v are cast to it).
       precision, force_fp32_for_softmax: met as asked: logits, softmax and sums are always float32.
       module: must be None (`sow_weights` needs the [T, S] weights, which the kernels never form).
@@ -44,10 +45,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     del precision, force_fp32_for_softmax
     dropout = {}
     if dropout_rate > 0.0 and not deterministic:
-        if broadcast_dropout:
-            raise ValueError("jaxdnn.flax.dot_product_attention: dropout masks are per head; set "
-                             "broadcast_dropout=False")
-        dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+        dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                       broadcast_dropout=bool(broadcast_dropout))
     if module is not None:
         raise ValueError("jaxdnn.flax.dot_product_attention: sow_weights is not supported (the kernels never "
                          "form the attention weights)")

@@ -7,7 +7,7 @@ optional operands follow the kernels' targets (ffi/attention/attention.h): bias 
 float32 broadcastable to [B, N, T, S], mask bool likewise, q_lens/kv_lens [B] int32, q_seg [B, T]
 and kv_seg [B, S] int32, dropout_seed [B, 2] uint32 (each None when absent). A query row with no key
 to attend has output 0 and logsumexp -inf. Dropout regenerates the kernels' mask: the same hash of
-(seed, n, t, s) as ffi/attention/attention_problem.h.
+(seed, n, t, s) as ffi/attention/attention_problem.h (head 0's for every head where they share one).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class AttentionOptions:
     window_right: int | None = None
     logits_soft_cap: float | None = None
     dropout_keep: int = KEEP_ALL  # keep a probability when its 24-bit hash is below this
+    dropout_heads: bool = True  # a mask per head; False: the heads share head 0's
 
 
 def dropout_keep(rate: float) -> int:
@@ -47,10 +48,11 @@ def _mix_bits(x):
     return x ^ (x >> 15)
 
 
-def dropout_scale(seed, keep, heads, t_len, s_len, dtype):
-    """[B, N, T, S]: 0 where dropped, KEEP_ALL / keep where kept (the kernels' DropoutScale)."""
+def dropout_scale(seed, keep, heads, t_len, s_len, dtype, per_head=True):
+    """[B, N, T, S]: 0 where dropped, KEEP_ALL / keep where kept (the kernels' DropoutScale); every
+    head head 0's unless `per_head`."""
     u32 = jnp.uint32
-    n = jnp.arange(heads, dtype=u32)[None, :, None, None]
+    n = (jnp.arange(heads, dtype=u32) if per_head else jnp.zeros((heads,), u32))[None, :, None, None]
     t = jnp.arange(t_len, dtype=u32)[None, None, :, None]
     s = jnp.arange(s_len, dtype=u32)[None, None, None, :]
     seed = seed.astype(u32)
@@ -127,7 +129,8 @@ def _dropped(p, dropout_seed, options):
     """p with the dropout mask applied (p itself without dropout)."""
     if dropout_seed is None:
         return p
-    return p * dropout_scale(dropout_seed, options.dropout_keep, p.shape[1], p.shape[2], p.shape[3], p.dtype)
+    return p * dropout_scale(dropout_seed, options.dropout_keep, p.shape[1], p.shape[2], p.shape[3], p.dtype,
+                             options.dropout_heads)
 
 
 def attention_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_seg, kv_seg, dropout_seed,
@@ -177,16 +180,16 @@ def attention_bwd(d_out, q, k, v, o, lse, bias, mask, q_lens, kv_lens, q_seg, kv
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                           query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                           q_segment_ids=None, kv_segment_ids=None, logits_soft_cap=None, dropout_rate=0.0,
-                          dropout_seed=None):
+                          dropout_seed=None, dropout_heads=True):
     """Attention over [B, T, N, H] / [B, S, K, H] inputs as `jaxdnn.dot_product_attention` computes
     it (rank-4 inputs; rows with no key give 0), materializing the logits; dropout_seed [B, 2] uint32
-    is the kernels' per-batch seed."""
+    is the kernels' per-batch seed, dropout_heads False shares head 0's mask with every head."""
     if isinstance(local_window_size, (int, np.integer)):
         local_window_size = (local_window_size, local_window_size)
     left, right = local_window_size if local_window_size is not None else (None, None)
     options = AttentionOptions(
         scale=float(1.0 / np.sqrt(query.shape[-1]) if scale is None else scale), is_causal=bool(is_causal),
         window_left=left, window_right=right, logits_soft_cap=logits_soft_cap,
-        dropout_keep=dropout_keep(dropout_rate))
+        dropout_keep=dropout_keep(dropout_rate), dropout_heads=bool(dropout_heads))
     return attention_fwd(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
                          q_segment_ids, kv_segment_ids, dropout_seed if dropout_rate else None, options)[0]
