@@ -668,8 +668,9 @@ def fused(x, w, bias, residual, conv, epilogue):
     Differentiation: the training forward writes z = conv + bias + residual from the same kernel
     (identity epilogue) and applies the activation with jaxdnn's activation kernel, keeping z for
     the backward: dz = act'(z) dy, dx = dgrad(dz, w), dw = wgrad(x, dz), dbias = sum of dz (with dz,
-    from the activation's backward kernel), dresidual = dz. (So under differentiation y is act of z rounded to x's dtype, where
-    the fused kernel applies act to the float32 sum: the two differ by that rounding.)"""
+    from the activation's backward kernel), dresidual = dz. (So under differentiation y is act of z
+    rounded to x's dtype, where the fused kernel applies act to the float32 sum: the two differ by
+    that rounding.)"""
     def direct(x, w, bias, *residual):
         return _fused_call(x, w, bias, *(residual or (None,)), conv, epilogue.kind, epilogue.param)
     operands = (x, w, bias) + (() if residual is None else (residual,))
