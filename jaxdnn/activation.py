@@ -63,7 +63,7 @@ def _bwd_bias_batch_rule(prim, args, dims, **attrs):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     dy, x = (move_to_front(a, d, size) for a, d in zip(args, dims))
     dx = _bwd.bind(dy, x, **attrs)[0]
-    sums = jnp.sum(dx.reshape(size, -1, dx.shape[-1]), axis=1, dtype=jnp.float32)
+    sums = jnp.sum(dx, axis=tuple(range(1, dx.ndim - 1)), dtype=jnp.float32)
     partials = jnp.zeros((size, _bias_chunks(x.shape[-1], x.dtype), x.shape[-1]), jnp.float32)
     return [dx, partials.at[:, 0].set(sums)], [0, 0]
 
