@@ -43,6 +43,7 @@ const Target kTargets[] = {
     {"jaxdnn_log_softmax_bwd_v1", LogSoftmaxBwdCpu, JAXDNN_CUDA_HANDLER(LogSoftmaxBwdCuda)},
     {"jaxdnn_activation_fwd_v1", ActivationFwdCpu, JAXDNN_CUDA_HANDLER(ActivationFwdCuda)},
     {"jaxdnn_activation_bwd_v1", ActivationBwdCpu, JAXDNN_CUDA_HANDLER(ActivationBwdCuda)},
+    {"jaxdnn_activation_bwd_bias_v1", ActivationBwdBiasCpu, JAXDNN_CUDA_HANDLER(ActivationBwdBiasCuda)},
     {"jaxdnn_batch_norm_stats_v1", BatchNormStatsCpu, JAXDNN_CUDA_HANDLER(BatchNormStatsCuda)},
     {"jaxdnn_batch_norm_fwd_v1", BatchNormFwdCpu, JAXDNN_CUDA_HANDLER(BatchNormFwdCuda)},
     {"jaxdnn_batch_norm_bwd_sums_v2", BatchNormBwdSumsCpu, JAXDNN_CUDA_HANDLER(BatchNormBwdSumsCuda)},

@@ -39,7 +39,7 @@ from jaxdnn import _autotune, _ffi  # noqa: F401  (_ffi registers the FFI target
 from jaxdnn import _conv_few_channels as few_channels
 from jaxdnn import _conv_regroup as regroup
 from jaxdnn._primitive import ffi_primitive, images_in_unit_axis, move_to_front, transpose_linear
-from jaxdnn.activation import KIND_NAMES, _activation, epilogue_attrs
+from jaxdnn.activation import KIND_NAMES, _activation, backward_with_bias_grad, epilogue_attrs
 from jaxdnn.dense import weight_gradient
 
 
@@ -667,9 +667,10 @@ def fused(x, w, bias, residual, conv, epilogue):
 
     Differentiation: the training forward writes z = conv + bias + residual from the same kernel
     (identity epilogue) and applies the activation with jaxdnn's activation kernel, keeping z for
-    the backward: dz = act'(z) dy, dx = dgrad(dz, w), dw = wgrad(x, dz), dbias = sum of dz (XLA's
-    reduction), dresidual = dz. (So under differentiation y is act of z rounded to x's dtype, where
-    the fused kernel applies act to the float32 sum: the two differ by that rounding.)"""
+    the backward: dz = act'(z) dy, dx = dgrad(dz, w), dw = wgrad(x, dz), dbias = sum of dz (with dz,
+    from the activation's backward kernel), dresidual = dz. (So under differentiation y is act of z
+    rounded to x's dtype, where the fused kernel applies act to the float32 sum: the two differ by
+    that rounding.)"""
     def direct(x, w, bias, *residual):
         return _fused_call(x, w, bias, *(residual or (None,)), conv, epilogue.kind, epilogue.param)
     operands = (x, w, bias) + (() if residual is None else (residual,))
@@ -691,11 +692,11 @@ def _fused_fwd(x, w, bias, residual, conv, epilogue):
 
 def _fused_bwd(conv, epilogue, residuals, dy):
     x, w, z = residuals
-    dz = dy
-    if epilogue.kind != "identity":
-        dz = jax.vjp(lambda z: _activation(z, epilogue.kind, epilogue.param), z)[1](dy)[0]
-    dbias = jnp.sum(dz, axis=tuple(range(dz.ndim - 1)), dtype=jnp.float32).astype(dz.dtype)
-    return _dgrad(dz, w, conv), _wgrad(x, dz, conv), dbias, dz if epilogue.residual else None
+    if epilogue.kind == "identity":
+        dz, dbias = dy, jnp.sum(dy, axis=tuple(range(dy.ndim - 1)), dtype=jnp.float32)
+    else:
+        dz, dbias = backward_with_bias_grad(dy, z, epilogue.kind, epilogue.param)  # one pass
+    return _dgrad(dz, w, conv), _wgrad(x, dz, conv), dbias.astype(dz.dtype), dz if epilogue.residual else None
 
 
 fused.defvjp(_fused_fwd, _fused_bwd)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdnn import _ffi  # noqa: F401  (registers the FFI targets)
-from jaxdnn._primitive import ffi_primitive, per_row_shard, rows_batch_rule
+from jaxdnn._primitive import ffi_primitive, move_to_front, per_row_shard, rows_batch_rule, with_reference_vjp
 from jaxdnn.reference import activation as _ref
 
 _FLOAT_TYPES = [jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
@@ -42,6 +42,50 @@ _bwd = ffi_primitive("jaxdnn_activation_bwd", "jaxdnn_activation_bwd_v1", result
 
 def _attrs(name, param):
     return dict(kind=np.int64(KINDS[name]), param=np.float32(param))
+
+
+def _bias_chunks(columns: int, dtype) -> int:
+    """P, the chunks of rows whose column sums the backward with the bias gradient writes: about 528
+    blocks of the CUDA kernel (4 an SM of an H100/H200) over its tiles of 256 16-byte packs of
+    columns. A function of C alone, so that a row shard's call has the global call's shape."""
+    tiles = max(1, -(-columns * jnp.dtype(dtype).itemsize // (16 * 256)))
+    return max(1, -(-528 // tiles))
+
+
+def _bwd_bias_avals(dy, x, *, kind, param):
+    return [jax.core.ShapedArray(x.shape, x.dtype),
+            jax.core.ShapedArray((_bias_chunks(x.shape[-1], x.dtype), x.shape[-1]), jnp.float32)]
+
+
+def _bwd_bias_batch_rule(prim, args, dims, **attrs):
+    """Under vmap the kernel's chunks would mix the examples' rows: dx from the plain backward's
+    kernel and each example's column sums by XLA, in the first of its chunks."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    dy, x = (move_to_front(a, d, size) for a, d in zip(args, dims))
+    dx = _bwd.bind(dy, x, **attrs)[0]
+    sums = jnp.sum(dx, axis=tuple(range(1, dx.ndim - 1)), dtype=jnp.float32)
+    partials = jnp.zeros((size, _bias_chunks(x.shape[-1], x.dtype), x.shape[-1]), jnp.float32)
+    return [dx, partials.at[:, 0].set(sums)], [0, 0]
+
+
+_bwd_bias = ffi_primitive("jaxdnn_activation_bwd_bias", "jaxdnn_activation_bwd_bias_v1",
+                          result_avals=_bwd_bias_avals, batch_rule=_bwd_bias_batch_rule,
+                          sharding_rule="... c, ... c -> ... c, p c", reduced_results=(1,))
+
+
+def backward_with_bias_grad(dy, z, name, param):
+    """The backward of act(z), z = (a product) + bias, in one pass over dy and z [..., C]: (dz, dbias)
+    with dz = dy * act'(z) in z's dtype and dbias [C] the float32 sum of dz over every axis but
+    the last (its rounded values, which the products' gradients read). Differentiable through the
+    reference, as the activation's own backward."""
+    def kernel(dy, z):
+        dz, partials = _bwd_bias.bind(dy, z, **_attrs(name, param))
+        return dz, jnp.sum(partials, axis=0)
+
+    def reference(dy, z):
+        dz = _ref.activation_bwd(dy, z, name, param)
+        return dz, jnp.sum(dz, axis=tuple(range(dz.ndim - 1)), dtype=jnp.float32)
+    return with_reference_vjp(kernel, reference, dy, z)
 
 
 # The `activation=` argument of fused kernels (layer_norm, batch_norm, group_norm, ...): a name ->

@@ -385,8 +385,9 @@ def conv(x, w, bias=None, *, activation=None, residual=None, strides=1, padding=
       precision: as `conv_general_dilated`'s (float32 as TF32 on a GPU unless HIGHEST).
 
     Returns:
-      [N, *out, K] in x's dtype. Differentiable to any order (`jax.jvp` is not supported); the
-      backward's dbias is XLA's reduction of dz = act'(z) dy.
+      [N, *out, K] in x's dtype. Differentiable to any order (`jax.jvp` is not supported); with an
+      activation the backward's one pass over dy and z writes dz = act'(z) dy and dbias's column
+      sums.
     """
     kind, _ = epilogue("conv", activation)  # checks the name early
     x, w = (a if hasattr(a, "shape") and hasattr(a, "dtype") else jnp.asarray(a) for a in (x, w))

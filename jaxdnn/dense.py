@@ -27,7 +27,7 @@ import numpy as np
 from jaxdnn import _autotune, _ffi  # noqa: F401  (_ffi registers the FFI targets)
 from jaxdnn._precision import allows_tf32, result_dtype
 from jaxdnn._primitive import ffi_primitive, match_varying, move_to_front, per_row_shard
-from jaxdnn.activation import KIND_NAMES, _activation, epilogue, epilogue_attrs
+from jaxdnn.activation import KIND_NAMES, _activation, backward_with_bias_grad, epilogue, epilogue_attrs
 from jaxdnn.reference.activation import FUNCTIONS
 
 _FLOAT_TYPES = [jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
@@ -214,8 +214,13 @@ def _dense_fwd(x, w, bias, kind, param, tf32):
 
 def _dense_bwd(kind, param, tf32, residuals, dy):
     x, w, bias, z = residuals
-    dz = dy if kind == "identity" else jax.vjp(lambda z: _activation(z, kind, param), z)[1](dy)[0]
-    dbias = (jnp.sum(dz[0], axis=0, dtype=_F32) if bias.shape[0] else jnp.zeros_like(bias))
+    if kind == "identity":
+        dz = dy
+        dbias = jnp.sum(dz[0], axis=0, dtype=_F32) if bias.shape[0] else jnp.zeros_like(bias)
+    elif bias.shape[0]:
+        dz, dbias = backward_with_bias_grad(dy, z, kind, param)  # one pass: dbias with dz
+    else:
+        dz, dbias = jax.vjp(lambda z: _activation(z, kind, param), z)[1](dy)[0], jnp.zeros_like(bias)
     return _matmul(dz, w, 0, 1, tf32), weight_gradient(x, dz, tf32), dbias
 
 
@@ -280,7 +285,8 @@ def dense(x, w, bias=None, *, activation=None, precision=None, preferred_element
     Differentiable with `jax.grad`/`jax.vjp` to any order; `jax.jvp` is not supported. Under
     differentiation the forward writes z = x @ w + bias and applies the activation with its own
     kernel (z is kept for act'(z)), so y is act of z rounded to x's dtype, where the fused call
-    applies act to the float32 sum. dbias is XLA's float32 sum of dz over the rows.
+    applies act to the float32 sum. dbias is the float32 sum of dz over the rows, taken (with an
+    activation) in the same pass as dz.
     """
     kind, param = epilogue("dense", activation)
     x, w, bias = _check(x, w, bias)

@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdnn
+from jaxdnn.activation import backward_with_bias_grad
 from helpers import (DTYPES, ISA_ORDER, assert_close, dtype_id, f64, isa_child_report, normal, on_gpu,
                      tolerance)
 
@@ -174,6 +175,46 @@ def test_cpu_vectorized_builds(cap):
     forward, grads = report["errors"][0::2], report["errors"][1::2]
     assert max(forward) < tolerance(jnp.float32), report
     assert max(grads) < tolerance(jnp.float32, grad=True), report
+
+
+# The backward with the bias gradient (dense's and conv's), as the fused ops name their activations:
+# every activation on two shapes, and gelu on rows of C a multiple of the 16-byte pack or not (one
+# value a lane), over several 256-pack column tiles, in chunks of one row and of many, with no rows
+# and with one.
+BIAS_CASES = ([(name, shape) for name in jaxdnn.activation.EPILOGUES for shape in [(3, 5, 37), (700, 16)]]
+              + [("gelu", shape) for shape in [(3000, 8), (2, 60, 2056), (2, 0, 8), (1, 9)]])
+
+
+@pytest.mark.parametrize("name,shape", BIAS_CASES, ids=str)
+@dtype_param
+def test_backward_with_bias_grad(name, shape, dtype, rng):
+    kind, param = jaxdnn.activation.EPILOGUES[name]
+    dy, z = normal(rng, shape, dtype), normal(rng, shape, dtype, scale=3.0)
+    dz, dbias = jax.jit(lambda dy, z: backward_with_bias_grad(dy, z, kind, param))(dy, z)
+    assert dz.dtype == dtype and dbias.dtype == jnp.float32 and dbias.shape == shape[-1:]
+    want = jax.vjp(ACTIVATIONS[name][1], f64(z))[1](f64(dy))[0]
+    assert_close(dz, want, tolerance(dtype, grad=True), "dz")
+    assert_close(dbias, jnp.sum(want.reshape(-1, shape[-1]), axis=0), tolerance(dtype, grad=True), "dbias")
+    # dbias is the sum of the rounded dz the products read (float32 sums: within their rounding)
+    assert_close(dbias, jnp.sum(f64(dz).reshape(-1, shape[-1]), axis=0), 1e-5, "sum of dz")
+
+
+def test_backward_with_bias_grad_transforms(rng):
+    oracle = ACTIVATIONS["silu"][1]
+    dy, z = normal(rng, (3, 40, 24)), normal(rng, (3, 40, 24), scale=2.0)
+
+    def want(dy, z):
+        dz = jax.vjp(oracle, z)[1](dy)[0]
+        return dz, jnp.sum(dz, axis=tuple(range(dz.ndim - 1)))
+    got = jax.vmap(lambda dy, z: backward_with_bias_grad(dy, z, "silu", 0.0), in_axes=(1, 1))(dy, z)
+    expected = jax.vmap(want, in_axes=(1, 1))(f64(dy), f64(z))
+    for g, w, what in zip(got, expected, ("vmap dz", "vmap dbias")):
+        assert_close(g, w, 1e-5, what)
+    got = jax.grad(lambda z: jnp.sum(backward_with_bias_grad(dy, z, "silu", 0.0)[1] ** 2))(z)
+    expected = jax.grad(lambda z: jnp.sum(want(f64(dy), z)[1] ** 2))(f64(z))
+    assert_close(got, expected, 1e-4, "grad through dbias")
+    hlo = jax.jit(lambda dy, z: backward_with_bias_grad(dy, z, "silu", 0.0)).lower(dy, z).as_text()
+    assert hlo.count("@jaxdnn_activation_bwd_bias_v1(") == 1 and "jaxdnn_activation_bwd_v1" not in hlo
 
 
 @act_param

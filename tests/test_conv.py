@@ -972,6 +972,7 @@ def test_conv_fused_hlo_and_second_order(rng):
         assert_close(g, want_g, 1e-5, f"grad of grad {name}")
     hlo = grad.lower(x, w, bias).as_text()
     assert all(target in hlo for target in TARGETS + ("jaxdnn_conv_fprop_fused_v4",))
+    assert "jaxdnn_activation_bwd_bias_v1" in hlo  # dz and dbias in one pass
     assert "convolution" not in hlo
 
 

@@ -359,9 +359,10 @@ def test_hlo_holds_the_custom_call(rng):
     assert fwd.count(f"@{TARGET}(") == 1 and "jaxdnn_activation" not in fwd and "dot_general" not in fwd
     grad = jax.grad(lambda x, w, b: jnp.sum(_op("gelu")(x, w, b) ** 2), argnums=(0, 1, 2))
     hlo = jax.jit(grad).lower(x, w, bias).as_text()
-    # z, dx and dw on the GEMM kernel, the activation and its derivative on the activation kernels
+    # z, dx and dw on the GEMM kernel, the activation on its kernel, its derivative and dbias on one
     assert hlo.count(f"@{TARGET}(") == 3 and "dot_general" not in hlo
-    assert "jaxdnn_activation_fwd_v1" in hlo and "jaxdnn_activation_bwd_v1" in hlo
+    assert "jaxdnn_activation_fwd_v1" in hlo and hlo.count("@jaxdnn_activation_bwd_bias_v1(") == 1
+    assert "jaxdnn_activation_bwd_v1" not in hlo
 
 
 # --- sharding and export ----------------------------------------------------------------------

@@ -25,4 +25,25 @@ inline ffi::Error CheckActivation(std::initializer_list<const ffi::AnyBuffer*> b
   return ffi::Error::Success();
 }
 
+// The backward with the bias gradient: dy, x and dx as CheckActivation's, rank >= 1 with C the
+// last axis; partials [P >= 1, C].
+inline ffi::Error CheckActivationBias(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::AnyBuffer& dx,
+                                      ffi::Buffer<ffi::F32> partials, int64_t kind, RowsFeatures* shape,
+                                      int64_t* chunks) {
+  int64_t n = 0;
+  JAXDNN_RETURN_IF_ERROR(CheckActivation({&dy, &x, &dx}, kind, &n));
+  if (dy.dimensions().size() == 0 || x.dimensions().size() == 0) {
+    return InvalidArgument("activation: the bias gradient needs operands of rank >= 1");
+  }
+  *shape = AsRowsFeatures(x.dimensions());
+  const auto dims = partials.dimensions();
+  if (dims.size() != 2 || dims[0] < 1 || dims[1] != shape->features ||
+      AsRowsFeatures(dy.dimensions()).features != shape->features) {
+    return InvalidArgument("activation: partials must be [P >= 1, C] for operands [..., C], got " + Dims(dims) +
+                           " for " + Dims(x.dimensions()));
+  }
+  *chunks = dims[0];
+  return ffi::Error::Success();
+}
+
 }  // namespace jaxdnn

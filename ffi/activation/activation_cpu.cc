@@ -1,4 +1,5 @@
-// CPU activations: one elementwise loop per (activation, dtype).
+// CPU activations: one elementwise loop per (activation, dtype); the backward with the bias gradient
+// a task per chunk of rows.
 #include <algorithm>
 
 #include "activation/activation_common.h"
@@ -72,6 +73,36 @@ ffi::Error ActivationBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBu
   });
 }
 
+// dx = dy f'(x) over rows of C, and partials[p] = the column sums of dx's rounded values over
+// chunk p of the rows, a task a chunk.
+ffi::Error ActivationBwdBiasImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                                 ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> partials,
+                                 int64_t kind, float param) {
+  RowsFeatures shape;
+  int64_t chunks = 0;
+  JAXDNN_RETURN_IF_ERROR(CheckActivationBias(dy, x, *dx, *partials, kind, &shape, &chunks));
+  const int64_t rows = shape.rows, cols = shape.features;
+  return DispatchFloat<float, Bf16, Half>(x.element_type(), "x", [&](auto type_tag) {
+    using T = decltype(type_tag);
+    const T* g = static_cast<const T*>(dy.untyped_data());
+    const T* in = static_cast<const T*>(x.untyped_data());
+    T* out = static_cast<T*>(dx->untyped_data());
+    float* sums = partials->typed_data();
+    DispatchActivation(kind, [&](auto act) {
+      ParallelFor(pool, chunks, [&](int64_t p) {
+        float* sum = sums + p * cols;
+        std::fill(sum, sum + cols, 0.f);
+        const int64_t begin = rows * p / chunks * cols, end = rows * (p + 1) / chunks * cols;
+        ActivateGradArray<decltype(act)::value>(g + begin, in + begin, out + begin, end - begin, param);
+        for (int64_t row = begin; row < end; row += cols) {
+          for (int64_t c = 0; c < cols; ++c) sum[c] += ToFloat(out[row + c]);
+        }
+      });
+    });
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
 }  // namespace jaxdnn
 
@@ -81,3 +112,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ActivationFwdCpu, jaxdnn::ActivationFwdImpl,
                               jaxdnn::BindActivationFwd(jaxdnn::BindWithThreadPool()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActivationBwdCpu, jaxdnn::ActivationBwdImpl,
                               jaxdnn::BindActivationBwd(jaxdnn::BindWithThreadPool()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActivationBwdBiasCpu, jaxdnn::ActivationBwdBiasImpl,
+                              jaxdnn::BindActivationBwdBias(jaxdnn::BindWithThreadPool()));
