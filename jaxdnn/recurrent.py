@@ -12,10 +12,13 @@ Per layer, its D directions together:
 - the recurrence is a kernel stage (`jaxdnn_lstm_fwd_v3`, `jaxdnn_gru_fwd_v3`, `jaxdnn_rnn_fwd_v3`):
   the hidden states [B, T, D, H] (so the layer's output, its directions side by side, is a
   reshape), the gate activations the backward needs, and the final states [B, D, H];
-- backward through time is a kernel stage (`jaxdnn_lstm_bwd_v2`, `jaxdnn_gru_bwd_v2`,
-  `jaxdnn_rnn_bwd_v2`): the gradients of gates_x, of the recurrent pre-activations (the same for the
+- backward through time is a kernel stage (`jaxdnn_lstm_bwd_v3`, `jaxdnn_gru_bwd_v3`,
+  `jaxdnn_rnn_bwd_v3`): the gradients of gates_x, of the recurrent pre-activations (the same for the
   LSTM and the plain RNN) and of the initial states; the weight and bias gradients and the input
   gradient are GEMMs / sums over those, done by XLA after.
+`precision` None, DEFAULT or HIGH lets the CUDA kernels take reduced-precision recurrent products
+(the stages' attributes tf32 and bf16_gradients: TF32 forward products, and a bfloat16 W_hh's backward
+passing its gate gradients from step to step in bfloat16), as XLA and cuDNN do at those precisions.
 Each stage is a primitive differentiated through `jaxdnn.reference.rnn` (second order works); the
 whole stack is one `jax.custom_vjp`.
 """
@@ -108,7 +111,8 @@ def _fold_rows_batch_rule(prim, args, dims, *, shared, reference, **attrs):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     if any(dims[i] is not None for i in shared):
         options = dict(attrs, reverse=bool(attrs["reverse"]))
-        options.pop("tf32", None)  # the reference's products run at JAX's default precision
+        for name in _KERNEL_ATTRS:  # the reference's products run at JAX's default precision
+            options.pop(name, None)
         outs = jax.vmap(lambda *a: reference(*a, **options), in_axes=tuple(dims))(*args)
         return list(outs), [0] * len(outs)
 
@@ -132,29 +136,34 @@ def _primitive(name, version, result_avals, shared, reference, sharding_rule):
 _lstm_fwd = _primitive("lstm_fwd", 3, _fwd_avals, (1,), _ref.lstm_fwd,
                        "... t d g, d g h, ... d h, ... d h, ... "
                        "-> ... t d h, ... t d h, ... t d g, ... d h, ... d h")
-_lstm_bwd = _primitive("lstm_bwd", 2, _bwd_avals, (6,), _ref.lstm_bwd,
+_lstm_bwd = _primitive("lstm_bwd", 3, _bwd_avals, (6,), _ref.lstm_bwd,
                        "... t d h, ... d h, ... d h, ... t d g, ... t d h, ... d h, d g h, ... "
                        "-> ... t d g, ... d h, ... d h")
 _gru_fwd = _primitive("gru_fwd", 3, _gru_fwd_avals, (1, 2), _ref.gru_fwd,
                       "... t d g, d g h, d g, ... d h, ... -> ... t d h, ... t d s, ... d h")
-_gru_bwd = _primitive("gru_bwd", 2, _gru_bwd_avals, (5,), _ref.gru_bwd,
+_gru_bwd = _primitive("gru_bwd", 3, _gru_bwd_avals, (5,), _ref.gru_bwd,
                       "... t d h, ... d h, ... t d s, ... t d h, ... d h, d g h, ... "
                       "-> ... t d g, ... t d g, ... d h")
 _rnn_fwd = _primitive("rnn_fwd", 3, _rnn_fwd_avals, (1,), _ref.rnn_fwd,
                       "... t d g, d g h, ... d h, ... -> ... t d h, ... d h")
-_rnn_bwd = _primitive("rnn_bwd", 2, _rnn_bwd_avals, (3,), _ref.rnn_bwd,
+_rnn_bwd = _primitive("rnn_bwd", 3, _rnn_bwd_avals, (3,), _ref.rnn_bwd,
                       "... t d h, ... d h, ... t d h, d g h, ... -> ... t d g, ... d h")
 
 
-def _stage(stage, *operands, tf32=None, **options):
+# The stages' attributes that only choose the kernels' precision (the references ignore them): tf32
+# (forward: TF32 recurrent products) and bf16_gradients (backward: a bfloat16 W_hh's gate gradients
+# passed between steps in bfloat16).
+_KERNEL_ATTRS = ("tf32", "bf16_gradients")
+
+
+def _stage(stage, *operands, reduced, **options):
     """A kernel stage (a pair from `_primitive`) of one layer, direction 0 in time order,
     differentiated through its reference; `options` are further attributes, passed to the reference
-    as they are (the plain RNN's nonlinearity). tf32 (forward stages only): whether the CUDA kernel
-    may round its recurrent products' operands to TF32."""
+    as they are (the plain RNN's nonlinearity). reduced: whether the CUDA kernel may take
+    reduced-precision recurrent products (the stage's attribute of _KERNEL_ATTRS)."""
     prim, reference = stage
     attrs = dict(options, reverse=np.int64(0))
-    if tf32 is not None:
-        attrs["tf32"] = np.int64(tf32)
+    attrs["bf16_gradients" if prim.name.endswith("_bwd") else "tf32"] = np.int64(reduced)
     return with_reference_vjp(lambda *a: tuple(prim.bind(*a, **attrs)),
                                lambda *a: reference(*a, reverse=False, **options), *operands)
 
@@ -178,34 +187,36 @@ def _layer_fwd(mode, layer_in, params, inits, seq_lengths, precision):
     """One layer in its D directions: (h_seq [B, T, D, H], residuals, final states [B, D, H]).
     params: (w_ih [D, G, I], w_hh [D, G, H], b_ih, b_hh [D, G]); inits: the states [B, D, H]."""
     w_ih, w_hh, b_ih, b_hh = params
-    tf32 = allows_tf32(precision)
+    reduced = allows_tf32(precision)
     if mode == "gru":
         gates_x = _project_inputs(layer_in, w_ih, b_ih, precision)  # b_hh is inside the reset gate
         h_seq, saved, h_n = _stage(_gru_fwd, gates_x, w_hh, b_hh.astype(_F32), inits[0], seq_lengths,
-                                   tf32=tf32)
+                                   reduced=reduced)
         return h_seq, (saved,), (h_n,)
     # The LSTM and the plain RNN: both biases fold into the projection.
     gates_x = _project_inputs(layer_in, w_ih, _ref.folded_bias(b_ih, b_hh), precision)
     if mode == "lstm":
-        h_seq, c_seq, acts, h_n, c_n = _stage(_lstm_fwd, gates_x, w_hh, *inits, seq_lengths, tf32=tf32)
+        h_seq, c_seq, acts, h_n, c_n = _stage(_lstm_fwd, gates_x, w_hh, *inits, seq_lengths, reduced=reduced)
         return h_seq, (c_seq, acts), (h_n, c_n)
-    h_seq, h_n = _stage(_rnn_fwd, gates_x, w_hh, inits[0], seq_lengths, tf32=tf32,
+    h_seq, h_n = _stage(_rnn_fwd, gates_x, w_hh, inits[0], seq_lengths, reduced=reduced,
                         nonlinearity=_nonlinearity(mode))
     return h_seq, (), (h_n,)  # act' comes from h_seq itself
 
 
-def _layer_bwd(mode, dh_seq, d_finals, h_seq, residuals, inits, w_hh, seq_lengths):
+def _layer_bwd(mode, dh_seq, d_finals, h_seq, residuals, inits, w_hh, seq_lengths, precision):
     """Backward through time of one layer in its D directions: (dgates_x, dgates_h [B, T, D, G],
     d_inits [B, D, H]), dgates_h the gradient of the recurrent pre-activations W_hh h_prev + b_hh."""
+    reduced = allows_tf32(precision)
     if mode == "lstm":
         c_seq, acts = residuals
-        dgates, dh0, dc0 = _stage(_lstm_bwd, dh_seq, *d_finals, acts, c_seq, inits[1], w_hh, seq_lengths)
+        dgates, dh0, dc0 = _stage(_lstm_bwd, dh_seq, *d_finals, acts, c_seq, inits[1], w_hh, seq_lengths,
+                                  reduced=reduced)
         return dgates, dgates, (dh0, dc0)
     if mode == "gru":
         dgates_x, dgates_h, dh0 = _stage(_gru_bwd, dh_seq, d_finals[0], residuals[0], h_seq, inits[0],
-                                         w_hh, seq_lengths)
+                                         w_hh, seq_lengths, reduced=reduced)
         return dgates_x, dgates_h, (dh0,)
-    dgates, dh0 = _stage(_rnn_bwd, dh_seq, d_finals[0], h_seq, w_hh, seq_lengths,
+    dgates, dh0 = _stage(_rnn_bwd, dh_seq, d_finals[0], h_seq, w_hh, seq_lengths, reduced=reduced,
                          nonlinearity=_nonlinearity(mode))
     return dgates, dgates, (dh0,)
 
@@ -283,7 +294,7 @@ def _rnn_stack_bwd(mode, sizes, precision, residuals, cotangents):
         dh_seq = d_out.reshape(h_seq.shape)
         d_last = _layer_states(d_finals, layer, directions)
         dgates_x, dgates_h, d_inits = _layer_bwd(mode, dh_seq, d_last, h_seq, layer_saved, inits, w_hh,
-                                                 seq_lengths)
+                                                 seq_lengths, precision)
         for d_state, d_init in zip(d_states, d_inits):
             d_state[layer] = jnp.swapaxes(d_init, 0, 1)
         h_prev = _previous_states(h_seq, inits[0], seq_lengths)
@@ -506,8 +517,9 @@ def _cell_bwd(mode, saved, d_last):
     x, states, params, h_seq, residuals, one_step = saved
     w_ih, w_hh, _, _ = params
     no_output_grad = jnp.zeros_like(h_seq)  # the new h's gradient arrives as d_last[0]
-    dgates_x, dgates_h, d_states = _layer_bwd(mode, no_output_grad, [d[:, None] for d in d_last], h_seq,
-                                              residuals, [s[:, None] for s in states], w_hh[None], one_step)
+    d_finals, inits = [d[:, None] for d in d_last], [s[:, None] for s in states]
+    dgates_x, dgates_h, d_states = _layer_bwd(mode, no_output_grad, d_finals, h_seq, residuals, inits, w_hh[None],
+                                              one_step, None)
     dgates_x, dgates_h = dgates_x[:, 0, 0], dgates_h[:, 0, 0]
     grads = (jnp.einsum("bg,bi->gi", dgates_x, x.astype(_F32)), jnp.einsum("bg,bh->gh", dgates_h, states[0]),
              jnp.sum(dgates_x, axis=0), jnp.sum(dgates_h, axis=0))

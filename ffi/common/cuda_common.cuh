@@ -158,6 +158,16 @@ __device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], c
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// bf16 mma.sync: m16n8k16, float32 sums. Fragments: A [16 x 16] holds a0 (g, 2t..2t+1), a1 (g + 8,
+// 2t..2t+1), a2 (g, 2t+8..2t+9), a3 (g + 8, 2t+8..2t+9), two bf16 a register, the lower k in the low
+// half; B [16 x 8] b0 (k 2t..2t+1, n g), b1 (k 2t+8..2t+9, n g); D as MmaTf32's.
+__device__ __forceinline__ void MmaBf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // Streams the indices first, first + step, ... < end through kSlots stages of a thread's own
 // shared-memory slots, kSlots - 1 indices ahead of use, so that the loads in flight hold no
 // registers: issue(stage, r) issues index r's copies (CpAsync16) into stage `stage`, use(stage, r)

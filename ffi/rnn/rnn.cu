@@ -18,6 +18,7 @@
 // of the GPU idles: hence the persistent kernels.
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string_view>
 
 #include "common/cuda_common.cuh"
@@ -367,11 +368,23 @@ ffi::Error LstmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::
   });
 }
 
+// The persistent backward's bf16 exchange ring (rnn_persistent.h) when bf16_gradients allows it and
+// W_hh is bfloat16; none (exact float32 products) otherwise, or when XLA's scratch allocator has no
+// room (alignment 16: it refuses more).
+Bf16Exchange Bf16Ring(ffi::ScratchAllocator& scratch, const RecurrenceShape& s, const ffi::AnyBuffer& w_hh,
+                      int64_t bf16_gradients) {
+  if (bf16_gradients == 0 || w_hh.element_type() != ffi::DataType::BF16) return {};
+  const size_t elements = size_t(2 * s.batch * s.directions * Bf16RowLength(s.gates()));
+  const std::optional<void*> ring = scratch.Allocate(elements * sizeof(__nv_bfloat16), 16);
+  return {ring.has_value() ? static_cast<__nv_bfloat16*>(*ring) : nullptr};
+}
+
 ffi::Error LstmBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Buffer<ffi::F32> dh_n,
                        ffi::Buffer<ffi::F32> dc_n, ffi::Buffer<ffi::F32> acts, ffi::Buffer<ffi::F32> c_seq,
                        ffi::Buffer<ffi::F32> c0, ffi::AnyBuffer w_hh, ffi::Buffer<ffi::S32> seq_lengths,
                        ffi::Result<ffi::Buffer<ffi::F32>> dgates, ffi::Result<ffi::Buffer<ffi::F32>> dh0,
-                       ffi::Result<ffi::Buffer<ffi::F32>> dc0, int64_t reverse) {
+                       ffi::Result<ffi::Buffer<ffi::F32>> dc0, int64_t reverse, int64_t bf16_gradients,
+                       ffi::ScratchAllocator scratch) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(acts.dimensions(), 4, 4, &s));
   JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(
@@ -383,7 +396,7 @@ ffi::Error LstmBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::B
   if (s.batch * s.directions > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
   const LstmBwdIo io{dh_seq.typed_data(), dh_n.typed_data(), dc_n.typed_data(), acts.typed_data(),
                      c_seq.typed_data(), c0.typed_data(), dgates->typed_data(), dh0->typed_data(),
-                     dc0->typed_data()};
+                     dc0->typed_data(), Bf16Ring(scratch, s, w_hh, bf16_gradients)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
                                               seq_lengths.typed_data(), s, reverse != 0, /*tf32=*/false, io,
@@ -436,7 +449,8 @@ ffi::Error GruBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
                       ffi::Buffer<ffi::F32> saved, ffi::Buffer<ffi::F32> h_seq, ffi::Buffer<ffi::F32> h0,
                       ffi::AnyBuffer w_hh, ffi::Buffer<ffi::S32> seq_lengths,
                       ffi::Result<ffi::Buffer<ffi::F32>> dgates_x, ffi::Result<ffi::Buffer<ffi::F32>> dgates_h,
-                      ffi::Result<ffi::Buffer<ffi::F32>> dh0, int64_t reverse) {
+                      ffi::Result<ffi::Buffer<ffi::F32>> dh0, int64_t reverse, int64_t bf16_gradients,
+                      ffi::ScratchAllocator scratch) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(saved.dimensions(), 4, 3, &s));
   JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(s, w_hh, {dh_n.dimensions(), h0.dimensions(), dh0->dimensions()},
@@ -446,7 +460,8 @@ ffi::Error GruBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
   if (s.empty()) return ffi::Error::Success();
   if (s.batch * s.directions > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
   const GruBwdIo io{dh_seq.typed_data(), dh_n.typed_data(), saved.typed_data(), h_seq.typed_data(),
-                    h0.typed_data(), dgates_x->typed_data(), dgates_h->typed_data(), dh0->typed_data()};
+                    h0.typed_data(), dgates_x->typed_data(), dgates_h->typed_data(), dh0->typed_data(),
+                    Bf16Ring(scratch, s, w_hh, bf16_gradients)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
                                               seq_lengths.typed_data(), s, reverse != 0, /*tf32=*/false, io,
@@ -497,7 +512,8 @@ ffi::Error RnnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::A
 ffi::Error RnnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Buffer<ffi::F32> dh_n,
                       ffi::Buffer<ffi::F32> h_seq, ffi::AnyBuffer w_hh, ffi::Buffer<ffi::S32> seq_lengths,
                       ffi::Result<ffi::Buffer<ffi::F32>> dgates, ffi::Result<ffi::Buffer<ffi::F32>> dh0,
-                      int64_t reverse, std::string_view nonlinearity) {
+                      int64_t reverse, std::string_view nonlinearity, int64_t bf16_gradients,
+                      ffi::ScratchAllocator scratch) {
   RecurrenceShape s;
   Activation act;
   JAXDNN_RETURN_IF_ERROR(DecodeNonlinearity(nonlinearity, &act));
@@ -508,7 +524,7 @@ ffi::Error RnnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
   if (s.empty()) return ffi::Error::Success();
   if (s.batch * s.directions > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
   const RnnBwdIo io{dh_seq.typed_data(), dh_n.typed_data(), h_seq.typed_data(), dgates->typed_data(),
-                    dh0->typed_data(), act};
+                    dh0->typed_data(), act, Bf16Ring(scratch, s, w_hh, bf16_gradients)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
                                               seq_lengths.typed_data(), s, reverse != 0, /*tf32=*/false, io,
@@ -532,8 +548,11 @@ namespace ffi = xla::ffi;
 
 // Not kCmdBufferCompatible: the persistent kernels are cooperative launches, kept out of CUDA graphs.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCuda, jaxdnn::LstmFwdImpl, jaxdnn::BindLstmFwd(jaxdnn::BindCuda()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCuda, jaxdnn::LstmBwdImpl, jaxdnn::BindLstmBwd(jaxdnn::BindCuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCuda, jaxdnn::LstmBwdImpl,
+                              jaxdnn::BindLstmBwd(jaxdnn::BindCuda()).Ctx<ffi::ScratchAllocator>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCuda, jaxdnn::GruFwdImpl, jaxdnn::BindGruFwd(jaxdnn::BindCuda()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCuda, jaxdnn::GruBwdImpl, jaxdnn::BindGruBwd(jaxdnn::BindCuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCuda, jaxdnn::GruBwdImpl,
+                              jaxdnn::BindGruBwd(jaxdnn::BindCuda()).Ctx<ffi::ScratchAllocator>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnFwdCuda, jaxdnn::RnnFwdImpl, jaxdnn::BindRnnFwd(jaxdnn::BindCuda()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnBwdCuda, jaxdnn::RnnBwdImpl, jaxdnn::BindRnnBwd(jaxdnn::BindCuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnBwdCuda, jaxdnn::RnnBwdImpl,
+                              jaxdnn::BindRnnBwd(jaxdnn::BindCuda()).Ctx<ffi::ScratchAllocator>());

@@ -337,7 +337,7 @@ ffi::Error LstmFwdImpl(ffi::ThreadPool pool,
 ffi::Error LstmBwdImpl(ffi::ThreadPool pool,
                        F32 dh_seq, F32 dh_n, F32 dc_n, F32 acts, F32 c_seq, F32 c0, ffi::AnyBuffer w_hh,
                        ffi::Buffer<ffi::S32> seq_lengths, F32Result dgates, F32Result dh0, F32Result dc0,
-                       int64_t reverse) {
+                       int64_t reverse, int64_t /*bf16_gradients: always exact here*/) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(acts.dimensions(), 4, 4, &s));
   JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(
@@ -418,7 +418,7 @@ ffi::Error GruFwdImpl(ffi::ThreadPool pool,
 ffi::Error GruBwdImpl(ffi::ThreadPool pool,
                       F32 dh_seq, F32 dh_n, F32 saved, F32 h_seq, F32 h0, ffi::AnyBuffer w_hh,
                       ffi::Buffer<ffi::S32> seq_lengths, F32Result dgates_x, F32Result dgates_h, F32Result dh0,
-                      int64_t reverse) {
+                      int64_t reverse, int64_t /*bf16_gradients: always exact here*/) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(saved.dimensions(), 4, 3, &s));
   JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(s, w_hh, {dh_n.dimensions(), h0.dimensions(), dh0->dimensions()},
@@ -501,7 +501,8 @@ ffi::Error RnnFwdImpl(ffi::ThreadPool pool,
 
 ffi::Error RnnBwdImpl(ffi::ThreadPool pool,
                       F32 dh_seq, F32 dh_n, F32 h_seq, ffi::AnyBuffer w_hh, ffi::Buffer<ffi::S32> seq_lengths,
-                      F32Result dgates, F32Result dh0, int64_t reverse, std::string_view nonlinearity) {
+                      F32Result dgates, F32Result dh0, int64_t reverse, std::string_view nonlinearity,
+                      int64_t /*bf16_gradients: always exact here*/) {
   RecurrenceShape s;
   Activation act;
   JAXDNN_RETURN_IF_ERROR(DecodeNonlinearity(nonlinearity, &act));

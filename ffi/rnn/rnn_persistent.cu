@@ -394,6 +394,77 @@ __device__ void MmaBlockProduct(ARow a_row, BRow b_row, int M, int N, int Kp, fl
   __syncthreads();
 }
 
+// The backward's product on bf16 tensor cores: store(u, b, sum_k wt[u][k] x_row(b)[k]) for u < units,
+// b < rows, with wt (bfloat16, shared memory, row stride ldw) and the x rows (bfloat16, global memory,
+// written by other blocks of this launch: read through L2) zero past K up to a multiple of
+// kBf16KBlock, Kp. M is the batch rows (16 an m tile), N the units (8 an n tile). In k block kb (64 k)
+// lane (g, t) loads 16 consecutive k, [64 kb + 16 t, + 16), of each of its rows (two 16-byte loads a
+// row) and mma s (0..3) takes their pairs 2s (fragment positions 2t, 2t + 1) and 2s + 1 (2t + 8,
+// 2t + 9), for both operands alike, so each product pairs equal k. Warps take m x n tiles; when there
+// are fewer tiles than warps, the warps of a tile split the k blocks and `partial` (kWarps * kMmaTile
+// floats) holds their sums, added in a fixed order (the result is deterministic). Rows and units past
+// the edge repeat the last one (their sums are dropped). Ends with the block synchronized.
+template <int kThreads, typename XRow, typename Store>
+__device__ void Bf16GradProduct(const __nv_bfloat16* wt, int ldw, XRow x_row, int units, int rows, int Kp,
+                                Store store, float* partial) {
+  constexpr int kWarps = kThreads / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int tiles_m = (rows + kMmaM - 1) / kMmaM;
+  const int tiles = tiles_m * ((units + kMmaN - 1) / kMmaN);
+  const int blocks = Kp / int(kBf16KBlock);
+  const int splits = tiles >= kWarps ? 1 : std::max(1, std::min(kWarps / tiles, blocks));
+  auto load16 = [](const __nv_bfloat16* p, bool global, uint32_t(&out)[8]) {
+    const uint4* v = reinterpret_cast<const uint4*>(p);
+    const uint4 lo = global ? __ldcg(v) : v[0], hi = global ? __ldcg(v + 1) : v[1];
+    const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = words[i];
+  };
+  for (int item = warp; item < tiles * splits; item += kWarps) {
+    const int tile = item % tiles, split = item / tiles;
+    const int m0 = (tile % tiles_m) * kMmaM, n0 = (tile / tiles_m) * kMmaN;
+    const __nv_bfloat16* a_lo = x_row(std::min(m0 + g, rows - 1)) + 16 * t;
+    const __nv_bfloat16* a_hi = x_row(std::min(m0 + g + 8, rows - 1)) + 16 * t;
+    const __nv_bfloat16* b = wt + std::min(n0 + g, units - 1) * ldw + 16 * t;
+    float acc[2][4] = {};
+#pragma unroll 4
+    for (int blk = split; blk < blocks; blk += splits) {
+      const int k = blk * int(kBf16KBlock);
+      uint32_t lo[8], hi[8], bw[8];
+      load16(a_lo + k, true, lo);
+      load16(a_hi + k, true, hi);
+      load16(b + k, false, bw);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint32_t af[4] = {lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1]};
+        const uint32_t bf[2] = {bw[2 * s], bw[2 * s + 1]};
+        MmaBf16(acc[s & 1], af, bf);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float sum = acc[0][i] + acc[1][i];
+      const int m = m0 + g + 8 * (i >> 1), n = n0 + 2 * t + (i & 1);
+      if (splits > 1) {
+        partial[item * kMmaTile + lane * 4 + i] = sum;
+      } else if (m < rows && n < units) {
+        store(n, m, sum);
+      }
+    }
+  }
+  __syncthreads();
+  if (splits == 1) return;
+  for (int e = threadIdx.x; e < tiles * kMmaTile; e += kThreads) {
+    const int tile = e / kMmaTile, l = e % kMmaTile / 4, i = e % 4;
+    const int m = (tile % tiles_m) * kMmaM + l / 4 + 8 * (i >> 1);
+    const int n = (tile / tiles_m) * kMmaN + 2 * (l % 4) + (i & 1);
+    float sum = 0.f;
+    for (int sp = 0; sp < splits; ++sp) sum += partial[(sp * tiles + tile) * kMmaTile + e % kMmaTile];
+    if (m < rows && n < units) store(n, m, sum);
+  }
+  __syncthreads();
+}
+
 // BlockMatmul's product with TF32 operands on tensor cores: w (stored TF32-exact: StoredWeight) and
 // x rows zero-padded to KPadded(K). The mma's M (16 a tile) is the rows when they fill a tile or
 // outnumber the columns, else the columns.
@@ -542,11 +613,11 @@ __device__ void Product(const W* w, int ldw, const float* x, int ldx, int rows, 
 // state (t_last < 0: the row has no valid step). h_seq and h0 are where the next step's h comes from.
 // Backward cells keep per-(row, unit) state in shared memory, state[0] (the gradient reaching h
 // from the next step) and state[stride] (the LSTM's dc, or the GRU's part of dh_prev that bypasses
-// W_hh): Init, then Step writes the gate gradients (`exchange` is the one multiplied by W_hh^T),
-// then Final writes the gradients of the initial state. Step is Grad(Load(...)): Load reads the
-// step's operands (Operands), Grad computes from them, and also leaves the exchanged gradients in
-// sent[q * sent_stride] when `sent` is given (the cluster kernels load a step ahead and send from
-// there).
+// W_hh): Init, then a step's Grad(Load(...)) writes the gate gradients (`Exchange()` is the one
+// multiplied by W_hh^T), then Final writes the gradients of the initial state. Load reads the step's
+// operands (Operands), Grad computes from them, and also leaves the exchanged gradients in
+// sent[q * sent_stride], converted to its type, when `sent` is given (the cluster kernels load a step
+// ahead and send from there; the persistent kernel fills its bf16 ring).
 
 template <typename Io>
 struct Cell;
@@ -670,6 +741,7 @@ struct Cell<LstmBwdIo> {
   static constexpr bool kBypass = false;
   LstmBwdIo io;
   __device__ const float* Exchange() const { return io.dgates; }
+  __device__ __nv_bfloat16* Ring() const { return io.exchange.ring; }
   __device__ void Init(const RecurrenceShape& s, const SeqRow& b, int64_t j, float* state, int64_t stride) const {
     state[0] = io.dh_n[b.state * s.hidden + j];
     state[stride] = io.dc_n[b.state * s.hidden + j];
@@ -690,19 +762,16 @@ struct Cell<LstmBwdIo> {
     return {LstmGates{a[j], a[H + j], a[2 * H + j], a[3 * H + j]}, io.c_seq[row * H + j],
             t_prev < 0 ? io.c0[b.state * H + j] : io.c_seq[At(s, b, t_prev) * H + j], io.dh_seq[row * H + j]};
   }
+  template <typename Sent = float>
   __device__ void Grad(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, const Operands& o,
-                       float* state, int64_t stride, float* sent = nullptr, int sent_stride = 0) const {
+                       float* state, int64_t stride, Sent* sent = nullptr, int sent_stride = 0) const {
     const int64_t H = s.hidden, row = At(s, b, t);
     float d_pre[4];
     state[stride] = LstmCellGrad(o.a, o.c, o.c_prev, o.dh + state[0], state[stride], d_pre);
     for (int q = 0; q < 4; ++q) {
       io.dgates[row * 4 * H + q * H + j] = d_pre[q];
-      if (sent != nullptr) sent[q * sent_stride] = d_pre[q];
+      if (sent != nullptr) sent[q * sent_stride] = FromFloat<Sent>(d_pre[q]);
     }
-  }
-  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev, float* state,
-                       int64_t stride) const {
-    Grad(s, b, j, t, Load(s, b, j, t, t_prev), state, stride);
   }
   __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     for (int q = 0; q < 4; ++q) io.dgates[At(s, b, t) * 4 * s.hidden + q * s.hidden + j] = 0.f;
@@ -723,6 +792,7 @@ struct Cell<GruBwdIo> {
   static constexpr bool kBypass = true;
   GruBwdIo io;
   __device__ const float* Exchange() const { return io.dgates_h; }
+  __device__ __nv_bfloat16* Ring() const { return io.exchange.ring; }
   __device__ void Init(const RecurrenceShape& s, const SeqRow& b, int64_t j, float* state, int64_t stride) const {
     state[0] = io.dh_n[b.state * s.hidden + j];
     state[stride] = 0.f;
@@ -742,20 +812,17 @@ struct Cell<GruBwdIo> {
     return {GruGates{keep[j], keep[H + j], keep[2 * H + j]}, keep[3 * H + j],
             t_prev < 0 ? io.h0[b.state * H + j] : io.h_seq[At(s, b, t_prev) * H + j], io.dh_seq[row * H + j]};
   }
+  template <typename Sent = float>
   __device__ void Grad(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, const Operands& o,
-                       float* state, int64_t stride, float* sent = nullptr, int sent_stride = 0) const {
+                       float* state, int64_t stride, Sent* sent = nullptr, int sent_stride = 0) const {
     const int64_t H = s.hidden, row = At(s, b, t);
     float d_x[3], d_h[3];
     state[stride] = GruCellGrad(o.a, o.h_n, o.h_prev, o.dh + state[0], d_x, d_h);
     for (int q = 0; q < 3; ++q) {
       io.dgates_x[row * 3 * H + q * H + j] = d_x[q];
       io.dgates_h[row * 3 * H + q * H + j] = d_h[q];
-      if (sent != nullptr) sent[q * sent_stride] = d_h[q];
+      if (sent != nullptr) sent[q * sent_stride] = FromFloat<Sent>(d_h[q]);
     }
-  }
-  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev, float* state,
-                       int64_t stride) const {
-    Grad(s, b, j, t, Load(s, b, j, t, t_prev), state, stride);
   }
   __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     for (int q = 0; q < 3; ++q) {
@@ -777,6 +844,7 @@ struct Cell<RnnBwdIo> {
   static constexpr bool kBypass = false;
   RnnBwdIo io;
   __device__ const float* Exchange() const { return io.dgates; }
+  __device__ __nv_bfloat16* Ring() const { return io.exchange.ring; }
   __device__ void Init(const RecurrenceShape& s, const SeqRow& b, int64_t j, float* state, int64_t) const {
     state[0] = io.dh_n[b.state * s.hidden + j];
   }
@@ -791,15 +859,12 @@ struct Cell<RnnBwdIo> {
     const int64_t row = At(s, b, t) * s.hidden + j;
     return {io.h_seq[row], io.dh_seq[row]};
   }
+  template <typename Sent = float>
   __device__ void Grad(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, const Operands& o,
-                       float* state, int64_t, float* sent = nullptr, int = 0) const {
+                       float* state, int64_t, Sent* sent = nullptr, int = 0) const {
     const float d = RnnCellGrad(io.act, o.h, o.dh + state[0]);
     io.dgates[At(s, b, t) * s.hidden + j] = d;
-    if (sent != nullptr) sent[0] = d;
-  }
-  __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t t_prev, float* state,
-                       int64_t stride) const {
-    Grad(s, b, j, t, Load(s, b, j, t, t_prev), state, stride);
+    if (sent != nullptr) sent[0] = FromFloat<Sent>(d);
   }
   __device__ void Zero(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t) const {
     io.dgates[At(s, b, t) * s.hidden + j] = 0.f;
@@ -979,7 +1044,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 // Backward: block p owns units [j0, j0 + U); smem holds wt [U][ldw] (wt[u][k] = W_hh[k][j0 + u]), the
 // state [slots][B][units] and the split sums. The product reads every unit's gate gradients straight
 // from L2: staging them in shared memory beside W_hh^T's slice left room for few batch rows a round
-// (5 at H 1024 float32: 13 rounds a step).
+// (5 at H 1024 float32: 13 rounds a step). With a bf16 exchange ring (a bfloat16 W_hh), the cells
+// also write their gate gradients rounded to bfloat16 into the ring's slot of the step's parity, and
+// the product multiplies those on tensor cores (Bf16GradProduct): half the bytes, and no float32 FMAs
+// (H200, the backward stage: LSTM (512, 16, 512, 512) 2.79 -> 2.44 ms, (256, 64, 1024, 1024) 6.25 ->
+// 4.04, a bidirectional (256, 32, 512, 512) layer 2.64 -> 1.69). A slot is rewritten two steps later,
+// after every block has passed the barrier of the step between, so after every block's product read it.
 template <typename W, typename Io, int kThreads, int kDirections>
 __global__ void __launch_bounds__(kThreads, 1)
     PersistentBwdKernel(Cell<Io> cell, const W* __restrict__ w_hh, const int32_t* __restrict__ seq_lengths,
@@ -995,10 +1065,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* state = reinterpret_cast<float*>(smem + plan.weight_bytes);
   float* partial = state + kStateSlots<Io> * stride;
   unsigned* counter = cell.Counter(s, d);
+  // The bf16 ring's rows (zero past G) and W^T's slice (zero from G to Kp, so the pad sums to 0).
+  __nv_bfloat16* const ring = std::is_same_v<W, __nv_bfloat16> ? cell.Ring() : nullptr;
+  const int Kp = ring != nullptr ? int(Bf16RowLength(G)) : G;
+  auto ring_row = [&](int64_t step, int64_t b) {
+    return ring + ((step & 1) * B * s.directions + s.Row(b, d).state) * Kp;
+  };
+  if (ring != nullptr) {  // the pads of this direction's rows, spread over its blocks
+    const int64_t pad = Kp - G;
+    for (int64_t e = int64_t(block) * kThreads + threadIdx.x; e < 2 * B * pad; e += int64_t(plan.blocks) * kThreads) {
+      ring_row(e / pad / B, e / pad % B)[G + e % pad] = FromFloat<__nv_bfloat16>(0.f);
+    }
+  }
   w_hh += int64_t(d) * s.gates() * H;  // this direction's W_hh
-  for (int e = threadIdx.x; e < U * G; e += kThreads) {
+  for (int e = threadIdx.x; e < U * Kp; e += kThreads) {
     const int k = e / U, u = e % U;
-    wt[u * plan.ldw + k] = w_hh[int64_t(k) * H + j0 + u];
+    wt[u * plan.ldw + k] = k < G ? w_hh[int64_t(k) * H + j0 + u] : FromFloat<W>(0.f);
   }
   // With at most one (row, unit) pair a thread, a thread loads its pair's operands of the next step
   // into registers while it waits at the barrier and through the product, so the cell waits on no
@@ -1022,20 +1104,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   load_operands(T - 1);
   for (int64_t step = T - 1; step >= 0; --step) {
     // Gate gradients of the own units (their state lives with the same (row, unit) mapping).
+    // (row b, unit j)'s gate gradients into the ring, or its zeros past the row's end.
+    auto sent = [&](int64_t b, int64_t j) { return ring == nullptr ? nullptr : ring_row(step, b) + j; };
+    auto zero = [&](int64_t b, int64_t j) {
+      cell.Zero(s, s.Row(b, d), j, step);
+      for (int q = 0; q < Cell<Io>::kGates && ring != nullptr; ++q) sent(b, j)[q * H] = FromFloat<__nv_bfloat16>(0.f);
+    };
     if (ahead) {
       if (mine && step < len) {
-        cell.Grad(s, row, j, StepTime(step, len, rev), operands, state + n * plan.units + u, stride);
+        cell.Grad(s, row, j, StepTime(step, len, rev), operands, state + n * plan.units + u, stride, sent(n, j), H);
       } else if (mine) {
-        cell.Zero(s, row, j, step);
+        zero(n, j);
       }
     } else {
       for (int e = threadIdx.x; e < B * U; e += kThreads) {
         const int64_t b = e / U, j = j0 + e % U, len = ValidSteps(seq_lengths[b], T);
         if (step < len) {
-          const int64_t t_prev = step == 0 ? -1 : StepTime(step - 1, len, rev);
-          cell.Step(s, s.Row(b, d), j, StepTime(step, len, rev), t_prev, state + b * plan.units + e % U, stride);
+          const int64_t t = StepTime(step, len, rev), t_prev = step == 0 ? -1 : StepTime(step - 1, len, rev);
+          cell.Grad(s, s.Row(b, d), j, t, cell.Load(s, s.Row(b, d), j, t, t_prev), state + b * plan.units + e % U,
+                    stride, sent(b, j), H);
         } else {
-          cell.Zero(s, s.Row(b, d), j, step);
+          zero(b, j);
         }
       }
     }
@@ -1062,6 +1151,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       float* st = state + b * plan.units + u;
       if (step < ValidSteps(seq_lengths[b], T)) st[0] = sum + (Cell<Io>::kBypass ? st[stride] : 0.f);
     };
+    if constexpr (std::is_same_v<W, __nv_bfloat16>) {
+      if (ring != nullptr) {
+        Bf16GradProduct<kThreads>(wt, plan.ldw, [&](int b) -> const __nv_bfloat16* { return ring_row(step, b); },
+                                  U, int(B), Kp, store, partial);
+        continue;
+      }
+    }
     if (U > 4) {  // a tile spans up to 8 units: with H <= 8 SMs, each gradient is read once
       BlockMatmul<8, 4, true, kThreads>(wt, plan.ldw, gradients_of, U, int(B), G, store, partial);
     } else {
@@ -1572,8 +1668,11 @@ bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_
   }
   plan->blocks = int((H + plan->units - 1) / plan->units);
   plan->threads = !kIsBackward<Io> || s.batch * plan->units >= kWideBackward ? kWide : kNarrow;
-  // Backward: K + 16 bytes (BlockMatmul's lanes stride along one row); forward: FragmentStride.
-  plan->ldw = int(kIsBackward<Io> ? K + 16 / int64_t(w_size) : FragmentStride(K, int64_t(w_size)));
+  // Backward: K + 16 bytes (BlockMatmul's lanes stride along one row; with the bf16 ring, K padded to
+  // its row length: a load phase's rows then fall 16 bytes apart modulo 128, on disjoint banks);
+  // forward: FragmentStride.
+  const int64_t backward_k = kIsBackward<Io> && tf32 ? Bf16RowLength(K) : K;
+  plan->ldw = int(kIsBackward<Io> ? backward_k + 16 / int64_t(w_size) : FragmentStride(K, int64_t(w_size)));
   const int64_t units = plan->units, partial = plan->threads / 32 * (tf32 ? kMmaTile : 32);
   if constexpr (kIsBackward<Io>) {  // no input buffer: the state and the split sums
     plan->weight_bytes = AlignUp(size_t(units * plan->ldw) * w_size);
@@ -1699,6 +1798,7 @@ ffi::Error LaunchCluster(cudaStream_t stream, const W* w_hh, const int32_t* seq_
 template <typename W, typename Io>
 ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths, const RecurrenceShape& s,
                   bool reverse, bool tf32, const Io& io, bool* launched) {
+  if constexpr (kIsBackward<Io>) tf32 = std::is_same_v<W, __nv_bfloat16> && io.exchange.ring != nullptr;
   int device = 0, sms = 0, smem_limit = 0, per_sm = 0;
   JAXDNN_RETURN_IF_ERROR(CudaError(cudaGetDevice(&device), "cudaGetDevice"));
   JAXDNN_RETURN_IF_ERROR(

@@ -6,6 +6,7 @@
 // Shapes and meanings are rnn.h's; the *Io structs carry each target's operands and results.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -19,9 +20,15 @@ struct LstmFwdIo {
   const float *gates_x, *h0, *c0;
   float *h_seq, *c_seq, *acts, *h_n, *c_n;
 };
+// The backward's gate gradients of the last two steps in bfloat16 ([2][B D][KPadded64(G)], zero past
+// G), which its product then reads instead of dgates' float32 rows; null: exact float32 products.
+struct Bf16Exchange {
+  __nv_bfloat16* ring = nullptr;
+};
 struct LstmBwdIo {
   const float *dh_seq, *dh_n, *dc_n, *acts, *c_seq, *c0;
   float *dgates, *dh0, *dc0;
+  Bf16Exchange exchange;
 };
 struct GruFwdIo {
   const float *gates_x, *b_hh, *h0;
@@ -30,6 +37,7 @@ struct GruFwdIo {
 struct GruBwdIo {
   const float *dh_seq, *dh_n, *saved, *h_seq, *h0;
   float *dgates_x, *dgates_h, *dh0;
+  Bf16Exchange exchange;
 };
 struct RnnFwdIo {
   const float *gates_x, *h0;
@@ -40,14 +48,22 @@ struct RnnBwdIo {
   const float *dh_seq, *dh_n, *h_seq;
   float *dgates, *dh0;
   Activation act;
+  Bf16Exchange exchange;
 };
+
+// Elements of a row of Bf16Exchange: G rounded up to the bf16 product's k blocks.
+inline constexpr int64_t kBf16KBlock = 64;
+__host__ __device__ constexpr int64_t Bf16RowLength(int64_t G) {
+  return (G + kBf16KBlock - 1) / kBf16KBlock * kBf16KBlock;
+}
 
 // Launches the persistent kernel of `Io`'s target on `stream` and sets *launched, or leaves *launched
 // false (and launches nothing) when W_hh's slices or the per-block buffers do not fit in shared memory
 // or the grid cannot be co-resident. w_hh [D, G, H] has dtype w_type (float32, bfloat16 or float16).
-// tf32 (forward targets; the backward's callers pass false): the recurrent products run on tensor
-// cores with W_hh and the multiplied state rounded to TF32 (float32 sums); otherwise they are exact
-// float32 sums on CUDA cores.
+// tf32, forward: the recurrent products run on tensor cores with W_hh and the multiplied state
+// rounded to TF32 (float32 sums); backward: the callers pass io.exchange.ring (a bfloat16 W_hh only),
+// and the persistent kernel's products multiply the gate gradients rounded to bfloat16 on bf16
+// tensor cores (float32 sums). Otherwise they are exact float32 sums on CUDA cores.
 template <typename Io>
 ffi::Error PersistentRecurrence(cudaStream_t stream, ffi::DataType w_type, const void* w_hh,
                                 const int32_t* seq_lengths, const RecurrenceShape& shape, bool reverse, bool tf32,
