@@ -519,8 +519,8 @@ def _cell_bwd(mode, saved, d_last):
     w_ih, w_hh, _, _ = params
     no_output_grad = jnp.zeros_like(h_seq)  # the new h's gradient arrives as d_last[0]
     d_finals, inits = [d[:, None] for d in d_last], [s[:, None] for s in states]
-    dgates_x, dgates_h, d_states = _layer_bwd(mode, no_output_grad, d_finals, h_seq, residuals, inits, w_hh[None],
-                                              one_step, None)
+    dgates_x, dgates_h, d_states = _layer_bwd(mode, no_output_grad, d_finals, h_seq, residuals, inits,
+                                              w_hh[None], one_step, None)
     dgates_x, dgates_h = dgates_x[:, 0, 0], dgates_h[:, 0, 0]
     grads = (jnp.einsum("bg,bi->gi", dgates_x, x.astype(_F32)), jnp.einsum("bg,bh->gh", dgates_h, states[0]),
              jnp.sum(dgates_x, axis=0), jnp.sum(dgates_h, axis=0))
