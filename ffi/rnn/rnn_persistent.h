@@ -20,7 +20,7 @@ struct LstmFwdIo {
   const float *gates_x, *h0, *c0;
   float *h_seq, *c_seq, *acts, *h_n, *c_n;
 };
-// The backward's gate gradients of the last two steps in bfloat16 ([2][B D][KPadded64(G)], zero past
+// The backward's gate gradients of the last two steps in bfloat16 ([2][B D][Bf16RowLength(G)], zero past
 // G), which its product then reads instead of dgates' float32 rows; null: exact float32 products.
 struct Bf16Exchange {
   __nv_bfloat16* ring = nullptr;
