@@ -156,16 +156,16 @@ _rnn_bwd = _primitive("rnn_bwd", 3, _rnn_bwd_avals, (3,), _ref.rnn_bwd,
 _KERNEL_ATTRS = ("tf32", "bf16_gradients")
 
 
-def _stage(stage, *operands, reduced, **options):
+def _stage(stage, *operands, **options):
     """A kernel stage (a pair from `_primitive`) of one layer, direction 0 in time order,
-    differentiated through its reference; `options` are further attributes, passed to the reference
-    as they are (the plain RNN's nonlinearity). reduced: whether the CUDA kernel may take
-    reduced-precision recurrent products (the stage's attribute of _KERNEL_ATTRS)."""
+    differentiated through its reference; `options` are further attributes: those of _KERNEL_ATTRS
+    (bools) go to the kernel alone, the others (the plain RNN's nonlinearity) to the reference too,
+    as they are."""
     prim, reference = stage
-    attrs = dict(options, reverse=np.int64(0))
-    attrs["bf16_gradients" if prim.name.endswith("_bwd") else "tf32"] = np.int64(reduced)
-    return with_reference_vjp(lambda *a: tuple(prim.bind(*a, **attrs)),
-                               lambda *a: reference(*a, reverse=False, **options), *operands)
+    attrs = {k: np.int64(v) if k in _KERNEL_ATTRS else v for k, v in options.items()}
+    reference_options = {k: v for k, v in options.items() if k not in _KERNEL_ATTRS}
+    return with_reference_vjp(lambda *a: tuple(prim.bind(*a, reverse=np.int64(0), **attrs)),
+                               lambda *a: reference(*a, reverse=False, **reference_options), *operands)
 
 
 # --- the differentiable stack -----------------------------------------------------------------
@@ -191,14 +191,14 @@ def _layer_fwd(mode, layer_in, params, inits, seq_lengths, precision):
     if mode == "gru":
         gates_x = _project_inputs(layer_in, w_ih, b_ih, precision)  # b_hh is inside the reset gate
         h_seq, saved, h_n = _stage(_gru_fwd, gates_x, w_hh, b_hh.astype(_F32), inits[0], seq_lengths,
-                                   reduced=reduced)
+                                   tf32=reduced)
         return h_seq, (saved,), (h_n,)
     # The LSTM and the plain RNN: both biases fold into the projection.
     gates_x = _project_inputs(layer_in, w_ih, _ref.folded_bias(b_ih, b_hh), precision)
     if mode == "lstm":
-        h_seq, c_seq, acts, h_n, c_n = _stage(_lstm_fwd, gates_x, w_hh, *inits, seq_lengths, reduced=reduced)
+        h_seq, c_seq, acts, h_n, c_n = _stage(_lstm_fwd, gates_x, w_hh, *inits, seq_lengths, tf32=reduced)
         return h_seq, (c_seq, acts), (h_n, c_n)
-    h_seq, h_n = _stage(_rnn_fwd, gates_x, w_hh, inits[0], seq_lengths, reduced=reduced,
+    h_seq, h_n = _stage(_rnn_fwd, gates_x, w_hh, inits[0], seq_lengths, tf32=reduced,
                         nonlinearity=_nonlinearity(mode))
     return h_seq, (), (h_n,)  # act' comes from h_seq itself
 
@@ -210,13 +210,13 @@ def _layer_bwd(mode, dh_seq, d_finals, h_seq, residuals, inits, w_hh, seq_length
     if mode == "lstm":
         c_seq, acts = residuals
         dgates, dh0, dc0 = _stage(_lstm_bwd, dh_seq, *d_finals, acts, c_seq, inits[1], w_hh, seq_lengths,
-                                  reduced=reduced)
+                                  bf16_gradients=reduced)
         return dgates, dgates, (dh0, dc0)
     if mode == "gru":
         dgates_x, dgates_h, dh0 = _stage(_gru_bwd, dh_seq, d_finals[0], residuals[0], h_seq, inits[0],
-                                         w_hh, seq_lengths, reduced=reduced)
+                                         w_hh, seq_lengths, bf16_gradients=reduced)
         return dgates_x, dgates_h, (dh0,)
-    dgates, dh0 = _stage(_rnn_bwd, dh_seq, d_finals[0], h_seq, w_hh, seq_lengths, reduced=reduced,
+    dgates, dh0 = _stage(_rnn_bwd, dh_seq, d_finals[0], h_seq, w_hh, seq_lengths, bf16_gradients=reduced,
                          nonlinearity=_nonlinearity(mode))
     return dgates, dgates, (dh0,)
 

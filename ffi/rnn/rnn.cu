@@ -399,7 +399,7 @@ ffi::Error LstmBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::B
                      dc0->typed_data(), Bf16Ring(scratch, s, w_hh, bf16_gradients)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0, /*tf32=*/false, io,
+                                              seq_lengths.typed_data(), s, reverse != 0, io.exchange.ring != nullptr, io,
                                               &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
@@ -464,7 +464,7 @@ ffi::Error GruBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
                     Bf16Ring(scratch, s, w_hh, bf16_gradients)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0, /*tf32=*/false, io,
+                                              seq_lengths.typed_data(), s, reverse != 0, io.exchange.ring != nullptr, io,
                                               &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
@@ -527,7 +527,7 @@ ffi::Error RnnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
                     dh0->typed_data(), act, Bf16Ring(scratch, s, w_hh, bf16_gradients)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0, /*tf32=*/false, io,
+                                              seq_lengths.typed_data(), s, reverse != 0, io.exchange.ring != nullptr, io,
                                               &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {

@@ -1798,7 +1798,6 @@ ffi::Error LaunchCluster(cudaStream_t stream, const W* w_hh, const int32_t* seq_
 template <typename W, typename Io>
 ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths, const RecurrenceShape& s,
                   bool reverse, bool tf32, const Io& io, bool* launched) {
-  if constexpr (kIsBackward<Io>) tf32 = std::is_same_v<W, __nv_bfloat16> && io.exchange.ring != nullptr;
   int device = 0, sms = 0, smem_limit = 0, per_sm = 0;
   JAXDNN_RETURN_IF_ERROR(CudaError(cudaGetDevice(&device), "cudaGetDevice"));
   JAXDNN_RETURN_IF_ERROR(

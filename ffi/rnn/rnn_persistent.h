@@ -61,7 +61,7 @@ __host__ __device__ constexpr int64_t Bf16RowLength(int64_t G) {
 // false (and launches nothing) when W_hh's slices or the per-block buffers do not fit in shared memory
 // or the grid cannot be co-resident. w_hh [D, G, H] has dtype w_type (float32, bfloat16 or float16).
 // tf32, forward: the recurrent products run on tensor cores with W_hh and the multiplied state
-// rounded to TF32 (float32 sums); backward: the callers pass io.exchange.ring (a bfloat16 W_hh only),
+// rounded to TF32 (float32 sums); backward: whether io.exchange.ring is given (a bfloat16 W_hh only),
 // and the persistent kernel's products multiply the gate gradients rounded to bfloat16 on bf16
 // tensor cores (float32 sums). Otherwise they are exact float32 sums on CUDA cores.
 template <typename Io>
