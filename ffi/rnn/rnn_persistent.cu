@@ -418,6 +418,77 @@ __device__ void MmaBlockProduct(ARow a_row, BRow b_row, int M, int N, int Kp, fl
   __syncthreads();
 }
 
+// The backward's product on bf16 tensor cores: store(u, b, sum_k wt[u][k] x_row(b)[k]) for u < units,
+// b < rows, with wt (bfloat16, shared memory, row stride ldw) and the x rows (bfloat16, global memory,
+// written by other blocks of this launch: read through L2) zero past K up to a multiple of
+// kBf16KBlock, Kp. M is the batch rows (16 an m tile), N the units (8 an n tile). In k block kb (64 k)
+// lane (g, t) loads 16 consecutive k, [64 kb + 16 t, + 16), of each of its rows (two 16-byte loads a
+// row) and mma s (0..3) takes their pairs 2s (fragment positions 2t, 2t + 1) and 2s + 1 (2t + 8,
+// 2t + 9), for both operands alike, so each product pairs equal k. Warps take m x n tiles; when there
+// are fewer tiles than warps, the warps of a tile split the k blocks and `partial` (kWarps * kMmaTile
+// floats) holds their sums, added in a fixed order (the result is deterministic). Rows and units past
+// the edge repeat the last one (their sums are dropped). Ends with the block synchronized.
+template <int kThreads, typename XRow, typename Store>
+__device__ void Bf16GradProduct(const __nv_bfloat16* wt, int ldw, XRow x_row, int units, int rows, int Kp,
+                                Store store, float* partial) {
+  constexpr int kWarps = kThreads / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int tiles_m = (rows + kMmaM - 1) / kMmaM;
+  const int tiles = tiles_m * ((units + kMmaN - 1) / kMmaN);
+  const int blocks = Kp / int(kBf16KBlock);
+  const int splits = tiles >= kWarps ? 1 : std::max(1, std::min(kWarps / tiles, blocks));
+  auto load16 = [](const __nv_bfloat16* p, bool global, uint32_t(&out)[8]) {
+    const uint4* v = reinterpret_cast<const uint4*>(p);
+    const uint4 lo = global ? __ldcg(v) : v[0], hi = global ? __ldcg(v + 1) : v[1];
+    const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = words[i];
+  };
+  for (int item = warp; item < tiles * splits; item += kWarps) {
+    const int tile = item % tiles, split = item / tiles;
+    const int m0 = (tile % tiles_m) * kMmaM, n0 = (tile / tiles_m) * kMmaN;
+    const __nv_bfloat16* a_lo = x_row(std::min(m0 + g, rows - 1)) + 16 * t;
+    const __nv_bfloat16* a_hi = x_row(std::min(m0 + g + 8, rows - 1)) + 16 * t;
+    const __nv_bfloat16* b = wt + std::min(n0 + g, units - 1) * ldw + 16 * t;
+    float acc[2][4] = {};
+#pragma unroll 4
+    for (int blk = split; blk < blocks; blk += splits) {
+      const int k = blk * int(kBf16KBlock);
+      uint32_t lo[8], hi[8], bw[8];
+      load16(a_lo + k, true, lo);
+      load16(a_hi + k, true, hi);
+      load16(b + k, false, bw);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint32_t af[4] = {lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1]};
+        const uint32_t bf[2] = {bw[2 * s], bw[2 * s + 1]};
+        MmaBf16(acc[s & 1], af, bf);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float sum = acc[0][i] + acc[1][i];
+      const int m = m0 + g + 8 * (i >> 1), n = n0 + 2 * t + (i & 1);
+      if (splits > 1) {
+        partial[item * kMmaTile + lane * 4 + i] = sum;
+      } else if (m < rows && n < units) {
+        store(n, m, sum);
+      }
+    }
+  }
+  __syncthreads();
+  if (splits == 1) return;
+  for (int e = threadIdx.x; e < tiles * kMmaTile; e += kThreads) {
+    const int tile = e / kMmaTile, l = e % kMmaTile / 4, i = e % 4;
+    const int m = (tile % tiles_m) * kMmaM + l / 4 + 8 * (i >> 1);
+    const int n = (tile / tiles_m) * kMmaN + 2 * (l % 4) + (i & 1);
+    float sum = 0.f;
+    for (int sp = 0; sp < splits; ++sp) sum += partial[(sp * tiles + tile) * kMmaTile + e % kMmaTile];
+    if (m < rows && n < units) store(n, m, sum);
+  }
+  __syncthreads();
+}
+
 // BlockMatmul's product with TF32 operands on tensor cores: w (stored TF32-exact: StoredWeight) and
 // x rows zero-padded to KPadded(K). The mma's M (16 a tile) is the rows when they fill a tile or
 // outnumber the columns, else the columns.
@@ -473,21 +544,22 @@ struct Bf16Operands {
 // store(m, n, sum_k w[m * ldw + k] x_row(n)[k]) for m < rows, n < cols, on tensor cores with float32
 // sums (Operands: the format above), reading the x rows straight from global memory (through L2:
 // other blocks of this launch wrote them): rows of K elements, K a multiple of the k block, 16-byte
-// aligned; a null row reads as zeros. The rows of w (shared memory) are zero past K. The products
-// of both persistent kernels: no staging of x in shared memory, so no barrier between the loads and
-// the mmas and no chunking of the batch. A warp takes an n tile (8 x rows) against kMTiles m tiles
-// of w at once (fewer where fewer rows remain; every x row crosses L2 once a block per 16 kMTiles
-// rows of w) and keeps kDepth k blocks of its x fragments in flight. When there are fewer n tiles
-// than warps, the warps of a tile split the k blocks and `partial` (kMTiles kWarps kMmaTile floats)
-// holds their sums,
-// added in a fixed order (the result is deterministic). Rows and columns past the edge repeat the
-// last one (their sums are dropped). `poll`: the x rows may still be being published; a warp awaits
-// each k block's fragments before it uses them, the loads of the later blocks already in flight.
-// Ends with the block synchronized.
-template <typename Operands, int kThreads, int kMTiles, int kDepth, typename W, typename XRow, typename Store>
+// aligned; a null row reads as zeros. The forward's product when its rows allow: no staging of x in
+// shared memory, so no barrier between the loads and the mmas and no chunking of the batch. A warp
+// takes an n tile (8 x rows) against kMTiles = 2 m tiles of w at once (one when at most 16 rows
+// remain; every x row crosses L2 once a block per 32 rows of w) and keeps kDepth k blocks of its x
+// fragments in flight. When there are fewer n tiles than warps, the warps of a tile split the k
+// blocks and `partial` (2 kWarps kMmaTile floats) holds their sums, added in a fixed order (the
+// result is deterministic). Rows and columns past the edge repeat the last one (their sums are
+// dropped). `poll`: the x rows may still be being published; a warp awaits each k block's fragments
+// before it uses them, the loads of the later blocks already in flight. Ends with the block
+// synchronized. (The backward's bf16 product, Bf16GradProduct, takes its x rows as the mma's M:
+// there, with few units a block, this loop ran its steps slower, H200 LSTM (512, 16, 512, 512) bf16
+// fwd+bwd 4.31 -> 4.98 ms.)
+template <typename Operands, int kThreads, typename W, typename XRow, typename Store>
 __device__ void GlobalMmaProduct(const W* w, int ldw, XRow x_row, int rows, int cols, int K, Store store,
                                  float* partial, bool poll) {
-  constexpr int kWarps = kThreads / 32, kBlock = Operands::kKBlock, kLane = kBlock / 4;
+  constexpr int kWarps = kThreads / 32, kMTiles = 2, kDepth = 4, kBlock = Operands::kKBlock, kLane = kBlock / 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int tiles_n = (cols + kMmaN - 1) / kMmaN, blocks = K / kBlock;
   const int splits = tiles_n >= kWarps ? 1 : std::max(1, std::min(kWarps / tiles_n, blocks));
@@ -1013,12 +1085,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (step >= len) return nullptr;
             return mirror + (step == 0 ? first_rows + r.state : At(s, r, StepTime(step - 1, len, rev))) * H;
           };
-          GlobalMmaProduct<Bf16Operands, kThreads, 2, 4>(w, plan.ldw, h_prev_bf16, R, group, H, store, partial, poll);
+          GlobalMmaProduct<Bf16Operands, kThreads>(w, plan.ldw, h_prev_bf16, R, group, H, store, partial, poll);
         }
       }
       if constexpr (kTf32) {
         if (plan.chunk == 0 && mirror == nullptr) {  // the rows straight from L2 (ends synchronized)
-          GlobalMmaProduct<Tf32Operands<W>, kThreads, 2, 4>(w, plan.ldw, [&](int i) { return h_prev(g0 + i); }, R,
+          GlobalMmaProduct<Tf32Operands<W>, kThreads>(w, plan.ldw, [&](int i) { return h_prev(g0 + i); }, R,
                                                          group, H, store, partial, poll);
         }
       }
@@ -1061,7 +1133,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // from L2: staging them in shared memory beside W_hh^T's slice left room for few batch rows a round
 // (5 at H 1024 float32: 13 rounds a step). With a bf16 exchange ring (a bfloat16 W_hh), the cells
 // also write their gate gradients rounded to bfloat16 into the ring's slot of the step's parity, and
-// the product multiplies those on tensor cores (GlobalMmaProduct): half the bytes, and no float32 FMAs
+// the product multiplies those on tensor cores (Bf16GradProduct): half the bytes, and no float32 FMAs
 // (H200, the backward stage: LSTM (512, 16, 512, 512) 2.79 -> 2.44 ms, (256, 64, 1024, 1024) 6.25 ->
 // 4.04, a bidirectional (256, 32, 512, 512) layer 2.64 -> 1.69). A slot is rewritten two steps later,
 // after every block has passed the barrier of the step between, so after every block's product read it.
@@ -1168,11 +1240,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     if constexpr (std::is_same_v<W, __nv_bfloat16>) {
       if (ring != nullptr) {
-        // One m tile a pass (a block's units rarely exceed 16), and in 16-warp blocks 2 k blocks in
-        // flight, not 4: more registers spilled more.
-        GlobalMmaProduct<Bf16Operands, kThreads, 1, kThreads == kWide ? 2 : 4>(
-            wt, plan.ldw, [&](int b) -> const __nv_bfloat16* { return ring_row(step, b); }, U, int(B), Kp, store,
-            partial, false);
+        Bf16GradProduct<kThreads>(wt, plan.ldw, [&](int b) -> const __nv_bfloat16* { return ring_row(step, b); },
+                                  U, int(B), Kp, store, partial);
         continue;
       }
     }
