@@ -428,10 +428,11 @@ def lstm(x, h_0, c_0, weights, seq_lengths, input_size, hidden_size, num_layers,
       precision: `lax.Precision` (or dot algorithm) of the input-projection and weight-gradient
         GEMMs (XLA) and of the recurrence: at None (JAX's default precision), DEFAULT and HIGH the
         CUDA kernels may round W_hh and the state to TF32 for the forward's recurrent products
-        (float32 sums), as cuDNN does under `jax.experimental.rnn`, and the backward through time
-        of bfloat16 weights passes its gate gradients between steps in bfloat16 (bf16 tensor-core
-        products, float32 sums), as a bfloat16 `lax.scan` does; HIGHEST (or a float32-accurate
-        algorithm) keeps them exact. The CPU kernels always multiply exactly.
+        (float32 sums), as cuDNN does under `jax.experimental.rnn`; with bfloat16 weights the
+        forward may multiply the state rounded to bfloat16 instead (H a multiple of 64) and the
+        backward through time passes its gate gradients between steps in bfloat16 (bf16
+        tensor-core products, float32 sums), as a bfloat16 `lax.scan` does; HIGHEST (or a
+        float32-accurate algorithm) keeps them exact. The CPU kernels always multiply exactly.
       dropout_rng: a `jax.random.key` for the dropout masks (a jaxdnn addition to the signature);
         the same key gives the same masks, in the forward and its gradient
         (`jaxdnn.reference.rnn.dropout_masks` draws them).

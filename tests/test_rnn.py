@@ -865,8 +865,8 @@ def test_kernel_stages_match_their_references(mode, size, directions, reverse, t
     to64 = lambda args: [a if a.dtype == jnp.int32 else f64(a) for a in args]  # noqa: E731
 
     def forward(state):
-        bind = lambda *a: fwd_prim.bind(*a, tf32=np.int64(tf32), bf16_state=np.int64(state), **attrs)  # noqa: E731
-        return jax.jit(bind)(*fwd_args)
+        return jax.jit(lambda *a: fwd_prim.bind(*a, tf32=np.int64(tf32), bf16_state=np.int64(state),
+                                                **attrs))(*fwd_args)
 
     got = forward(tf32)
     want = fwd_ref(*to64(fwd_args), reverse=reverse, **options)

@@ -14,17 +14,19 @@
 // as cuDNN's default math and XLA's default precision do; 0 asks for exact float32 products; and
 // bf16_state: 1 lets the CUDA persistent kernel of a bfloat16 W_hh, H a multiple of 64, round the
 // state it multiplies to bfloat16 instead (bf16 tensor cores, float32 sums; h_seq and the other
-// results stay float32), as a bfloat16 recurrence in XLA does. The backward targets take the attribute bf16_gradients: 1 lets the CUDA persistent kernel of a bfloat16
-// W_hh round the gate gradients it passes from step to step to bfloat16 and multiply them by W_hh on
-// tensor cores (float32 sums; the dgates results stay float32), as a bfloat16 recurrence in XLA
-// does; 0, or another W_hh dtype, exact float32 products. The CPU kernels compute exactly (a TF32
+// results stay float32), as a bfloat16 recurrence in XLA does. The backward targets take the
+// attribute bf16_gradients: 1 lets the CUDA persistent kernel of a bfloat16 W_hh round the gate
+// gradients it passes from step to step to bfloat16 and multiply them by W_hh on tensor cores
+// (float32 sums; the dgates results stay float32), as a bfloat16 recurrence in XLA does; 0, or
+// another W_hh dtype, exact float32 products. The CPU kernels compute exactly (a TF32
 // backward of float32 gradients ran slower on an H100: its products are a few columns of W_hh a
 // block).
 // Targets (the ABI of exported programs, hence versioned):
 //   jaxdnn_lstm_fwd_v4 (gates_x, w_hh, h0, c0, seq_lengths) -> (h_seq, c_seq, acts, h_n, c_n)
 //       gates_x = x W_ih^T + b_ih + b_hh [B, T, D, 4H]; acts[b, t, d] = (sigmoid(i), sigmoid(f),
 //       tanh(g), sigmoid(o)) of gates_x[b, t, d] + W_hh[d] h_prev; c = f c_prev + i g, h = o tanh(c);
-//       h_n, c_n are the states after the last valid step (h0, c0 when len_b = 0). attrs: reverse, tf32, bf16_state.
+//       h_n, c_n are the states after the last valid step (h0, c0 when len_b = 0).
+//       attrs: reverse, tf32, bf16_state.
 //   jaxdnn_lstm_bwd_v3 (dh_seq, dh_n, dc_n, acts, c_seq, c0, w_hh, seq_lengths) -> (dgates, dh0, dc0)
 //       backward through time: dgates = d(loss)/d(gates_x) (zero past each row's end), dh0 and dc0
 //       the gradients reaching the initial state. attrs: reverse, bf16_gradients.

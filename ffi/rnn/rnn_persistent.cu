@@ -29,12 +29,18 @@
 // kernels (below; sm_90), whose blocks exchange each step's values through distributed shared
 // memory, with no grid barrier.
 // The recurrent products are exact float32 sums over CUDA cores (W_hh converted from its dtype on
-// the fly), as the baseline and the CPU kernel compute them, in a different summation order; or, in
-// the forward when the target's tf32 attribute allows, mma.sync on tensor cores with W_hh and the
-// multiplied state rounded to TF32 and float32 sums (cuDNN's default math for float32 RNNs). The
-// backward stays exact: its product per block is a few columns of W_hh (units x batch rows, K = G),
-// where TF32 tiles split over K ran slower than the CUDA cores (H100: LSTM fwd+bwd 1.10-1.14x the time);
-// the tensor-core cluster backward keeps float32 accuracy by splitting each gate gradient in two.
+// the fly), as the baseline and the CPU kernel compute them, in a different summation order; or,
+// where the targets' attributes allow reduced products, mma.sync on tensor cores with float32 sums:
+// - the forward with W_hh and the multiplied state rounded to TF32 (tf32; cuDNN's default math for
+//   float32 RNNs), or, for a bfloat16 W_hh with H a multiple of 64, with bfloat16 copies of the
+//   state (bf16_state): the cells publish each h twice, float32 in h_seq and bfloat16 in the
+//   exchange rows that the product polls, half the bytes a step (H200, LSTM (512, 16, 512, 512)
+//   bf16 forward 1.91 -> 1.74-1.77 ms, on two machines);
+// - the backward of a bfloat16 W_hh with its gate gradients rounded to bfloat16 (bf16_gradients:
+//   PersistentBwdKernel). A float32 W_hh's backward stays exact: its product per block is a few
+//   columns of W_hh (units x batch rows, K = G), where TF32 tiles split over K ran slower than the
+//   CUDA cores (H100: LSTM fwd+bwd 1.10-1.14x the time); the tensor-core cluster backward keeps
+//   float32 accuracy by splitting each gate gradient in two.
 //
 // Barrier (backward). A monotone arrival counter in global memory per direction: after a step each
 // of the direction's blocks adds one; before the next it waits until the counter reaches (steps
@@ -676,7 +682,8 @@ __device__ void Product(const W* w, int ldw, const float* x, int ldx, int rows, 
 // and the carried state (updated in place), which returns h (the cluster kernels keep both on chip;
 // Carried0 is the carried state's initial value);
 // Zero(...) writes the zeros of a step past the row's end; Final(..., t_last) writes the final
-// state (t_last < 0: the row has no valid step). h_seq and h0 are where the next step's h comes from.
+// state (t_last < 0: the row has no valid step). h_seq and h0 are where the next step's h comes from
+// (or their bfloat16 copies, io.exchange: PublishH).
 // Backward cells keep per-(row, unit) state in shared memory, state[0] (the gradient reaching h
 // from the next step) and state[stride] (the LSTM's dc, or the GRU's part of dh_prev that bypasses
 // W_hh): Init, then a step's Grad(Load(...)) writes the gate gradients (`Exchange()` is the one
