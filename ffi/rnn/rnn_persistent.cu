@@ -123,13 +123,18 @@ __device__ __forceinline__ bool Pending(const float4& v) {
 }
 
 // A relaxed load at GPU scope: through L2, and never merged with or hoisted out of a polling loop.
-__device__ __forceinline__ float4 LoadRelaxed(const float4* p) {
-  float4 v;
-  asm volatile("ld.relaxed.gpu.global.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+__device__ __forceinline__ uint4 LoadRelaxed(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p)
                : "memory");
   return v;
+}
+
+__device__ __forceinline__ float4 LoadRelaxed(const float4* p) {
+  const uint4 v = LoadRelaxed(reinterpret_cast<const uint4*>(p));
+  return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
 }
 
 __device__ __forceinline__ float LoadRelaxed(const float* p) {
@@ -157,15 +162,6 @@ __device__ __forceinline__ void PublishBf16(__nv_bfloat16* p, float v) {
 __device__ __forceinline__ void PublishH(float* h_seq, const Bf16Exchange& exchange, int64_t at, float h) {
   Publish(h_seq + at, h);
   if (exchange.rows != nullptr) PublishBf16(exchange.rows + at, h);
-}
-
-__device__ __forceinline__ uint4 LoadRelaxed(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
 }
 
 // dst[i * ld + (0, width)] = src(i)[0, width) for i < rows, zeros where src(i) is null: a warp per
