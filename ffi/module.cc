@@ -61,11 +61,11 @@ const Target kTargets[] = {
     {"jaxdnn_gemm_v3", GemmCpu, JAXDNN_CUDA_HANDLER(GemmCuda)},
     {"jaxdnn_attention_fwd_v2", AttentionFwdCpu, JAXDNN_CUDA_HANDLER(AttentionFwdCuda)},
     {"jaxdnn_attention_bwd_v3", AttentionBwdCpu, JAXDNN_CUDA_HANDLER(AttentionBwdCuda)},
-    {"jaxdnn_lstm_fwd_v3", LstmFwdCpu, JAXDNN_CUDA_HANDLER(LstmFwdCuda)},
+    {"jaxdnn_lstm_fwd_v4", LstmFwdCpu, JAXDNN_CUDA_HANDLER(LstmFwdCuda)},
     {"jaxdnn_lstm_bwd_v3", LstmBwdCpu, JAXDNN_CUDA_HANDLER(LstmBwdCuda)},
-    {"jaxdnn_gru_fwd_v3", GruFwdCpu, JAXDNN_CUDA_HANDLER(GruFwdCuda)},
+    {"jaxdnn_gru_fwd_v4", GruFwdCpu, JAXDNN_CUDA_HANDLER(GruFwdCuda)},
     {"jaxdnn_gru_bwd_v3", GruBwdCpu, JAXDNN_CUDA_HANDLER(GruBwdCuda)},
-    {"jaxdnn_rnn_fwd_v3", RnnFwdCpu, JAXDNN_CUDA_HANDLER(RnnFwdCuda)},
+    {"jaxdnn_rnn_fwd_v4", RnnFwdCpu, JAXDNN_CUDA_HANDLER(RnnFwdCuda)},
     {"jaxdnn_rnn_bwd_v3", RnnBwdCpu, JAXDNN_CUDA_HANDLER(RnnBwdCuda)},
 };
 

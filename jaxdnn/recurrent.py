@@ -9,7 +9,7 @@ p = l D + d. Internally `mode` is cuDNN's name of the cell: "lstm", "gru", "rnn_
 Per layer, its D directions together:
 - the input projection of every time step, gates_x = x W_ih^T + biases [B, T, D, G], is one GEMM done
   by XLA (`jnp.einsum`, float32 results);
-- the recurrence is a kernel stage (`jaxdnn_lstm_fwd_v3`, `jaxdnn_gru_fwd_v3`, `jaxdnn_rnn_fwd_v3`):
+- the recurrence is a kernel stage (`jaxdnn_lstm_fwd_v4`, `jaxdnn_gru_fwd_v4`, `jaxdnn_rnn_fwd_v4`):
   the hidden states [B, T, D, H] (so the layer's output, its directions side by side, is a
   reshape), the gate activations the backward needs, and the final states [B, D, H];
 - backward through time is a kernel stage (`jaxdnn_lstm_bwd_v3`, `jaxdnn_gru_bwd_v3`,
@@ -17,8 +17,9 @@ Per layer, its D directions together:
   LSTM and the plain RNN) and of the initial states; the weight and bias gradients and the input
   gradient are GEMMs / sums over those, done by XLA after.
 `precision` None, DEFAULT or HIGH lets the CUDA kernels take reduced-precision recurrent products
-(the stages' attributes tf32 and bf16_gradients: TF32 forward products, and a bfloat16 W_hh's backward
-passing its gate gradients from step to step in bfloat16), as XLA and cuDNN do at those precisions.
+(the stages' attributes tf32, bf16_state and bf16_gradients: TF32 forward products, and a bfloat16
+W_hh's forward multiplying its state rounded to bfloat16 and its backward passing its gate gradients
+from step to step in bfloat16), as XLA and cuDNN do at those precisions.
 Each stage is a primitive differentiated through `jaxdnn.reference.rnn` (second order works); the
 whole stack is one `jax.custom_vjp`.
 """
@@ -133,27 +134,28 @@ def _primitive(name, version, result_avals, shared, reference, sharding_rule):
     return prim, reference
 
 
-_lstm_fwd = _primitive("lstm_fwd", 3, _fwd_avals, (1,), _ref.lstm_fwd,
+_lstm_fwd = _primitive("lstm_fwd", 4, _fwd_avals, (1,), _ref.lstm_fwd,
                        "... t d g, d g h, ... d h, ... d h, ... "
                        "-> ... t d h, ... t d h, ... t d g, ... d h, ... d h")
 _lstm_bwd = _primitive("lstm_bwd", 3, _bwd_avals, (6,), _ref.lstm_bwd,
                        "... t d h, ... d h, ... d h, ... t d g, ... t d h, ... d h, d g h, ... "
                        "-> ... t d g, ... d h, ... d h")
-_gru_fwd = _primitive("gru_fwd", 3, _gru_fwd_avals, (1, 2), _ref.gru_fwd,
+_gru_fwd = _primitive("gru_fwd", 4, _gru_fwd_avals, (1, 2), _ref.gru_fwd,
                       "... t d g, d g h, d g, ... d h, ... -> ... t d h, ... t d s, ... d h")
 _gru_bwd = _primitive("gru_bwd", 3, _gru_bwd_avals, (5,), _ref.gru_bwd,
                       "... t d h, ... d h, ... t d s, ... t d h, ... d h, d g h, ... "
                       "-> ... t d g, ... t d g, ... d h")
-_rnn_fwd = _primitive("rnn_fwd", 3, _rnn_fwd_avals, (1,), _ref.rnn_fwd,
+_rnn_fwd = _primitive("rnn_fwd", 4, _rnn_fwd_avals, (1,), _ref.rnn_fwd,
                       "... t d g, d g h, ... d h, ... -> ... t d h, ... d h")
 _rnn_bwd = _primitive("rnn_bwd", 3, _rnn_bwd_avals, (3,), _ref.rnn_bwd,
                       "... t d h, ... d h, ... t d h, d g h, ... -> ... t d g, ... d h")
 
 
 # The stages' attributes that only choose the kernels' precision (the references ignore them): tf32
-# (forward: TF32 recurrent products) and bf16_gradients (backward: a bfloat16 W_hh's gate gradients
-# passed between steps in bfloat16).
-_KERNEL_ATTRS = ("tf32", "bf16_gradients")
+# (forward: TF32 recurrent products), bf16_state (forward: a bfloat16 W_hh's products of the state
+# rounded to bfloat16) and bf16_gradients (backward: a bfloat16 W_hh's gate gradients passed between
+# steps in bfloat16).
+_KERNEL_ATTRS = ("tf32", "bf16_state", "bf16_gradients")
 
 
 def _stage(stage, *operands, **options):
@@ -191,14 +193,15 @@ def _layer_fwd(mode, layer_in, params, inits, seq_lengths, precision):
     if mode == "gru":
         gates_x = _project_inputs(layer_in, w_ih, b_ih, precision)  # b_hh is inside the reset gate
         h_seq, saved, h_n = _stage(_gru_fwd, gates_x, w_hh, b_hh.astype(_F32), inits[0], seq_lengths,
-                                   tf32=reduced)
+                                   tf32=reduced, bf16_state=reduced)
         return h_seq, (saved,), (h_n,)
     # The LSTM and the plain RNN: both biases fold into the projection.
     gates_x = _project_inputs(layer_in, w_ih, _ref.folded_bias(b_ih, b_hh), precision)
     if mode == "lstm":
-        h_seq, c_seq, acts, h_n, c_n = _stage(_lstm_fwd, gates_x, w_hh, *inits, seq_lengths, tf32=reduced)
+        h_seq, c_seq, acts, h_n, c_n = _stage(_lstm_fwd, gates_x, w_hh, *inits, seq_lengths, tf32=reduced,
+                                              bf16_state=reduced)
         return h_seq, (c_seq, acts), (h_n, c_n)
-    h_seq, h_n = _stage(_rnn_fwd, gates_x, w_hh, inits[0], seq_lengths, tf32=reduced,
+    h_seq, h_n = _stage(_rnn_fwd, gates_x, w_hh, inits[0], seq_lengths, tf32=reduced, bf16_state=reduced,
                         nonlinearity=_nonlinearity(mode))
     return h_seq, (), (h_n,)  # act' comes from h_seq itself
 
@@ -425,10 +428,11 @@ def lstm(x, h_0, c_0, weights, seq_lengths, input_size, hidden_size, num_layers,
       precision: `lax.Precision` (or dot algorithm) of the input-projection and weight-gradient
         GEMMs (XLA) and of the recurrence: at None (JAX's default precision), DEFAULT and HIGH the
         CUDA kernels may round W_hh and the state to TF32 for the forward's recurrent products
-        (float32 sums), as cuDNN does under `jax.experimental.rnn`, and the backward through time
-        of bfloat16 weights passes its gate gradients between steps in bfloat16 (bf16 tensor-core
-        products, float32 sums), as a bfloat16 `lax.scan` does; HIGHEST (or a float32-accurate
-        algorithm) keeps them exact. The CPU kernels always multiply exactly.
+        (float32 sums), as cuDNN does under `jax.experimental.rnn`; with bfloat16 weights the
+        forward may multiply the state rounded to bfloat16 instead (H a multiple of 64) and the
+        backward through time passes its gate gradients between steps in bfloat16 (bf16
+        tensor-core products, float32 sums), as a bfloat16 `lax.scan` does; HIGHEST (or a
+        float32-accurate algorithm) keeps them exact. The CPU kernels always multiply exactly.
       dropout_rng: a `jax.random.key` for the dropout masks (a jaxdnn addition to the signature);
         the same key gives the same masks, in the forward and its gradient
         (`jaxdnn.reference.rnn.dropout_masks` draws them).

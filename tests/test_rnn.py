@@ -260,7 +260,8 @@ def test_rnn_bad_nonlinearity(rng):
         # Waited for: on a GPU the kernel's error surfaces when the (asynchronous) result is.
         prim, _ = stages._rnn_fwd
         outs = prim.bind(gates_x, jnp.ones((1, 4, 4)), h0, jnp.full((2,), 3, jnp.int32),
-                         reverse=np.int64(0), nonlinearity="gelu", tf32=np.int64(0))
+                         reverse=np.int64(0), nonlinearity="gelu", tf32=np.int64(0),
+                         bf16_state=np.int64(0))
         jax.block_until_ready(outs)
 
 
@@ -405,7 +406,7 @@ def test_hlo_holds_the_custom_calls(mode, rng):
     x, states, weights, seq_lengths = args
     hlo = jax.jit(jax.grad(lambda x, w: jnp.sum(_ours(mode, x, states, w, seq_lengths, sizes)[0] ** 2),
                            argnums=(0, 1))).lower(x, weights).as_text()
-    for target in [f"jaxdnn_{_name(mode)}_fwd_v3", f"jaxdnn_{_name(mode)}_bwd_v3"]:
+    for target in [f"jaxdnn_{_name(mode)}_fwd_v4", f"jaxdnn_{_name(mode)}_bwd_v3"]:
         assert hlo.count(target) == 1, target  # one for both directions
 
 
@@ -413,15 +414,15 @@ def test_hlo_holds_the_custom_calls(mode, rng):
     (None, 0), (jax.lax.Precision.DEFAULT, 1), ("tensorfloat32", 1), (jax.lax.Precision.HIGHEST, 0),
     ((jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST), 0), ("F32_F32_F32", 0)], ids=str)
 def test_precision_reaches_the_kernels(precision, tf32, rng):
-    """`precision` sets the forward stages' tf32 attribute and the backward stages' bf16_gradients
-    alike (None follows jax_default_matmul_precision, which conftest sets to "highest")."""
+    """`precision` sets the forward stages' tf32 and bf16_state attributes and the backward stages'
+    bf16_gradients alike (None follows jax_default_matmul_precision, which conftest sets to "highest")."""
     args, sizes = _inputs(rng, "lstm", CASES[0])
     x, states, weights, seq_lengths = args
     loss = lambda x, w: jnp.sum(jaxdnn.lstm(x, *states, w, seq_lengths, *sizes, precision=precision)[0])
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, weights).as_text()
     assert hlo.count(f"tf32 = {tf32} : i64") == 1 and hlo.count(f"tf32 = {1 - tf32} : i64") == 0
-    assert hlo.count(f"bf16_gradients = {tf32} : i64") == 1
-    assert hlo.count(f"bf16_gradients = {1 - tf32} : i64") == 0
+    for name in ("bf16_state", "bf16_gradients"):
+        assert hlo.count(f"{name} = {tf32} : i64") == 1 and hlo.count(f"{name} = {1 - tf32} : i64") == 0
 
 
 def test_precision_allows_tf32_as_jax_rnn_allows_cudnn():
@@ -730,7 +731,7 @@ def test_cell_in_a_scan(mode, dtype, rng):
         assert g.dtype == dtype or g.dtype == jnp.float32
         assert_close(g, w, tolerance(dtype, grad=True), "cell gradient")
     hlo = jax.jit(jax.grad(functools.partial(loss, cell))).lower(x, states, params).as_text()
-    assert f"jaxdnn_{_name(mode)}_fwd_v3" in hlo and f"jaxdnn_{_name(mode)}_bwd_v3" in hlo
+    assert f"jaxdnn_{_name(mode)}_fwd_v4" in hlo and f"jaxdnn_{_name(mode)}_bwd_v3" in hlo
 
 
 @mode_param
@@ -784,12 +785,14 @@ def test_cell_bad_input():
 # the other cells' slices are too large); a small layer at one unit a block (the backward 2, in 8-warp
 # blocks); 43 rows over 100 blocks of 3 units, in two batch chunks (129 (row, unit) pairs a block: the
 # backward's 16-warp blocks); a layer whose H is a multiple of 32, where the TF32 forward reads its rows
-# straight from L2 (9 rows: a partial second n tile; 9 units a block: 36 LSTM rows, two passes of m tiles); a
-# layer whose W_hh slices do not fit in one SM's shared memory on a 132-SM Hopper, which takes the per-row
-# kernel (rnn_persistent.h); and one whose slices fit over all 132 SMs but not over half of them, so that two
+# straight from L2 (9 rows: a partial second n tile; 9 units a block: 36 LSTM rows, two passes of m tiles;
+# H a multiple of 64 too, where a bfloat16 forward may multiply bfloat16 copies of h); 130 rows, more (row,
+# unit) pairs a block than threads in both kernels (their cells loop over the pairs); a layer whose W_hh
+# slices do not fit in one SM's shared memory on a 132-SM Hopper, which takes the per-row kernel
+# (rnn_persistent.h); and one whose slices fit over all 132 SMs but not over half of them, so that two
 # directions take one launch each ("split", run with two directions only).
 STAGE_SIZES = {"cluster": (1, 7, 40), "cluster-batch": (11, 5, 160), "cluster-batch-wide": (11, 4, 352),
-               "small": (5, 6, 7), "chunks": (43, 5, 300), "direct": (9, 4, 1088),
+               "small": (5, 6, 7), "chunks": (43, 5, 300), "direct": (9, 4, 1088), "rows": (130, 3, 640),
                "wide": (2, 3, {"lstm": 2048, "gru": 2304, "rnn_tanh": 4096, "rnn_relu": 4096}),
                "split": (3, 3, {"lstm": 1536, "gru": 1792, "rnn_tanh": 3072, "rnn_relu": 3072})}
 # (D, reverse): the stage's directions, and whether direction 0 runs from each row's end.
@@ -813,8 +816,14 @@ def _persistent_backward(size, mode):
     """Whether a GPU runs the size's backward stage on the persistent kernel (rnn_persistent.cu), which
     rounds the gate gradients it passes between steps to bfloat16 when bf16_gradients allows: the
     others take the cluster kernels (at H 352 the plain RNN's alone) or the per-row kernel, exact."""
-    return (size in ("small", "chunks", "direct", "split")
+    return (size in ("small", "chunks", "direct", "rows", "split")
             or (size == "cluster-batch-wide" and mode in ("lstm", "gru")))
+
+
+def _bf16_state(size):
+    """Whether a GPU runs the size's forward stage on the persistent kernel with H a multiple of 64,
+    which multiplies bfloat16 copies of h (a bfloat16 W_hh) when bf16_state allows."""
+    return size in ("direct", "rows", "split")
 
 
 @mode_param
@@ -823,11 +832,12 @@ def _persistent_backward(size, mode):
 def test_kernel_stages_match_their_references(mode, size, directions, reverse, tf32, rng):
     """Each kernel stage (the FFI targets' contract, every result incl. the saved residuals and the
     zeros past each row's end) against its reference stage in float64, with bf16 W_hh, in one or two
-    directions (direction 1 runs the other way). Reduced (the forward's tf32 and the backward's
-    bf16_gradients): the persistent CUDA forward kernels round the state they multiply to TF32
-    (2^-11 relative) and the persistent backward its gate gradients to bfloat16 (2^-9): looser
-    tolerances, and on a GPU the rounding must show (the "wide" sizes run the exact per-row kernels,
-    the cluster sizes' backward is within 2^-22 of exact); the CPU kernels stay exact."""
+    directions (direction 1 runs the other way). Reduced (the forward's tf32 and bf16_state, the
+    backward's bf16_gradients): the persistent CUDA forward kernels round the state they multiply to
+    TF32 (2^-11 relative), or to bfloat16 (2^-9) where H is a multiple of 64, and the persistent
+    backward its gate gradients to bfloat16: looser tolerances, and on a GPU the rounding must show
+    (the "wide" sizes run the exact per-row kernels, the cluster sizes' backward is within 2^-22 of
+    exact); the CPU kernels stay exact."""
     from jaxdnn import recurrent as stages
     batch, steps, hidden = STAGE_SIZES[size]
     hidden = hidden[mode] if isinstance(hidden, dict) else hidden
@@ -850,15 +860,25 @@ def test_kernel_stages_match_their_references(mode, size, directions, reverse, t
         (fwd_prim, fwd_ref), (bwd_prim, bwd_ref) = stages._rnn_fwd, stages._rnn_bwd
         options = dict(nonlinearity=mode.removeprefix("rnn_"))
     attrs = dict(reverse=np.int64(reverse), **options)
-    tol = 5e-3 if tf32 else 1e-5
+    bf16_state = tf32 and on_gpu() and _bf16_state(size)
     rounds = tf32 and on_gpu() and size != "wide"
     to64 = lambda args: [a if a.dtype == jnp.int32 else f64(a) for a in args]  # noqa: E731
-    got = jax.jit(lambda *a: fwd_prim.bind(*a, tf32=np.int64(tf32), **attrs))(*fwd_args)
+
+    def forward(state):
+        return jax.jit(lambda *a: fwd_prim.bind(*a, tf32=np.int64(tf32), bf16_state=np.int64(state),
+                                                **attrs))(*fwd_args)
+
+    got = forward(tf32)
     want = fwd_ref(*to64(fwd_args), reverse=reverse, **options)
     for g, w in zip(got, want):
-        assert_close(g, w, tol, f"{mode} fwd stage")
+        assert_close(g, w, 1e-2 if bf16_state else 5e-3 if tf32 else 1e-5, f"{mode} fwd stage")
     if rounds:
         assert max(rel_err(g, w) for g, w in zip(got, want)) > 1e-7, "the TF32 product ran exactly"
+    if bf16_state:  # the product took the bfloat16 copies of h, not the TF32 state
+        tf32_only = forward(False)
+        for g, w in zip(tf32_only, want):
+            assert_close(g, w, 5e-3, f"{mode} fwd stage, tf32 alone")
+        assert max(rel_err(g, w) for g, w in zip(got, tf32_only)) > 1e-7, "bf16_state changed nothing"
     if mode == "lstm":
         h_seq, c_seq, acts = got[:3]
         cotangents = (normal(rng, h_seq.shape), normal(rng, h0.shape), normal(rng, c0.shape))

@@ -336,11 +336,26 @@ ffi::Error AllowSharedMemory(Kernel kernel, size_t bytes) {
                    "cudaFuncSetAttribute");
 }
 
+// The persistent kernels' bf16 exchange (rnn_persistent.h) when the attribute (bf16_state forward,
+// bf16_gradients backward) allows it and W_hh is bfloat16 (forward: and Bf16StateFits(H)); none
+// otherwise, or when XLA's scratch allocator has no room (alignment 16: it refuses more).
+Bf16Exchange Bf16Rows(ffi::ScratchAllocator& scratch, const RecurrenceShape& s, const ffi::AnyBuffer& w_hh,
+                      bool backward, int64_t allowed) {
+  if (allowed == 0 || w_hh.element_type() != ffi::DataType::BF16 || (!backward && !Bf16StateFits(s.hidden))) {
+    return {};
+  }
+  const int64_t rows = backward ? 2 * s.batch * s.directions : (s.steps + 1) * s.batch * s.directions;
+  const size_t elements = size_t(rows * (backward ? Bf16RowLength(s.gates()) : s.hidden));
+  const std::optional<void*> buffer = scratch.Allocate(elements * sizeof(__nv_bfloat16), 16);
+  return {buffer.has_value() ? static_cast<__nv_bfloat16*>(*buffer) : nullptr};
+}
+
 ffi::Error LstmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::AnyBuffer w_hh,
                        ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::S32> seq_lengths,
                        ffi::Result<ffi::Buffer<ffi::F32>> h_seq, ffi::Result<ffi::Buffer<ffi::F32>> c_seq,
                        ffi::Result<ffi::Buffer<ffi::F32>> acts, ffi::Result<ffi::Buffer<ffi::F32>> h_n,
-                       ffi::Result<ffi::Buffer<ffi::F32>> c_n, int64_t reverse, int64_t tf32) {
+                       ffi::Result<ffi::Buffer<ffi::F32>> c_n, int64_t reverse, int64_t tf32, int64_t bf16_state,
+                       ffi::ScratchAllocator scratch) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 4, 4, &s));
   JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(
@@ -350,7 +365,8 @@ ffi::Error LstmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::
   if (s.empty()) return ffi::Error::Success();
   if (s.batch * s.directions > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
   const LstmFwdIo io{gates_x.typed_data(), h0.typed_data(), c0.typed_data(), h_seq->typed_data(),
-                     c_seq->typed_data(), acts->typed_data(), h_n->typed_data(), c_n->typed_data()};
+                     c_seq->typed_data(), acts->typed_data(), h_n->typed_data(), c_n->typed_data(),
+                     Bf16Rows(scratch, s, w_hh, false, bf16_state)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
                                               seq_lengths.typed_data(), s, reverse != 0, tf32 != 0, io,
@@ -366,17 +382,6 @@ ffi::Error LstmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::
         h_n->typed_data(), c_n->typed_data());
     return LaunchError("lstm forward");
   });
-}
-
-// The persistent backward's bf16 exchange ring (rnn_persistent.h) when bf16_gradients allows it and
-// W_hh is bfloat16; none (exact float32 products) otherwise, or when XLA's scratch allocator has no
-// room (alignment 16: it refuses more).
-Bf16Exchange Bf16Ring(ffi::ScratchAllocator& scratch, const RecurrenceShape& s, const ffi::AnyBuffer& w_hh,
-                      int64_t bf16_gradients) {
-  if (bf16_gradients == 0 || w_hh.element_type() != ffi::DataType::BF16) return {};
-  const size_t elements = size_t(2 * s.batch * s.directions * Bf16RowLength(s.gates()));
-  const std::optional<void*> ring = scratch.Allocate(elements * sizeof(__nv_bfloat16), 16);
-  return {ring.has_value() ? static_cast<__nv_bfloat16*>(*ring) : nullptr};
 }
 
 ffi::Error LstmBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Buffer<ffi::F32> dh_n,
@@ -396,11 +401,11 @@ ffi::Error LstmBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::B
   if (s.batch * s.directions > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
   const LstmBwdIo io{dh_seq.typed_data(), dh_n.typed_data(), dc_n.typed_data(), acts.typed_data(),
                      c_seq.typed_data(), c0.typed_data(), dgates->typed_data(), dh0->typed_data(),
-                     dc0->typed_data(), Bf16Ring(scratch, s, w_hh, bf16_gradients)};
+                     dc0->typed_data(), Bf16Rows(scratch, s, w_hh, true, bf16_gradients)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0, io.exchange.ring != nullptr, io,
-                                              &launched));
+                                              seq_lengths.typed_data(), s, reverse != 0,
+                                              io.exchange.rows != nullptr, io, &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
@@ -417,7 +422,8 @@ ffi::Error LstmBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::B
 ffi::Error GruFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::AnyBuffer w_hh,
                       ffi::Buffer<ffi::F32> b_hh, ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::S32> seq_lengths,
                       ffi::Result<ffi::Buffer<ffi::F32>> h_seq, ffi::Result<ffi::Buffer<ffi::F32>> saved,
-                      ffi::Result<ffi::Buffer<ffi::F32>> h_n, int64_t reverse, int64_t tf32) {
+                      ffi::Result<ffi::Buffer<ffi::F32>> h_n, int64_t reverse, int64_t tf32, int64_t bf16_state,
+                      ffi::ScratchAllocator scratch) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 3, 3, &s));
   JAXDNN_RETURN_IF_ERROR(
@@ -428,7 +434,7 @@ ffi::Error GruFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::A
   if (s.empty()) return ffi::Error::Success();
   if (s.batch * s.directions > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
   const GruFwdIo io{gates_x.typed_data(), b_hh.typed_data(), h0.typed_data(), h_seq->typed_data(),
-                    saved->typed_data(), h_n->typed_data()};
+                    saved->typed_data(), h_n->typed_data(), Bf16Rows(scratch, s, w_hh, false, bf16_state)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
                                               seq_lengths.typed_data(), s, reverse != 0, tf32 != 0, io,
@@ -461,11 +467,11 @@ ffi::Error GruBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
   if (s.batch * s.directions > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
   const GruBwdIo io{dh_seq.typed_data(), dh_n.typed_data(), saved.typed_data(), h_seq.typed_data(),
                     h0.typed_data(), dgates_x->typed_data(), dgates_h->typed_data(), dh0->typed_data(),
-                    Bf16Ring(scratch, s, w_hh, bf16_gradients)};
+                    Bf16Rows(scratch, s, w_hh, true, bf16_gradients)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0, io.exchange.ring != nullptr, io,
-                                              &launched));
+                                              seq_lengths.typed_data(), s, reverse != 0,
+                                              io.exchange.rows != nullptr, io, &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
@@ -482,7 +488,8 @@ ffi::Error GruBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
 ffi::Error RnnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::AnyBuffer w_hh,
                       ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::S32> seq_lengths,
                       ffi::Result<ffi::Buffer<ffi::F32>> h_seq, ffi::Result<ffi::Buffer<ffi::F32>> h_n,
-                      int64_t reverse, std::string_view nonlinearity, int64_t tf32) {
+                      int64_t reverse, std::string_view nonlinearity, int64_t tf32, int64_t bf16_state,
+                      ffi::ScratchAllocator scratch) {
   RecurrenceShape s;
   Activation act;
   JAXDNN_RETURN_IF_ERROR(DecodeNonlinearity(nonlinearity, &act));
@@ -492,7 +499,8 @@ ffi::Error RnnFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> gates_x, ffi::A
   JAXDNN_RETURN_IF_ERROR(CheckSequences(s, 1, {h_seq->dimensions()}));
   if (s.empty()) return ffi::Error::Success();
   if (s.batch * s.directions > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
-  const RnnFwdIo io{gates_x.typed_data(), h0.typed_data(), h_seq->typed_data(), h_n->typed_data(), act};
+  const RnnFwdIo io{gates_x.typed_data(), h0.typed_data(), h_seq->typed_data(), h_n->typed_data(), act,
+                    Bf16Rows(scratch, s, w_hh, false, bf16_state)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
                                               seq_lengths.typed_data(), s, reverse != 0, tf32 != 0, io,
@@ -524,11 +532,11 @@ ffi::Error RnnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
   if (s.empty()) return ffi::Error::Success();
   if (s.batch * s.directions > INT32_MAX) return InvalidArgument("rnn: more than 2^31 - 1 batch rows");
   const RnnBwdIo io{dh_seq.typed_data(), dh_n.typed_data(), h_seq.typed_data(), dgates->typed_data(),
-                    dh0->typed_data(), act, Bf16Ring(scratch, s, w_hh, bf16_gradients)};
+                    dh0->typed_data(), act, Bf16Rows(scratch, s, w_hh, true, bf16_gradients)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0, io.exchange.ring != nullptr, io,
-                                              &launched));
+                                              seq_lengths.typed_data(), s, reverse != 0,
+                                              io.exchange.rows != nullptr, io, &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
@@ -547,12 +555,15 @@ ffi::Error RnnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
 namespace ffi = xla::ffi;
 
 // Not kCmdBufferCompatible: the persistent kernels are cooperative launches, kept out of CUDA graphs.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCuda, jaxdnn::LstmFwdImpl, jaxdnn::BindLstmFwd(jaxdnn::BindCuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmFwdCuda, jaxdnn::LstmFwdImpl,
+                              jaxdnn::BindLstmFwd(jaxdnn::BindCuda()).Ctx<ffi::ScratchAllocator>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LstmBwdCuda, jaxdnn::LstmBwdImpl,
                               jaxdnn::BindLstmBwd(jaxdnn::BindCuda()).Ctx<ffi::ScratchAllocator>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCuda, jaxdnn::GruFwdImpl, jaxdnn::BindGruFwd(jaxdnn::BindCuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GruFwdCuda, jaxdnn::GruFwdImpl,
+                              jaxdnn::BindGruFwd(jaxdnn::BindCuda()).Ctx<ffi::ScratchAllocator>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GruBwdCuda, jaxdnn::GruBwdImpl,
                               jaxdnn::BindGruBwd(jaxdnn::BindCuda()).Ctx<ffi::ScratchAllocator>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnFwdCuda, jaxdnn::RnnFwdImpl, jaxdnn::BindRnnFwd(jaxdnn::BindCuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnFwdCuda, jaxdnn::RnnFwdImpl,
+                              jaxdnn::BindRnnFwd(jaxdnn::BindCuda()).Ctx<ffi::ScratchAllocator>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnBwdCuda, jaxdnn::RnnBwdImpl,
                               jaxdnn::BindRnnBwd(jaxdnn::BindCuda()).Ctx<ffi::ScratchAllocator>());

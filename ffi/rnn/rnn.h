@@ -11,33 +11,37 @@
 // reversed when the attribute reverse is 1, direction 1 when it is 0. Steps t >= len_b hold zeros in
 // every per-step result. The forward targets take the attribute tf32: 1 lets the CUDA kernels round
 // W_hh and the state they multiply to TF32 for the recurrent products (tensor cores, float32 sums),
-// as cuDNN's default math and XLA's default precision do; 0 asks for exact float32 products. The
-// backward targets take the attribute bf16_gradients: 1 lets the CUDA persistent kernel of a bfloat16
-// W_hh round the gate gradients it passes from step to step to bfloat16 and multiply them by W_hh on
-// tensor cores (float32 sums; the dgates results stay float32), as a bfloat16 recurrence in XLA
-// does; 0, or another W_hh dtype, exact float32 products. The CPU kernels compute exactly (a TF32
+// as cuDNN's default math and XLA's default precision do; 0 asks for exact float32 products; and
+// bf16_state: 1 lets the CUDA persistent kernel of a bfloat16 W_hh, H a multiple of 64, round the
+// state it multiplies to bfloat16 instead (bf16 tensor cores, float32 sums; h_seq and the other
+// results stay float32), as a bfloat16 recurrence in XLA does. The backward targets take the
+// attribute bf16_gradients: 1 lets the CUDA persistent kernel of a bfloat16 W_hh round the gate
+// gradients it passes from step to step to bfloat16 and multiply them by W_hh on tensor cores
+// (float32 sums; the dgates results stay float32), as a bfloat16 recurrence in XLA does; 0, or
+// another W_hh dtype, exact float32 products. The CPU kernels compute exactly (a TF32
 // backward of float32 gradients ran slower on an H100: its products are a few columns of W_hh a
 // block).
 // Targets (the ABI of exported programs, hence versioned):
-//   jaxdnn_lstm_fwd_v3 (gates_x, w_hh, h0, c0, seq_lengths) -> (h_seq, c_seq, acts, h_n, c_n)
+//   jaxdnn_lstm_fwd_v4 (gates_x, w_hh, h0, c0, seq_lengths) -> (h_seq, c_seq, acts, h_n, c_n)
 //       gates_x = x W_ih^T + b_ih + b_hh [B, T, D, 4H]; acts[b, t, d] = (sigmoid(i), sigmoid(f),
 //       tanh(g), sigmoid(o)) of gates_x[b, t, d] + W_hh[d] h_prev; c = f c_prev + i g, h = o tanh(c);
-//       h_n, c_n are the states after the last valid step (h0, c0 when len_b = 0). attrs: reverse, tf32.
+//       h_n, c_n are the states after the last valid step (h0, c0 when len_b = 0).
+//       attrs: reverse, tf32, bf16_state.
 //   jaxdnn_lstm_bwd_v3 (dh_seq, dh_n, dc_n, acts, c_seq, c0, w_hh, seq_lengths) -> (dgates, dh0, dc0)
 //       backward through time: dgates = d(loss)/d(gates_x) (zero past each row's end), dh0 and dc0
 //       the gradients reaching the initial state. attrs: reverse, bf16_gradients.
-//   jaxdnn_gru_fwd_v3 (gates_x, w_hh, b_hh, h0, seq_lengths) -> (h_seq, saved, h_n)
+//   jaxdnn_gru_fwd_v4 (gates_x, w_hh, b_hh, h0, seq_lengths) -> (h_seq, saved, h_n)
 //       gates_x = x W_ih^T + b_ih [B, T, D, 3H], b_hh [D, 3H]; with hp = W_hh h_prev + b_hh:
 //       r = sigmoid(x_r + hp_r), z = sigmoid(x_z + hp_z), n = tanh(x_n + r hp_n),
 //       h = (1 - z) n + z h_prev (cuDNN's GRU); saved[b, t, d] = (r, z, n, hp_n) [4H], the
-//       backward's residuals. attrs: reverse, tf32.
+//       backward's residuals. attrs: reverse, tf32, bf16_state.
 //   jaxdnn_gru_bwd_v3 (dh_seq, dh_n, saved, h_seq, h0, w_hh, seq_lengths) -> (dgates_x, dgates_h, dh0)
 //       dgates_x = d(loss)/d(gates_x), dgates_h = d(loss)/d(hp) [B, T, D, 3H] (they differ in n: the
 //       reset gate scales hp_n), dh0. attrs: reverse, bf16_gradients.
-//   jaxdnn_rnn_fwd_v3 (gates_x, w_hh, h0, seq_lengths) -> (h_seq, h_n)
+//   jaxdnn_rnn_fwd_v4 (gates_x, w_hh, h0, seq_lengths) -> (h_seq, h_n)
 //       the plain (Elman) RNN, cuDNN's RNN_TANH / RNN_RELU: gates_x = x W_ih^T + b_ih + b_hh
 //       [B, T, D, H]; h = act(gates_x + W_hh h_prev). h_seq is also the backward's residual.
-//       attrs: reverse, nonlinearity ("tanh" or "relu"), tf32.
+//       attrs: reverse, nonlinearity ("tanh" or "relu"), tf32, bf16_state.
 //   jaxdnn_rnn_bwd_v3 (dh_seq, dh_n, h_seq, w_hh, seq_lengths) -> (dgates, dh0)
 //       dgates = d(loss)/d(gates_x), also the gradient of W_hh h_prev, with act' taken from the output
 //       h (1 - h^2, or [h > 0]); dh0. attrs: reverse, nonlinearity, bf16_gradients.
@@ -66,7 +70,8 @@ auto BindLstmFwd(Binding binding) {
       .template Ret<ffi::Buffer<ffi::F32>>()   // h_n [B, D, H]
       .template Ret<ffi::Buffer<ffi::F32>>()   // c_n [B, D, H]
       .template Attr<int64_t>("reverse")
-      .template Attr<int64_t>("tf32");
+      .template Attr<int64_t>("tf32")
+      .template Attr<int64_t>("bf16_state");
 }
 
 template <typename Binding>
@@ -101,7 +106,8 @@ auto BindGruFwd(Binding binding) {
       .template Ret<ffi::Buffer<ffi::F32>>()   // saved [B, T, D, 4H]: r, z, n, hp_n
       .template Ret<ffi::Buffer<ffi::F32>>()   // h_n [B, D, H]
       .template Attr<int64_t>("reverse")
-      .template Attr<int64_t>("tf32");
+      .template Attr<int64_t>("tf32")
+      .template Attr<int64_t>("bf16_state");
 }
 
 template <typename Binding>
@@ -134,7 +140,8 @@ auto BindRnnFwd(Binding binding) {
       .template Ret<ffi::Buffer<ffi::F32>>()   // h_n [B, D, H]
       .template Attr<int64_t>("reverse")
       .template Attr<std::string_view>("nonlinearity")  // "tanh" or "relu"
-      .template Attr<int64_t>("tf32");
+      .template Attr<int64_t>("tf32")
+      .template Attr<int64_t>("bf16_state");
 }
 
 template <typename Binding>

@@ -299,7 +299,7 @@ JAXDNN_ALWAYS_INLINE inline void GruCells(int64_t H, const float* __restrict gx,
 ffi::Error LstmFwdImpl(ffi::ThreadPool pool,
                        F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, F32 c0, ffi::Buffer<ffi::S32> seq_lengths,
                        F32Result h_seq, F32Result c_seq, F32Result acts, F32Result h_n, F32Result c_n,
-                       int64_t reverse, int64_t /*tf32: always exact here*/) {
+                       int64_t reverse, int64_t /*tf32*/, int64_t /*bf16_state: always exact here*/) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 4, 4, &s));
   JAXDNN_RETURN_IF_ERROR(CheckRecurrenceOperands(
@@ -382,7 +382,7 @@ ffi::Error LstmBwdImpl(ffi::ThreadPool pool,
 ffi::Error GruFwdImpl(ffi::ThreadPool pool,
                       F32 gates_x, ffi::AnyBuffer w_hh, F32 b_hh, F32 h0, ffi::Buffer<ffi::S32> seq_lengths,
                       F32Result h_seq, F32Result saved, F32Result h_n, int64_t reverse,
-                      int64_t /*tf32: always exact here*/) {
+                      int64_t /*tf32*/, int64_t /*bf16_state: always exact here*/) {
   RecurrenceShape s;
   JAXDNN_RETURN_IF_ERROR(DecodeRecurrenceShape(gates_x.dimensions(), 3, 3, &s));
   JAXDNN_RETURN_IF_ERROR(
@@ -465,7 +465,7 @@ ffi::Error GruBwdImpl(ffi::ThreadPool pool,
 ffi::Error RnnFwdImpl(ffi::ThreadPool pool,
                       F32 gates_x, ffi::AnyBuffer w_hh, F32 h0, ffi::Buffer<ffi::S32> seq_lengths, F32Result h_seq,
                       F32Result h_n, int64_t reverse, std::string_view nonlinearity,
-                      int64_t /*tf32: always exact here*/) {
+                      int64_t /*tf32*/, int64_t /*bf16_state: always exact here*/) {
   RecurrenceShape s;
   Activation act;
   JAXDNN_RETURN_IF_ERROR(DecodeNonlinearity(nonlinearity, &act));

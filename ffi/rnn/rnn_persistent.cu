@@ -29,12 +29,18 @@
 // kernels (below; sm_90), whose blocks exchange each step's values through distributed shared
 // memory, with no grid barrier.
 // The recurrent products are exact float32 sums over CUDA cores (W_hh converted from its dtype on
-// the fly), as the baseline and the CPU kernel compute them, in a different summation order; or, in
-// the forward when the target's tf32 attribute allows, mma.sync on tensor cores with W_hh and the
-// multiplied state rounded to TF32 and float32 sums (cuDNN's default math for float32 RNNs). The
-// backward stays exact: its product per block is a few columns of W_hh (units x batch rows, K = G),
-// where TF32 tiles split over K ran slower than the CUDA cores (H100: LSTM fwd+bwd 1.10-1.14x the time);
-// the tensor-core cluster backward keeps float32 accuracy by splitting each gate gradient in two.
+// the fly), as the baseline and the CPU kernel compute them, in a different summation order; or,
+// where the targets' attributes allow reduced products, mma.sync on tensor cores with float32 sums:
+// - the forward with W_hh and the multiplied state rounded to TF32 (tf32; cuDNN's default math for
+//   float32 RNNs), or, for a bfloat16 W_hh with H a multiple of 64, with bfloat16 copies of the
+//   state (bf16_state): the cells publish each h twice, float32 in h_seq and bfloat16 in the
+//   exchange rows that the product polls, half the bytes a step (H200, LSTM (512, 16, 512, 512)
+//   bf16 forward 1.91 -> 1.74-1.77 ms, on two machines);
+// - the backward of a bfloat16 W_hh with its gate gradients rounded to bfloat16 (bf16_gradients:
+//   PersistentBwdKernel). A float32 W_hh's backward stays exact: its product per block is a few
+//   columns of W_hh (units x batch rows, K = G), where TF32 tiles split over K ran slower than the
+//   CUDA cores (H100: LSTM fwd+bwd 1.10-1.14x the time); the tensor-core cluster backward keeps
+//   float32 accuracy by splitting each gate gradient in two.
 //
 // Barrier (backward). A monotone arrival counter in global memory per direction: after a step each
 // of the direction's blocks adds one; before the next it waits until the counter reaches (steps
@@ -117,13 +123,18 @@ __device__ __forceinline__ bool Pending(const float4& v) {
 }
 
 // A relaxed load at GPU scope: through L2, and never merged with or hoisted out of a polling loop.
-__device__ __forceinline__ float4 LoadRelaxed(const float4* p) {
-  float4 v;
-  asm volatile("ld.relaxed.gpu.global.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+__device__ __forceinline__ uint4 LoadRelaxed(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p)
                : "memory");
   return v;
+}
+
+__device__ __forceinline__ float4 LoadRelaxed(const float4* p) {
+  const uint4 v = LoadRelaxed(reinterpret_cast<const uint4*>(p));
+  return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
 }
 
 __device__ __forceinline__ float LoadRelaxed(const float* p) {
@@ -136,6 +147,21 @@ __device__ __forceinline__ float LoadRelaxed(const float* p) {
 template <typename T>
 __device__ __forceinline__ void AwaitPublished(const T* p, T& v) {
   while (Pending(v)) v = LoadRelaxed(p);
+}
+
+// The bfloat16 copy of a published h (Bf16Exchange, forward): pending while every bit is set
+// (0xffff, the same fill); a value rounding to that NaN is stored as another NaN.
+constexpr uint16_t kPendingBf16 = 0xffffu;
+
+__device__ __forceinline__ void PublishBf16(__nv_bfloat16* p, float v) {
+  const __nv_bfloat16 r = __float2bfloat16_rn(v);
+  *p = __bfloat16_as_ushort(r) == kPendingBf16 ? __ushort_as_bfloat16(0x7fffu) : r;
+}
+
+// A forward cell's h of step row `at`: h_seq's float32 word and, when given, its bfloat16 copy.
+__device__ __forceinline__ void PublishH(float* h_seq, const Bf16Exchange& exchange, int64_t at, float h) {
+  Publish(h_seq + at, h);
+  if (exchange.rows != nullptr) PublishBf16(exchange.rows + at, h);
 }
 
 // dst[i * ld + (0, width)] = src(i)[0, width) for i < rows, zeros where src(i) is null: a warp per
@@ -481,96 +507,138 @@ __device__ void Tf32BlockMatmul(const W* w, int ldw, const float* x, int ldx, in
   }
 }
 
-// out[n * rows + m] = sum_k w[m * ldw + k] x_row(n)[k] for m < rows, n < cols, on TF32 tensor cores
-// with float32 sums, reading the x rows straight from global memory (through L2: other blocks of
-// this launch wrote them): rows of K floats, K a multiple of kKBlock, 16-byte aligned; a null row
-// reads as zeros. w is stored TF32-exact (StoredWeight), rows zero past K. The forward's product
-// when its rows allow: no staging of x in shared memory, so no barrier between the loads and the
-// mmas and no chunking of the batch. A warp takes an n tile (8 batch rows) against two m tiles of w
-// at once (one when at most 16 rows remain; every x row crosses L2 once a block per 32 rows of w)
-// and keeps kDepth k blocks of its x fragments in flight. When there are fewer n tiles than warps,
-// the warps of a tile split the k blocks and `partial` (2 kWarps kMmaTile floats) holds their sums,
-// added in a fixed order. The k permutation and fragments are MmaBlockProduct's. `poll`: the x rows
-// may still be being published; a warp awaits each k block's fragments before it uses them, the
-// loads of the later blocks already in flight. Ends with the block synchronized.
-template <int kThreads, typename W, typename XRow>
-__device__ void Tf32GlobalProduct(const W* w, int ldw, XRow x_row, int rows, int cols, int K, float* out,
-                                  float* partial, bool poll) {
-  constexpr int kWarps = kThreads / 32, kDepth = 4;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int tiles_n = (cols + kMmaN - 1) / kMmaN, blocks = K / kKBlock;
-  const int splits = tiles_n >= kWarps ? 1 : std::max(1, std::min(kWarps / tiles_n, blocks));
-  for (int m0 = 0; m0 < rows; m0 += 2 * kMmaM) {
-    const int m_tiles = m0 + kMmaM < rows ? 2 : 1;  // warp-uniform
-    const W* a[4];  // this lane's rows m0 + g + 8 i of w (clamped: sums past the edge are dropped)
+// --- tensor-core products of rows read from global memory ---------------------------------------
+// The operand formats of GlobalMmaProduct. A k block gives a lane 32 bytes of each of its rows (the
+// global x rows and the shared-memory w rows) as 8 fragment words, and takes 4 mmas: mma s pairs
+// words 2s and 2s + 1 of both operands, so each product pairs equal k.
+// TF32 (mma.sync m16n8k8): 8 consecutive k a lane, float32 x rounded to TF32, w stored TF32-exact
+// (StoredWeight); in mma s, fragment position t holds k = 8 t + 2 s and t + 4 holds 8 t + 2 s + 1.
+template <typename W>
+struct Tf32Operands {
+  using X = float;
+  static constexpr int kKBlock = 32;
+  __device__ static bool Pending(const uint4& v) {  // kPending is the largest word
+    return max(max(v.x, v.y), max(v.z, v.w)) == kPending;
+  }
+  __device__ static uint32_t FromX(uint32_t word) { return Tf32(__uint_as_float(word)); }
+  __device__ static void LoadW(const W* p, uint32_t (&out)[8]) { LoadTf32x8<false>(p, out); }
+  __device__ static void Mma(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { MmaTf32(acc, a, b); }
+};
+// bfloat16 (mma.sync m16n8k16): 16 consecutive k a lane, [16 t, + 16) of the block; mma s takes
+// their pairs 2s (fragment positions 2t, 2t + 1) and 2s + 1 (2t + 8, 2t + 9).
+struct Bf16Operands {
+  using X = __nv_bfloat16;
+  static constexpr int kKBlock = int(kBf16KBlock);
+  __device__ static bool Pending(const uint4& v) {  // any half kPendingBf16
+    return (__vcmpeq2(v.x, kPending) | __vcmpeq2(v.y, kPending) | __vcmpeq2(v.z, kPending) |
+            __vcmpeq2(v.w, kPending)) != 0;
+  }
+  __device__ static uint32_t FromX(uint32_t word) { return word; }
+  __device__ static void LoadW(const __nv_bfloat16* p, uint32_t (&out)[8]) {
+    const uint4 lo = reinterpret_cast<const uint4*>(p)[0], hi = reinterpret_cast<const uint4*>(p)[1];
+    const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = w + std::min(m0 + g + 8 * i, rows - 1) * ldw + 8 * t;
+    for (int i = 0; i < 8; ++i) out[i] = words[i];
+  }
+  __device__ static void Mma(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { MmaBf16(acc, a, b); }
+};
+
+// store(m, n, sum_k w[m * ldw + k] x_row(n)[k]) for m < rows, n < cols, on tensor cores with float32
+// sums (Operands: the format above), reading the x rows straight from global memory (through L2:
+// other blocks of this launch wrote them): rows of K elements, K a multiple of the k block, 16-byte
+// aligned; a null row reads as zeros. The forward's product when its rows allow: no staging of x in
+// shared memory, so no barrier between the loads and the mmas and no chunking of the batch. A warp
+// takes an n tile (8 x rows) against kMTiles = 2 m tiles of w at once (one when at most 16 rows
+// remain; every x row crosses L2 once a block per 32 rows of w) and keeps kDepth k blocks of its x
+// fragments in flight. When there are fewer n tiles than warps, the warps of a tile split the k
+// blocks and `partial` (2 kWarps kMmaTile floats) holds their sums, added in a fixed order (the
+// result is deterministic). Rows and columns past the edge repeat the last one (their sums are
+// dropped). `poll`: the x rows may still be being published; a warp awaits each k block's fragments
+// before it uses them, the loads of the later blocks already in flight. Ends with the block
+// synchronized. (The backward's bf16 product, Bf16GradProduct, takes its x rows as the mma's M:
+// there, with few units a block, this loop ran its steps slower, H200 LSTM (512, 16, 512, 512) bf16
+// fwd+bwd 4.31 -> 4.98 ms.)
+template <typename Operands, int kThreads, typename W, typename XRow, typename Store>
+__device__ void GlobalMmaProduct(const W* w, int ldw, XRow x_row, int rows, int cols, int K, Store store,
+                                 float* partial, bool poll) {
+  constexpr int kWarps = kThreads / 32, kMTiles = 2, kDepth = 4, kBlock = Operands::kKBlock, kLane = kBlock / 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int tiles_n = (cols + kMmaN - 1) / kMmaN, blocks = K / kBlock;
+  const int splits = tiles_n >= kWarps ? 1 : std::max(1, std::min(kWarps / tiles_n, blocks));
+  for (int m0 = 0; m0 < rows; m0 += kMTiles * kMmaM) {
+    const int m_tiles = std::min(kMTiles, (rows - m0 + kMmaM - 1) / kMmaM);  // warp-uniform
+    const W* a[2 * kMTiles];  // this lane's rows m0 + g + 8 i of w (clamped: sums past the edge are dropped)
+#pragma unroll
+    for (int i = 0; i < 2 * kMTiles; ++i) a[i] = w + std::min(m0 + g + 8 * i, rows - 1) * ldw + kLane * t;
     for (int item = warp; item < tiles_n * splits; item += kWarps) {
       const int tile = item % tiles_n, split = item / tiles_n, n0 = tile * kMmaN;
-      const float* b = x_row(std::min(n0 + g, cols - 1));
-      auto at = [&](int blk) { return reinterpret_cast<const float4*>(b + blk * kKBlock + 8 * t); };
-      auto load = [&](int blk, float4 (&v)[2]) {
-        v[0] = b != nullptr ? __ldcg(at(blk)) : make_float4(0.f, 0.f, 0.f, 0.f);
-        v[1] = b != nullptr ? __ldcg(at(blk) + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
+      const typename Operands::X* b = x_row(std::min(n0 + g, cols - 1));
+      auto at = [&](int blk) { return reinterpret_cast<const uint4*>(b + blk * kBlock + kLane * t); };
+      auto load = [&](int blk, uint4 (&v)[2]) {
+        v[0] = b != nullptr ? __ldcg(at(blk)) : make_uint4(0, 0, 0, 0);
+        v[1] = b != nullptr ? __ldcg(at(blk) + 1) : make_uint4(0, 0, 0, 0);
       };
-      float4 ring[kDepth][2];
+      uint4 ring[kDepth][2];
 #pragma unroll
       for (int d = 0; d < kDepth; ++d) {
         if (split + d * splits < blocks) load(split + d * splits, ring[d]);
       }
-      float acc[2][2][4] = {};  // [m tile][chain][fragment]
+      float acc[kMTiles][2][4] = {};  // [m tile][chain][fragment]
       for (int base = split; base < blocks; base += kDepth * splits) {
 #pragma unroll
         for (int d = 0; d < kDepth; ++d) {
           const int blk = base + d * splits;
           if (blk >= blocks) break;
-          if (poll && b != nullptr && (Pending(ring[d][0]) || Pending(ring[d][1]))) {
-            AwaitPublished(at(blk), ring[d][0]);
-            AwaitPublished(at(blk) + 1, ring[d][1]);
+          if (poll && b != nullptr && (Operands::Pending(ring[d][0]) || Operands::Pending(ring[d][1]))) {
+            while (Operands::Pending(ring[d][0])) ring[d][0] = LoadRelaxed(at(blk));
+            while (Operands::Pending(ring[d][1])) ring[d][1] = LoadRelaxed(at(blk) + 1);
           }
-          const float xv[8] = {ring[d][0].x, ring[d][0].y, ring[d][0].z, ring[d][0].w,
-                               ring[d][1].x, ring[d][1].y, ring[d][1].z, ring[d][1].w};
+          const uint32_t words[8] = {ring[d][0].x, ring[d][0].y, ring[d][0].z, ring[d][0].w,
+                                     ring[d][1].x, ring[d][1].y, ring[d][1].z, ring[d][1].w};
           uint32_t bv[8];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) bv[i] = Tf32(xv[i]);
+          for (int i = 0; i < 8; ++i) bv[i] = Operands::FromX(words[i]);
           if (blk + kDepth * splits < blocks) load(blk + kDepth * splits, ring[d]);
 #pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
+          for (int mt = 0; mt < kMTiles; ++mt) {
             if (mt >= m_tiles) break;
             uint32_t lo[8], hi[8];
-            LoadTf32x8<false>(a[2 * mt] + blk * kKBlock, lo);
-            LoadTf32x8<false>(a[2 * mt + 1] + blk * kKBlock, hi);
+            Operands::LoadW(a[2 * mt] + blk * kBlock, lo);
+            Operands::LoadW(a[2 * mt + 1] + blk * kBlock, hi);
 #pragma unroll
-            for (int q = 0; q < kKBlock / kMmaK; ++q) {
+            for (int q = 0; q < 4; ++q) {
               const uint32_t af[4] = {lo[2 * q], hi[2 * q], lo[2 * q + 1], hi[2 * q + 1]};
               const uint32_t bf[2] = {bv[2 * q], bv[2 * q + 1]};
-              MmaTf32(acc[mt][q & 1], af, bf);
+              Operands::Mma(acc[mt][q & 1], af, bf);
             }
           }
         }
       }
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        if (mt >= m_tiles) break;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float sum = acc[mt][0][i] + acc[mt][1][i];
           const int m = m0 + mt * kMmaM + g + 8 * (i >> 1), n = n0 + 2 * t + (i & 1);
           if (splits > 1) {
-            partial[(item * 2 + mt) * kMmaTile + lane * 4 + i] = sum;
+            partial[(item * m_tiles + mt) * kMmaTile + lane * 4 + i] = sum;
           } else if (m < rows && n < cols) {
-            out[n * rows + m] = sum;
+            store(m, n, sum);
           }
         }
       }
     }
     __syncthreads();
     if (splits == 1) continue;
-    for (int e = threadIdx.x; e < tiles_n * 2 * kMmaTile; e += kThreads) {
-      const int tile = e / (2 * kMmaTile), mt = e / kMmaTile % 2, l = e % kMmaTile / 4, i = e % 4;
+    for (int e = threadIdx.x; e < tiles_n * m_tiles * kMmaTile; e += kThreads) {
+      const int tile = e / (m_tiles * kMmaTile), mt = e / kMmaTile % m_tiles, l = e % kMmaTile / 4, i = e % 4;
       const int m = m0 + mt * kMmaM + l / 4 + 8 * (i >> 1), n = tile * kMmaN + 2 * (l % 4) + (i & 1);
       float sum = 0.f;
-      for (int sp = 0; sp < splits; ++sp) sum += partial[((sp * tiles_n + tile) * 2 + mt) * kMmaTile + e % kMmaTile];
-      if (m < rows && n < cols) out[n * rows + m] = sum;
+      for (int sp = 0; sp < splits; ++sp) {
+        sum += partial[((sp * tiles_n + tile) * m_tiles + mt) * kMmaTile + e % kMmaTile];
+      }
+      if (m < rows && n < cols) store(m, n, sum);
     }
     __syncthreads();
   }
@@ -610,7 +678,8 @@ __device__ void Product(const W* w, int ldw, const float* x, int ldx, int rows, 
 // and the carried state (updated in place), which returns h (the cluster kernels keep both on chip;
 // Carried0 is the carried state's initial value);
 // Zero(...) writes the zeros of a step past the row's end; Final(..., t_last) writes the final
-// state (t_last < 0: the row has no valid step). h_seq and h0 are where the next step's h comes from.
+// state (t_last < 0: the row has no valid step). h_seq and h0 are where the next step's h comes from
+// (or their bfloat16 copies, io.exchange: PublishH).
 // Backward cells keep per-(row, unit) state in shared memory, state[0] (the gradient reaching h
 // from the next step) and state[stride] (the LSTM's dc, or the GRU's part of dh_prev that bypasses
 // W_hh): Init, then a step's Grad(Load(...)) writes the gate gradients (`Exchange()` is the one
@@ -640,7 +709,7 @@ struct Cell<LstmFwdIo> {
     c = a.f * c + a.i * a.g;
     const float h = a.o * Tanh(c);
     io.c_seq[row * H + j] = c;
-    Publish(io.h_seq + row * H + j, h);
+    PublishH(io.h_seq, io.exchange, row * H + j, h);
     float* act = io.acts + row * 4 * H;
     act[j] = a.i;
     act[H + j] = a.f;
@@ -685,7 +754,7 @@ struct Cell<GruFwdIo> {
     const GruGates a = GruActivate(gx[0], gx[gx_stride], gx[2 * gx_stride], rec[0] + b_hh[j],
                                    rec[stride] + b_hh[H + j], hp_n);
     h = GruOutput(a, h);
-    Publish(io.h_seq + row * H + j, h);
+    PublishH(io.h_seq, io.exchange, row * H + j, h);
     float* keep = io.saved + row * 4 * H;
     keep[j] = a.r;
     keep[H + j] = a.z;
@@ -719,7 +788,7 @@ struct Cell<RnnFwdIo> {
   __device__ float Advance(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, const float* gx, int64_t,
                            float&, const float* rec, int) const {
     const float h = RnnActivate(io.act, gx[0] + rec[0]);
-    Publish(io.h_seq + At(s, b, t) * s.hidden + j, h);
+    PublishH(io.h_seq, io.exchange, At(s, b, t) * s.hidden + j, h);
     return h;
   }
   __device__ void Step(const RecurrenceShape& s, const SeqRow& b, int64_t j, int64_t t, int64_t, const float* rec,
@@ -741,7 +810,7 @@ struct Cell<LstmBwdIo> {
   static constexpr bool kBypass = false;
   LstmBwdIo io;
   __device__ const float* Exchange() const { return io.dgates; }
-  __device__ __nv_bfloat16* Ring() const { return io.exchange.ring; }
+  __device__ __nv_bfloat16* Ring() const { return io.exchange.rows; }
   __device__ void Init(const RecurrenceShape& s, const SeqRow& b, int64_t j, float* state, int64_t stride) const {
     state[0] = io.dh_n[b.state * s.hidden + j];
     state[stride] = io.dc_n[b.state * s.hidden + j];
@@ -792,7 +861,7 @@ struct Cell<GruBwdIo> {
   static constexpr bool kBypass = true;
   GruBwdIo io;
   __device__ const float* Exchange() const { return io.dgates_h; }
-  __device__ __nv_bfloat16* Ring() const { return io.exchange.ring; }
+  __device__ __nv_bfloat16* Ring() const { return io.exchange.rows; }
   __device__ void Init(const RecurrenceShape& s, const SeqRow& b, int64_t j, float* state, int64_t stride) const {
     state[0] = io.dh_n[b.state * s.hidden + j];
     state[stride] = 0.f;
@@ -844,7 +913,7 @@ struct Cell<RnnBwdIo> {
   static constexpr bool kBypass = false;
   RnnBwdIo io;
   __device__ const float* Exchange() const { return io.dgates; }
-  __device__ __nv_bfloat16* Ring() const { return io.exchange.ring; }
+  __device__ __nv_bfloat16* Ring() const { return io.exchange.rows; }
   __device__ void Init(const RecurrenceShape& s, const SeqRow& b, int64_t j, float* state, int64_t) const {
     state[0] = io.dh_n[b.state * s.hidden + j];
   }
@@ -918,7 +987,7 @@ constexpr int kStateSlots = (std::is_same_v<Io, RnnBwdIo> ? 1 : 2);
 struct Plan {
   int units = 0;   // hidden units per block (the last block may have fewer)
   int blocks = 0;  // P
-  int chunk = 0;   // forward: batch rows per pass over the input buffer (0: Tf32GlobalProduct, no buffer)
+  int chunk = 0;   // forward: batch rows per pass over the input buffer (0: GlobalMmaProduct, no buffer)
   int group = 0;   // forward: batch rows per pass of the cell (a multiple of chunk, or B)
   int ldw = 0, ldx = 0;  // row strides (elements) of W_hh's slice and the forward's input buffer
   int threads = 0;       // kNarrow or kWide
@@ -941,7 +1010,7 @@ __device__ __forceinline__ RecurrenceShape WithDirections(RecurrenceShape shape)
 // Forward: block p owns units [p * units, p * units + U); smem holds w [kGates * U][ldw] (row q U + u
 // is W_hh row q H + j0 + u), a chunk of previous h [chunk][ldx], the products of a group of batch
 // rows [group][kGates U] and the split sums. A step multiplies a group's rows chunk by chunk (or,
-// with no chunk buffer, straight from L2: Tf32GlobalProduct), then runs the cell over the whole
+// with no chunk buffer, straight from L2: GlobalMmaProduct), then runs the cell over the whole
 // group: one wait on the cell's global operands a group, not a chunk.
 template <typename W, typename Io, bool kTf32, int kThreads, int kDirections>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -966,6 +1035,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     w[r * plan.ldw + k] = k < H ? StoredWeight<kTf32>(w_hh[(int64_t(r / U) * H + j0 + r % U) * H + k]) : W(0.f);
   }
   for (int e = threadIdx.x; e < plan.chunk * plan.ldx; e += kThreads) x[e] = 0.f;  // LoadRows writes [0, H)
+  // With a bf16 exchange (a bfloat16 W_hh, Bf16StateFits(H)) the product reads h_prev's bfloat16
+  // copies, published like h_seq: h0's are published here, each block its own units'.
+  __nv_bfloat16* mirror = nullptr;
+  if constexpr (kTf32 && std::is_same_v<W, __nv_bfloat16>) mirror = cell.io.exchange.rows;
+  const int64_t first_rows = B * T * s.directions;  // the mirror's rows of h_seq; h0's follow
+  for (int e = threadIdx.x; e < B * U && mirror != nullptr; e += kThreads) {
+    const SeqRow r = s.Row(e / U, d);
+    PublishBf16(mirror + (first_rows + r.state) * H + j0 + e % U, cell.HPrev(s, r, -1)[j0 + e % U]);
+  }
   // Where the cell runs one group of rows with at most one (row, unit) pair a thread, the pair is the
   // same every step: the thread keeps its carried state (c, or the GRU's h) in a register and loads
   // its gates_x a step ahead, through the product, so the cell waits on no global load (else each
@@ -994,17 +1072,29 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    const bool poll = step > 0;  // h_prev is h_seq's: await each value's publication
+    const bool poll = step > 0 || mirror != nullptr;  // h_prev was published: await each value
     for (int64_t g0 = 0; g0 < B; g0 += plan.group) {
       const int group = int(std::min<int64_t>(plan.group, B - g0));
       auto h_prev = [&](int64_t b) -> const float* {  // null past the row's end: its product is dropped
         const int64_t len = ValidSteps(seq_lengths[b], T);
         return step < len ? cell.HPrev(s, s.Row(b, d), step == 0 ? -1 : StepTime(step - 1, len, rev)) : nullptr;
       };
+      auto store = [&](int m, int n, float sum) { pre[n * R + m] = sum; };
+      if constexpr (kTf32 && std::is_same_v<W, __nv_bfloat16>) {
+        if (mirror != nullptr) {  // the bfloat16 copies straight from L2 (ends synchronized)
+          auto h_prev_bf16 = [&](int i) -> const __nv_bfloat16* {
+            const int64_t b = g0 + i, len = ValidSteps(seq_lengths[b], T);
+            const SeqRow r = s.Row(b, d);
+            if (step >= len) return nullptr;
+            return mirror + (step == 0 ? first_rows + r.state : At(s, r, StepTime(step - 1, len, rev))) * H;
+          };
+          GlobalMmaProduct<Bf16Operands, kThreads>(w, plan.ldw, h_prev_bf16, R, group, H, store, partial, poll);
+        }
+      }
       if constexpr (kTf32) {
-        if (plan.chunk == 0) {  // the rows straight from L2 (ends synchronized)
-          Tf32GlobalProduct<kThreads>(w, plan.ldw, [&](int i) { return h_prev(g0 + i); }, R, group, H, pre, partial,
-                                      poll);
+        if (plan.chunk == 0 && mirror == nullptr) {  // the rows straight from L2 (ends synchronized)
+          GlobalMmaProduct<Tf32Operands<W>, kThreads>(w, plan.ldw, [&](int i) { return h_prev(g0 + i); }, R,
+                                                         group, H, store, partial, poll);
         }
       }
       for (int c0 = 0; c0 < group && plan.chunk > 0; c0 += plan.chunk) {
@@ -1657,10 +1747,11 @@ __global__ void __launch_bounds__(kWide, 1)
 
 // Sizes the grid: the fewest units per block that spread H over the SMs, then (forward) the largest
 // batch chunk (a multiple of the tile width when possible) that fits next to W_hh's slice, and the
-// largest group of rows (all of B when they fit) whose products the rest holds. False when nothing
-// fits.
+// largest group of rows (all of B when they fit) whose products the rest holds. bf16_exchange: the
+// products read Bf16Exchange's rows (rnn_persistent.h). False when nothing fits.
 template <typename Io>
-bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_t smem_limit, Plan* plan) {
+bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, bool bf16_exchange, int sms, size_t smem_limit,
+              Plan* plan) {
   const int64_t H = s.hidden, G = s.gates(), K = kIsBackward<Io> ? G : H;  // the products' reduction length
   plan->units = int((H + sms - 1) / sms);
   if (kIsBackward<Io> && s.batch * plan->units < kFewestBackwardPairs) {
@@ -1668,11 +1759,12 @@ bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_
   }
   plan->blocks = int((H + plan->units - 1) / plan->units);
   plan->threads = !kIsBackward<Io> || s.batch * plan->units >= kWideBackward ? kWide : kNarrow;
-  // Backward: K + 16 bytes (BlockMatmul's lanes stride along one row; with the bf16 ring, K padded to
-  // its row length: a load phase's rows then fall 16 bytes apart modulo 128, on disjoint banks);
-  // forward: FragmentStride.
-  const int64_t backward_k = kIsBackward<Io> && tf32 ? Bf16RowLength(K) : K;
-  plan->ldw = int(kIsBackward<Io> ? backward_k + 16 / int64_t(w_size) : FragmentStride(K, int64_t(w_size)));
+  // Rows of K + 16 bytes: the backward's (BlockMatmul's lanes stride along one row) and those of the
+  // bf16 exchange's products (K padded to the backward's row length; a load phase's rows then fall
+  // 16 bytes apart modulo 128, on disjoint banks); else the forward's FragmentStride.
+  const int64_t padded_k = bf16_exchange ? Bf16RowLength(K) : K;
+  plan->ldw = int(kIsBackward<Io> || bf16_exchange ? padded_k + 16 / int64_t(w_size)
+                                                    : FragmentStride(K, int64_t(w_size)));
   const int64_t units = plan->units, partial = plan->threads / 32 * (tf32 ? kMmaTile : 32);
   if constexpr (kIsBackward<Io>) {  // no input buffer: the state and the split sums
     plan->weight_bytes = AlignUp(size_t(units * plan->ldw) * w_size);
@@ -1682,7 +1774,7 @@ bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, int sms, size_
     plan->weight_bytes = AlignUp(size_t(Cell<Io>::kGates * units * plan->ldw) * w_size);
     const int64_t per_pre = Cell<Io>::kGates * units;  // a batch row's products
     const int64_t free_floats = (int64_t(smem_limit) - int64_t(plan->weight_bytes)) / int64_t(sizeof(float));
-    if (tf32 && H % kKBlock == 0) {  // Tf32GlobalProduct: no input buffer, split sums of 2 m tiles a warp
+    if (tf32 && H % kKBlock == 0) {  // GlobalMmaProduct: no input buffer, split sums of 2 m tiles a warp
       const int64_t room = free_floats - 2 * partial;
       if (room < per_pre) return false;
       plan->chunk = plan->ldx = 0;
@@ -1811,12 +1903,22 @@ ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths
   int together = directions;
   Plan plan;
   if (s.hidden > INT32_MAX / 8) return ffi::Error::Success();
+  Io persistent_io = io, cluster_io = io;  // the bf16 exchange where the persistent kernels can take it
+  cluster_io.exchange = {};
+  if (!std::is_same_v<W, __nv_bfloat16> || (!kIsBackward<Io> && !Bf16StateFits(s.hidden))) {
+    persistent_io.exchange = {};
+  }
+  const bool bf16_exchange = persistent_io.exchange.rows != nullptr;
+  tf32 = tf32 || bf16_exchange;  // (the forward's bf16 product is in its TF32 kernel)
   JAXDNN_RETURN_IF_ERROR(
-      LaunchCluster(stream, w_hh, seq_lengths, s, reverse, tf32, io, device, size_t(smem_limit), launched));
+      LaunchCluster(stream, w_hh, seq_lengths, s, reverse, tf32, cluster_io, device, size_t(smem_limit), launched));
   if (*launched) return ffi::Error::Success();
-  if (directions == 1 || !MakePlan<Io>(s, sizeof(W), tf32, sms / directions, size_t(smem_limit), &plan)) {
+  auto make_plan = [&](int blocks) {
+    return MakePlan<Io>(s, sizeof(W), tf32, bf16_exchange, blocks, size_t(smem_limit), &plan);
+  };
+  if (directions == 1 || !make_plan(sms / directions)) {
     together = 1;
-    if (!MakePlan<Io>(s, sizeof(W), tf32, sms, size_t(smem_limit), &plan)) return ffi::Error::Success();
+    if (!make_plan(sms)) return ffi::Error::Success();
   }
   auto select = [&](auto directions) {
     constexpr int kD = decltype(directions)::value;
@@ -1835,12 +1937,16 @@ ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, plan.threads, plan.smem_bytes), "occupancy"));
   if (int64_t(per_sm) * sms < int64_t(together) * plan.blocks) return ffi::Error::Success();
 
-  const Cell<Io> cell{io};
+  const Cell<Io> cell{persistent_io};
   if constexpr (kIsBackward<Io>) {
     for (int d = 0; d < directions; ++d) {
       JAXDNN_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(cell.Counter(s, d), 0, sizeof(unsigned), stream),
                                        "cudaMemsetAsync (rnn barrier)"));
     }
+  } else if (bf16_exchange) {  // the product polls the bfloat16 copies alone
+    const size_t bytes = size_t((s.steps + 1) * s.batch * s.directions * s.hidden) * sizeof(__nv_bfloat16);
+    JAXDNN_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(cell.io.exchange.rows, kPendingByte, bytes, stream),
+                                     "cudaMemsetAsync (rnn published bf16 h)"));
   } else {
     const size_t bytes = size_t(s.batch * s.steps * s.directions * s.hidden) * sizeof(float);
     JAXDNN_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(cell.io.h_seq, kPendingByte, bytes, stream),

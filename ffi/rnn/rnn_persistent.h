@@ -16,14 +16,18 @@
 
 namespace jaxdnn {
 
+// The values a persistent kernel's blocks exchange each step, in bfloat16 (a bfloat16 W_hh's reduced
+// products on bf16 tensor cores), which its product then reads instead of the float32 rows:
+// - forward: the h of every step, [B T D + B D][H] (h_seq's rows, then h0's), published like h_seq;
+// - backward: the gate gradients of the last two steps, [2][B D][Bf16RowLength(G)], zero past G.
+// Null: TF32 (forward) or exact float32 (backward) products of the float32 rows.
+struct Bf16Exchange {
+  __nv_bfloat16* rows = nullptr;
+};
 struct LstmFwdIo {
   const float *gates_x, *h0, *c0;
   float *h_seq, *c_seq, *acts, *h_n, *c_n;
-};
-// The backward's gate gradients of the last two steps in bfloat16 ([2][B D][Bf16RowLength(G)], zero past
-// G), which its product then reads instead of dgates' float32 rows; null: exact float32 products.
-struct Bf16Exchange {
-  __nv_bfloat16* ring = nullptr;
+  Bf16Exchange exchange;
 };
 struct LstmBwdIo {
   const float *dh_seq, *dh_n, *dc_n, *acts, *c_seq, *c0;
@@ -33,6 +37,7 @@ struct LstmBwdIo {
 struct GruFwdIo {
   const float *gates_x, *b_hh, *h0;
   float *h_seq, *saved, *h_n;
+  Bf16Exchange exchange;
 };
 struct GruBwdIo {
   const float *dh_seq, *dh_n, *saved, *h_seq, *h0;
@@ -43,6 +48,7 @@ struct RnnFwdIo {
   const float *gates_x, *h0;
   float *h_seq, *h_n;
   Activation act;
+  Bf16Exchange exchange;
 };
 struct RnnBwdIo {
   const float *dh_seq, *dh_n, *h_seq;
@@ -51,19 +57,23 @@ struct RnnBwdIo {
   Bf16Exchange exchange;
 };
 
-// Elements of a row of Bf16Exchange: G rounded up to the bf16 product's k blocks.
+// Elements of a backward row of Bf16Exchange: G rounded up to the bf16 product's k blocks.
 inline constexpr int64_t kBf16KBlock = 64;
 __host__ __device__ constexpr int64_t Bf16RowLength(int64_t G) {
   return (G + kBf16KBlock - 1) / kBf16KBlock * kBf16KBlock;
 }
+// Whether a forward of H hidden units can exchange its h in bfloat16: its rows, unpadded, must fill
+// the bf16 product's k blocks.
+__host__ __device__ constexpr bool Bf16StateFits(int64_t H) { return H % kBf16KBlock == 0; }
 
 // Launches the persistent kernel of `Io`'s target on `stream` and sets *launched, or leaves *launched
 // false (and launches nothing) when W_hh's slices or the per-block buffers do not fit in shared memory
 // or the grid cannot be co-resident. w_hh [D, G, H] has dtype w_type (float32, bfloat16 or float16).
-// tf32, forward: the recurrent products run on tensor cores with W_hh and the multiplied state
-// rounded to TF32 (float32 sums); backward: whether io.exchange.ring is given (a bfloat16 W_hh only),
-// and the persistent kernel's products multiply the gate gradients rounded to bfloat16 on bf16
-// tensor cores (float32 sums). Otherwise they are exact float32 sums on CUDA cores.
+// tf32: the recurrent products run on tensor cores with float32 sums: forward, with W_hh and the
+// multiplied state rounded to TF32, or, given io.exchange.rows (a bfloat16 W_hh, Bf16StateFits(H)),
+// the state rounded to bfloat16 on bf16 tensor cores; backward, only with io.exchange.rows (a
+// bfloat16 W_hh), the gate gradients rounded to bfloat16 on bf16 tensor cores. Otherwise they are
+// exact float32 sums on CUDA cores. The cluster kernels (small batches) ignore io.exchange.
 template <typename Io>
 ffi::Error PersistentRecurrence(cudaStream_t stream, ffi::DataType w_type, const void* w_hh,
                                 const int32_t* seq_lengths, const RecurrenceShape& shape, bool reverse, bool tf32,
