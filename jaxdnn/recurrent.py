@@ -189,20 +189,20 @@ def _layer_fwd(mode, layer_in, params, inits, seq_lengths, precision):
     """One layer in its D directions: (h_seq [B, T, D, H], residuals, final states [B, D, H]).
     params: (w_ih [D, G, I], w_hh [D, G, H], b_ih, b_hh [D, G]); inits: the states [B, D, H]."""
     w_ih, w_hh, b_ih, b_hh = params
-    reduced = allows_tf32(precision)
+    allowed = allows_tf32(precision)
+    reduced = dict(tf32=allowed, bf16_state=allowed)  # the kernel's reduced-precision products
     if mode == "gru":
         gates_x = _project_inputs(layer_in, w_ih, b_ih, precision)  # b_hh is inside the reset gate
         h_seq, saved, h_n = _stage(_gru_fwd, gates_x, w_hh, b_hh.astype(_F32), inits[0], seq_lengths,
-                                   tf32=reduced, bf16_state=reduced)
+                                   **reduced)
         return h_seq, (saved,), (h_n,)
     # The LSTM and the plain RNN: both biases fold into the projection.
     gates_x = _project_inputs(layer_in, w_ih, _ref.folded_bias(b_ih, b_hh), precision)
     if mode == "lstm":
-        h_seq, c_seq, acts, h_n, c_n = _stage(_lstm_fwd, gates_x, w_hh, *inits, seq_lengths, tf32=reduced,
-                                              bf16_state=reduced)
+        h_seq, c_seq, acts, h_n, c_n = _stage(_lstm_fwd, gates_x, w_hh, *inits, seq_lengths, **reduced)
         return h_seq, (c_seq, acts), (h_n, c_n)
-    h_seq, h_n = _stage(_rnn_fwd, gates_x, w_hh, inits[0], seq_lengths, tf32=reduced, bf16_state=reduced,
-                        nonlinearity=_nonlinearity(mode))
+    h_seq, h_n = _stage(_rnn_fwd, gates_x, w_hh, inits[0], seq_lengths, nonlinearity=_nonlinearity(mode),
+                        **reduced)
     return h_seq, (), (h_n,)  # act' comes from h_seq itself
 
 

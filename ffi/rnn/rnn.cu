@@ -404,8 +404,8 @@ ffi::Error LstmBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::B
                      dc0->typed_data(), Bf16Rows(scratch, s, w_hh, true, bf16_gradients)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0,
-                                              io.exchange.rows != nullptr, io, &launched));
+                                              seq_lengths.typed_data(), s, reverse != 0, /*tf32=*/false, io,
+                                              &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
@@ -470,8 +470,8 @@ ffi::Error GruBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
                     Bf16Rows(scratch, s, w_hh, true, bf16_gradients)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0,
-                                              io.exchange.rows != nullptr, io, &launched));
+                                              seq_lengths.typed_data(), s, reverse != 0, /*tf32=*/false, io,
+                                              &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);
@@ -535,8 +535,8 @@ ffi::Error RnnBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dh_seq, ffi::Bu
                     dh0->typed_data(), act, Bf16Rows(scratch, s, w_hh, true, bf16_gradients)};
   bool launched = false;
   JAXDNN_RETURN_IF_ERROR(PersistentRecurrence(stream, w_hh.element_type(), w_hh.untyped_data(),
-                                              seq_lengths.typed_data(), s, reverse != 0,
-                                              io.exchange.rows != nullptr, io, &launched));
+                                              seq_lengths.typed_data(), s, reverse != 0, /*tf32=*/false, io,
+                                              &launched));
   if (launched) return ffi::Error::Success();
   return DispatchFloat<float, __nv_bfloat16, __half>(w_hh.element_type(), "w_hh", [&](auto tag) {
     using W = decltype(tag);

@@ -420,6 +420,42 @@ __device__ void MmaBlockProduct(ARow a_row, BRow b_row, int M, int N, int Kp, fl
   __syncthreads();
 }
 
+// --- tensor-core products of rows read from global memory ---------------------------------------
+// The operand formats of the tensor-core products below. A k block gives a lane 32 bytes of each of its rows (the
+// global x rows and the shared-memory w rows) as 8 fragment words, and takes 4 mmas: mma s pairs
+// words 2s and 2s + 1 of both operands, so each product pairs equal k.
+// TF32 (mma.sync m16n8k8): 8 consecutive k a lane, float32 x rounded to TF32, w stored TF32-exact
+// (StoredWeight); in mma s, fragment position t holds k = 8 t + 2 s and t + 4 holds 8 t + 2 s + 1.
+template <typename W>
+struct Tf32Operands {
+  using X = float;
+  static constexpr int kKBlock = 32;
+  __device__ static bool Pending(const uint4& v) {  // kPending is the largest word
+    return max(max(v.x, v.y), max(v.z, v.w)) == kPending;
+  }
+  __device__ static uint32_t FromX(uint32_t word) { return Tf32(__uint_as_float(word)); }
+  __device__ static void LoadW(const W* p, uint32_t (&out)[8]) { LoadTf32x8<false>(p, out); }
+  __device__ static void Mma(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { MmaTf32(acc, a, b); }
+};
+// bfloat16 (mma.sync m16n8k16): 16 consecutive k a lane, [16 t, + 16) of the block; mma s takes
+// their pairs 2s (fragment positions 2t, 2t + 1) and 2s + 1 (2t + 8, 2t + 9).
+struct Bf16Operands {
+  using X = __nv_bfloat16;
+  static constexpr int kKBlock = int(kBf16KBlock);
+  __device__ static bool Pending(const uint4& v) {  // any half kPendingBf16
+    return (__vcmpeq2(v.x, kPending) | __vcmpeq2(v.y, kPending) | __vcmpeq2(v.z, kPending) |
+            __vcmpeq2(v.w, kPending)) != 0;
+  }
+  __device__ static uint32_t FromX(uint32_t word) { return word; }
+  __device__ static void LoadW(const __nv_bfloat16* p, uint32_t (&out)[8]) {
+    const uint4 lo = reinterpret_cast<const uint4*>(p)[0], hi = reinterpret_cast<const uint4*>(p)[1];
+    const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = words[i];
+  }
+  __device__ static void Mma(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { MmaBf16(acc, a, b); }
+};
+
 // The backward's product on bf16 tensor cores: store(u, b, sum_k wt[u][k] x_row(b)[k]) for u < units,
 // b < rows, with wt (bfloat16, shared memory, row stride ldw) and the x rows (bfloat16, global memory,
 // written by other blocks of this launch: read through L2) zero past K up to a multiple of
@@ -439,9 +475,8 @@ __device__ void Bf16GradProduct(const __nv_bfloat16* wt, int ldw, XRow x_row, in
   const int tiles = tiles_m * ((units + kMmaN - 1) / kMmaN);
   const int blocks = Kp / int(kBf16KBlock);
   const int splits = tiles >= kWarps ? 1 : std::max(1, std::min(kWarps / tiles, blocks));
-  auto load16 = [](const __nv_bfloat16* p, bool global, uint32_t(&out)[8]) {
-    const uint4* v = reinterpret_cast<const uint4*>(p);
-    const uint4 lo = global ? __ldcg(v) : v[0], hi = global ? __ldcg(v + 1) : v[1];
+  auto load_x = [](const __nv_bfloat16* p, uint32_t(&out)[8]) {  // through L2
+    const uint4 lo = __ldcg(reinterpret_cast<const uint4*>(p)), hi = __ldcg(reinterpret_cast<const uint4*>(p) + 1);
     const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = words[i];
@@ -457,9 +492,9 @@ __device__ void Bf16GradProduct(const __nv_bfloat16* wt, int ldw, XRow x_row, in
     for (int blk = split; blk < blocks; blk += splits) {
       const int k = blk * int(kBf16KBlock);
       uint32_t lo[8], hi[8], bw[8];
-      load16(a_lo + k, true, lo);
-      load16(a_hi + k, true, hi);
-      load16(b + k, false, bw);
+      load_x(a_lo + k, lo);
+      load_x(a_hi + k, hi);
+      Bf16Operands::LoadW(b + k, bw);
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         const uint32_t af[4] = {lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1]};
@@ -506,42 +541,6 @@ __device__ void Tf32BlockMatmul(const W* w, int ldw, const float* x, int ldx, in
     MmaBlockProduct<kThreads, true, false>(x_row, w_row, cols, rows, Kp, out, rows, 1, partial);
   }
 }
-
-// --- tensor-core products of rows read from global memory ---------------------------------------
-// The operand formats of GlobalMmaProduct. A k block gives a lane 32 bytes of each of its rows (the
-// global x rows and the shared-memory w rows) as 8 fragment words, and takes 4 mmas: mma s pairs
-// words 2s and 2s + 1 of both operands, so each product pairs equal k.
-// TF32 (mma.sync m16n8k8): 8 consecutive k a lane, float32 x rounded to TF32, w stored TF32-exact
-// (StoredWeight); in mma s, fragment position t holds k = 8 t + 2 s and t + 4 holds 8 t + 2 s + 1.
-template <typename W>
-struct Tf32Operands {
-  using X = float;
-  static constexpr int kKBlock = 32;
-  __device__ static bool Pending(const uint4& v) {  // kPending is the largest word
-    return max(max(v.x, v.y), max(v.z, v.w)) == kPending;
-  }
-  __device__ static uint32_t FromX(uint32_t word) { return Tf32(__uint_as_float(word)); }
-  __device__ static void LoadW(const W* p, uint32_t (&out)[8]) { LoadTf32x8<false>(p, out); }
-  __device__ static void Mma(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { MmaTf32(acc, a, b); }
-};
-// bfloat16 (mma.sync m16n8k16): 16 consecutive k a lane, [16 t, + 16) of the block; mma s takes
-// their pairs 2s (fragment positions 2t, 2t + 1) and 2s + 1 (2t + 8, 2t + 9).
-struct Bf16Operands {
-  using X = __nv_bfloat16;
-  static constexpr int kKBlock = int(kBf16KBlock);
-  __device__ static bool Pending(const uint4& v) {  // any half kPendingBf16
-    return (__vcmpeq2(v.x, kPending) | __vcmpeq2(v.y, kPending) | __vcmpeq2(v.z, kPending) |
-            __vcmpeq2(v.w, kPending)) != 0;
-  }
-  __device__ static uint32_t FromX(uint32_t word) { return word; }
-  __device__ static void LoadW(const __nv_bfloat16* p, uint32_t (&out)[8]) {
-    const uint4 lo = reinterpret_cast<const uint4*>(p)[0], hi = reinterpret_cast<const uint4*>(p)[1];
-    const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) out[i] = words[i];
-  }
-  __device__ static void Mma(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { MmaBf16(acc, a, b); }
-};
 
 // store(m, n, sum_k w[m * ldw + k] x_row(n)[k]) for m < rows, n < cols, on tensor cores with float32
 // sums (Operands: the format above), reading the x rows straight from global memory (through L2:
@@ -1903,12 +1902,9 @@ ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths
   int together = directions;
   Plan plan;
   if (s.hidden > INT32_MAX / 8) return ffi::Error::Success();
-  Io persistent_io = io, cluster_io = io;  // the bf16 exchange where the persistent kernels can take it
+  Io cluster_io = io;  // the cluster kernels take no bf16 exchange
   cluster_io.exchange = {};
-  if (!std::is_same_v<W, __nv_bfloat16> || (!kIsBackward<Io> && !Bf16StateFits(s.hidden))) {
-    persistent_io.exchange = {};
-  }
-  const bool bf16_exchange = persistent_io.exchange.rows != nullptr;
+  const bool bf16_exchange = io.exchange.rows != nullptr;
   tf32 = tf32 || bf16_exchange;  // (the forward's bf16 product is in its TF32 kernel)
   JAXDNN_RETURN_IF_ERROR(
       LaunchCluster(stream, w_hh, seq_lengths, s, reverse, tf32, cluster_io, device, size_t(smem_limit), launched));
@@ -1937,7 +1933,7 @@ ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, plan.threads, plan.smem_bytes), "occupancy"));
   if (int64_t(per_sm) * sms < int64_t(together) * plan.blocks) return ffi::Error::Success();
 
-  const Cell<Io> cell{persistent_io};
+  const Cell<Io> cell{io};
   if constexpr (kIsBackward<Io>) {
     for (int d = 0; d < directions; ++d) {
       JAXDNN_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(cell.Counter(s, d), 0, sizeof(unsigned), stream),

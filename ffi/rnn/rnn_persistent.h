@@ -69,11 +69,12 @@ __host__ __device__ constexpr bool Bf16StateFits(int64_t H) { return H % kBf16KB
 // Launches the persistent kernel of `Io`'s target on `stream` and sets *launched, or leaves *launched
 // false (and launches nothing) when W_hh's slices or the per-block buffers do not fit in shared memory
 // or the grid cannot be co-resident. w_hh [D, G, H] has dtype w_type (float32, bfloat16 or float16).
-// tf32: the recurrent products run on tensor cores with float32 sums: forward, with W_hh and the
-// multiplied state rounded to TF32, or, given io.exchange.rows (a bfloat16 W_hh, Bf16StateFits(H)),
-// the state rounded to bfloat16 on bf16 tensor cores; backward, only with io.exchange.rows (a
-// bfloat16 W_hh), the gate gradients rounded to bfloat16 on bf16 tensor cores. Otherwise they are
-// exact float32 sums on CUDA cores. The cluster kernels (small batches) ignore io.exchange.
+// The recurrent products run on tensor cores with float32 sums when the forward's tf32 allows, with
+// W_hh and the multiplied state rounded to TF32, or when io.exchange.rows is given (the caller gives
+// it only for a bfloat16 W_hh, and forward only where Bf16StateFits(H)): forward, with the state
+// rounded to bfloat16, backward, with the gate gradients rounded to bfloat16, on bf16 tensor cores.
+// Otherwise (the backward's tf32 is unused) they are exact float32 sums on CUDA cores. The cluster
+// kernels (small batches) ignore io.exchange.
 template <typename Io>
 ffi::Error PersistentRecurrence(cudaStream_t stream, ffi::DataType w_type, const void* w_hh,
                                 const int32_t* seq_lengths, const RecurrenceShape& shape, bool reverse, bool tf32,
