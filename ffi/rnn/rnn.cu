@@ -344,9 +344,8 @@ Bf16Exchange Bf16Rows(ffi::ScratchAllocator& scratch, const RecurrenceShape& s, 
   if (allowed == 0 || w_hh.element_type() != ffi::DataType::BF16 || (!backward && !Bf16StateFits(s.hidden))) {
     return {};
   }
-  const int64_t rows = backward ? 2 * s.batch * s.directions : (s.steps + 1) * s.batch * s.directions;
-  const size_t elements = size_t(rows * (backward ? Bf16RowLength(s.gates()) : s.hidden));
-  const std::optional<void*> buffer = scratch.Allocate(elements * sizeof(__nv_bfloat16), 16);
+  const size_t bytes = size_t(Bf16ExchangeElements(s, backward)) * sizeof(__nv_bfloat16);
+  const std::optional<void*> buffer = scratch.Allocate(bytes, 16);
   return {buffer.has_value() ? static_cast<__nv_bfloat16*>(*buffer) : nullptr};
 }
 

@@ -1940,7 +1940,7 @@ ffi::Error Launch(cudaStream_t stream, const W* w_hh, const int32_t* seq_lengths
                                        "cudaMemsetAsync (rnn barrier)"));
     }
   } else if (bf16_exchange) {  // the product polls the bfloat16 copies alone
-    const size_t bytes = size_t((s.steps + 1) * s.batch * s.directions * s.hidden) * sizeof(__nv_bfloat16);
+    const size_t bytes = size_t(Bf16ExchangeElements(s, /*backward=*/false)) * sizeof(__nv_bfloat16);
     JAXDNN_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(cell.io.exchange.rows, kPendingByte, bytes, stream),
                                      "cudaMemsetAsync (rnn published bf16 h)"));
   } else {

@@ -65,6 +65,11 @@ __host__ __device__ constexpr int64_t Bf16RowLength(int64_t G) {
 // Whether a forward of H hidden units can exchange its h in bfloat16: its rows, unpadded, must fill
 // the bf16 product's k blocks.
 __host__ __device__ constexpr bool Bf16StateFits(int64_t H) { return H % kBf16KBlock == 0; }
+// Elements of io.exchange.rows (the layouts above).
+inline int64_t Bf16ExchangeElements(const RecurrenceShape& s, bool backward) {
+  return backward ? 2 * s.batch * s.directions * Bf16RowLength(s.gates())
+                  : (s.steps + 1) * s.batch * s.directions * s.hidden;
+}
 
 // Launches the persistent kernel of `Io`'s target on `stream` and sets *launched, or leaves *launched
 // false (and launches nothing) when W_hh's slices or the per-block buffers do not fit in shared memory
