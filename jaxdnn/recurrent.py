@@ -15,7 +15,8 @@ Per layer, its D directions together:
 - backward through time is a kernel stage (`jaxdnn_lstm_bwd_v3`, `jaxdnn_gru_bwd_v3`,
   `jaxdnn_rnn_bwd_v3`): the gradients of gates_x, of the recurrent pre-activations (the same for the
   LSTM and the plain RNN) and of the initial states; the weight and bias gradients and the input
-  gradient are GEMMs / sums over those, done by XLA after.
+  gradient are GEMMs / sums over those, done by XLA after (float32 sums; for a bfloat16 W at the
+  reduced precisions below, bfloat16 operands, as XLA's autodiff of a bfloat16 layer takes).
 `precision` None, DEFAULT or HIGH lets the CUDA kernels take reduced-precision recurrent products
 (the stages' attributes tf32, bf16_state and bf16_gradients: TF32 forward products, and a bfloat16
 W_hh's forward multiplying its state rounded to bfloat16 and its backward passing its gate gradients
@@ -287,6 +288,10 @@ def _rnn_stack_bwd(mode, sizes, precision, residuals, cotangents):
     d_states = [[None] * layers for _ in states]
     d_out = dy.astype(_F32)
     dot = functools.partial(jnp.einsum, precision=precision, preferred_element_type=_F32)
+    # At reduced precision the GEMMs of a bfloat16 layer's gradients take bfloat16 operands (float32
+    # sums), as XLA's autodiff of a bfloat16 layer does: half the bytes of float32 operands and twice
+    # the tensor cores' TF32 rate.
+    operand = jnp.bfloat16 if weights.dtype == jnp.bfloat16 and allows_tf32(precision) else _F32
     for layer in reversed(range(layers)):
         if layer < len(masks):  # d_out reached the next layer's input: through this layer's dropout
             d_out = d_out * masks[layer]
@@ -301,12 +306,12 @@ def _rnn_stack_bwd(mode, sizes, precision, residuals, cotangents):
         for d_state, d_init in zip(d_states, d_inits):
             d_state[layer] = jnp.swapaxes(d_init, 0, 1)
         h_prev = _previous_states(h_seq, inits[0], seq_lengths)
-        layer_grads = (dot("btdg,bti->dgi", dgates_x, layer_in.astype(_F32)),
-                       dot("btdg,btdh->dgh", dgates_h, h_prev),
+        layer_grads = (dot("btdg,bti->dgi", dgates_x.astype(operand), layer_in.astype(operand)),
+                       dot("btdg,btdh->dgh", dgates_h.astype(operand), h_prev.astype(operand)),
                        jnp.sum(dgates_x, axis=(0, 1)), jnp.sum(dgates_h, axis=(0, 1)))
         for d in range(directions):
             grads[layer * directions + d] = tuple(g[d] for g in layer_grads)
-        d_out = dot("btdg,dgi->bti", dgates_x, w_ih.astype(_F32))
+        d_out = dot("btdg,dgi->bti", dgates_x.astype(operand), w_ih.astype(operand))
     dweights = _ref.pack_weights(grads).astype(weights.dtype)
     return (d_out.astype(inputs[0].dtype), tuple(jnp.concatenate(s) for s in d_states), dweights, None,
             tuple(jnp.zeros_like(m) for m in masks))
@@ -431,8 +436,9 @@ def lstm(x, h_0, c_0, weights, seq_lengths, input_size, hidden_size, num_layers,
         (float32 sums), as cuDNN does under `jax.experimental.rnn`; with bfloat16 weights the
         forward may multiply the state rounded to bfloat16 instead (H a multiple of 64) and the
         backward through time passes its gate gradients between steps in bfloat16 (bf16
-        tensor-core products, float32 sums), as a bfloat16 `lax.scan` does; HIGHEST (or a
-        float32-accurate algorithm) keeps them exact. The CPU kernels always multiply exactly.
+        tensor-core products, float32 sums) and the weight- and input-gradient GEMMs take them
+        in bfloat16, as a bfloat16 `lax.scan` does; HIGHEST (or a float32-accurate algorithm)
+        keeps them exact. The CPU kernels always multiply exactly.
       dropout_rng: a `jax.random.key` for the dropout masks (a jaxdnn addition to the signature);
         the same key gives the same masks, in the forward and its gradient
         (`jaxdnn.reference.rnn.dropout_masks` draws them).

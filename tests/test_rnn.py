@@ -425,6 +425,30 @@ def test_precision_reaches_the_kernels(precision, tf32, rng):
         assert hlo.count(f"{name} = {tf32} : i64") == 1 and hlo.count(f"{name} = {1 - tf32} : i64") == 0
 
 
+@pytest.mark.parametrize("precision,operand", [(jax.lax.Precision.DEFAULT, "bf16"), (None, "f32"),
+                                               (jax.lax.Precision.HIGHEST, "f32")], ids=str)
+def test_bf16_gradient_gemms_follow_precision(precision, operand, rng):
+    """A bfloat16 layer's weight- and input-gradient GEMMs take bfloat16 operands where `precision`
+    allows reduced-precision products (None is HIGHEST under conftest), float32 ones otherwise; float32
+    sums either way, and the gradients stay within bfloat16's tolerance of the float64 reference."""
+    args, sizes = _inputs(rng, "lstm", CASES[3], jnp.bfloat16)
+    x, states, weights, seq_lengths = args
+    lstm = functools.partial(jaxdnn.lstm, precision=precision)
+    loss = lambda x, w: jnp.sum(lstm(x, *states, w, seq_lengths, *sizes)[0].astype(jnp.float32) ** 2)
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, weights).as_text()
+    dots = [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
+    # per layer: the input projection (bf16 operands always), dW_ih, dW_hh and dx; all sum in float32
+    assert len(dots) == 4 * sizes[2], dots
+    assert all(line.split("->")[-1].strip().endswith("xf32>") for line in dots), dots
+    matching = [line for line in dots if f"x{operand}>, tensor<" in line]
+    assert len(matching) == (4 if operand == "bf16" else 3) * sizes[2], dots
+    got = jax.grad(loss, argnums=(0, 1))(x, weights)
+    oracle = lambda x, w: jnp.sum(ref.lstm(x, *map(f64, states), w, seq_lengths, *sizes)[0] ** 2)
+    want = jax.grad(oracle, argnums=(0, 1))(f64(x), f64(weights))
+    for name, g, w in zip(["x", "weights"], got, want):
+        assert_close(g, w, tolerance(jnp.bfloat16, grad=True), f"d{name}")
+
+
 def test_precision_allows_tf32_as_jax_rnn_allows_cudnn():
     """The precision rule itself, dot algorithms included (which XLA's CPU dots cannot lower)."""
     from jaxdnn._precision import allows_tf32
