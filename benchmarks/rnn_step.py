@@ -2,14 +2,22 @@
 barrier, the vjp applied to dy; full-length sequences), for profilers and quick A/B probes.
 
     python benchmarks/rnn_step.py lstm 512 16 512 512 [--layers 2] [--bidirectional] [--dtype float32]
-        [--calls 30]
+        [--calls 30] [--trace]
 
-Prints the wall-clock median of `calls` calls after a warm-up call. Under Nsight Compute, pass
+Prints the wall-clock median of `calls` calls after a warm-up call; with --trace, also the GPU
+time of each kernel a call (over `calls` more calls under `jax.profiler.trace`, whose GPU events
+come from CUPTI): where a call's time goes outside the recurrences. Under Nsight Compute, pass
 --calls 1 and, with XLA_PYTHON_CLIENT_PREALLOCATE=false, select the kernels by name, e.g.
 `ncu --kernel-name regex:Persistent --launch-count 2 python benchmarks/rnn_step.py ... --calls 1`.
 """
 import argparse
+import collections
+import glob
+import gzip
+import json
 import math
+import os
+import tempfile
 import time
 
 import jax
@@ -27,6 +35,7 @@ def main():
     parser.add_argument("--bidirectional", action="store_true")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--trace", action="store_true", help="print each kernel's GPU time a call")
     args = parser.parse_args()
     (steps, batch, inputs, hidden), layers, bidirectional = args.sizes, args.layers, args.bidirectional
     dtype, directions = jnp.dtype(args.dtype), 2 if args.bidirectional else 1
@@ -59,6 +68,55 @@ def main():
     name = f"{args.mode} T{steps} B{batch} I{inputs} H{hidden} L{layers}"
     name += " bidirectional" if bidirectional else ""
     print(f"{name} {dtype.name} fwd+bwd: median {1e3 * times[len(times) // 2]:.3f} ms of {args.calls} calls")
+    if args.trace:
+        with tempfile.TemporaryDirectory() as folder:
+            with jax.profiler.trace(folder):
+                for _ in range(args.calls):
+                    jax.block_until_ready(fwd_bwd(x, states, weights, dy))
+            print_kernel_times(folder, args.calls)
+
+
+def print_kernel_times(folder, calls):
+    """Each GPU kernel's time a call (µs), longest first, from the trace `jax.profiler.trace` wrote
+    under `folder`: the complete events on the streams ("Stream #...") of the processes named
+    /device:GPU:* (the trace's other GPU lines, XLA's modules and ops, span the same kernels)."""
+    (path,) = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz"))
+    events = json.load(gzip.open(path))["traceEvents"]
+    named = [e for e in events if e.get("ph") == "M"]
+    gpus = {e["pid"] for e in named if e["name"] == "process_name" and "/device:GPU" in e["args"]["name"]}
+    streams = {(e["pid"], e["tid"]) for e in named
+               if e["name"] == "thread_name" and e["pid"] in gpus and e["args"]["name"].startswith("Stream")}
+    kernels = sorted((e for e in events if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams),
+                     key=lambda e: e["ts"])
+    total, count = collections.Counter(), collections.Counter()
+    for e in kernels:
+        total[e["name"]] += e["dur"] / calls
+        count[e["name"]] += 1
+    if not total:
+        lines = sorted({e["args"]["name"] for e in named if e["name"] == "thread_name" and e["pid"] in gpus})
+        print(f"no GPU stream events in the trace; its GPU lines: {lines}")
+        return
+    for kernel, us in total.most_common():
+        print(f"{us:10.1f} µs  {count[kernel] / calls:5.1f}x  {kernel[:100]}")
+    print(f"{sum(total.values()):10.1f} µs  the kernels' GPU time a call (summed over streams)")
+    # Each call launches the same kernels: its span on the GPU, first start to last end, and the
+    # idle gaps inside it (the GPU waiting on the host), the longest with the kernels around them.
+    if len(kernels) % calls:
+        return
+    per_call = len(kernels) // calls
+    spans, gaps = [], collections.Counter()
+    for c in range(calls):
+        chunk = kernels[c * per_call:(c + 1) * per_call]
+        end = chunk[0]["ts"]
+        for before, e in zip([None] + chunk[:-1], chunk):
+            if before is not None and e["ts"] > end:
+                gaps[(before["name"][:40], e["name"][:40])] += (e["ts"] - end) / calls
+            end = max(end, e["ts"] + e["dur"])
+        spans.append(end - chunk[0]["ts"])
+    print(f"{sorted(spans)[calls // 2]:10.1f} µs  a call's span on the GPU (median), "
+          f"{sum(gaps.values()):.1f} µs of it idle; the longest gaps a call:")
+    for (before, after), us in gaps.most_common(5):
+        print(f"{us:10.1f} µs  between {before} and {after}")
 
 
 if __name__ == "__main__":
