@@ -117,6 +117,14 @@ def print_kernel_times(folder, calls):
           f"{sum(gaps.values()):.1f} µs of it idle; the longest gaps a call:")
     for (before, after), us in gaps.most_common(5):
         print(f"{us:10.1f} µs  between {before} and {after}")
+    # The host's side of each call: jit's dispatch (PjitFunction) against the call's GPU span.
+    dispatches = sorted((e for e in events if e.get("ph") == "X" and e["name"].startswith("PjitFunction(")),
+                        key=lambda e: e["ts"])
+    if len(dispatches) == calls:
+        first = [kernels[c * per_call]["ts"] - dispatches[c]["ts"] for c in range(calls)]
+        hosts = [e["dur"] for e in dispatches]
+        print(f"{sorted(first)[calls // 2]:10.1f} µs  from a call's dispatch to its first kernel (median); "
+              f"the dispatch took {sorted(hosts)[calls // 2]:.1f} µs")
 
 
 if __name__ == "__main__":
