@@ -2,11 +2,14 @@
 barrier, the vjp applied to dy; full-length sequences), for profilers and quick A/B probes.
 
     python benchmarks/rnn_step.py lstm 512 16 512 512 [--layers 2] [--bidirectional] [--dtype float32]
-        [--calls 30] [--trace]
+        [--calls 30] [--trace] [--switch NAME=A,B [--rounds 2]]
 
 Prints the wall-clock median of `calls` calls after a warm-up call; with --trace, also the GPU
 time of each kernel a call (over `calls` more calls under `jax.profiler.trace`, whose GPU events
-come from CUPTI): where a call's time goes outside the recurrences. Under Nsight Compute, pass
+come from CUPTI): where a call's time goes outside the recurrences. --switch times the layer under
+each value of an environment variable that the kernels' launches read (a probe build's run-time
+switch), in turn for `rounds` rounds in one process, and prints each value's largest difference of
+the results from the first value's. Under Nsight Compute, pass
 --calls 1 and, with XLA_PYTHON_CLIENT_PREALLOCATE=false, select the kernels by name, e.g.
 `ncu --kernel-name regex:Persistent --launch-count 2 python benchmarks/rnn_step.py ... --calls 1`.
 """
@@ -22,6 +25,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxdnn
 
@@ -36,6 +40,8 @@ def main():
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--trace", action="store_true", help="print each kernel's GPU time a call")
+    parser.add_argument("--switch", default=None, metavar="NAME=A,B", help="A/B an environment variable")
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     (steps, batch, inputs, hidden), layers, bidirectional = args.sizes, args.layers, args.bidirectional
     dtype, directions = jnp.dtype(args.dtype), 2 if args.bidirectional else 1
@@ -58,16 +64,33 @@ def main():
         y, vjp = jax.lax.optimization_barrier((y, vjp))
         return y, vjp(dy)
 
-    jax.block_until_ready(fwd_bwd(x, states, weights, dy))
-    times = []
-    for _ in range(args.calls):
-        start = time.perf_counter()
+    def median_ms():
         jax.block_until_ready(fwd_bwd(x, states, weights, dy))
-        times.append(time.perf_counter() - start)
-    times.sort()
+        times = []
+        for _ in range(args.calls):
+            start = time.perf_counter()
+            jax.block_until_ready(fwd_bwd(x, states, weights, dy))
+            times.append(time.perf_counter() - start)
+        return 1e3 * sorted(times)[len(times) // 2]
+
     name = f"{args.mode} T{steps} B{batch} I{inputs} H{hidden} L{layers}"
     name += " bidirectional" if bidirectional else ""
-    print(f"{name} {dtype.name} fwd+bwd: median {1e3 * times[len(times) // 2]:.3f} ms of {args.calls} calls")
+    if args.switch is None:
+        print(f"{name} {dtype.name} fwd+bwd: median {median_ms():.3f} ms of {args.calls} calls")
+    else:
+        variable, values = args.switch.split("=", 1)
+        first = None
+        for _ in range(args.rounds):
+            for value in values.split(","):
+                os.environ[variable] = value
+                outputs = jax.tree.leaves(fwd_bwd(x, states, weights, dy))
+                results = [np.asarray(r, np.float32) for r in outputs]
+                first = first or results
+                diff = max(float(np.max(np.abs(r - f))) / (float(np.max(np.abs(f))) or 1.0)
+                           for r, f in zip(results, first))
+                print(f"{name} {dtype.name} fwd+bwd, {variable}={value}: median {median_ms():.3f} ms of "
+                      f"{args.calls} calls; results within {diff:.2e} of the first value's (relative to "
+                      f"the largest)", flush=True)
     if args.trace:
         with tempfile.TemporaryDirectory() as folder:
             with jax.profiler.trace(folder):
