@@ -16,7 +16,7 @@ Per layer, its D directions together:
   `jaxdnn_rnn_bwd_v3`): the gradients of gates_x, of the recurrent pre-activations (the same for the
   LSTM and the plain RNN) and of the initial states; the weight and bias gradients and the input
   gradient are GEMMs / sums over those, done by XLA after (float32 sums; for a bfloat16 W at the
-  reduced precisions below, bfloat16 operands, as XLA's autodiff of a bfloat16 layer takes).
+  reduced precisions below, bfloat16 operands, as in XLA's autodiff of a bfloat16 layer).
 `precision` None, DEFAULT or HIGH lets the CUDA kernels take reduced-precision recurrent products
 (the stages' attributes tf32, bf16_state and bf16_gradients: TF32 forward products, and a bfloat16
 W_hh's forward multiplying its state rounded to bfloat16 and its backward passing its gate gradients
