@@ -306,12 +306,13 @@ def _rnn_stack_bwd(mode, sizes, precision, residuals, cotangents):
         for d_state, d_init in zip(d_states, d_inits):
             d_state[layer] = jnp.swapaxes(d_init, 0, 1)
         h_prev = _previous_states(h_seq, inits[0], seq_lengths)
-        layer_grads = (dot("btdg,bti->dgi", dgates_x.astype(operand), layer_in.astype(operand)),
-                       dot("btdg,btdh->dgh", dgates_h.astype(operand), h_prev.astype(operand)),
+        gemm_x, gemm_h = dgates_x.astype(operand), dgates_h.astype(operand)  # the GEMMs' operands
+        layer_grads = (dot("btdg,bti->dgi", gemm_x, layer_in.astype(operand)),
+                       dot("btdg,btdh->dgh", gemm_h, h_prev.astype(operand)),
                        jnp.sum(dgates_x, axis=(0, 1)), jnp.sum(dgates_h, axis=(0, 1)))
         for d in range(directions):
             grads[layer * directions + d] = tuple(g[d] for g in layer_grads)
-        d_out = dot("btdg,dgi->bti", dgates_x.astype(operand), w_ih.astype(operand))
+        d_out = dot("btdg,dgi->bti", gemm_x, w_ih.astype(operand))
     dweights = _ref.pack_weights(grads).astype(weights.dtype)
     return (d_out.astype(inputs[0].dtype), tuple(jnp.concatenate(s) for s in d_states), dweights, None,
             tuple(jnp.zeros_like(m) for m in masks))
