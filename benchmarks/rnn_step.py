@@ -20,6 +20,7 @@ import gzip
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 
@@ -28,6 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdnn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (also under python -P)
+import run  # noqa: E402  benchmarks/run.py: its rnn case's program
 
 
 def main():
@@ -57,19 +61,15 @@ def main():
     lengths = jnp.full((batch,), steps, jnp.int32)
     layer = getattr(jaxdnn, args.mode)
 
-    @jax.jit
-    def fwd_bwd(x, states, weights, dy):
-        f = lambda x, *rest: layer(x, *rest, lengths, inputs, hidden, layers, 0.0, bidirectional)[0]
-        y, vjp = jax.vjp(f, x, *states, weights)
-        y, vjp = jax.lax.optimization_barrier((y, vjp))
-        return y, vjp(dy)
+    step = lambda x, *rest: layer(x, *rest, lengths, inputs, hidden, layers, 0.0, bidirectional)[0]
+    fwd_bwd = jax.jit(run._fwd_bwd(step))  # the rnn case's program: (x, *states, weights, dy) -> (y, grads)
 
     def median_ms():
-        jax.block_until_ready(fwd_bwd(x, states, weights, dy))
+        jax.block_until_ready(fwd_bwd(x, *states, weights, dy))
         times = []
         for _ in range(args.calls):
             start = time.perf_counter()
-            jax.block_until_ready(fwd_bwd(x, states, weights, dy))
+            jax.block_until_ready(fwd_bwd(x, *states, weights, dy))
             times.append(time.perf_counter() - start)
         return 1e3 * sorted(times)[len(times) // 2]
 
@@ -83,7 +83,7 @@ def main():
         for _ in range(args.rounds):
             for value in values.split(","):
                 os.environ[variable] = value
-                outputs = jax.tree.leaves(fwd_bwd(x, states, weights, dy))
+                outputs = jax.tree.leaves(fwd_bwd(x, *states, weights, dy))
                 results = [np.asarray(r, np.float32) for r in outputs]
                 first = first or results
                 diff = max(float(np.max(np.abs(r - f))) / (float(np.max(np.abs(f))) or 1.0)
@@ -95,7 +95,7 @@ def main():
         with tempfile.TemporaryDirectory() as folder:
             with jax.profiler.trace(folder):
                 for _ in range(args.calls):
-                    jax.block_until_ready(fwd_bwd(x, states, weights, dy))
+                    jax.block_until_ready(fwd_bwd(x, *states, weights, dy))
             print_kernel_times(folder, args.calls)
 
 
