@@ -542,10 +542,44 @@ __device__ void Tf32BlockMatmul(const W* w, int ldw, const float* x, int ldx, in
   }
 }
 
+// GlobalMmaProduct's work split over the warps of a block: `splits` warps a column tile when there
+// are fewer tiles than warps, and where this warp's items start and how they advance. Computed once
+// a launch (MmaSplitFor): the forward's product runs every step with the same columns, and the
+// integer divisions of the split, redone there, were a fifth of the instructions before a step's
+// first load of h (H200, Nsight Compute, 2026-12-01).
+struct MmaSplit {
+  int tiles_n = 0, splits = 1, blocks = 0;
+  int tile = 0, split = 0;            // the warp's first item (item = warp = split tiles_n + tile)
+  int next_tile = 0, next_split = 0;  // an item kWarps further: kWarps % tiles_n and kWarps / tiles_n
+  __device__ void Advance(int& tile_, int& split_) const {
+    tile_ += next_tile;
+    split_ += next_split;
+    if (tile_ >= tiles_n) {
+      tile_ -= tiles_n;
+      ++split_;
+    }
+  }
+};
+
+template <int kWarps, int kBlock>
+__device__ MmaSplit MmaSplitFor(int cols, int K) {
+  MmaSplit m;
+  m.tiles_n = (cols + kMmaN - 1) / kMmaN;
+  m.blocks = K / kBlock;
+  m.splits = m.tiles_n >= kWarps ? 1 : std::max(1, std::min(kWarps / m.tiles_n, m.blocks));
+  const int warp = threadIdx.x / 32;
+  m.tile = warp % m.tiles_n;
+  m.split = warp / m.tiles_n;
+  m.next_tile = kWarps % m.tiles_n;
+  m.next_split = kWarps / m.tiles_n;
+  return m;
+}
+
 // store(m, n, sum_k w[m * ldw + k] x_row(n)[k]) for m < rows, n < cols, on tensor cores with float32
 // sums (Operands: the format above), reading the x rows straight from global memory (through L2:
 // other blocks of this launch wrote them): rows of K elements, K a multiple of the k block, 16-byte
-// aligned; a null row reads as zeros. The forward's product when its rows allow: no staging of x in
+// aligned; a null row reads as zeros; `work` = MmaSplitFor<kWarps, Operands::kKBlock>(cols, K), the
+// split of the steps' fixed sizes. The forward's product when its rows allow: no staging of x in
 // shared memory, so no barrier between the loads and the mmas and no chunking of the batch. A warp
 // takes an n tile (8 x rows) against kMTiles = 2 m tiles of w at once (one when at most 16 rows
 // remain; every x row crosses L2 once a block per 32 rows of w) and keeps kDepth k blocks of its x
@@ -558,19 +592,19 @@ __device__ void Tf32BlockMatmul(const W* w, int ldw, const float* x, int ldx, in
 // there, with few units a block, this loop ran its steps slower, H200 LSTM (512, 16, 512, 512) bf16
 // fwd+bwd 4.31 -> 4.98 ms.)
 template <typename Operands, int kThreads, typename W, typename XRow, typename Store>
-__device__ void GlobalMmaProduct(const W* w, int ldw, XRow x_row, int rows, int cols, int K, Store store,
-                                 float* partial, bool poll) {
+__device__ void GlobalMmaProduct(const W* w, int ldw, XRow x_row, int rows, int cols, const MmaSplit& work,
+                                 Store store, float* partial, bool poll) {
   constexpr int kWarps = kThreads / 32, kMTiles = 2, kDepth = 4, kBlock = Operands::kKBlock, kLane = kBlock / 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int tiles_n = (cols + kMmaN - 1) / kMmaN, blocks = K / kBlock;
-  const int splits = tiles_n >= kWarps ? 1 : std::max(1, std::min(kWarps / tiles_n, blocks));
+  const int tiles_n = work.tiles_n, blocks = work.blocks, splits = work.splits;
   for (int m0 = 0; m0 < rows; m0 += kMTiles * kMmaM) {
     const int m_tiles = std::min(kMTiles, (rows - m0 + kMmaM - 1) / kMmaM);  // warp-uniform
     const W* a[2 * kMTiles];  // this lane's rows m0 + g + 8 i of w (clamped: sums past the edge are dropped)
 #pragma unroll
     for (int i = 0; i < 2 * kMTiles; ++i) a[i] = w + std::min(m0 + g + 8 * i, rows - 1) * ldw + kLane * t;
-    for (int item = warp; item < tiles_n * splits; item += kWarps) {
-      const int tile = item % tiles_n, split = item / tiles_n, n0 = tile * kMmaN;
+    for (int item = warp, tile = work.tile, split = work.split; item < tiles_n * splits;
+         item += kWarps, work.Advance(tile, split)) {
+      const int n0 = tile * kMmaN;
       const typename Operands::X* b = x_row(std::min(n0 + g, cols - 1));
       auto at = [&](int blk) { return reinterpret_cast<const uint4*>(b + blk * kBlock + kLane * t); };
       auto load = [&](int blk, uint4 (&v)[2]) {
@@ -630,8 +664,10 @@ __device__ void GlobalMmaProduct(const W* w, int ldw, XRow x_row, int rows, int 
     }
     __syncthreads();
     if (splits == 1) continue;
+    const int tile_shift = m_tiles == 1 ? 7 : 8;  // log2(m_tiles kMmaTile): shifts, not divisions
+    static_assert(kMTiles == 2 && kMmaTile == 128, "the shifts above");
     for (int e = threadIdx.x; e < tiles_n * m_tiles * kMmaTile; e += kThreads) {
-      const int tile = e / (m_tiles * kMmaTile), mt = e / kMmaTile % m_tiles, l = e % kMmaTile / 4, i = e % 4;
+      const int tile = e >> tile_shift, mt = (e >> 7) & (m_tiles - 1), l = e % kMmaTile / 4, i = e % 4;
       const int m = m0 + mt * kMmaM + l / 4 + 8 * (i >> 1), n = tile * kMmaN + 2 * (l % 4) + (i & 1);
       float sum = 0.f;
       for (int sp = 0; sp < splits; ++sp) {
@@ -1058,6 +1094,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (mine) LoadGatesX(cell, s, row, j, step, len, rev, g);
   };
   load_gates_x(0, gx);
+  // GlobalMmaProduct's work split, the same every step: a full group's (a last, shorter group's is
+  // computed where it runs).
+  auto split_for = [&](int cols) {
+    if constexpr (kTf32) {
+      if (mirror != nullptr) return MmaSplitFor<kThreads / 32, int(kBf16KBlock)>(cols, H);
+      return MmaSplitFor<kThreads / 32, Tf32Operands<W>::kKBlock>(cols, H);
+    }
+    return MmaSplit{};
+  };
+  const MmaSplit full_split = split_for(plan.group);
   __syncthreads();  // LoadRows's warps write rows that other threads zeroed
   for (int64_t step = 0; step < T; ++step) {
     if (ahead) {
@@ -1074,6 +1120,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool poll = step > 0 || mirror != nullptr;  // h_prev was published: await each value
     for (int64_t g0 = 0; g0 < B; g0 += plan.group) {
       const int group = int(std::min<int64_t>(plan.group, B - g0));
+      const MmaSplit work = group == plan.group ? full_split : split_for(group);
       auto h_prev = [&](int64_t b) -> const float* {  // null past the row's end: its product is dropped
         const int64_t len = ValidSteps(seq_lengths[b], T);
         return step < len ? cell.HPrev(s, s.Row(b, d), step == 0 ? -1 : StepTime(step - 1, len, rev)) : nullptr;
@@ -1087,13 +1134,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (step >= len) return nullptr;
             return mirror + (step == 0 ? first_rows + r.state : At(s, r, StepTime(step - 1, len, rev))) * H;
           };
-          GlobalMmaProduct<Bf16Operands, kThreads>(w, plan.ldw, h_prev_bf16, R, group, H, store, partial, poll);
+          GlobalMmaProduct<Bf16Operands, kThreads>(w, plan.ldw, h_prev_bf16, R, group, work, store, partial, poll);
         }
       }
       if constexpr (kTf32) {
         if (plan.chunk == 0 && mirror == nullptr) {  // the rows straight from L2 (ends synchronized)
           GlobalMmaProduct<Tf32Operands<W>, kThreads>(w, plan.ldw, [&](int i) { return h_prev(g0 + i); }, R,
-                                                         group, H, store, partial, poll);
+                                                         group, work, store, partial, poll);
         }
       }
       for (int c0 = 0; c0 < group && plan.chunk > 0; c0 += plan.chunk) {
