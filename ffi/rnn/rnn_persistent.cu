@@ -65,14 +65,21 @@ namespace {
 // forward 6.50 -> 5.92 ms against 8 warps; 1% slower at B 1). The backward runs 16 warps when its
 // blocks hold at least kWideBackward (row, unit) pairs (there fwd+bwd 16.3 -> 13.4 ms), else 8: with
 // few pairs a step is short and the extra warps cost more in split sums and synchronization than
-// they hide (backward about 19% slower at (100, 1, 256, 256), 3% at (512, 16, 512, 512)).
+// they hide (backward about 19% slower at (100, 1, 256, 256), 3% at (512, 16, 512, 512)). With the
+// bf16 gradient ring (Bf16GradProduct) the bar is kWideBf16Backward: at 128 pairs 8 warps were faster
+// (H200, bf16 fwd+bwd, 2026-12-01: LSTM (512, 16, 512, 512) 4.39/4.29 -> 4.29/4.20 ms, GRU
+// 4.13/4.19 -> 4.08/4.15, bidirectional LSTM 5.00/4.74 -> 4.66/4.54).
 constexpr int kNarrow = 256, kWide = 512;
-constexpr int64_t kWideBackward = 128;
+constexpr int64_t kWideBackward = 128, kWideBf16Backward = 256;
 // The backward's blocks hold at least kFewestBackwardPairs (row, unit) pairs where H allows (batches
 // of 1 to 3): there a step is the barrier's and the gate gradients' L2 round trips, and fewer, wider
 // blocks make fewer of them (H200, (100, 1, 256, 256): 8 units a block instead of 2, fwd+bwd
-// 0.717-0.738 -> 0.679-0.692 ms for the LSTM and the GRU). At (512, 16, 512, 512) 8 units a block
-// instead of 4 made it 7-9% slower; the forward at B 1 was 4% slower with 8.
+// 0.717-0.738 -> 0.679-0.692 ms for the LSTM and the GRU). With the bf16 gradient ring they hold at
+// least kMmaN units, the product's full n tile: every block reads all of a step's gate gradients
+// through L2 (the product's bound, 956 of a no-wait step's 1610 us at LSTM (512, 16, 512, 512)), and
+// with 4 units a block the tile was half empty, twice the blocks reading them (H200, bf16 fwd+bwd,
+// 2026-12-01: LSTM (512, 16, 512, 512) 4.37/4.38 -> 4.09/4.20 ms, GRU 4.29/4.26 -> 4.08/4.15; the
+// same 8 units with float32 W_hh, no ring, 4.92/4.86 -> 5.65/5.60: those keep 4).
 constexpr int64_t kFewestBackwardPairs = 8;
 // One warp's tile of a block product: 4 rows x 8 batch rows, 32 sums, one per lane after the
 // reduction across lanes.
@@ -1800,11 +1807,13 @@ bool MakePlan(const RecurrenceShape& s, size_t w_size, bool tf32, bool bf16_exch
               Plan* plan) {
   const int64_t H = s.hidden, G = s.gates(), K = kIsBackward<Io> ? G : H;  // the products' reduction length
   plan->units = int((H + sms - 1) / sms);
-  if (kIsBackward<Io> && s.batch * plan->units < kFewestBackwardPairs) {
-    plan->units = int(std::min<int64_t>(H, (kFewestBackwardPairs + s.batch - 1) / s.batch));
+  if constexpr (kIsBackward<Io>) {  // bf16_exchange: the bf16 gradient ring
+    const int64_t fewest = bf16_exchange ? int64_t(kMmaN) : (kFewestBackwardPairs + s.batch - 1) / s.batch;
+    plan->units = int(std::min<int64_t>(H, std::max<int64_t>(plan->units, fewest)));
   }
   plan->blocks = int((H + plan->units - 1) / plan->units);
-  plan->threads = !kIsBackward<Io> || s.batch * plan->units >= kWideBackward ? kWide : kNarrow;
+  const int64_t wide = bf16_exchange ? kWideBf16Backward : kWideBackward;
+  plan->threads = !kIsBackward<Io> || s.batch * plan->units >= wide ? kWide : kNarrow;
   // Rows of K + 16 bytes: the backward's (BlockMatmul's lanes stride along one row) and those of the
   // bf16 exchange's products (K padded to the backward's row length; a load phase's rows then fall
   // 16 bytes apart modulo 128, on disjoint banks); else the forward's FragmentStride.
