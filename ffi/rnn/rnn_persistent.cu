@@ -76,7 +76,7 @@ constexpr int64_t kWideBackward = 128, kWideBf16Backward = 256;
 // blocks make fewer of them (H200, (100, 1, 256, 256): 8 units a block instead of 2, fwd+bwd
 // 0.717-0.738 -> 0.679-0.692 ms for the LSTM and the GRU). With the bf16 gradient ring they hold at
 // least kMmaN units, the product's full n tile: every block reads all of a step's gate gradients
-// through L2 (the product's bound, 956 of a no-wait step's 1610 us at LSTM (512, 16, 512, 512)), and
+// through L2 (the product took 956 us of a no-wait step's 1610 at LSTM (512, 16, 512, 512)), and
 // with 4 units a block the tile was half empty, twice the blocks reading them (H200, bf16 fwd+bwd,
 // 2026-12-01: LSTM (512, 16, 512, 512) 4.37/4.38 -> 4.09/4.20 ms, GRU 4.29/4.26 -> 4.08/4.15; the
 // same 8 units with float32 W_hh, no ring, 4.92/4.86 -> 5.65/5.60: those keep 4).
