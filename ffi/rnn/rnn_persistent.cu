@@ -568,12 +568,18 @@ struct MmaSplit {
   }
 };
 
+// half_the_warps: from 4 tiles up, the splits fill only half the warps. For the bf16 product with two
+// m tiles a warp, where the split-sums pass costs more than the idle warps (H200, bf16 fwd+bwd, ms:
+// LSTM (256, 64, 1024, 1024) 8.37 -> 8.02 with one split instead of two, (256, 32) 5.26 -> 5.07 with
+// two instead of four; GRU (256, 64) 7.34 -> 7.30; 2026-12-01). The TF32 product keeps every warp:
+// there it lost, float32 (256, 32) 6.78 -> 6.93.
 template <int kWarps, int kBlock>
-__device__ MmaSplit MmaSplitFor(int cols, int K) {
+__device__ MmaSplit MmaSplitFor(int cols, int K, bool half_the_warps = false) {
   MmaSplit m;
   m.tiles_n = (cols + kMmaN - 1) / kMmaN;
   m.blocks = K / kBlock;
-  m.splits = m.tiles_n >= kWarps ? 1 : std::max(1, std::min(kWarps / m.tiles_n, m.blocks));
+  const int fill = half_the_warps && m.tiles_n >= 4 ? kWarps / 2 : kWarps;
+  m.splits = m.tiles_n >= fill ? 1 : std::max(1, std::min(fill / m.tiles_n, m.blocks));
   const int warp = threadIdx.x / 32;
   m.tile = warp % m.tiles_n;
   m.split = warp / m.tiles_n;
@@ -585,17 +591,17 @@ __device__ MmaSplit MmaSplitFor(int cols, int K) {
 // store(m, n, sum_k w[m * ldw + k] x_row(n)[k]) for m < rows, n < cols, on tensor cores with float32
 // sums (Operands: the format above), reading the x rows straight from global memory (through L2:
 // other blocks of this launch wrote them): rows of K elements, K a multiple of the k block, 16-byte
-// aligned; a null row reads as zeros; `work` = MmaSplitFor<kWarps, Operands::kKBlock>(cols, K), the
-// split of the steps' fixed sizes. The forward's product when its rows allow: no staging of x in
+// aligned; a null row reads as zeros; `work` = MmaSplitFor<kWarps, Operands::kKBlock>(cols, K, ...),
+// the split of the steps' fixed sizes. The forward's product when its rows allow: no staging of x in
 // shared memory, so no barrier between the loads and the mmas and no chunking of the batch. A warp
 // takes an n tile (8 x rows) against kMTiles = 2 m tiles of w at once (one when at most 16 rows
 // remain; every x row crosses L2 once a block per 32 rows of w) and keeps kDepth k blocks of its x
-// fragments in flight. When there are fewer n tiles than warps, the warps of a tile split the k
-// blocks and `partial` (2 kWarps kMmaTile floats) holds their sums, added in a fixed order (the
-// result is deterministic). Rows and columns past the edge repeat the last one (their sums are
-// dropped). `poll`: the x rows may still be being published; a warp awaits each k block's fragments
-// before it uses them, the loads of the later blocks already in flight. Ends with the block
-// synchronized. (The backward's bf16 product, Bf16GradProduct, takes its x rows as the mma's M:
+// fragments in flight. When there are fewer n tiles than warps, the warps of a tile may split the k
+// blocks (MmaSplitFor says how many) and `partial` (2 kWarps kMmaTile floats) holds their sums, added
+// in a fixed order (the result is deterministic). Rows and columns past the edge repeat the last one
+// (their sums are dropped). `poll`: the x rows may still be being published; a warp awaits each k
+// block's fragments before it uses them, the loads of the later blocks already in flight. Ends with
+// the block synchronized. (The backward's bf16 product, Bf16GradProduct, takes its x rows as the mma's M:
 // there, with few units a block, this loop ran its steps slower, H200 LSTM (512, 16, 512, 512) bf16
 // fwd+bwd 4.31 -> 4.98 ms.)
 template <typename Operands, int kThreads, typename W, typename XRow, typename Store>
@@ -1105,7 +1111,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // computed where it runs).
   auto split_for = [&](int cols) {
     if constexpr (kTf32) {
-      if (mirror != nullptr) return MmaSplitFor<kThreads / 32, int(kBf16KBlock)>(cols, H);
+      if (mirror != nullptr) return MmaSplitFor<kThreads / 32, int(kBf16KBlock)>(cols, H, R > kMmaM);
       return MmaSplitFor<kThreads / 32, Tf32Operands<W>::kKBlock>(cols, H);
     }
     return MmaSplit{};
