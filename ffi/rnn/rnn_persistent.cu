@@ -20,7 +20,9 @@
 // LSTM bf16: forward 2.39 -> 2.10 ms). The backward's gate gradients polled alike ran twice as slow
 // (there fwd+bwd 5.7 -> 12.1 ms in a probe build), so the backward keeps the barrier. Staging each
 // step's gate gradients in shared memory by cluster multicast (one L2 read a cluster of 2 to 8
-// blocks, not one a block) gained nothing there: the step is not bound by the product's L2 reads.
+// blocks, not one a block) gained nothing there: the step is not bound by the product's L2 reads;
+// streamed through a ring of slots at (256, 64, 1024, 1024), where a step's do not fit, it ran 1.9x
+// slower (bulk copies and cluster-wide slot releases a chunk of rows cost more than the L2 reads).
 // A thread with one (row, unit) pair loads its cell's operands a step ahead into registers (the
 // forward keeps c or the GRU's h there too): the cell then waits on no global load (H200, bf16
 // fwd+bwd against main's build in one session: (512, 16, 512, 512) LSTM 5.09 -> 4.79 ms, GRU 4.93
